@@ -1,0 +1,31 @@
+"""Lossless speculative verify for Gated DeltaNet layers in JAX.
+
+Verify records ``(u, k, g)`` per draft step instead of a full state snapshot; commit
+replays the accepted chain from the untouched pool state with exactly the rounding verify
+used, so the committed state is bit-identical to the snapshot path.
+"""
+
+from . import rounding, testing
+from .api import RECORD_MODES, commit, replay, verify
+from .backends import BACKENDS, BackendUnavailable
+from .config import MODELS, Geometry, get_geometry
+from .tape import Snapshots, Tape, Tuples
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "verify",
+    "replay",
+    "commit",
+    "Tuples",
+    "Snapshots",
+    "Tape",
+    "RECORD_MODES",
+    "BACKENDS",
+    "BackendUnavailable",
+    "Geometry",
+    "MODELS",
+    "get_geometry",
+    "rounding",
+    "testing",
+]

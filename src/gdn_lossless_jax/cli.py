@@ -1,0 +1,80 @@
+"""Command-line tool: ``gdn-lossless`` / ``python -m gdn_lossless_jax``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["main"]
+
+
+def _check(args) -> int:
+    import jax.numpy as jnp
+
+    from .check import format_result, run_check
+    from .config import get_geometry
+
+    full = get_geometry(args.model)
+    geom = full.reduced(gdn_layers=args.layers, heads_divisor=args.heads_divisor, head_dim=args.head_dim)
+    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.state_dtype]
+    print(f"gdn-lossless check: {full.name} at reduced size", flush=True)
+    result = run_check(
+        geom,
+        requests=args.requests,
+        drafts=args.drafts,
+        state_dtype=dtype,
+        kind=args.kind,
+        seed=args.seed,
+        backend=args.backend,
+    )
+    print(format_result(result))
+    per_step_snap = full.gdn_layers * full.num_v_heads * full.head_v_dim * full.head_k_dim * jnp.dtype(dtype).itemsize
+    per_step_tup = full.gdn_layers * (
+        full.num_v_heads * full.head_v_dim + full.num_k_heads * full.head_k_dim + full.num_v_heads
+    ) * 4
+    print(
+        f"full size     {full.name}, per request and draft step: snapshots {per_step_snap / 2**20:.2f} MiB, "
+        f"tuples {per_step_tup / 2**20:.3f} MiB ({per_step_snap / per_step_tup:.1f}x smaller)"
+    )
+    return 0 if result.ok else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .cases import KINDS
+    from .config import MODELS
+
+    p = argparse.ArgumentParser(prog="gdn-lossless", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser(
+        "check",
+        help="verify + commit in both record modes; report bit-exactness, naive-form drift and scratch bytes",
+        description="Run verify and commit in both record modes on a named model geometry at reduced size and "
+        "report whether every output and every pool slot matched bit for bit. Exit status 1 on any mismatch.",
+    )
+    c.add_argument("--model", default="qwen3.6-35b-a3b", help=f"model geometry ({', '.join(MODELS)})")
+    c.add_argument("--layers", type=int, default=3, help="GDN layers to run (default 3)")
+    c.add_argument("--heads-divisor", type=int, default=4, help="divide H and HV by this (default 4)")
+    c.add_argument("--head-dim", type=int, default=64, help="K = V for the run (default 64)")
+    c.add_argument("--requests", type=int, default=5, help="N requests (default 5)")
+    c.add_argument("--drafts", type=int, default=4, help="D draft tokens (default 4)")
+    c.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32")
+    c.add_argument("--kind", choices=KINDS, default="mixed", help="input kind (default mixed)")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--backend", default="auto", help="auto, reference, pallas or triton")
+    c.set_defaults(func=_check)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, KeyError, RuntimeError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"gdn-lossless {args.command}: error: {msg}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

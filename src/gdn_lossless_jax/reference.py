@@ -1,0 +1,229 @@
+"""The pure-JAX reference: the specification every backend is tested against.
+
+Runs on any XLA platform. Shapes (per GDN layer; N requests, D draft steps, H q/k
+heads, HV v-heads, K key dim, V value dim)::
+
+    state0 [N, HV, V, K]  q, k [N, D, H, K]  v [N, D, HV, V]  a, b [N, D, HV]
+    A_log, dt_bias [HV]   outputs [N, D, HV, V]
+
+The state update goes through :func:`gdn_lossless_jax.rounding.apply_rule` (pinned
+``rn(S * exp(g))`` then ``fma(k, u, .)``), so a tuple replay reproduces the snapshots
+bit for bit on every platform. Everything else (gates, norms, the ``Sd @ k`` and
+``S' @ q`` reductions) is plain fp32 XLA: it feeds the tape, so replay never recomputes it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import rounding
+from .tape import Snapshots, Tuples
+
+__all__ = [
+    "gates",
+    "l2norm",
+    "prepare",
+    "gdn_step",
+    "verify",
+    "replay",
+    "replay_two",
+    "commit",
+    "commit_accepted_first",
+]
+
+F32 = jnp.float32
+SOFTPLUS_THRESHOLD = 20.0
+L2NORM_EPS = 1e-6
+
+
+def gates(a, b, A_log, dt_bias):
+    """Decay and write gates, in fp32 (SPEC 2.1).
+
+    ``g = -exp(A_log) * softplus(a + dt_bias)`` with softplus ``log(1 + exp(x))`` up to
+    ``x > 20`` and ``x`` above; ``beta = 1 / (1 + exp(-b))``, kept in fp32.
+
+    Args:
+      a, b: ``[..., HV]``. A_log, dt_bias: ``[HV]``.
+    Returns:
+      ``(g, beta)``, both ``[..., HV]`` float32.
+    """
+    x = a.astype(F32) + dt_bias.astype(F32)
+    sp = jnp.where(x > SOFTPLUS_THRESHOLD, x, jnp.log(1.0 + jnp.exp(x)))
+    g = -jnp.exp(A_log.astype(F32)) * sp
+    beta = 1.0 / (1.0 + jnp.exp(-b.astype(F32)))
+    return g, beta
+
+
+def l2norm(x):
+    """``x / sqrt(sum(x * x) + 1e-6)`` over the last axis, in fp32 (SPEC 2.2)."""
+    x = x.astype(F32)
+    return x / jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+
+
+def prepare(q, k, a, b, A_log, dt_bias, scale):
+    """Everything outside the state chain: normalised q (scaled), k, and the gates.
+
+    Returns ``(qn [N, D, H, K], kn [N, D, H, K], g [N, D, HV], beta [N, D, HV])``, fp32.
+    """
+    qn = l2norm(q) * jnp.asarray(scale, F32)
+    kn = l2norm(k)
+    g, beta = gates(a, b, A_log, dt_bias)
+    return qn, kn, g, beta
+
+
+def _expand_heads(x, hv: int):
+    """``[..., H, K] -> [..., HV, K]``: v-head ``hv`` reads q/k head ``hv // (HV // H)``."""
+    return jnp.repeat(x, hv // x.shape[-2], axis=-2)
+
+
+def gdn_step(S, x, *, mul: Callable = rounding.mul_rn, fma: Callable = rounding.fma_rn):
+    """One GDN step as a state transition ``S -> S'`` (SPEC 2.3-2.6), per request and v-head.
+
+    Args:
+      S: ``[..., HV, V, K]`` float32 state before the step.
+      x: ``(q, k, v, g, beta)`` with q, k ``[..., HV, K]`` (normalised, q scaled),
+        v ``[..., HV, V]``, g and beta ``[..., HV]``, all float32.
+      mul, fma: the rounding primitives (portable by default; backends pass hardware ones).
+    Returns:
+      ``(S', (o, u))``: the new state and the step's output ``o = S' @ q`` and
+      ``u = beta * (v - Sd @ k)``, both ``[..., HV, V]``.
+    """
+    q, k, v, g, beta = x
+    alpha = jnp.exp(g)
+    Sd = rounding.decay(S, alpha[..., None, None], mul=mul)
+    u = beta[..., None] * (v - jnp.sum(Sd * k[..., None, :], axis=-1))
+    S_new = rounding.update(Sd, k, u, fma=fma)
+    o = jnp.sum(S_new * q[..., None, :], axis=-1)
+    return S_new, (o, u)
+
+
+def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record: str = "tuples", scale: float, out_dtype=None):
+    """Run the D draft steps as a ``lax.scan`` of :func:`gdn_step`; ``state0`` is not modified.
+
+    Returns ``(outputs [N, D, HV, V], tape)``: a :class:`Tuples` tape (``u``, ``k`` per
+    q/k head, ``g``; fp32) or a :class:`Snapshots` tape (the state after every step,
+    rounded to ``state0.dtype``). The outputs do not depend on ``record``.
+    """
+    out_dtype = out_dtype or q.dtype
+    HV = v.shape[2]
+    qn, kn, g, beta = prepare(q, k, a, b, A_log, dt_bias, scale)
+    xs = (_expand_heads(qn, HV), _expand_heads(kn, HV), v.astype(F32), g, beta)
+    xs = jax.tree.map(lambda t: jnp.moveaxis(t, 1, 0), xs)  # scan over D
+    snapshots = record == "snapshots"
+
+    def body(S, x):
+        S_new, (o, u) = gdn_step(S, x)
+        return S_new, (o, S_new.astype(state0.dtype) if snapshots else u)
+
+    _, (o, rec) = lax.scan(body, state0.astype(F32), xs)
+    outputs = jnp.moveaxis(o, 0, 1).astype(out_dtype)
+    rec = jnp.moveaxis(rec, 0, 1)
+    tape = Snapshots(rec) if snapshots else Tuples(u=rec, k=kn, g=g)
+    return outputs, tape
+
+
+def replay_two(state0, tuples: Tuples, steps, track_steps, *, rule: Callable = rounding.apply_rule):
+    """One pass over the chain that yields the states after ``steps`` and ``track_steps``.
+
+    Args:
+      state0: ``[N, HV, V, K]`` (float32 or bfloat16; upcast, results rounded back).
+      tuples: ``u [N, D, HV, V]``, ``k [N, D, H, K]``, ``g [N, D, HV]``.
+      steps, track_steps: ``[N]`` int; a value outside ``[0, D)`` means no step (state0).
+      rule: the update form (the library's rule; tests pass the naive controls).
+    Returns:
+      ``(state after steps, state after track_steps)``, both ``[N, HV, V, K]`` in
+      state0's dtype.
+    """
+    D, HV = tuples.u.shape[1], tuples.u.shape[2]
+    xs = (
+        jnp.moveaxis(tuples.u, 1, 0),
+        jnp.moveaxis(_expand_heads(tuples.k, HV), 1, 0),
+        jnp.moveaxis(tuples.g, 1, 0),
+        jnp.arange(D, dtype=jnp.int32),
+    )
+    S0 = state0.astype(F32)
+    steps, track_steps = jnp.asarray(steps, jnp.int32), jnp.asarray(track_steps, jnp.int32)
+    sel = lambda t, idx: (t == idx)[:, None, None, None]  # noqa: E731
+
+    def body(carry, x):
+        S, final, track = carry
+        u, k, g, t = x
+        S = rule(S, jnp.exp(g), k, u)
+        return (S, jnp.where(sel(t, steps), S, final), jnp.where(sel(t, track_steps), S, track)), None
+
+    (_, final, track), _ = lax.scan(body, (S0, S0, S0), xs)
+    return final.astype(state0.dtype), track.astype(state0.dtype)
+
+
+def replay(state0, tuples: Tuples, steps, *, rule: Callable = rounding.apply_rule):
+    """The state after draft step ``steps[i]`` (0-based) for each request, from ``state0``.
+
+    A step outside ``[0, D)`` (a negative step: nothing accepted) leaves state0 unchanged.
+    Shapes as in :func:`replay_two`.
+    """
+    final, _ = replay_two(state0, tuples, steps, jnp.full_like(jnp.asarray(steps), -1), rule=rule)
+    return final
+
+
+def _masks(pool, tape, slots, steps, track_slots, track_steps, rows):
+    """Which requests write their accepted and track states (SGLang's scatter rules)."""
+    S = pool.shape[1]
+    R, D = tape.num_rows, tape.num_steps
+    valid = (slots >= 0) & (slots < S) & (rows >= 0) & (rows < R)
+    accept = valid & (steps >= 0) & (steps < D)
+    track = valid & (track_steps >= 0) & (track_steps < D) & (track_slots >= 0) & (track_slots < S)
+    return valid, accept, track
+
+
+def _scatter(pool, dst, ok, states):
+    """``pool[:, dst[i]] = states[:, i]`` where ``ok[i]``; other slots keep their bits."""
+    idx = jnp.where(ok, dst, pool.shape[1])  # out of range: dropped (negative would wrap)
+    return pool.at[:, idx].set(states.astype(pool.dtype), mode="drop")
+
+
+def commit(pool, tape, slots, steps, track_slots, track_steps, rows, *, rule: Callable = rounding.apply_rule):
+    """Write the accepted (and track) states into the pool; every other bit is kept.
+
+    Args:
+      pool: ``[L, S, HV, V, K]`` float32 or bfloat16 state pool (all GDN layers).
+      tape: :class:`Tuples` (``u [L, R, D, HV, V]``, ``k [L, R, D, H, K]``,
+        ``g [L, R, D, HV]``) or :class:`Snapshots` (``[L, R, D, HV, V, K]``).
+      slots, steps, track_slots, track_steps, rows: ``[N]`` int32.
+    Returns:
+      the new pool. Request i writes ``pool[:, slots[i]]`` = state after ``steps[i]``
+      and ``pool[:, track_slots[i]]`` = state after ``track_steps[i]``, both from the
+      pre-verify state ``pool[:, slots[i]]``; see :func:`gdn_lossless_jax.commit`.
+    """
+    valid, accept, track = _masks(pool, tape, slots, steps, track_slots, track_steps, rows)
+    slot_i = jnp.where(valid, slots, 0)
+    row_i = jnp.where(valid, rows, 0)
+    if isinstance(tape, Snapshots):
+        D = tape.num_steps
+        pick = lambda s: tape.states[:, row_i, jnp.clip(s, 0, D - 1)]  # noqa: E731
+        final, tracked = pick(steps), pick(track_steps)
+    else:
+        L, N = pool.shape[0], slots.shape[0]
+        state0 = pool[:, slot_i].reshape(L * N, *pool.shape[2:])
+        tuples = jax.tree.map(lambda t: t[:, row_i].reshape(L * N, *t.shape[2:]), tape)
+        tile = lambda s: jnp.tile(s, L)  # noqa: E731
+        final, tracked = replay_two(state0, tuples, tile(steps), tile(track_steps), rule=rule)
+        final, tracked = (x.reshape(L, N, *pool.shape[2:]) for x in (final, tracked))
+    # Both states were computed from the pre-verify pool above, before either write.
+    pool = _scatter(pool, track_slots, track, tracked)
+    return _scatter(pool, slots, accept, final)
+
+
+def commit_accepted_first(pool, tape: Tuples, slots, steps, track_slots, track_steps, rows):
+    """Control, not for use: the seed's ordering bug.
+
+    Writes the accepted state in place first, then replays the track state from the
+    *pool* (which now holds the advanced state). The track state comes out wrong whenever
+    a request has both; tests keep this to show the suite catches it.
+    """
+    none = jnp.full_like(slots, -1)
+    pool = commit(pool, tape, slots, steps, none, none, rows)
+    return commit(pool, tape, slots, none, track_slots, track_steps, rows)
