@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["Geometry", "MODELS", "get_geometry"]
+__all__ = ["Geometry", "MODELS", "LINEAR_ATTENTION_TYPES", "get_geometry"]
+
+LINEAR_ATTENTION_TYPES = ("gdn", "kda")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +27,9 @@ class Geometry:
       conv_kernel: Kc, the causal conv1d width.
       layers: all decoder layers (GDN and full attention).
       kv_heads, kv_head_dim: the full-attention layers' KV cache geometry.
+      linear_attention: the linear-attention layer type, ``"gdn"`` (Gated DeltaNet) or
+        ``"kda"`` (Kimi Delta Attention). Only GDN can be verified and replayed here; a KDA
+        geometry can be described but the pool and the memory accounting reject it.
     """
 
     name: str
@@ -37,6 +42,7 @@ class Geometry:
     layers: int | None = None
     kv_heads: int = 2
     kv_head_dim: int = 256
+    linear_attention: str = "gdn"
 
     def __post_init__(self):
         for f in ("gdn_layers", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_kernel"):
@@ -46,6 +52,11 @@ class Geometry:
             raise ValueError(
                 f"Geometry {self.name!r}: num_k_heads H={self.num_k_heads} must divide "
                 f"num_v_heads HV={self.num_v_heads}"
+            )
+        if self.linear_attention not in LINEAR_ATTENTION_TYPES:
+            raise ValueError(
+                f"Geometry {self.name!r}: linear_attention must be one of {LINEAR_ATTENTION_TYPES}, "
+                f"got {self.linear_attention!r}"
             )
 
     @property
@@ -70,6 +81,17 @@ class Geometry:
         )
 
 
+# Sources (checked against SPEC section 8, which gives layers, GDN layers, H, HV, K, V and Kc):
+# - Qwen3-Next-80B-A3B: HF config Qwen/Qwen3-Next-80B-A3B-Instruct: num_hidden_layers 48,
+#   full_attention_interval 4 (12 full-attention layers, 36 GDN), linear_num_key_heads 16,
+#   linear_num_value_heads 32, linear_key/value_head_dim 128, linear_conv_kernel_dim 4,
+#   num_key_value_heads 2, head_dim 256.
+# - Qwen3.5/3.6-35B-A3B: Qwen's model card ("40 layers, 10 x (3 x Gated DeltaNet + 1 x Gated
+#   Attention); 32 heads for V and 16 for QK, head dim 128; 16 Q heads and 2 KV heads, head dim
+#   256"); SPEC section 6: 10 full-attention layers, 2 KV heads of 256, 20 KiB per bf16 token.
+# - Qwen3.5/3.8-27B: 64 layers, full_attention_interval 4 (48 GDN), linear heads 16/48 of 128,
+#   conv 4 (MAX's Qwen3_5Config defaults for the 27B); 4 KV heads (num-query-groups 4) of 256
+#   (kv-channels 256) per THUDM/slime scripts/models/qwen3.5-27B.sh.
 MODELS: dict[str, Geometry] = {
     "qwen3-next-80b-a3b": Geometry("Qwen3-Next-80B-A3B", gdn_layers=36, num_k_heads=16, num_v_heads=32, layers=48),
     "qwen3.6-35b-a3b": Geometry("Qwen3.5/3.6-35B-A3B", gdn_layers=30, num_k_heads=16, num_v_heads=32, layers=40),
