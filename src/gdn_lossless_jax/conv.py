@@ -1,0 +1,219 @@
+"""The causal conv1d of a GDN layer during verify, and the conv part of commit.
+
+A GDN layer runs its ``[q | k | v]`` projection (``conv_dim = 2*H*K + HV*V`` channels)
+through a depthwise causal conv1d of width ``Kc`` (4 on Qwen models) before the
+recurrence. Its state per request is the last ``Kc-1`` inputs, ``[conv_dim, Kc-1]``,
+column ``j`` holding ``x_{j-(Kc-1)}`` (oldest first).
+
+Verify over D draft tokens (SGLang's ``causal_conv1d_update`` with intermediate windows,
+research section 7): the output of step t is ``silu(bias + sum_j w[:, j] * x_{t-Kc+1+j})``
+with ``x_{<0}`` read from the old state, and the *window after step t* is the
+pre-activation inputs ``(x_{t-Kc+2}, ..., x_t)``. Consecutive windows overlap, so they are
+kept deduplicated, as SGLang does on CUDA for linear chains: one ``[conv_dim, D+Kc-2]``
+buffer per request with ``phys[..., c] = x_{c-(Kc-2)}`` (the first ``Kc-2`` columns are the
+old history), and window t is ``phys[..., t : t+Kc-1]``. Commit copies the accepted
+window (and the track window) into the conv state slots with the same masking, track and
+row rules as the SSM commit (:func:`gdn_lossless_jax.reference._masks`, reused).
+
+Rounding: the inputs are rounded to the conv state's dtype first (the windows store them
+in it, so every tap reads the value a window holds); taps accumulate in fp32 from the bias
+as ``acc = fma(w_j, x_j, acc)`` for ``j = 0 .. Kc-1``, pinned with
+:func:`gdn_lossless_jax.rounding.fma_rn` (what Triton's fp fusion makes of ``acc += w*x``
+with fp32 operands; XLA:CPU would otherwise contract and flush subnormals as it likes);
+SiLU is ``acc / (1 + exp(-acc))``. The deduplicated and the dense per-step-window forms
+below are bit-identical (tested).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import reference, rounding
+from .api import _check_float, _check_index, _check_rank, _check_shape, _fmt, _shape
+
+__all__ = ["causal_conv1d_verify", "causal_conv1d_verify_dense", "dense_windows", "conv_commit"]
+
+F32 = jnp.float32
+
+
+def _check_verify_args(fn: str, conv_state, x, weight, bias):
+    _check_rank(fn, "conv_state", conv_state, 3, "[N, conv_dim, Kc-1]")
+    N, C, W = _shape(conv_state)
+    _check_rank(fn, "x", x, 3, "[N, D, conv_dim]")
+    D = _shape(x)[1]
+    _check_shape(fn, "x", x, (N, D, C), "[N, D, conv_dim]", "N and conv_dim from conv_state")
+    if D < 1:
+        raise ValueError(f"{fn}: need at least one draft step, got D={D} (x has shape {_fmt(_shape(x))})")
+    _check_shape(fn, "weight", weight, (C, W + 1), "[conv_dim, Kc]", "Kc = conv_state.shape[-1] + 1")
+    if W + 1 < 2:
+        raise ValueError(f"{fn}: the conv width Kc must be at least 2, got Kc={W + 1} (conv_state {_fmt(_shape(conv_state))})")
+    if bias is not None:
+        _check_shape(fn, "bias", bias, (C,), "[conv_dim]", "from conv_state")
+    for name, a in (("conv_state", conv_state), ("x", x), ("weight", weight), ("bias", bias)):
+        if a is not None:
+            _check_float(fn, name, a)
+    return N, D, C, W + 1
+
+
+def _taps(taps, weight, bias):
+    """``bias + sum_j w[:, j] * taps[j]``, accumulated in tap order with the pinned fma.
+
+    Args:
+      taps: Kc float32 arrays ``[..., C, T]``, ``taps[j]`` the inputs weight column j multiplies.
+      weight: ``[C, Kc]``; bias ``[C]`` or None.
+    Returns:
+      ``[..., C, T]`` float32, the pre-activation accumulator.
+    """
+    w = weight.astype(F32)
+    shape = taps[0].shape
+    acc = jnp.zeros(shape, F32) if bias is None else jnp.broadcast_to(bias.astype(F32)[:, None], shape)
+    for j, x in enumerate(taps):
+        acc = rounding.fma_rn(w[:, j, None], x, acc)
+    return acc
+
+
+def _silu(acc):
+    return acc / (1.0 + jnp.exp(-acc))
+
+
+def causal_conv1d_verify(conv_state, x, weight, bias=None):
+    """The conv of D draft tokens with deduplicated windows; ``conv_state`` is not modified.
+
+    Args:
+      conv_state: ``[N, conv_dim, Kc-1]``, each request's conv state (the last ``Kc-1``
+        inputs, oldest first); its dtype is the window dtype (bf16 in SGLang).
+      x: ``[N, D, conv_dim]`` draft inputs (pre-activation ``[q | k | v]`` projections).
+      weight: ``[conv_dim, Kc]``; ``weight[:, j]`` multiplies ``x_{t-Kc+1+j}``.
+      bias: ``[conv_dim]`` or None.
+    Returns:
+      ``(out [N, D, conv_dim] in x's dtype, windows [N, conv_dim, D+Kc-2] in conv_state's
+      dtype)`` with ``windows[..., c] = x_{c-(Kc-2)}``: window t is ``windows[..., t:t+Kc-1]``.
+    """
+    _check_verify_args("causal_conv1d_verify", conv_state, x, weight, bias)
+    return _verify(conv_state, x, weight, bias)
+
+
+# Always compiled (as the reference backend is): XLA:CPU rounds some ops differently op by
+# op than fused under jit, so one compiled path gives the same bits with or without an outer jit.
+@jax.jit
+def _verify(conv_state, x, weight, bias):
+    D = x.shape[1]
+    xt = jnp.swapaxes(x, 1, 2).astype(conv_state.dtype)  # [N, C, D], rounded as the windows store it
+    cols = jnp.concatenate([conv_state, xt], axis=-1)  # x_{-(Kc-1)} .. x_{D-1}
+    taps = [cols[..., j : j + D].astype(F32) for j in range(weight.shape[1])]
+    out = _silu(_taps(taps, weight, bias))
+    return jnp.swapaxes(out, 1, 2).astype(x.dtype), cols[..., 1:]
+
+
+def causal_conv1d_verify_dense(conv_state, x, weight, bias=None):
+    """Reference: the same conv step by step, with one explicit window per step.
+
+    SGLang's dense layout (its fallback for trees, KDA and non-CUDA platforms): a scan over
+    the D steps whose carry is the conv state; step t forms its full window ``[state | x_t]``
+    (Kc columns) and carries the new state ``(x_{t-Kc+2}..x_t)``; each step's output is
+    then computed from its own window.
+
+    Args: as :func:`causal_conv1d_verify`.
+    Returns:
+      ``(out [N, D, conv_dim], windows [N, D, conv_dim, Kc-1])``.
+    """
+    _check_verify_args("causal_conv1d_verify_dense", conv_state, x, weight, bias)
+    return _verify_dense(conv_state, x, weight, bias)
+
+
+@jax.jit
+def _verify_dense(conv_state, x, weight, bias):
+    def step(state, x_t):
+        full = jnp.concatenate([state, x_t.astype(state.dtype)[..., None]], axis=-1)  # [N, C, Kc]
+        return full[..., 1:], full
+
+    _, full = lax.scan(step, conv_state, jnp.moveaxis(x, 1, 0))  # [D, N, C, Kc]: step t's window
+    full = jnp.moveaxis(full, 0, -2).astype(F32)  # [N, C, D, Kc]
+    out = _silu(_taps([full[..., j] for j in range(weight.shape[1])], weight, bias))  # [N, C, D]
+    return jnp.swapaxes(out, 1, 2).astype(x.dtype), jnp.moveaxis(full[..., 1:], -2, 1).astype(conv_state.dtype)
+
+
+def dense_windows(windows, kernel: int):
+    """The per-step view of deduplicated windows: ``[..., C, D+Kc-2] -> [..., D, C, Kc-1]``.
+
+    ``view[..., t, c, w] = windows[..., c, t + w]`` (SGLang's ``as_strided`` view, as a copy).
+    """
+    D = windows.shape[-1] - (kernel - 2)
+    idx = jnp.arange(D)[:, None] + jnp.arange(kernel - 1)[None, :]  # [D, Kc-1]
+    return jnp.swapaxes(windows[..., idx], -3, -2)  # [..., C, D, Kc-1] -> [..., D, C, Kc-1]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Extent:
+    """The rows and steps of the window scratch, shaped like a tape for ``reference._masks``."""
+
+    num_rows: int
+    num_steps: int
+
+
+def conv_commit(conv_pool, windows, slots, steps, track_slots=None, track_steps=None, rows=None):
+    """Copy each request's accepted (and track) conv window into the conv state pool.
+
+    Args:
+      conv_pool: ``[L, S, conv_dim, Kc-1]``, all GDN layers' conv states.
+      windows: ``[L, R, conv_dim, D+Kc-2]`` deduplicated windows from
+        :func:`causal_conv1d_verify`, stacked over layers, in the pool's dtype.
+      slots, steps, track_slots, track_steps, rows: ``[N]`` int, exactly as in
+        :func:`gdn_lossless_jax.commit`: slot ``slots[i]`` receives the window after step
+        ``steps[i]`` (``windows[:, rows[i], :, steps[i] : steps[i]+Kc-1]``), and
+        ``track_slots[i]`` the window after ``track_steps[i]``.
+    Returns:
+      The new conv pool. The same requests are skipped as in the SSM commit (out-of-range
+      slot or row: the whole request; step outside ``[0, D)``: that write; out-of-range
+      track slot: the track write). Every other element keeps its bits.
+    """
+    fn = "conv_commit"
+    _check_rank(fn, "conv_pool", conv_pool, 4, "[L, S, conv_dim, Kc-1]")
+    L, _, C, W = _shape(conv_pool)
+    Kc = W + 1
+    _check_rank(fn, "windows", windows, 4, "[L, R, conv_dim, D+Kc-2]")
+    R, width = _shape(windows)[1], _shape(windows)[3]
+    D = width - (Kc - 2)
+    if D < 1:
+        raise ValueError(
+            f"{fn}: argument 'windows' must have D+Kc-2 >= Kc-1 columns (Kc={Kc} from conv_pool), "
+            f"got shape {_fmt(_shape(windows))}"
+        )
+    _check_shape(fn, "windows", windows, (L, R, C, width), "[L, R, conv_dim, D+Kc-2]", "L, conv_dim from conv_pool")
+    if windows.dtype != conv_pool.dtype:
+        raise TypeError(f"{fn}: window dtype {windows.dtype} must match the conv pool dtype {conv_pool.dtype}")
+    _check_rank(fn, "slots", slots, 1, "[N]")
+    N = _shape(slots)[0]
+    if (track_slots is None) != (track_steps is None):
+        raise ValueError(f"{fn}: give both track_slots and track_steps, or neither")
+    if track_slots is None:
+        track_slots = track_steps = jnp.full((N,), -1, jnp.int32)
+    if rows is None:
+        rows = jnp.arange(N, dtype=jnp.int32)
+    for name, a in (("slots", slots), ("steps", steps), ("track_slots", track_slots), ("track_steps", track_steps), ("rows", rows)):
+        _check_index(fn, name, a, N)
+    slots, steps, track_slots, track_steps, rows = (
+        jnp.asarray(a, jnp.int32) for a in (slots, steps, track_slots, track_steps, rows)
+    )
+    return _conv_commit(conv_pool, windows, slots, steps, track_slots, track_steps, rows)
+
+
+@jax.jit
+def _conv_commit(conv_pool, windows, slots, steps, track_slots, track_steps, rows):
+    Kc = conv_pool.shape[-1] + 1
+    D = windows.shape[-1] - (Kc - 2)
+    valid, accept, track = reference._masks(
+        conv_pool, _Extent(windows.shape[1], D), slots, steps, track_slots, track_steps, rows
+    )
+    mine = windows[:, jnp.where(valid, rows, 0)]  # [L, N, C, D+Kc-2]
+
+    def pick(s):  # the window after step s: columns s .. s+Kc-2
+        cols = jnp.clip(s, 0, D - 1)[:, None] + jnp.arange(Kc - 1)[None, :]  # [N, Kc-1]
+        return jnp.take_along_axis(mine, cols[None, :, None, :], axis=-1)
+
+    conv_pool = reference._scatter(conv_pool, track_slots, track, pick(track_steps))
+    return reference._scatter(conv_pool, slots, accept, pick(steps))
