@@ -1,0 +1,393 @@
+"""The state pool of a hybrid model's GDN layers, with the speculative scratch.
+
+Layout (SGLang's, research section 3; every tensor has a padding slot or row, the ``+1``)::
+
+    ssm           [L, S+1, HV, V, K]            float32 or bfloat16   per-request recurrent states
+    conv          [L, S+1, conv_dim, Kc-1]      conv dtype (bf16)     per-request conv states
+    tape          Snapshots [L, R+1, D, HV, V, K] in the state dtype, or
+                  Tuples u [L, R+1, D, HV, V], k [L, R+1, D, H, K], g [L, R+1, D, HV], float32
+    conv_windows  [L, R+1, conv_dim, D+Kc-2]    conv dtype            deduplicated conv windows
+
+S mamba slots, R running requests (scratch rows are batch positions, not slots), D the
+most draft tokens a verify may carry. The shapes are defined once, here
+(:func:`state_specs`, :func:`tape_specs`, :func:`conv_window_spec`): :func:`allocate` builds
+the pool from them and :mod:`gdn_lossless_jax.memory` counts bytes from them, so the
+accounting equals the allocation byte for byte.
+
+:func:`verify_layer` runs one layer's conv and GDN verify from the pool and writes the
+tape and windows into scratch rows; :func:`commit` writes the accepted states of all
+layers (SSM through :func:`gdn_lossless_jax.commit`, conv through
+:func:`gdn_lossless_jax.conv.conv_commit`). Both are jitted with the pool donated, so on a
+GPU the updates happen in place; keep using the returned pool, not the argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import api
+from .api import _check_heads, _check_index, _check_linear_chain, _check_rank, _check_shape, _fmt, _shape
+from .config import Geometry
+from .conv import causal_conv1d_verify, conv_commit
+from .tape import Snapshots, Tape, Tuples
+
+__all__ = [
+    "ArraySpec",
+    "POOL_RECORD_MODES",
+    "SCRATCH_MODES",
+    "StatePool",
+    "allocate",
+    "check_supported",
+    "commit",
+    "conv_window_spec",
+    "scratch_rows",
+    "state_specs",
+    "store_layer",
+    "tape_specs",
+    "verify_layer",
+]
+
+#: Record modes the pool allocates (those :func:`gdn_lossless_jax.verify` records).
+POOL_RECORD_MODES = api.RECORD_MODES
+#: Record modes the memory accounting knows: the pool's, plus the seed's ring (k per v-head).
+SCRATCH_MODES = (*POOL_RECORD_MODES, "seed_ring")
+
+
+@dataclasses.dataclass(frozen=True)
+class ArraySpec:
+    """The shape and dtype of one allocated array."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * jnp.dtype(self.dtype).itemsize
+
+
+def _positive(fn: str, **values: int) -> None:
+    for name, x in values.items():
+        if not isinstance(x, (int, np.integer)) or x < 1:
+            raise ValueError(f"{fn}: argument {name!r} must be a positive integer, got {x!r}")
+
+
+def check_supported(fn: str, geometry: Geometry, *, drafts: int = 1, topk: int = 1, parents: Any = None) -> None:
+    """Reject what the pool cannot hold, before anything is allocated.
+
+    A non-GDN (KDA) layer type, heads that do not divide, top-k > 1 or tree metadata (only
+    linear draft chains can be replayed).
+    """
+    if not isinstance(geometry, Geometry):
+        raise TypeError(f"{fn}: argument 'geometry' must be a Geometry, got {type(geometry).__name__}")
+    if geometry.linear_attention != "gdn":
+        raise ValueError(
+            f"{fn}: geometry {geometry.name!r} has linear_attention={geometry.linear_attention!r} layers; "
+            "only Gated DeltaNet ('gdn') layers are supported"
+        )
+    _check_heads(fn, geometry.num_k_heads, geometry.num_v_heads)
+    _check_linear_chain(fn, parents, topk, drafts)
+
+
+def scratch_rows(requests: int) -> int:
+    """Scratch rows for R running requests: R + 1 (SGLang's discard row for padding)."""
+    return requests + 1
+
+
+def state_specs(geometry: Geometry, slots: int, *, state_dtype=jnp.float32, conv_dtype=jnp.bfloat16) -> dict[str, ArraySpec]:
+    """The persistent pool: ``ssm [L, S+1, HV, V, K]`` and ``conv [L, S+1, conv_dim, Kc-1]``."""
+    g = geometry
+    return {
+        "ssm": ArraySpec((g.gdn_layers, slots + 1, g.num_v_heads, g.head_v_dim, g.head_k_dim), jnp.dtype(state_dtype)),
+        "conv": ArraySpec((g.gdn_layers, slots + 1, g.conv_dim, g.conv_kernel - 1), jnp.dtype(conv_dtype)),
+    }
+
+
+def tape_specs(geometry: Geometry, rows: int, drafts: int, record: str, *, state_dtype=jnp.float32) -> dict[str, ArraySpec]:
+    """The SSM scratch for ``rows`` scratch rows of D drafts, keyed by the tape's field names.
+
+    ``snapshots``: ``states [L, rows, D, HV, V, K]`` in the state dtype. ``tuples`` (ours):
+    ``u [L, rows, D, HV, V]``, ``k [L, rows, D, H, K]``, ``g [L, rows, D, HV]``, float32.
+    ``seed_ring`` (accounting only): as ``tuples`` but ``k`` per v-head, ``[L, rows, D, HV, K]``.
+    """
+    g = geometry
+    L, HV, H, K, V = g.gdn_layers, g.num_v_heads, g.num_k_heads, g.head_k_dim, g.head_v_dim
+    f32 = jnp.dtype(jnp.float32)
+    if record == "snapshots":
+        return {"states": ArraySpec((L, rows, drafts, HV, V, K), jnp.dtype(state_dtype))}
+    if record in ("tuples", "seed_ring"):
+        k_heads = H if record == "tuples" else HV
+        return {
+            "u": ArraySpec((L, rows, drafts, HV, V), f32),
+            "k": ArraySpec((L, rows, drafts, k_heads, K), f32),
+            "g": ArraySpec((L, rows, drafts, HV), f32),
+        }
+    raise ValueError(f"tape_specs: record must be one of {SCRATCH_MODES}, got {record!r}")
+
+
+def conv_window_spec(geometry: Geometry, rows: int, drafts: int, *, conv_dtype=jnp.bfloat16) -> ArraySpec:
+    """The deduplicated conv windows: ``[L, rows, conv_dim, D+Kc-2]`` in the conv dtype."""
+    g = geometry
+    return ArraySpec((g.gdn_layers, rows, g.conv_dim, drafts + g.conv_kernel - 2), jnp.dtype(conv_dtype))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StatePool:
+    """All GDN layers' states and the speculative scratch (see the module docstring).
+
+    A pytree: the arrays are its leaves, the geometry is static.
+    """
+
+    ssm: jax.Array
+    conv: jax.Array
+    tape: Tape
+    conv_windows: jax.Array
+    geometry: Geometry = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def record(self) -> str:
+        return "snapshots" if isinstance(self.tape, Snapshots) else "tuples"
+
+    @property
+    def slots(self) -> int:
+        """S, the usable slots (the pool has S+1: the last is the padding slot)."""
+        return self.ssm.shape[1] - 1
+
+    @property
+    def rows(self) -> int:
+        """Scratch rows allocated (R+1 for R requests)."""
+        return self.tape.num_rows
+
+    @property
+    def drafts(self) -> int:
+        """D, the most draft tokens a verify may record."""
+        return self.tape.num_steps
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in jax.tree.leaves(self))
+
+    @property
+    def scratch_nbytes(self) -> int:
+        """Bytes of the SSM scratch (the tape) alone."""
+        return sum(x.nbytes for x in jax.tree.leaves(self.tape))
+
+
+def allocate(
+    geometry: Geometry,
+    *,
+    slots: int,
+    requests: int,
+    drafts: int,
+    record: str = "tuples",
+    state_dtype=jnp.float32,
+    conv_dtype=jnp.bfloat16,
+    topk: int = 1,
+    parents: Any = None,
+) -> StatePool:
+    """A zero-filled pool for ``slots`` mamba slots, ``requests`` running requests and D drafts.
+
+    Everything is checked before any array is allocated: positive sizes, a GDN geometry whose
+    heads divide, a record mode the pool can hold, fp32 or bf16 state, a linear chain
+    (``topk == 1``, ``parents`` None or ``[-1, 0, ..., D-2]``).
+    """
+    fn = "allocate"
+    _positive(fn, slots=slots, requests=requests, drafts=drafts)
+    check_supported(fn, geometry, drafts=drafts, topk=topk, parents=parents)
+    if record not in POOL_RECORD_MODES:
+        raise ValueError(
+            f"{fn}: record must be one of {POOL_RECORD_MODES}, got {record!r}"
+            + (" (the seed's ring is counted by gdn_lossless_jax.memory, not allocated)" if record == "seed_ring" else "")
+        )
+    if jnp.dtype(state_dtype) not in api.STATE_DTYPES:
+        raise TypeError(f"{fn}: state_dtype must be float32 or bfloat16, got {jnp.dtype(state_dtype)}")
+    if not jnp.issubdtype(conv_dtype, jnp.floating):
+        raise TypeError(f"{fn}: conv_dtype must be a floating-point dtype, got {jnp.dtype(conv_dtype)}")
+    rows = scratch_rows(requests)
+    zeros = lambda spec: jnp.zeros(spec.shape, spec.dtype)  # noqa: E731
+    states = {k: zeros(s) for k, s in state_specs(geometry, slots, state_dtype=state_dtype, conv_dtype=conv_dtype).items()}
+    fields = {k: zeros(s) for k, s in tape_specs(geometry, rows, drafts, record, state_dtype=state_dtype).items()}
+    tape = Snapshots(**fields) if record == "snapshots" else Tuples(**fields)
+    windows = zeros(conv_window_spec(geometry, rows, drafts, conv_dtype=conv_dtype))
+    return StatePool(ssm=states["ssm"], conv=states["conv"], tape=tape, conv_windows=windows, geometry=geometry)
+
+
+def _in_range(idx, n):
+    """Indices outside ``[0, n)`` become ``n`` (dropped by scatters, filled by gathers; never wrapped)."""
+    return jnp.where((idx >= 0) & (idx < n), idx, n)
+
+
+def _check_layer(fn: str, pool: StatePool, layer) -> None:
+    if not isinstance(pool, StatePool):
+        raise TypeError(f"{fn}: argument 'pool' must be a StatePool, got {type(pool).__name__}")
+    if isinstance(layer, (int, np.integer)) and not 0 <= layer < pool.geometry.gdn_layers:
+        raise ValueError(f"{fn}: argument 'layer' must be in [0, {pool.geometry.gdn_layers}), got {layer}")
+
+
+def _check_rows(fn: str, rows, N: int):
+    if rows is None:
+        return jnp.arange(N, dtype=jnp.int32)
+    _check_index(fn, "rows", rows, N)
+    return jnp.asarray(rows, jnp.int32)
+
+
+def store_layer(pool: StatePool, layer, tape: Tape, windows: jax.Array, rows=None) -> StatePool:
+    """Write one layer's tape and conv windows into scratch rows (the pool is donated).
+
+    Args:
+      layer: int (or a traced int32 scalar), the GDN layer.
+      tape: one layer's tape from :func:`gdn_lossless_jax.verify` (``[N, D', ...]``, D' <= D),
+        of the pool's record mode.
+      windows: ``[N, conv_dim, D'+Kc-2]`` from :func:`gdn_lossless_jax.conv.causal_conv1d_verify`.
+      rows: ``[N]`` int, the scratch row of request i (default i); out-of-range rows are dropped.
+    """
+    fn = "store_layer"
+    _check_layer(fn, pool, layer)
+    if type(tape) is not type(pool.tape):
+        raise TypeError(f"{fn}: the pool records {pool.record}, got a {type(tape).__name__} tape")
+    N, D = tape.num_rows, tape.num_steps
+    if D > pool.drafts:
+        raise ValueError(
+            f"{fn}: the tape has D={D} draft steps, but the pool's scratch was sized for at most drafts={pool.drafts}"
+        )
+    for name, got, want in zip(
+        ("u", "k", "g", "states"),
+        (getattr(tape, f, None) for f in ("u", "k", "g", "states")),
+        (getattr(pool.tape, f, None) for f in ("u", "k", "g", "states")),
+    ):
+        if got is not None:
+            _check_shape(fn, f"tape.{name}", got, (N, D, *want.shape[3:]), "[N, D, ...]", "from the pool's scratch")
+            if got.dtype != want.dtype:
+                raise TypeError(f"{fn}: argument 'tape.{name}' must be {want.dtype} (the pool's scratch), got {got.dtype}")
+    C, Kc = pool.geometry.conv_dim, pool.geometry.conv_kernel
+    _check_shape(fn, "windows", windows, (N, C, D + Kc - 2), "[N, conv_dim, D+Kc-2]", "N, D from the tape")
+    return _store_layer(pool, jnp.asarray(layer, jnp.int32), tape, windows, _check_rows(fn, rows, N))
+
+
+def _store(pool: StatePool, layer, tape: Tape, windows, rows) -> StatePool:
+    r = _in_range(rows, pool.rows)
+    D = tape.num_steps
+    new_tape = jax.tree.map(lambda dst, src: dst.at[layer, r, :D].set(src.astype(dst.dtype), mode="drop"), pool.tape, tape)
+    cw = pool.conv_windows.at[layer, r, :, : windows.shape[-1]].set(windows.astype(pool.conv_windows.dtype), mode="drop")
+    return dataclasses.replace(pool, tape=new_tape, conv_windows=cw)
+
+
+_store_layer = jax.jit(_store, donate_argnums=0)
+
+
+def verify_layer(
+    pool: StatePool,
+    layer,
+    mixed_qkv: jax.Array,
+    a: jax.Array,
+    b: jax.Array,
+    conv_weight: jax.Array,
+    conv_bias: jax.Array | None,
+    A_log: jax.Array,
+    dt_bias: jax.Array,
+    slots: jax.Array,
+    rows: jax.Array | None = None,
+    *,
+    scale: float | None = None,
+    backend: str = "auto",
+    parents: Any = None,
+    topk: int = 1,
+) -> tuple[jax.Array, StatePool]:
+    """Verify D draft tokens through one GDN layer, from the pool; record into scratch rows.
+
+    The conv runs over the slot's conv state (:func:`gdn_lossless_jax.conv.causal_conv1d_verify`),
+    its output is split into ``[q | k | v]``, and :func:`gdn_lossless_jax.verify` runs from
+    the slot's SSM state in the pool's record mode. The tape and the conv windows go to
+    ``rows``; the states in the pool are not modified (commit writes them). The pool is
+    donated.
+
+    Args:
+      pool: the :class:`StatePool`.
+      layer: int (or a traced int32 scalar), the GDN layer.
+      mixed_qkv: ``[N, D, conv_dim]``, the layer's pre-conv ``[q | k | v]`` projections
+        (``conv_dim = 2*H*K + HV*V``), D <= the pool's ``drafts``.
+      a, b: ``[N, D, HV]``. conv_weight ``[conv_dim, Kc]``, conv_bias ``[conv_dim]`` or None,
+        A_log and dt_bias ``[HV]``: the layer's parameters.
+      slots: ``[N]`` int, each request's mamba slot; a slot outside ``[0, S]`` (padding)
+        reads zero states, as in SGLang, and is skipped by commit.
+      rows: ``[N]`` int or None, each request's scratch row (default i).
+      scale, backend, parents, topk: as in :func:`gdn_lossless_jax.verify`.
+    Returns:
+      ``(outputs [N, D, HV, V] in mixed_qkv's dtype, the new pool)``.
+    """
+    fn = "verify_layer"
+    _check_layer(fn, pool, layer)
+    g = pool.geometry
+    _check_rank(fn, "mixed_qkv", mixed_qkv, 3, "[N, D, conv_dim]")
+    N, D, _ = _shape(mixed_qkv)
+    if D > pool.drafts:
+        raise ValueError(
+            f"{fn}: argument 'mixed_qkv' has D={D} draft steps, but the pool's scratch was sized for "
+            f"at most drafts={pool.drafts}"
+        )
+    _check_shape(fn, "mixed_qkv", mixed_qkv, (N, D, g.conv_dim), "[N, D, conv_dim]", f"conv_dim = 2*H*K + HV*V of {g.name}")
+    _check_linear_chain(fn, parents, topk, D)
+    _check_index(fn, "slots", slots, N)
+    rows = _check_rows(fn, rows, N)
+    return _verify_layer(
+        pool, jnp.asarray(layer, jnp.int32), mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias,
+        jnp.asarray(slots, jnp.int32), rows, scale=scale, backend=backend,
+    )  # fmt: skip
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnames=("scale", "backend"))
+def _verify_layer(pool, layer, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, slots, rows, *, scale, backend):
+    g = pool.geometry
+    N, D, _ = mixed_qkv.shape
+    s = _in_range(slots, pool.ssm.shape[1])
+    conv_state = pool.conv.at[layer, s].get(mode="fill", fill_value=0)
+    state0 = pool.ssm.at[layer, s].get(mode="fill", fill_value=0)
+    y, windows = causal_conv1d_verify(conv_state, mixed_qkv, conv_weight, conv_bias)
+    HK = g.num_k_heads * g.head_k_dim
+    q = y[..., :HK].reshape(N, D, g.num_k_heads, g.head_k_dim)
+    k = y[..., HK : 2 * HK].reshape(N, D, g.num_k_heads, g.head_k_dim)
+    v = y[..., 2 * HK :].reshape(N, D, g.num_v_heads, g.head_v_dim)
+    outputs, tape = api.verify(state0, q, k, v, a, b, A_log, dt_bias, record=pool.record, scale=scale, backend=backend)
+    return outputs, _store(pool, layer, tape, windows, rows)
+
+
+def commit(
+    pool: StatePool,
+    slots: jax.Array,
+    steps: jax.Array,
+    track_slots: jax.Array | None = None,
+    track_steps: jax.Array | None = None,
+    rows: jax.Array | None = None,
+    *,
+    backend: str = "auto",
+) -> StatePool:
+    """Commit every layer: accepted (and track) SSM states and conv windows (the pool is donated).
+
+    Arguments and skipping rules as in :func:`gdn_lossless_jax.commit` (``[N]`` int each);
+    the SSM part is that function on ``pool.ssm`` and ``pool.tape``, the conv part
+    :func:`gdn_lossless_jax.conv.conv_commit` on ``pool.conv`` and ``pool.conv_windows``.
+    Returns the new pool; the scratch is left as it was.
+    """
+    if not isinstance(pool, StatePool):
+        raise TypeError(f"commit: argument 'pool' must be a StatePool, got {type(pool).__name__}")
+    if (track_slots is None) != (track_steps is None):
+        raise ValueError("commit: give both track_slots and track_steps, or neither")
+    N = _shape(slots)[0] if len(_shape(slots)) == 1 else 0
+    if track_slots is None:  # the defaults as arrays: one compiled commit for every call form
+        track_slots = track_steps = jnp.full((N,), -1, jnp.int32)
+    rows = jnp.arange(N, dtype=jnp.int32) if rows is None else rows
+    return _commit(pool, slots, steps, track_slots, track_steps, rows, backend=backend)
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnames=("backend",))
+def _commit(pool, slots, steps, track_slots, track_steps, rows, *, backend):
+    ssm = api.commit(pool.ssm, pool.tape, slots, steps, track_slots, track_steps, rows, backend=backend)
+    conv = conv_commit(pool.conv, pool.conv_windows, slots, steps, track_slots, track_steps, rows)
+    return dataclasses.replace(pool, ssm=ssm, conv=conv)
