@@ -1,0 +1,121 @@
+"""Memory accounting: equal to the pool's allocation byte for byte, and the seed's table reproduced."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from gdn_lossless_jax import memory, pool as P
+from gdn_lossless_jax.config import MODELS, get_geometry
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_geometries_match_spec_section_8(model):
+    spec = {  # SPEC section 8 (and section 6 for the KV heads of the 35B)
+        "qwen3-next-80b-a3b": dict(layers=48, gdn_layers=36, num_k_heads=16, num_v_heads=32),
+        "qwen3.6-35b-a3b": dict(layers=40, gdn_layers=30, num_k_heads=16, num_v_heads=32, kv_heads=2, kv_head_dim=256),
+        "qwen3.8-27b": dict(layers=64, gdn_layers=48, num_k_heads=16, num_v_heads=48),
+    }[model]
+    g = get_geometry(model)
+    for field, value in {**spec, "head_k_dim": 128, "head_v_dim": 128, "conv_kernel": 4, "linear_attention": "gdn"}.items():
+        assert getattr(g, field) == value, (model, field)
+    assert get_geometry("qwen3.5-35b-a3b") is MODELS["qwen3.6-35b-a3b"]
+    assert get_geometry("Qwen3.5-27B") is MODELS["qwen3.8-27b"]
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("D", [1, 4, 16])
+def test_per_request_formulas(model, D):
+    g = get_geometry(model)
+    L, H, HV, K, V, C, Kc = g.gdn_layers, g.num_k_heads, g.num_v_heads, g.head_k_dim, g.head_v_dim, g.conv_dim, g.conv_kernel
+    for dtype, size in ((F32, 4), (BF16, 2)):
+        assert memory.scratch_bytes(g, D, "snapshots", state_dtype=dtype) == L * D * HV * V * K * size
+        assert memory.conv_window_bytes(g, D, conv_dtype=dtype) == L * C * (D + Kc - 2) * size
+        # The ring is fp32 whatever the state dtype.
+        assert memory.scratch_bytes(g, D, "tuples", state_dtype=dtype) == L * D * (HV * V + H * K + HV) * 4
+        assert memory.scratch_bytes(g, D, "seed_ring", state_dtype=dtype) == L * D * HV * (V + K + 1) * 4
+    for mode in P.SCRATCH_MODES:
+        assert memory.scratch_bytes(g, D, mode, requests=7) == 8 * memory.scratch_bytes(g, D, mode)
+
+
+def test_ratios_against_spec():
+    # SPEC 1: 60 MiB per draft token per request (30 layers, 32 heads, 128 x 128, fp32);
+    # the seed's ring is 63.8x smaller at K = V = 128; ours 1/64 .. 1/95 of the snapshots.
+    g35, g27 = get_geometry("qwen3.6-35b-a3b"), get_geometry("qwen3.8-27b")
+    assert memory.scratch_bytes(g35, 1, "snapshots") == 60 * memory.MIB
+    ratio = lambda g, m: memory.scratch_bytes(g, 1, "snapshots") / memory.scratch_bytes(g, 1, m)  # noqa: E731
+    assert f"{ratio(g35, 'seed_ring'):.1f}" == "63.8"
+    assert 64 < ratio(g35, "tuples") < ratio(g27, "tuples") < 96
+    assert f"{ratio(g27, 'tuples'):.1f}" == "95.4"
+
+
+# Reduced geometries of each family: allocation is real here.
+SMALL = [get_geometry(m).reduced(gdn_layers=2, heads_divisor=8, head_dim=8) for m in sorted(MODELS)]
+
+
+@pytest.mark.parametrize("g", SMALL, ids=lambda g: g.name)
+@pytest.mark.parametrize("record", P.POOL_RECORD_MODES)
+@pytest.mark.parametrize("state_dtype, conv_dtype", [(F32, BF16), (BF16, BF16), (F32, F32), (BF16, jnp.float16)])
+def test_allocation_equals_accounting_byte_for_byte(g, record, state_dtype, conv_dtype):
+    slots, requests, drafts = 6, 3, 5
+    pl = P.allocate(g, slots=slots, requests=requests, drafts=drafts, record=record, state_dtype=state_dtype, conv_dtype=conv_dtype)
+    scratch = memory.scratch_bytes(g, drafts, record, requests=requests, state_dtype=state_dtype)
+    windows = memory.conv_window_bytes(g, drafts, requests=requests, conv_dtype=conv_dtype)
+    assert pl.scratch_nbytes == sum(x.nbytes for x in jax.tree.leaves(pl.tape)) == scratch
+    assert pl.conv_windows.nbytes == windows
+    assert pl.scratch_nbytes == (requests + 1) * memory.scratch_bytes(g, drafts, record, state_dtype=state_dtype)
+    states = P.state_specs(g, slots, state_dtype=state_dtype, conv_dtype=conv_dtype)
+    assert pl.ssm.nbytes == states["ssm"].nbytes and pl.conv.nbytes == states["conv"].nbytes
+    assert pl.nbytes == scratch + windows + states["ssm"].nbytes + states["conv"].nbytes
+    for name, spec in P.tape_specs(g, requests + 1, drafts, record, state_dtype=state_dtype).items():
+        leaf = getattr(pl.tape, name)
+        assert (leaf.shape, leaf.dtype) == (spec.shape, spec.dtype)
+    report = memory.memory_report(g, drafts=drafts, requests=requests, state_dtype=state_dtype, conv_dtype=conv_dtype)
+    assert report.total[record] == scratch and report.conv_total == windows
+
+
+def test_kv_cache_tokens():
+    g = get_geometry("qwen3.6-35b-a3b")
+    assert memory.kv_bytes_per_token(g) == 20 * 1024  # SPEC 6: 10 layers, 2 KV heads of 256, bf16
+    assert memory.kv_bytes_per_token(g, kv_dtype=F32) == 40 * 1024
+    assert memory.kv_tokens(g, 6 * memory.GIB) == 314_572  # "6 GiB is about 300k tokens"
+    assert memory.kv_tokens(g, -5) == 0
+    assert memory.kv_bytes_per_token(get_geometry("qwen3.8-27b")) == 16 * 2 * 4 * 256 * 2
+    r = memory.memory_report(g, drafts=4, requests=25, budget=20 * memory.GIB)
+    assert r.freed() == r.total["snapshots"] - r.total["tuples"]
+    assert r.tokens_freed() == r.freed() // (20 * 1024)
+    for mode in ("snapshots", "tuples"):
+        assert r.budget_tokens(mode) == (20 * memory.GIB - r.total[mode] - r.conv_total) // (20 * 1024)
+    assert r.budget_tokens("tuples") - r.budget_tokens("snapshots") in (r.tokens_freed(), r.tokens_freed() + 1)
+
+
+def test_seed_table_reproduced_to_the_printed_digits():
+    rows = memory.seed_table()
+    assert [s.snapshots_printed for s, _ in rows] == ["6.09", "8.44", "10.12"]
+    assert [s.ring_printed for s, _ in rows] == ["0.10", "0.13", "0.16"]
+    for setup, r in rows:
+        assert memory.gib(r.total["snapshots"]) == setup.snapshots_printed, setup.label
+        assert memory.gib(r.total["seed_ring"]) == setup.ring_printed, setup.label
+        # SGLang reserves (requests + 1) * D snapshots of L*HV*V*K*4 bytes.
+        g = r.geometry
+        assert r.total["snapshots"] == (setup.requests + 1) * setup.drafts * g.gdn_layers * g.num_v_heads * 128 * 128 * 4
+        # The seed's "GB" are GiB: in 10**9 bytes they would not match.
+        assert f"{r.total['snapshots'] / 1e9:.2f}" != setup.snapshots_printed
+    text = memory.format_seed_table()
+    for s, _ in rows:
+        assert f"{s.snapshots_printed} / {s.snapshots_printed} ok" in text
+        assert f"{s.ring_printed} / {s.ring_printed} ok" in text
+    assert "DIFFERS" not in text
+
+
+def test_rejections():
+    kda = dataclasses.replace(get_geometry("qwen3.6-35b-a3b"), linear_attention="kda")
+    with pytest.raises(ValueError, match=r"scratch_bytes: geometry .* has linear_attention='kda' layers"):
+        memory.scratch_bytes(kda, 4, "tuples")
+    with pytest.raises(ValueError, match=r"scratch_bytes: record must be one of \('tuples', 'snapshots', 'seed_ring'\)"):
+        memory.scratch_bytes(get_geometry("qwen3.8-27b"), 4, "ring")
+    with pytest.raises(ValueError, match=r"memory_report: argument 'requests' must be a positive integer, got 0"):
+        memory.memory_report(get_geometry("qwen3.8-27b"), drafts=4, requests=0)
