@@ -13,6 +13,7 @@ def _check(args) -> int:
 
     from .check import format_result, run_check
     from .config import get_geometry
+    from .memory import scratch_bytes
 
     full = get_geometry(args.model)
     geom = full.reduced(gdn_layers=args.layers, heads_divisor=args.heads_divisor, head_dim=args.head_dim)
@@ -28,15 +29,37 @@ def _check(args) -> int:
         backend=args.backend,
     )
     print(format_result(result))
-    per_step_snap = full.gdn_layers * full.num_v_heads * full.head_v_dim * full.head_k_dim * jnp.dtype(dtype).itemsize
-    per_step_tup = full.gdn_layers * (
-        full.num_v_heads * full.head_v_dim + full.num_k_heads * full.head_k_dim + full.num_v_heads
-    ) * 4
+    per_step_snap = scratch_bytes(full, 1, "snapshots", state_dtype=dtype)
+    per_step_tup = scratch_bytes(full, 1, "tuples")
     print(
         f"full size     {full.name}, per request and draft step: snapshots {per_step_snap / 2**20:.2f} MiB, "
         f"tuples {per_step_tup / 2**20:.3f} MiB ({per_step_snap / per_step_tup:.1f}x smaller)"
     )
     return 0 if result.ok else 1
+
+
+def _memory(args) -> int:
+    import jax.numpy as jnp
+
+    from .config import get_geometry
+    from .memory import GIB, format_report, format_seed_table, memory_report
+
+    if args.budget is not None and args.budget < 0:
+        raise ValueError(f"--budget must be a non-negative number of GiB, got {args.budget}")
+    report = memory_report(
+        get_geometry(args.model),
+        drafts=args.drafts,
+        requests=args.requests,
+        state_dtype=jnp.dtype(args.state_dtype),
+        conv_dtype=jnp.dtype(args.conv_dtype),
+        kv_dtype=jnp.dtype(args.kv_dtype),
+        budget=None if args.budget is None else round(args.budget * GIB),
+    )
+    print(format_report(report))
+    if args.seed_table:
+        print()
+        print(format_seed_table())
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +85,26 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--backend", default="auto", help="auto, reference, pallas or triton")
     c.set_defaults(func=_check)
+
+    m = sub.add_parser(
+        "memory",
+        help="speculative scratch per record mode for a model, D and requests, and the KV cache it could be",
+        description="Print the speculative scratch of each record mode (snapshots, our tuples, the seed's ring) "
+        "and the deduplicated conv windows for a named model, D draft tokens and R running requests (R + 1 "
+        "scratch rows, as SGLang reserves), computed from the shapes the state pool allocates; the KV cache "
+        "tokens the freed bytes hold; and, with --budget, the KV tokens left in a memory budget in each mode.",
+    )
+    m.add_argument("--model", default="qwen3.6-35b-a3b", help=f"model geometry ({', '.join(MODELS)})")
+    m.add_argument("--drafts", "-D", type=int, default=4, help="D draft tokens per request (default 4)")
+    m.add_argument("--requests", "-R", type=int, default=25, help="R running requests (default 25)")
+    m.add_argument("--budget", type=float, default=None, metavar="GIB",
+                   help="GiB for speculative scratch + conv windows + KV cache: report the KV tokens left per mode")
+    m.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32", help="SSM state dtype")
+    m.add_argument("--conv-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="conv dtype")
+    m.add_argument("--kv-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="KV cache dtype")
+    m.add_argument("--seed-table", action="store_true",
+                   help="also print the seed's table (SPEC section 6) recomputed, its printed GiB beside ours")
+    m.set_defaults(func=_memory)
     return p
 
 
