@@ -119,7 +119,8 @@ def test_conv_commit_bit_exact_with_masks(seed, dtype):
     rng = np.random.default_rng(seed)
     pool = _normal(rng, (L, S, C, Kc - 1), 1.0, dtype)
     windows = _normal(rng, (L, R, C, D + Kc - 2), 1.0, dtype)
-    idx = commit_indices(seed % 1000, N=N, D=D, slots_in_pool=S, rows_in_tape=R, invalid=True, permute_rows=True)
+    # Requests use slots [0, S-1): the last slot is only reachable by wrapping a negative index.
+    idx = commit_indices(seed % 1000, N=N, D=D, slots_in_pool=S - 1, rows_in_tape=R, invalid=True, permute_rows=True)
     # More masking cases than commit_indices makes: a negative own slot (must not wrap to the
     # last slot), a track slot one past the end, a step equal to D, a track step at D - 1.
     idx.slots[5] = -1
