@@ -56,7 +56,6 @@ def _check_verify_args(fn: str, conv_state, x, weight, bias):
     for name, a in (("conv_state", conv_state), ("x", x), ("weight", weight), ("bias", bias)):
         if a is not None:
             _check_float(fn, name, a)
-    return N, D, C, W + 1
 
 
 def _taps(taps, weight, bias):

@@ -39,6 +39,7 @@ __all__ = [
     "seed_table",
     "format_report",
     "format_seed_table",
+    "gib",
 ]
 
 GIB = 2**30

@@ -257,15 +257,11 @@ def store_layer(pool: StatePool, layer, tape: Tape, windows: jax.Array, rows=Non
         raise ValueError(
             f"{fn}: the tape has D={D} draft steps, but the pool's scratch was sized for at most drafts={pool.drafts}"
         )
-    for name, got, want in zip(
-        ("u", "k", "g", "states"),
-        (getattr(tape, f, None) for f in ("u", "k", "g", "states")),
-        (getattr(pool.tape, f, None) for f in ("u", "k", "g", "states")),
-    ):
-        if got is not None:
-            _check_shape(fn, f"tape.{name}", got, (N, D, *want.shape[3:]), "[N, D, ...]", "from the pool's scratch")
-            if got.dtype != want.dtype:
-                raise TypeError(f"{fn}: argument 'tape.{name}' must be {want.dtype} (the pool's scratch), got {got.dtype}")
+    for f in dataclasses.fields(tape):
+        got, want = getattr(tape, f.name), getattr(pool.tape, f.name)
+        _check_shape(fn, f"tape.{f.name}", got, (N, D, *want.shape[3:]), "[N, D, ...]", "from the pool's scratch")
+        if got.dtype != want.dtype:
+            raise TypeError(f"{fn}: argument 'tape.{f.name}' must be {want.dtype} (the pool's scratch), got {got.dtype}")
     C, Kc = pool.geometry.conv_dim, pool.geometry.conv_kernel
     _check_shape(fn, "windows", windows, (N, C, D + Kc - 2), "[N, conv_dim, D+Kc-2]", "N, D from the tape")
     return _store_layer(pool, jnp.asarray(layer, jnp.int32), tape, windows, _check_rows(fn, rows, N))
@@ -377,12 +373,7 @@ def commit(
     """
     if not isinstance(pool, StatePool):
         raise TypeError(f"commit: argument 'pool' must be a StatePool, got {type(pool).__name__}")
-    if (track_slots is None) != (track_steps is None):
-        raise ValueError("commit: give both track_slots and track_steps, or neither")
-    N = _shape(slots)[0] if len(_shape(slots)) == 1 else 0
-    if track_slots is None:  # the defaults as arrays: one compiled commit for every call form
-        track_slots = track_steps = jnp.full((N,), -1, jnp.int32)
-    rows = jnp.arange(N, dtype=jnp.int32) if rows is None else rows
+    # Defaults (None) are filled, and every argument checked, by the two commits it calls.
     return _commit(pool, slots, steps, track_slots, track_steps, rows, backend=backend)
 
 
