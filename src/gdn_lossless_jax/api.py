@@ -164,21 +164,23 @@ def verify(
     return impl.verify(state0, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, out_dtype=out_dtype)
 
 
-def _check_tuples(fn: str, tuples: Tuples, lead: tuple[int, ...], HV: int, V: int, K: int, lead_dims: str):
+def _check_tuples(
+    fn: str, tuples: Tuples, lead: tuple[int, ...], HV: int, V: int, K: int, lead_dims: str, prefix: str = "tuples"
+):
     if not isinstance(tuples, Tuples):
         raise TypeError(f"{fn}: the tape must be a Tuples tape here, got {type(tuples).__name__}")
     nl = len(lead)
-    _check_rank(fn, "tuples.u", tuples.u, nl + 3, f"[{lead_dims}, D, HV, V]")
+    _check_rank(fn, f"{prefix}.u", tuples.u, nl + 3, f"[{lead_dims}, D, HV, V]")
     D = _shape(tuples.u)[nl]
-    _check_shape(fn, "tuples.u", tuples.u, (*lead, D, HV, V), f"[{lead_dims}, D, HV, V]", "HV, V from the state")
-    _check_rank(fn, "tuples.k", tuples.k, nl + 3, f"[{lead_dims}, D, H, K]")
+    _check_shape(fn, f"{prefix}.u", tuples.u, (*lead, D, HV, V), f"[{lead_dims}, D, HV, V]", "HV, V from the state")
+    _check_rank(fn, f"{prefix}.k", tuples.k, nl + 3, f"[{lead_dims}, D, H, K]")
     H = _shape(tuples.k)[nl + 1]
-    _check_shape(fn, "tuples.k", tuples.k, (*lead, D, H, K), f"[{lead_dims}, D, H, K]", "from tuples.u and K")
-    _check_shape(fn, "tuples.g", tuples.g, (*lead, D, HV), f"[{lead_dims}, D, HV]", "from tuples.u")
+    _check_shape(fn, f"{prefix}.k", tuples.k, (*lead, D, H, K), f"[{lead_dims}, D, H, K]", "from the u field and K")
+    _check_shape(fn, f"{prefix}.g", tuples.g, (*lead, D, HV), f"[{lead_dims}, D, HV]", "from the u field")
     for name in ("u", "k", "g"):
         x = getattr(tuples, name)
         if jnp.dtype(x.dtype) != jnp.float32:
-            raise TypeError(f"{fn}: argument 'tuples.{name}' must be float32 (the tape is always fp32), got {x.dtype}")
+            raise TypeError(f"{fn}: argument '{prefix}.{name}' must be float32 (the tape is always fp32), got {x.dtype}")
     _check_heads(fn, H, HV)
 
 
@@ -260,7 +262,7 @@ def commit(
     elif isinstance(tape, Tuples):
         _check_rank(fn, "tape.u", tape.u, 5, "[L, R, D, HV, V]")
         R = _shape(tape.u)[1]
-        _check_tuples(fn, tape, (L, R), HV, V, K, "L, R")
+        _check_tuples(fn, tape, (L, R), HV, V, K, "L, R", prefix="tape")
     else:
         raise TypeError(f"{fn}: tape must be Tuples or Snapshots, got {type(tape).__name__}")
     impl = backends.resolve(backend, "commit")

@@ -42,11 +42,12 @@ def bits(x) -> np.ndarray:
 
 
 def _ordered(a: np.ndarray) -> np.ndarray:
-    """Map float bits to integers whose order is the float order (``-0`` next to ``+0``)."""
-    n = a.dtype.itemsize * 8
-    u = bits(a).astype(np.int64) if n < 64 else bits(a).astype(np.uint64).astype(object)
-    sign = np.int64(1) << (n - 1)
-    return np.where(u >= sign, sign - u, u) if n < 64 else u
+    """Map float bits to integers in float order, with ``-0`` one below ``+0``."""
+    if a.dtype.itemsize > 4:
+        raise TypeError(f"ulp_distance supports 16- and 32-bit floats, got {a.dtype}")
+    u = bits(a).astype(np.int64)
+    sign = np.int64(1) << (a.dtype.itemsize * 8 - 1)
+    return np.where(u >= sign, sign - u - 1, u)
 
 
 def ulp_distance(a, b) -> np.ndarray:

@@ -3,6 +3,19 @@
 ``reference`` is pure JAX/XLA and runs on any platform. ``pallas`` (Pallas Triton on
 CUDA/ROCm, interpret mode on a CPU) and ``triton`` (jax-triton) are GPU kernels behind the
 same interface, so either can be replaced without touching the API.
+
+A backend is a module ``gdn_lossless_jax.backends.<name>`` with three functions, called
+by :mod:`gdn_lossless_jax.api` after every argument check (shapes and dtypes are valid,
+indices are int32, ``scale`` is a float and ``out_dtype`` a numpy dtype)::
+
+    verify(state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype) -> (outputs, tape)
+    replay(state0, tuples, steps) -> states
+    commit(pool, tape, slots, steps, track_slots, track_steps, rows) -> pool
+
+and optionally ``check_available(op: str) -> None``, which raises
+:class:`BackendUnavailable` with a message naming the backend, the platform and the
+alternatives when it cannot run here. Semantics are those of the reference
+(:mod:`gdn_lossless_jax.reference`), bit for bit where the reference is pinned.
 """
 
 from __future__ import annotations

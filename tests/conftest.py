@@ -1,0 +1,33 @@
+import os
+import random
+import zlib
+
+import jax
+import pytest
+
+# Tests compare bit patterns of float32 work: keep JAX's defaults (x64 off) everywhere.
+jax.config.update("jax_enable_x64", False)
+
+ON_GPU = jax.default_backend() == "gpu"
+
+requires_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA or ROCm GPU (JAX default backend is not 'gpu')")
+
+
+def pytest_configure(config):
+    # Fresh seeds on every run, reproducible with GDN_SEED=<printed value>. Set before the
+    # xdist workers start, so that they inherit it.
+    os.environ.setdefault("GDN_SEED", str(random.randrange(1, 2**20)))
+
+
+def pytest_report_header(config):
+    return (
+        f"jax {jax.__version__}, default backend {jax.default_backend()}; "
+        f"GDN_SEED={os.environ['GDN_SEED']} (set it to reproduce this run's inputs)"
+    )
+
+
+@pytest.fixture
+def seed(request):
+    """A seed per test: fresh per run (GDN_SEED), distinct per test id."""
+    base = int(os.environ["GDN_SEED"])
+    return (base * 1_000_003 + zlib.crc32(request.node.nodeid.encode())) % (2**31)
