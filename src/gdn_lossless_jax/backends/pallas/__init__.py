@@ -1,0 +1,85 @@
+"""The ``pallas`` backend: Pallas kernels (Triton backend) for verify and commit.
+
+On a GPU they compile through Pallas Triton with the rule pinned in PTX on CUDA (the
+portable integer form on ROCm, or on request); on a CPU the same kernel bodies run in
+Pallas interpret mode with the portable form, so CI covers their logic. JAX 0.11
+deprecates Pallas Triton (it still ships and is the GPU default in 0.12); this module is
+the only place that depends on it.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+from ...tape import Snapshots, Tuples
+from .. import BackendUnavailable, platform
+from .commit import CommitConfig, commit_snapshots, commit_tuples
+from .rounding import CONTROL_FORMS, FORMS, default_form
+from .verify import VerifyConfig
+from .verify import verify as _verify
+
+__all__ = ["verify", "replay", "commit", "check_available", "VerifyConfig", "CommitConfig", "FORMS"]
+
+
+def _interpret() -> bool:
+    return platform() == "cpu"
+
+
+def check_available(op: str) -> None:
+    p = platform()
+    if p not in ("cpu", "gpu"):
+        raise BackendUnavailable(
+            f"{op}: backend 'pallas' runs Pallas Triton on CUDA/ROCm GPUs (or in interpret mode on a CPU), "
+            f"not on platform {p!r}. Alternatives: 'reference' (any platform)."
+        )
+    try:
+        from jax.experimental.pallas import triton as _  # noqa: F401
+    except ImportError as e:
+        raise BackendUnavailable(
+            f"{op}: backend 'pallas' needs Pallas Triton, which this JAX ({jax.__version__}) lacks on platform {p!r} "
+            f"({e}). Alternatives: 'triton' (jax-triton, on a GPU) or 'reference'."
+        ) from e
+
+
+
+
+def _form(form: str | None, allowed=FORMS) -> str:
+    interpret = _interpret()
+    form = form or default_form(interpret)
+    if form not in allowed:
+        raise ValueError(f"pallas: rounding form must be one of {allowed}, got {form!r}")
+    if interpret and form == "ptx":
+        raise BackendUnavailable("pallas: the 'ptx' rounding form needs a CUDA GPU; interpret mode uses 'portable'")
+    return form
+
+
+def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, form=None, config=VerifyConfig()):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+        outputs, fields = _verify(
+            state0, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, out_dtype=jnp.dtype(out_dtype),
+            config=config, form=_form(form), interpret=_interpret(),
+        )  # fmt: skip
+    return outputs, (Snapshots(*fields) if record == "snapshots" else Tuples(*fields))
+
+
+def commit(pool, tape, slots, steps, track_slots, track_steps, rows, *, form=None, config=CommitConfig()):
+    idx = (slots, steps, track_slots, track_steps, rows)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+        if isinstance(tape, Snapshots):
+            return commit_snapshots(pool, tape.states, *idx, config=config, interpret=_interpret())
+        form = _form(form, FORMS + CONTROL_FORMS)  # the control forms are for tests
+        return commit_tuples(pool, tape.u, tape.k, tape.g, *idx, config=config, form=form, interpret=_interpret())
+
+
+def replay(state0, tuples, steps, *, form=None, config=CommitConfig()):
+    """The commit kernel on a one-layer pool made of state0 (slot i = request i)."""
+    N = state0.shape[0]
+    ar = jnp.arange(N, dtype=jnp.int32)
+    none = jnp.full((N,), -1, jnp.int32)
+    tape = jax.tree.map(lambda t: t[None], tuples)
+    return commit(state0[None], tape, ar, steps, none, none, ar, form=form, config=config)[0]

@@ -1,0 +1,141 @@
+"""Pallas (Triton backend) commit: all GDN layers of a batch in one launch, in place.
+
+Tuple tape: grid ``(N, L * HV, V // BV)``. A program loads the pre-verify state tile of
+its request's slot once, walks the chain up to ``max(step, track_step)`` with the rule
+``fma(k, u, rn(S * exp(g)))``, and stores the track state when the chain reaches the track
+step and the accepted state when it reaches the accepted step. Both come from the
+pre-verify state held in registers, so writing the accepted state in place cannot corrupt
+the track state (the seed's ordering bug cannot happen by construction).
+
+Snapshot tape: the same grid, a masked gather-scatter of the two snapshots.
+
+The pool is aliased to the output (``input_output_aliases``): under ``jax.jit`` with the
+pool donated, the update happens in place; unwritten slots keep their bits either way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from .rounding import replay_update
+
+__all__ = ["CommitConfig", "commit_tuples", "commit_snapshots"]
+
+F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitConfig:
+    block_v: int = 32
+    num_warps: int = 4
+    num_stages: int = 1
+
+    def fit(self, V: int) -> "CommitConfig":
+        return dataclasses.replace(self, block_v=min(self.block_v, V))
+
+
+def _request(idx_refs, n, S: int, R: int, D: int):
+    """SGLang's masking rules for request n (see reference._masks)."""
+    slots_ref, steps_ref, tslots_ref, tsteps_ref, rows_ref = idx_refs
+    slot, step, tslot, tstep, row = slots_ref[n], steps_ref[n], tslots_ref[n], tsteps_ref[n], rows_ref[n]
+    valid = (slot >= 0) & (slot < S) & (row >= 0) & (row < R)
+    accept = valid & (step >= 0) & (step < D)
+    track = valid & (tstep >= 0) & (tstep < D) & (tslot >= 0) & (tslot < S)
+    return slot, step, tslot, tstep, row, accept, track
+
+
+def _tuples_kernel(*refs, HV: int, r: int, BV: int, form: str):
+    idx_refs = refs[:5]
+    u_ref, k_ref, g_ref = refs[5:8]
+    pool_out = refs[-1]
+    L, S = pool_out.shape[0], pool_out.shape[1]
+    R, D = u_ref.shape[1], u_ref.shape[2]
+    n, lh, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    l, hv = lh // HV, lh % HV
+    h = hv // r
+    vs = pl.ds(j * BV, BV)
+    slot, step, tslot, tstep, row, accept, track = _request(idx_refs, n, S, R, D)
+    update = replay_update(form)
+
+    @pl.when(accept | track)
+    def _():
+        last = jnp.maximum(jnp.where(accept, step, -1), jnp.where(track, tstep, -1))
+        S0 = pool_out[l, slot, hv, vs, :].astype(F32)
+
+        def body(t, S):
+            k = k_ref[l, row, t, h, :]
+            u = u_ref[l, row, t, hv, vs]
+            alpha = jnp.exp(g_ref[l, row, t, hv])
+            S = update(S, alpha, k, u)
+
+            @pl.when(track & (t == tstep))
+            def _():
+                pool_out[l, tslot, hv, vs, :] = S.astype(pool_out.dtype)
+
+            @pl.when(accept & (t == step))
+            def _():
+                pool_out[l, slot, hv, vs, :] = S.astype(pool_out.dtype)
+
+            return S
+
+        lax.fori_loop(0, last + 1, body, S0)
+
+
+def _snapshots_kernel(*refs, HV: int, BV: int):
+    idx_refs = refs[:5]
+    snap_ref = refs[5]
+    pool_out = refs[-1]
+    S, R, D = pool_out.shape[1], snap_ref.shape[1], snap_ref.shape[2]
+    n, lh, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    l, hv = lh // HV, lh % HV
+    vs = pl.ds(j * BV, BV)
+    slot, step, tslot, tstep, row, accept, track = _request(idx_refs, n, S, R, D)
+
+    @pl.when(track)
+    def _():
+        pool_out[l, tslot, hv, vs, :] = snap_ref[l, row, tstep, hv, vs, :]
+
+    @pl.when(accept)
+    def _():
+        pool_out[l, slot, hv, vs, :] = snap_ref[l, row, step, hv, vs, :]
+
+
+def _launch(kernel, pool, tape_leaves, idx, cfg: CommitConfig, interpret: bool, name: str):
+    from jax.experimental.pallas import triton as plgpu
+
+    L, _, HV, V, _ = pool.shape
+    N = idx[0].shape[0]
+    inputs = [*idx, *tape_leaves, pool]
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+        grid=(N, L * HV, V // cfg.block_v),
+        input_output_aliases={len(inputs) - 1: 0},
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name=name,
+    )(*inputs)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "form", "interpret"), donate_argnums=())
+def commit_tuples(pool, u, k, g, slots, steps, track_slots, track_steps, rows, *, config=CommitConfig(), form, interpret):
+    HV, V = pool.shape[2], pool.shape[3]
+    cfg = config.fit(V)
+    kernel = functools.partial(_tuples_kernel, HV=HV, r=HV // k.shape[3], BV=cfg.block_v, form=form)
+    idx = (slots, steps, track_slots, track_steps, rows)
+    return _launch(kernel, pool, (u, k, g), idx, cfg, interpret, "gdn_commit_replay")
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def commit_snapshots(pool, states, slots, steps, track_slots, track_steps, rows, *, config=CommitConfig(), interpret):
+    HV, V = pool.shape[2], pool.shape[3]
+    cfg = config.fit(V)
+    kernel = functools.partial(_snapshots_kernel, HV=HV, BV=cfg.block_v)
+    idx = (slots, steps, track_slots, track_steps, rows)
+    return _launch(kernel, pool, (states,), idx, cfg, interpret, "gdn_commit_scatter")

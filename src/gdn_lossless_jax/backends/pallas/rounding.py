@@ -1,0 +1,87 @@
+"""The rule's two primitives inside a Pallas kernel: PTX on CUDA, or the portable form.
+
+``"ptx"`` pins them with ``elementwise_inline_asm`` (``mul.rn.f32``, ``fma.rn.f32``): one
+instruction each, which no compiler pass can contract or reorder. ``"portable"`` uses
+:func:`gdn_lossless_jax.rounding.mul_rn` / ``fma_rn`` (integer operations on the bit
+patterns): it lowers in Pallas Triton on any GPU (ROCm has no PTX; the AMDGPU backend
+rejects the ``f`` constraint) and in interpret mode on a CPU. Both are exact, so they
+give the same bits (the H200 run checks that).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ... import rounding
+
+__all__ = ["Ops", "FORMS", "CONTROL_FORMS", "ops", "replay_update", "default_form"]
+
+
+class Ops(NamedTuple):
+    mul: Callable  # rn(x * y)
+    fma: Callable  # rn(a * b + c)
+
+
+def _asm(instr: str, n_args: int) -> Callable:
+    from jax.experimental.pallas import triton as plgpu
+
+    operands = ", ".join(f"${i}" for i in range(n_args + 1))
+    constraints = ",".join(["=f"] + ["f"] * n_args)
+
+    def op(*args):
+        shape = jnp.broadcast_shapes(*(jnp.shape(x) for x in args))
+        args = [jnp.broadcast_to(jnp.asarray(x, jnp.float32), shape) for x in args]
+        (out,) = plgpu.elementwise_inline_asm(
+            f"{instr} {operands};",
+            args=args,
+            constraints=constraints,
+            pack=1,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)],
+        )
+        return out
+
+    return op
+
+
+def _ptx() -> Ops:
+    return Ops(mul=_asm("mul.rn.f32", 2), fma=_asm("fma.rn.f32", 3))
+
+
+def _portable() -> Ops:
+    return Ops(mul=rounding.mul_rn, fma=rounding.fma_rn)
+
+
+FORMS = ("ptx", "portable")
+#: Forms that break the rule on purpose, for tests: ``naive`` writes the replay update as
+#: one expression, ``S * alpha + k * u``, and lets the compiler round it (Pallas Triton
+#: rounds twice; interpret mode on XLA:CPU contracts the other product).
+CONTROL_FORMS = ("naive",)
+
+
+def ops(form: str) -> Ops:
+    if form == "ptx":
+        return _ptx()
+    if form == "portable":
+        return _portable()
+    raise ValueError(f"pallas rounding form must be one of {FORMS}, got {form!r}")
+
+
+def replay_update(form: str) -> Callable:
+    """``(S [BV, K], alpha, k [K], u [BV]) -> S'``: the rule in ``form`` (or a control form)."""
+    if form == "naive":
+        return lambda S, alpha, k, u: S * alpha + k[None, :] * u[:, None]
+    mul, fma = ops(form)
+    return lambda S, alpha, k, u: fma(k[None, :], u[:, None], mul(S, alpha))
+
+
+def default_form(interpret: bool) -> str:
+    """PTX on CUDA; the portable form on ROCm and in interpret mode."""
+    if interpret:
+        return "portable"
+    platform_version = getattr(jax.devices()[0], "platform_version", "") or ""
+    client = jax.devices()[0].client
+    is_rocm = "rocm" in platform_version.lower() or "rocm" in str(getattr(client, "platform_version", "")).lower()
+    return "portable" if is_rocm else "ptx"

@@ -1,0 +1,86 @@
+"""The shared equivalence suite (tests/equivalence.py) over backends and geometries.
+
+On a CPU: the reference over D in {1, 2, 3, 4, 8, 16} x (H, HV) in {(16, 32), (4, 16),
+(8, 8)} at small head dims (N = 1 with an fp32 pool, N = 5 with a bf16 pool) plus
+K = V = 128 cases; the Pallas kernels in interpret mode over a smaller matrix.
+On a GPU (the H200 run): every backend over D in {2, 3, 4, 8, 16} x (H, HV) in
+{(16, 32), (4, 16)} x N in {1, 5} x {fp32, bf16} at K = V = 128.
+Every case has a track copy, a permuted rows mapping and invalid rows (negative step,
+out-of-range slot, row and track slot).
+"""
+
+import importlib.util
+import itertools
+
+import jax.numpy as jnp
+import pytest
+
+from conftest import ON_GPU
+from equivalence import check_commit, check_controls, check_outputs, check_replay_every_step, make_case
+from gdn_lossless_jax.cases import Shape
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+
+CONTROL_BACKENDS = ["reference", "pallas"] + (
+    ["triton"] if ON_GPU and importlib.util.find_spec("jax_triton") is not None else []
+)
+
+
+def _param(backend, shape, dtype):
+    s = shape
+    name = f"{backend}-D{s.D}-H{s.H}-HV{s.HV}-K{s.K}-N{s.N}-{jnp.dtype(dtype).name}"
+    return pytest.param(backend, shape, dtype, id=name)
+
+
+def _cases():
+    if ON_GPU:
+        backends = ["reference", "pallas"]
+        if importlib.util.find_spec("jax_triton") is not None:
+            backends.append("triton")
+        return [
+            _param(b, Shape(N=n, D=d, H=h, HV=hv, K=128, V=128), dt)
+            for b, d, (h, hv), n, dt in itertools.product(
+                backends, [2, 3, 4, 8, 16], [(16, 32), (4, 16)], [1, 5], [F32, BF16]
+            )
+        ]
+    small = [
+        _param("reference", Shape(N=n, D=d, H=h, HV=hv, K=8, V=16), dt)
+        for d, (h, hv), (n, dt) in itertools.product(
+            [1, 2, 3, 4, 8, 16], [(16, 32), (4, 16), (8, 8)], [(1, F32), (5, BF16)]
+        )
+    ]
+    full = [
+        _param("reference", Shape(N=2, D=4, H=16, HV=32, K=128, V=128), F32),
+        _param("reference", Shape(N=5, D=8, H=4, HV=16, K=128, V=128), BF16),
+    ]
+    interpret = [
+        _param("pallas", Shape(N=n, D=d, H=h, HV=hv, K=16, V=16), dt)
+        for d, (h, hv), (n, dt) in [
+            (1, (4, 16), (1, F32)),
+            (3, (4, 16), (5, BF16)),
+            (4, (16, 32), (5, F32)),
+            (16, (8, 8), (5, BF16)),
+            (2, (16, 32), (1, BF16)),
+        ]
+    ]
+    return small + full + interpret
+
+
+@pytest.mark.parametrize("backend,shape,state_dtype", _cases())
+def test_equivalence(backend, shape, state_dtype, seed):
+    case = make_case(backend, seed, shape, state_dtype=state_dtype)
+    check_outputs(case)
+    if shape.K >= 128 and not ON_GPU:  # a sample of steps on one layer keeps the CPU run short
+        check_replay_every_step(case, steps=[-1, shape.D // 2, shape.D - 1], layers=[0])
+    else:
+        check_replay_every_step(case)
+    check_commit(case)
+
+
+@pytest.mark.parametrize("backend", CONTROL_BACKENDS)
+@pytest.mark.parametrize("state_dtype", [F32, BF16])
+@pytest.mark.parametrize("kind", ["normal", "mixed"])
+def test_controls_are_caught(backend, state_dtype, kind, seed):
+    case = make_case(backend, seed, Shape(N=4, D=4, H=2, HV=4, K=32, V=32), state_dtype=state_dtype, kind=kind)
+    check_controls(case)
