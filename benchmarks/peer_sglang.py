@@ -228,12 +228,19 @@ def scatter_call(peer: Peer, *, pool, snapshots, slots, steps, track_slots, trac
 
 
 # ---------------------------------------------------------------------------------
-# Timed rows (GPU only)
+# Timed rows (on a GPU; ``device="cpu"`` only for checking the plumbing)
 # ---------------------------------------------------------------------------------
-def _graph_or_eager(fn, torch):
+def _sync(torch, device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _graph_or_eager(fn, torch, device):
     """A CUDA graph of ``fn``'s launches (after an eager warm-up), or ``fn`` itself."""
     fn()  # compiles the Triton kernels
-    torch.cuda.synchronize()
+    _sync(torch, device)
+    if device.type != "cuda":
+        return fn, "eager launches (not on a CUDA device)"
     try:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -250,8 +257,9 @@ def _graph_or_eager(fn, torch):
         return fn, f"eager launches (graph capture failed: {type(e).__name__}: {str(e)[:120]})"
 
 
-def peer_rows(peer: Peer, inp, clock, ref_out=None):
-    """The peer's verify (snapshot path) and SSM scatter rows on ``inp``'s arrays, and its checks."""
+def peer_rows(peer: Peer, inp, clock, ref_out=None, device: str = "cuda"):
+    """The peer's verify (snapshot path) and SSM scatter rows on ``inp``'s arrays
+    (:class:`benchmarks.suite.ConfigInputs`), their first-call times and the checks."""
     import time
 
     import numpy as np
@@ -260,7 +268,8 @@ def peer_rows(peer: Peer, inp, clock, ref_out=None):
     from . import traffic as tr
     from .timing import Row
 
-    dev = torch.device("cuda")
+    dev = torch.device(device)
+    sync = lambda: _sync(torch, dev)  # noqa: E731
     t = torch.from_dlpack
     s, cfg, L = inp.shape, inp.config.label, inp.layers
     N, D = s.N, s.D
@@ -282,8 +291,8 @@ def peer_rows(peer: Peer, inp, clock, ref_out=None):
     checks = {}
     t0 = time.perf_counter()
     out0 = one(0)
-    torch.cuda.synchronize()
-    compile_verify = time.perf_counter() - t0
+    sync()
+    first_verify = time.perf_counter() - t0
     if ref_out is not None:
         x = out0.float().cpu().numpy().astype(np.float64)
         checks["outputs_rel_err_vs_reference"] = float(np.linalg.norm(x - ref_out) / max(np.linalg.norm(ref_out), 1e-300))
@@ -293,42 +302,47 @@ def peer_rows(peer: Peer, inp, clock, ref_out=None):
         for r in range(len(smalls)):
             one(r)
 
-    run_v, how_v = _graph_or_eager(verify_all, torch)
+    run_v, how_v = _graph_or_eager(verify_all, torch, dev)
 
     def noop():
         tiny.add_(1)
-        torch.cuda.synchronize()
+        sync()
 
     rows = [
         Row(config=cfg, backend="sglang", op="verify", record="snapshots", calls=len(smalls),
-            traffic=tr.verify_traffic(s, "snapshots"), compile_s=compile_verify,
-            run=lambda: (run_v(), torch.cuda.synchronize()), noop=noop,
+            traffic=tr.verify_traffic(s, "snapshots"), compile_s=first_verify,
+            run=lambda: (run_v(), sync()), noop=noop,
             notes=[f"{peer.origin}; {len(smalls)} calls per invocation over {C} state copies; {how_v}; PDL off"])
     ]  # fmt: skip
 
     pool = t(inp.pool_box[0]).clone()
+    # The clone runs on torch's stream; JAX's commit rows later donate and overwrite the
+    # pool on JAX's stream: let the clone finish first.
+    sync()
     snaps = t(inp.snapshots.states)
     idx = [[t(x) for x in ix] for ix in inp.index_args]
 
     def commit_all():
         for slots, steps, tslots, tsteps, rws in idx:
-            scatter_call(peer, pool=pool, snapshots=snaps, slots=slots, steps=steps, track_slots=tslots, track_steps=tsteps, rows=rws)
+            scatter_call(peer, pool=pool, snapshots=snaps, slots=slots, steps=steps, track_slots=tslots,
+                         track_steps=tsteps, rows=rws)  # fmt: skip
 
     t0 = time.perf_counter()
     commit_all()
-    torch.cuda.synchronize()
-    compile_commit = time.perf_counter() - t0
-    run_c, how_c = _graph_or_eager(commit_all, torch)
+    sync()
+    first_commit = time.perf_counter() - t0
+    run_c, how_c = _graph_or_eager(commit_all, torch, dev)
     traffic = [tr.commit_traffic(s, L, ix, "snapshots", slots_in_pool=inp.slots) for ix in inp.index_sets]
     mean = tr.Traffic(sum(x.read for x in traffic) // len(traffic), sum(x.write for x in traffic) // len(traffic))
     rows.append(
         Row(config=cfg, backend="sglang", op="commit", record="snapshots", calls=len(idx), traffic=mean,
-            compile_s=compile_commit, run=lambda: (run_c(), torch.cuda.synchronize()), noop=noop,
+            compile_s=first_commit, run=lambda: (run_c(), sync()), noop=noop,
             notes=[f"{peer.origin}; fused_mamba_state_scatter_with_mask twice per commit (accepted, track); "
                    f"{len(idx)} commits per invocation; {how_c}"])
     )  # fmt: skip
-    clock.log(f"{cfg} sglang: first verify call {compile_verify:.2f} s, first commit {compile_commit:.2f} s; {how_v}")
-    return rows, {"verify_snapshots_first_call": compile_verify, "commit_snapshots_first_call": compile_commit}, checks
+    clock.log(f"{cfg} sglang: first verify call {first_verify:.2f} s, first commit {first_commit:.2f} s; {how_v}")
+    times = {"verify_snapshots_first_call": first_verify, "commit_snapshots_first_call": first_commit}
+    return rows, times, checks
 
 
 def _main(argv=None):

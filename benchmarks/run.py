@@ -48,7 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "when it is spent (mode default)")
     p.add_argument("--max-wall-s", type=float, default=None,
                    help="skip configurations (and the CPU reference) that would end after this many seconds of run "
-                        "time, estimated from the previous configuration (h200 default: 420; cpu-small: none)")
+                        "time, estimated from the previous configuration (h200 default: 330; cpu-small: none)")
     p.add_argument("--peer", choices=("auto", "off"), default="auto",
                    help="auto: also time SGLang's verify and scatter kernels when they can be loaded (GPU only)")
     p.add_argument("--sglang-src", type=Path, default=None,
@@ -288,7 +288,7 @@ def main(argv=None) -> int:
 
     mode = _mode(args)
     configs = bc.parse_configs(args.configs, mode.configs)
-    max_wall = args.max_wall_s if args.max_wall_s is not None else (420.0 if args.mode == "h200" else None)
+    max_wall = args.max_wall_s if args.max_wall_s is not None else (330.0 if args.mode == "h200" else None)
 
     from . import suite
     from .timing import Clock
