@@ -76,13 +76,13 @@ ROW_HEADER = (
 )
 
 
-def _row_line(r: dict) -> str:
+def _row_line(r: dict, with_config: bool = False) -> str:
     spread = f"{_f(r.get('p10_us'))}-{_f(r.get('p90_us'))}" if r.get("p10_us") is not None else "-"
     notes = "; ".join(r.get("notes") or [])
     if r.get("failed"):
         notes = f"FAILED: {r['failed']}"
-    return (
-        f"| {r['backend']} | {OP_TITLES.get(r['op'], r['op'])} | {r['record'] or '-'} | {_f(r.get('median_us'))} | {spread} "
+    return ("| " + (f"{r['config']} | " if with_config else "")) + (
+        f"{r['backend']} | {OP_TITLES.get(r['op'], r['op'])} | {r['record'] or '-'} | {_f(r.get('median_us'))} | {spread} "
         f"| {_f(r.get('min_us'))} | {_mb(r['bytes'])} | {_f(r.get('gbps'), '{:.3g}')} | {_f(r.get('floor_us'))} "
         f"| {_f(r.get('x_floor'), '{:.2f}')} | {_f(r.get('vs_snapshots'), '{:.2f}')} | {_f(r.get('vs_sglang'), '{:.2f}')} "
         f"| {notes.replace('|', '/')} |"
@@ -95,8 +95,13 @@ def _order(r):
     return (ops.get(r["op"], 9), be.get(r["backend"], 5), r["backend"], r["record"] != "tuples")
 
 
-def _rows_table(rows: list[dict]) -> list[str]:
-    return [ROW_HEADER] + [_row_line(r) for r in sorted(rows, key=_order)]
+def _rows_table(rows: list[dict], with_config: bool = False) -> list[str]:
+    if not with_config:
+        return [ROW_HEADER] + [_row_line(r) for r in sorted(rows, key=_order)]
+    head = ROW_HEADER.split("\n")
+    header = ["| config " + head[0], "|---" + head[1]]
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    return header + [_row_line(r, True) for r in sorted(rows, key=lambda r: (configs.index(r["config"]), *_order(r)))]
 
 
 def write_markdown(result: dict, path: Path) -> None:
@@ -162,7 +167,7 @@ def write_markdown(result: dict, path: Path) -> None:
         lines += [f"## Reference backend on the CPU ({cm['geometry']['name']}: L={cm['geometry']['gdn_layers']}, "
                   f"H={cm['geometry']['num_k_heads']}, HV={cm['geometry']['num_v_heads']}, K=V={cm['geometry']['head_k_dim']})", "",
                   f"CPU copy rate: {cpu['copy']['rate_gbps']:.1f} GB/s." if cpu.get("copy") else "", ""]  # fmt: skip
-        lines += _rows_table(cpu["rows"]) + [""]
+        lines += _rows_table(cpu["rows"], with_config=True) + [""]
     path.write_text("\n".join(lines) + "\n")
 
 
