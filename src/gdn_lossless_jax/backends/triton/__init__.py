@@ -1,0 +1,75 @@
+"""The ``triton`` backend: Triton kernels for verify and commit, called through jax-triton.
+
+Optional: it needs a GPU, ``triton`` and ``jax-triton`` (``pip install
+'gdn_lossless_jax[triton]'``; jax-triton 0.3.1 pairs with jax 0.11.2 and triton 3.6).
+Importing this package never fails; :func:`check_available` (called by the backend
+registry before any use) raises :class:`~gdn_lossless_jax.backends.BackendUnavailable`
+where it cannot run.
+
+Kernels (``verify.py``, ``commit.py``) pin the rounding rule with ``tl.fma`` and use
+libdevice's ``exp`` (the one XLA and Pallas call on the GPU), so tapes recorded here replay
+bit for bit in the other backends on the same device (see ``_lang.py``).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from ...tape import Snapshots, Tuples
+from .. import BackendUnavailable, platform
+from ._lang import IMPORT_ERROR
+from .commit import CommitConfig, commit_snapshots, commit_tuples
+from .commit import replay as _replay
+from .verify import VerifyConfig
+from .verify import verify as _verify
+
+__all__ = ["verify", "replay", "commit", "check_available", "VerifyConfig", "CommitConfig"]
+
+_INSTALL = "pip install 'gdn_lossless_jax[triton]' (jax-triton 0.3.1, for jax 0.11.2 and triton 3.6)"
+_ALTERNATIVES = "Alternatives: 'pallas' (Pallas Triton), 'reference' (pure JAX, any platform), 'auto'."
+
+
+def check_available(op: str) -> None:
+    """Raise :class:`BackendUnavailable` unless a GPU, triton and jax-triton are all here."""
+    p = platform()
+    if p != "gpu":
+        raise BackendUnavailable(
+            f"{op}: backend 'triton' runs Triton kernels on a CUDA or ROCm GPU through jax-triton, "
+            f"but JAX's default platform here is {p!r}. {_ALTERNATIVES} On a GPU machine, install it with: {_INSTALL}."
+        )
+    if IMPORT_ERROR is not None:
+        raise BackendUnavailable(
+            f"{op}: backend 'triton' needs the 'triton' package, which cannot be imported on platform {p!r} "
+            f"({IMPORT_ERROR}). Install it with: {_INSTALL}. {_ALTERNATIVES}"
+        ) from IMPORT_ERROR
+    try:
+        import jax_triton  # noqa: F401
+    except ImportError as e:
+        raise BackendUnavailable(
+            f"{op}: backend 'triton' needs 'jax-triton', which cannot be imported on platform {p!r} ({e}). "
+            f"Install it with: {_INSTALL}. {_ALTERNATIVES}"
+        ) from e
+
+
+def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, config: VerifyConfig = VerifyConfig()):
+    """See :func:`gdn_lossless_jax.verify`; ``config`` sets the kernel's tile and launch."""
+    check_available("verify")
+    outputs, fields = _verify(
+        state0, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, out_dtype=jnp.dtype(out_dtype), config=config
+    )
+    return outputs, (Snapshots(*fields) if record == "snapshots" else Tuples(*fields))
+
+
+def replay(state0, tuples, steps, *, config: CommitConfig = CommitConfig()):
+    """See :func:`gdn_lossless_jax.replay`: the commit kernel on a one-layer pool made of state0."""
+    check_available("replay")
+    return _replay(state0, tuples.u, tuples.k, tuples.g, steps, config=config)
+
+
+def commit(pool, tape, slots, steps, track_slots, track_steps, rows, *, config: CommitConfig = CommitConfig()):
+    """See :func:`gdn_lossless_jax.commit`: one launch for all layers, in place on the pool."""
+    check_available("commit")
+    idx = (slots, steps, track_slots, track_steps, rows)
+    if isinstance(tape, Snapshots):
+        return commit_snapshots(pool, tape.states, *idx, config=config)
+    return commit_tuples(pool, tape.u, tape.k, tape.g, *idx, config=config)

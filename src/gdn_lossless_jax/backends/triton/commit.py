@@ -1,0 +1,253 @@
+"""Commit (and replay) as Triton kernels, called through jax-triton, in place on the pool.
+
+Tuple tape: one launch for all layers, grid ``(V tiles * HV, N, L)``. Each program reads
+its ``[BV, K]`` tile of the pre-verify state ``pool[l, slots[n], hv]`` once, walks the
+chain ``t = 0 .. max(steps[n], track_steps[n])`` in registers with the library's rule
+``S = fma(k_t, u_t, rn(S * exp(g_t)))`` (k of q/k head ``hv // (HV // H)``), and stores
+the state to ``pool[l, track_slots[n]]`` when ``t == track_steps[n]`` and to
+``pool[l, slots[n]]`` when ``t == steps[n]`` (rounded to the pool dtype). Both come from
+the pre-verify state read before either write, so the accepted-first ordering bug of the
+seed cannot happen.
+
+Snapshot tape: a masked gather-scatter, grid ``(blocks of HV*V*K, N, L)``.
+
+Masks (SGLang's ``fused_mamba_state_scatter_with_mask``, :func:`reference._masks`): a
+request whose slot or tape row is out of range is skipped entirely (track copy included);
+its accepted write needs ``0 <= steps[n] < D``; its track write needs
+``0 <= track_steps[n] < D`` and ``0 <= track_slots[n] < S``. ``rows[n]`` is request n's
+tape row; the tape's row pitch comes from its own shape ``[L, R, D, ...]``.
+
+The pool is both an input and the aliased output (``input_output_aliases``): under a jit
+that donates it, the update is in place; otherwise XLA copies it first, so every slot
+not written keeps its bits either way.
+
+:func:`replay` runs the tuple kernel on a one-layer pool made of ``state0`` (slot i =
+request i): a step outside ``[0, D)`` leaves that slot, i.e. ``state0``, as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from ._lang import exp as _exp
+from ._lang import fma as _fma
+from ._lang import from_f32 as _from_f32
+from ._lang import jit, next_power_of_2, tl
+from ._lang import to_f32 as _to_f32
+
+__all__ = ["CommitConfig", "commit_tuples", "commit_snapshots", "replay", "commit_tuples_kernel", "commit_snapshots_kernel"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitConfig:
+    """Launch parameters of the commit kernels.
+
+    Attributes:
+      block_v, num_warps, num_stages: the tuple (replay) kernel's V tile and launch.
+      block: elements per program of the snapshot gather-scatter.
+      copy_warps: num_warps of the gather-scatter.
+    """
+
+    block_v: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+    block: int = 2048
+    copy_warps: int = 4
+
+
+@jit
+def _request(slots_ptr, steps_ptr, track_slots_ptr, track_steps_ptr, rows_ptr, n, S: tl.constexpr, R: tl.constexpr,
+             D: tl.constexpr):  # fmt: skip
+    """Request n's indices and masks: ``(slot, row, step, track_slot, track_step, accept, track)``."""
+    slot = tl.load(slots_ptr + n)
+    row = tl.load(rows_ptr + n)
+    step = tl.load(steps_ptr + n)
+    track_slot = tl.load(track_slots_ptr + n)
+    track_step = tl.load(track_steps_ptr + n)
+    valid = (slot >= 0) & (slot < S) & (row >= 0) & (row < R)
+    accept = valid & (step >= 0) & (step < D)
+    track = valid & (track_step >= 0) & (track_step < D) & (track_slot >= 0) & (track_slot < S)
+    # Clamped copies keep every address in range; the masks decide what is written.
+    slot = tl.where(valid, slot, 0)
+    row = tl.where(valid, row, 0)
+    track_slot = tl.where(track, track_slot, 0)
+    return slot, row, step, track_slot, track_step, accept, track
+
+
+@jit
+def commit_tuples_kernel(
+    pool_ptr,  # [L, S, HV, V, K] f32 | bf16 (input: the pre-verify states)
+    u_ptr,  # [L, R, D, HV, V] f32
+    k_ptr,  # [L, R, D, H, K] f32
+    g_ptr,  # [L, R, D, HV] f32
+    slots_ptr,  # [N] i32
+    steps_ptr,
+    track_slots_ptr,
+    track_steps_ptr,
+    rows_ptr,
+    out_ptr,  # the pool again (aliased with pool_ptr)
+    S: tl.constexpr,
+    R: tl.constexpr,
+    D: tl.constexpr,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    V: tl.constexpr,
+    K: tl.constexpr,
+    BV: tl.constexpr,
+    BK: tl.constexpr,
+    NV: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    i_v = pid % NV
+    hv = pid // NV
+    n = tl.program_id(1)
+    layer = tl.program_id(2).to(tl.int64)
+    h = hv // (HV // H)
+    slot, row, step, track_slot, track_step, accept, track = _request(
+        slots_ptr, steps_ptr, track_slots_ptr, track_steps_ptr, rows_ptr, n, S, R, D
+    )
+    last = tl.maximum(tl.where(accept, step, -1), tl.where(track, track_step, -1))
+
+    offs_v = i_v * BV + tl.arange(0, BV)
+    offs_k = tl.arange(0, BK)
+    m_v = offs_v < V
+    m_k = offs_k < K
+    m_vk = m_v[:, None] & m_k[None, :]
+    tile = offs_v[:, None] * K + offs_k[None, :]
+    src = pool_ptr + ((layer * S + slot) * HV + hv) * V * K + tile
+    dst_accept = out_ptr + ((layer * S + slot) * HV + hv) * V * K + tile
+    dst_track = out_ptr + ((layer * S + track_slot) * HV + hv) * V * K + tile
+    tape_row = layer * R + row  # int64
+
+    state = _to_f32(tl.load(src, mask=m_vk, other=0.0), INTERPRET)  # [BV, BK], read before any write
+    for t in range(0, last + 1):
+        g = tl.load(g_ptr + (tape_row * D + t) * HV + hv)
+        k = tl.load(k_ptr + ((tape_row * D + t) * H + h) * K + offs_k, mask=m_k, other=0.0)
+        u = tl.load(u_ptr + ((tape_row * D + t) * HV + hv) * V + offs_v, mask=m_v, other=0.0)
+        Sd = state * _exp(g, INTERPRET)
+        state = _fma(tl.broadcast_to(k[None, :], (BV, BK)), tl.broadcast_to(u[:, None], (BV, BK)), Sd, INTERPRET)
+        value = _from_f32(state, out_ptr.dtype.element_ty, INTERPRET)
+        tl.store(dst_track, value, mask=m_vk & (track & (t == track_step)))
+        tl.store(dst_accept, value, mask=m_vk & (accept & (t == step)))
+
+
+@jit
+def commit_snapshots_kernel(
+    pool_ptr,  # [L, S, HV, V, K] (input; aliased with out_ptr, not read)
+    states_ptr,  # [L, R, D, HV, V, K], the pool's dtype
+    slots_ptr,
+    steps_ptr,
+    track_slots_ptr,
+    track_steps_ptr,
+    rows_ptr,
+    out_ptr,  # the pool again
+    S: tl.constexpr,
+    R: tl.constexpr,
+    D: tl.constexpr,
+    E: tl.constexpr,  # HV * V * K, elements of one state
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    n = tl.program_id(1)
+    layer = tl.program_id(2).to(tl.int64)
+    slot, row, step, track_slot, track_step, accept, track = _request(
+        slots_ptr, steps_ptr, track_slots_ptr, track_steps_ptr, rows_ptr, n, S, R, D
+    )
+    m = offs < E
+    snap = states_ptr + ((layer * R + row) * D) * E + offs
+    m_track = m & track
+    tl.store(out_ptr + (layer * S + track_slot) * E + offs, tl.load(snap + track_step * E, mask=m_track), mask=m_track)
+    m_accept = m & accept
+    tl.store(out_ptr + (layer * S + slot) * E + offs, tl.load(snap + step * E, mask=m_accept), mask=m_accept)
+
+
+def tuple_launch(pool_shape, k_shape, R: int, D: int, N: int, config: CommitConfig):
+    """The tuple kernel's constexpr sizes and grid, from the shapes alone."""
+    L, S, HV, V, K = pool_shape
+    H = k_shape[-2]
+    BV = min(next_power_of_2(config.block_v), next_power_of_2(V))
+    NV = -(-V // BV)
+    return dict(S=S, R=R, D=D, H=H, HV=HV, V=V, K=K, BV=BV, BK=next_power_of_2(K), NV=NV), (NV * HV, N, L)
+
+
+def snapshot_launch(pool_shape, R: int, D: int, N: int, config: CommitConfig):
+    """The gather-scatter kernel's constexpr sizes and grid."""
+    L, S, HV, V, K = pool_shape
+    E = HV * V * K
+    block = min(next_power_of_2(config.block), next_power_of_2(E))
+    return dict(S=S, R=R, D=D, E=E, BLOCK=block), (-(-E // block), N, L)
+
+
+@functools.cache
+def _jitted(name: str):
+    import jax
+
+    fn = {"tuples": _commit_tuples, "snapshots": _commit_snapshots, "replay": _replay}[name]
+    return jax.jit(fn, static_argnames=("config",))
+
+
+def commit_tuples(pool, u, k, g, slots, steps, track_slots, track_steps, rows, *, config: CommitConfig = CommitConfig()):
+    """Replay-commit all layers from a tuple tape; returns the new pool ``[L, S, HV, V, K]``."""
+    return _jitted("tuples")(pool, u, k, g, slots, steps, track_slots, track_steps, rows, config=config)
+
+
+def commit_snapshots(pool, states, slots, steps, track_slots, track_steps, rows, *, config: CommitConfig = CommitConfig()):
+    """Gather-scatter commit from a snapshot tape; returns the new pool."""
+    return _jitted("snapshots")(pool, states, slots, steps, track_slots, track_steps, rows, config=config)
+
+
+def replay(state0, u, k, g, steps, *, config: CommitConfig = CommitConfig()):
+    """The state after ``steps[i]`` for each request (``state0`` where the step is outside ``[0, D)``)."""
+    return _jitted("replay")(state0, u, k, g, steps, config=config)
+
+
+def _replay(state0, u, k, g, steps, *, config):
+    import jax.numpy as jnp
+
+    N = state0.shape[0]
+    ids = jnp.arange(N, dtype=jnp.int32)
+    none = jnp.full((N,), -1, jnp.int32)
+    pool = _commit_tuples(state0[None], u[None], k[None], g[None], ids, steps, none, none, ids, config=config)
+    return pool[0]
+
+
+def _commit_tuples(pool, u, k, g, slots, steps, track_slots, track_steps, rows, *, config):
+    import jax
+    import jax_triton as jt
+
+    R, D = u.shape[1], u.shape[2]
+    sizes, grid = tuple_launch(pool.shape, k.shape, R, D, slots.shape[0], config)
+    return jt.triton_call(
+        pool, u, k, g, slots, steps, track_slots, track_steps, rows,
+        kernel=commit_tuples_kernel,
+        out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+        grid=grid,
+        input_output_aliases={0: 0},
+        enable_fp_fusion=False,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        name="gdn_commit_tuples",
+        **sizes,
+        INTERPRET=False,
+    )  # fmt: skip
+
+
+def _commit_snapshots(pool, states, slots, steps, track_slots, track_steps, rows, *, config):
+    import jax
+    import jax_triton as jt
+
+    R, D = states.shape[1], states.shape[2]
+    sizes, grid = snapshot_launch(pool.shape, R, D, slots.shape[0], config)
+    return jt.triton_call(
+        pool, states, slots, steps, track_slots, track_steps, rows,
+        kernel=commit_snapshots_kernel,
+        out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+        grid=grid,
+        input_output_aliases={0: 0},
+        enable_fp_fusion=False,
+        num_warps=config.copy_warps,
+        name="gdn_commit_snapshots",
+        **sizes,
+    )  # fmt: skip
