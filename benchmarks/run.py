@@ -262,7 +262,7 @@ def _summary(result) -> str:
                 )
     cr = result.get("copy")
     if cr:
-        lines.append(f"copy rate {cr['rate_gbps']:.0f} GB/s; x fl = median / (bytes / copy rate); snap/this = snapshot net / this net")
+        lines.append(f"copy rate {cr['rate_gbps']:.0f} GB/s; x floor = median / (bytes / copy rate); snap/this = snapshot net / this net")
     return "\n".join(lines)
 
 

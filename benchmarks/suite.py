@@ -11,7 +11,7 @@ per call. The compiled commit is checked for the alias and for copies of the poo
 Inputs are random, never zeros. Per-layer verify inputs are NumPy normals with the scales of
 :func:`gdn_lossless_jax.cases.verify_inputs` (``kind="normal"``); the large commit arrays
 (pool, tapes) are drawn on the device by one compiled function (a counter-based hash:
-uniform values of unit variance; u, k l2-normalised, g in [-2, -0.01)). Timing does not
+uniform values of unit variance; the tape's k l2-normalised, g in [-2, -0.01)). Timing does not
 need a tape that verify produced; the tests check the semantics.
 """
 
