@@ -18,12 +18,12 @@ import jax.numpy as jnp
 from ...tape import Snapshots, Tuples
 from .. import BackendUnavailable, platform
 from ._lang import IMPORT_ERROR
-from .commit import CommitConfig, commit_snapshots, commit_tuples
+from .commit import COMPILER_FORMS, CONTROL_FORMS, FORMS, CommitConfig, commit_snapshots, commit_tuples
 from .commit import replay as _replay
 from .verify import VerifyConfig
 from .verify import verify as _verify
 
-__all__ = ["verify", "replay", "commit", "check_available", "VerifyConfig", "CommitConfig"]
+__all__ = ["verify", "replay", "commit", "check_available", "VerifyConfig", "CommitConfig", "FORMS", "CONTROL_FORMS"]
 
 _INSTALL = "pip install 'gdn_lossless_jax[triton]' (jax-triton 0.3.1, for jax 0.11.2 and triton 3.6)"
 _ALTERNATIVES = "Alternatives: 'pallas' (Pallas Triton), 'reference' (pure JAX, any platform), 'auto'."
@@ -60,16 +60,31 @@ def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, c
     return outputs, (Snapshots(*fields) if record == "snapshots" else Tuples(*fields))
 
 
-def replay(state0, tuples, steps, *, config: CommitConfig = CommitConfig()):
-    """See :func:`gdn_lossless_jax.replay`: the commit kernel on a one-layer pool made of state0."""
+def _form(form: str) -> str:
+    allowed = FORMS + CONTROL_FORMS + COMPILER_FORMS
+    if form not in allowed:
+        raise ValueError(f"triton: replay form must be one of {allowed}, got {form!r}")
+    return form
+
+
+def replay(state0, tuples, steps, *, config: CommitConfig = CommitConfig(), form: str = "rule"):
+    """See :func:`gdn_lossless_jax.replay`: the commit kernel on a one-layer pool made of state0.
+
+    ``form`` other than ``"rule"`` (:data:`CONTROL_FORMS`, ``"naive"``) is for tests only.
+    """
     check_available("replay")
-    return _replay(state0, tuples.u, tuples.k, tuples.g, steps, config=config)
+    return _replay(state0, tuples.u, tuples.k, tuples.g, steps, config=config, form=_form(form))
 
 
-def commit(pool, tape, slots, steps, track_slots, track_steps, rows, *, config: CommitConfig = CommitConfig()):
-    """See :func:`gdn_lossless_jax.commit`: one launch for all layers, in place on the pool."""
+def commit(
+    pool, tape, slots, steps, track_slots, track_steps, rows, *, config: CommitConfig = CommitConfig(), form: str = "rule"
+):
+    """See :func:`gdn_lossless_jax.commit`: one launch for all layers, in place on the pool.
+
+    ``form`` (tuple tapes only) as in :func:`replay`.
+    """
     check_available("commit")
     idx = (slots, steps, track_slots, track_steps, rows)
     if isinstance(tape, Snapshots):
         return commit_snapshots(pool, tape.states, *idx, config=config)
-    return commit_tuples(pool, tape.u, tape.k, tape.g, *idx, config=config)
+    return commit_tuples(pool, tape.u, tape.k, tape.g, *idx, config=config, form=_form(form))

@@ -36,7 +36,31 @@ from ._lang import from_f32 as _from_f32
 from ._lang import jit, next_power_of_2, tl
 from ._lang import to_f32 as _to_f32
 
-__all__ = ["CommitConfig", "commit_tuples", "commit_snapshots", "replay", "commit_tuples_kernel", "commit_snapshots_kernel"]
+__all__ = [
+    "CommitConfig",
+    "FORMS",
+    "CONTROL_FORMS",
+    "COMPILER_FORMS",
+    "commit_tuples",
+    "commit_snapshots",
+    "replay",
+    "commit_tuples_kernel",
+    "commit_snapshots_kernel",
+]
+
+#: The replay update of the commit kernel. ``rule`` is the library's rule. The control
+#: forms break it on purpose, for tests that must catch them: ``twice_rounded`` is
+#: ``rn(rn(S * alpha) + rn(k * u))`` (what XLA:GPU makes of the plain expression) and
+#: ``other_product`` is ``fma(S, alpha, rn(k * u))`` (what Triton's fp fusion made of it in
+#: SGLang's kernel, SPEC section 3). ``naive`` writes ``S * alpha + k * u`` and launches
+#: with fp fusion on, so the compiler decides; it is not a control: in this kernel Triton
+#: 3.6 for sm_90 keeps ``S * alpha`` and fuses ``k * u``, i.e. it happens to compile the
+#: rule (seen in the PTX, scripts/triton_interpret_check.py), which is exactly why the
+#: rule is written out instead of left to the compiler.
+FORMS = ("rule",)
+CONTROL_FORMS = ("twice_rounded", "other_product")
+COMPILER_FORMS = ("naive",)
+_FORM_CODE = {"rule": 0, "naive": 1, "twice_rounded": 1, "other_product": 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +122,7 @@ def commit_tuples_kernel(
     BK: tl.constexpr,
     NV: tl.constexpr,
     INTERPRET: tl.constexpr,
+    FORM: tl.constexpr = 0,  # _FORM_CODE: 0 the rule; 1 and 2 controls
 ):
     pid = tl.program_id(0)
     i_v = pid % NV
@@ -126,8 +151,15 @@ def commit_tuples_kernel(
         g = tl.load(g_ptr + (tape_row * D + t) * HV + hv)
         k = tl.load(k_ptr + ((tape_row * D + t) * H + h) * K + offs_k, mask=m_k, other=0.0)
         u = tl.load(u_ptr + ((tape_row * D + t) * HV + hv) * V + offs_v, mask=m_v, other=0.0)
-        Sd = state * _exp(g, INTERPRET)
-        state = _fma(tl.broadcast_to(k[None, :], (BV, BK)), tl.broadcast_to(u[:, None], (BV, BK)), Sd, INTERPRET)
+        alpha = _exp(g, INTERPRET)
+        if FORM == 0:
+            Sd = state * alpha
+            state = _fma(tl.broadcast_to(k[None, :], (BV, BK)), tl.broadcast_to(u[:, None], (BV, BK)), Sd, INTERPRET)
+        elif FORM == 1:
+            state = state * alpha + k[None, :] * u[:, None]
+        else:
+            ku = tl.broadcast_to(k[None, :], (BV, BK)) * tl.broadcast_to(u[:, None], (BV, BK))
+            state = _fma(state, tl.broadcast_to(alpha, (BV, BK)), ku, INTERPRET)
         value = _from_f32(state, out_ptr.dtype.element_ty, INTERPRET)
         tl.store(dst_track, value, mask=m_vk & (track & (t == track_step)))
         tl.store(dst_accept, value, mask=m_vk & (accept & (t == step)))
@@ -184,13 +216,16 @@ def snapshot_launch(pool_shape, R: int, D: int, N: int, config: CommitConfig):
 def _jitted(name: str):
     import jax
 
-    fn = {"tuples": _commit_tuples, "snapshots": _commit_snapshots, "replay": _replay}[name]
-    return jax.jit(fn, static_argnames=("config",))
+    if name == "snapshots":
+        return jax.jit(_commit_snapshots, static_argnames=("config",))
+    return jax.jit({"tuples": _commit_tuples, "replay": _replay}[name], static_argnames=("config", "form"))
 
 
-def commit_tuples(pool, u, k, g, slots, steps, track_slots, track_steps, rows, *, config: CommitConfig = CommitConfig()):
+def commit_tuples(
+    pool, u, k, g, slots, steps, track_slots, track_steps, rows, *, config: CommitConfig = CommitConfig(), form="rule"
+):
     """Replay-commit all layers from a tuple tape; returns the new pool ``[L, S, HV, V, K]``."""
-    return _jitted("tuples")(pool, u, k, g, slots, steps, track_slots, track_steps, rows, config=config)
+    return _jitted("tuples")(pool, u, k, g, slots, steps, track_slots, track_steps, rows, config=config, form=form)
 
 
 def commit_snapshots(pool, states, slots, steps, track_slots, track_steps, rows, *, config: CommitConfig = CommitConfig()):
@@ -198,22 +233,22 @@ def commit_snapshots(pool, states, slots, steps, track_slots, track_steps, rows,
     return _jitted("snapshots")(pool, states, slots, steps, track_slots, track_steps, rows, config=config)
 
 
-def replay(state0, u, k, g, steps, *, config: CommitConfig = CommitConfig()):
+def replay(state0, u, k, g, steps, *, config: CommitConfig = CommitConfig(), form="rule"):
     """The state after ``steps[i]`` for each request (``state0`` where the step is outside ``[0, D)``)."""
-    return _jitted("replay")(state0, u, k, g, steps, config=config)
+    return _jitted("replay")(state0, u, k, g, steps, config=config, form=form)
 
 
-def _replay(state0, u, k, g, steps, *, config):
+def _replay(state0, u, k, g, steps, *, config, form):
     import jax.numpy as jnp
 
     N = state0.shape[0]
     ids = jnp.arange(N, dtype=jnp.int32)
     none = jnp.full((N,), -1, jnp.int32)
-    pool = _commit_tuples(state0[None], u[None], k[None], g[None], ids, steps, none, none, ids, config=config)
+    pool = _commit_tuples(state0[None], u[None], k[None], g[None], ids, steps, none, none, ids, config=config, form=form)
     return pool[0]
 
 
-def _commit_tuples(pool, u, k, g, slots, steps, track_slots, track_steps, rows, *, config):
+def _commit_tuples(pool, u, k, g, slots, steps, track_slots, track_steps, rows, *, config, form):
     import jax
     import jax_triton as jt
 
@@ -225,12 +260,13 @@ def _commit_tuples(pool, u, k, g, slots, steps, track_slots, track_steps, rows, 
         out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
         grid=grid,
         input_output_aliases={0: 0},
-        enable_fp_fusion=False,
+        enable_fp_fusion=form == "naive",  # off: every operation rounds as written
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         name="gdn_commit_tuples",
         **sizes,
         INTERPRET=False,
+        FORM=_FORM_CODE[form],
     )  # fmt: skip
 
 
