@@ -1,0 +1,557 @@
+#!/usr/bin/env python3
+"""Check the ``triton`` backend's kernels on a CPU with Triton's interpreter.
+
+Not part of the pytest suite (CI has no Triton). The kernels run under
+``TRITON_INTERPRET=1`` on torch CPU tensors, in a second Python environment that has
+triton and torch but no JAX (torch's CPU wheel here is for Python 3.11, JAX 0.11.2 needs
+3.12); the reference side runs in the project's JAX environment. The two exchange .npz
+files in a work folder. In interpreter mode the kernels use NumPy's ``exp``/``log``, an
+exactly rounded fma (float64 round-to-odd) and bit-level bfloat16 rounding (``_lang.py``),
+so what is checked here is the kernels' *logic*: indexing, tiling, masks, record modes,
+the in-place commit, the replay chain and its rounding rule.
+
+Checks, per case (L = 2 layers, N requests with a track copy, permuted rows and invalid
+rows, as tests/equivalence.py builds them):
+
+* bitwise: verify outputs are identical in both record modes;
+* bitwise: the commit kernel's replay of every step equals the verify kernel's snapshot;
+* bitwise: tuple commit == snapshot commit == the expectation built by hand from the
+  snapshots (masks: skipped requests, negative steps, out-of-range rows and track slots);
+  slots nobody may write keep their bits;
+* bitwise: the reference's (JAX) commit of the kernel's snapshot tape equals the kernel's;
+* bitwise: the kernel's replay equals an independent NumPy oracle of the rule
+  (``testing.replay_oracle``) fed with the kernel's own ``exp(g)``;
+* drift: the commit kernel's control forms of the update (``twice_rounded``,
+  ``other_product``) differ from the snapshots by >= 1 ULP on fp32 pools;
+* close: the kernel's outputs, u, k, g and snapshots against the reference's math in JAX
+  (``reference.prepare``/``gdn_step`` with plain XLA ops: exp/log differ between NumPy and
+  XLA:CPU and the reductions are ordered differently, so these are reported in ULP and
+  bounded by a relative tolerance, not compared bitwise).
+
+Usage (from the repository root)::
+
+    /tmp/tvenv/bin/python -m pip install triton==3.6.0 torch==2.13.0 numpy   # once, Python 3.11
+    PYTHONPATH=src python3.12 scripts/triton_interpret_check.py --triton-python /tmp/tvenv/bin/python
+
+``--quick`` runs three cases; the default runs every draft length of the CPU equivalence
+matrix (head layouts and pool setups in turn) at small head sizes, two odd (non power of
+two) sizes and one K = V = 128 case. Inputs are kept between runs in ``--work``. Before
+the interpreter runs, the kernels are also compiled for sm_90 (no GPU needed) and their
+code is checked (``--no-compile`` skips this; see ``compile_kernels``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+KERNELS = REPO / "src" / "gdn_lossless_jax" / "backends" / "triton"
+
+
+@dataclasses.dataclass(frozen=True)
+class CaseSpec:
+    N: int
+    D: int
+    H: int
+    HV: int
+    K: int
+    V: int
+    dtype: str  # state dtype: float32 | bfloat16
+    block_v: int = 32
+    L: int = 2
+
+    @property
+    def name(self) -> str:
+        return f"D{self.D}-H{self.H}-HV{self.HV}-K{self.K}-V{self.V}-N{self.N}-{self.dtype}-BV{self.block_v}"
+
+
+def case_specs(quick: bool) -> list[CaseSpec]:
+    if quick:
+        return [
+            CaseSpec(N=5, D=4, H=2, HV=4, K=8, V=16, dtype="bfloat16", block_v=8),
+            CaseSpec(N=1, D=3, H=4, HV=16, K=8, V=16, dtype="float32"),
+            CaseSpec(N=5, D=2, H=1, HV=2, K=12, V=20, dtype="float32", block_v=8),
+        ]
+    # The CPU equivalence matrix's draft lengths, each with one of its head layouts and
+    # pool setups in turn (the reference's XLA:CPU compile per shape dominates the time).
+    heads = ((16, 32), (4, 16), (8, 8))
+    setups = ((1, "float32", 8), (5, "bfloat16", 32))
+    specs = []
+    for i, D in enumerate((1, 2, 3, 4, 8, 16)):
+        (H, HV), (N, dtype, bv) = heads[i % 3], setups[i % 2]
+        specs.append(CaseSpec(N=N, D=D, H=H, HV=HV, K=8, V=16, dtype=dtype, block_v=bv))
+    specs.append(CaseSpec(N=5, D=3, H=1, HV=2, K=12, V=20, dtype="float32", block_v=8))
+    specs.append(CaseSpec(N=4, D=5, H=2, HV=6, K=24, V=40, dtype="bfloat16", block_v=16))
+    specs.append(CaseSpec(N=2, D=4, H=2, HV=4, K=128, V=128, dtype="float32", block_v=32))
+    return specs
+
+
+# ---------------------------------------------------------------------------------------
+# Arrays across environments: bfloat16 travels as uint16 bits.
+# ---------------------------------------------------------------------------------------
+def _save(path: Path, arrays: dict):
+    out = {}
+    for k, v in arrays.items():
+        v = np.asarray(v)
+        if v.dtype.name == "bfloat16":
+            out[k + "__bf16"] = v.view(np.uint16)
+        else:
+            out[k] = v
+    np.savez(path, **out)
+
+
+def _load_np(path: Path, bf16=None) -> dict:
+    """Load a .npz; bfloat16 fields come back through ``bf16(uint16_array)``."""
+    out = {}
+    with np.load(path) as f:
+        for k in f.files:
+            if k.endswith("__bf16"):
+                out[k[: -len("__bf16")]] = bf16(f[k]) if bf16 else f[k]
+            else:
+                out[k] = f[k]
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Phase 1 (JAX environment): inputs and reference results.
+# ---------------------------------------------------------------------------------------
+def _reference_close(state0, q, k, v, a, b, A_log, dt_bias, scale):
+    """The reference's math (``reference.prepare``, ``reference.gdn_step``) with plain ops.
+
+    ``(outputs, u, k, g, states)``. The rounding forms are XLA's plain multiply and
+    multiply-add instead of the pinned portable ones: XLA:CPU compiles the pinned verify in
+    minutes per shape, this in a second, and it only feeds the tolerance comparison (the
+    bitwise checks compare the kernels with themselves, the NumPy oracle and the reference
+    commit).
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from gdn_lossless_jax import reference
+
+    HV = v.shape[2]
+    qn, kn, g, beta = reference.prepare(q, k, a, b, A_log, dt_bias, scale)
+    rep = lambda x: jnp.repeat(x, HV // x.shape[2], axis=2)  # noqa: E731
+    xs = jax.tree.map(lambda t: jnp.moveaxis(t, 1, 0), (rep(qn), rep(kn), v.astype(jnp.float32), g, beta))
+
+    def body(S, x):
+        S, (o, u) = reference.gdn_step(S, x, mul=jnp.multiply, fma=lambda x, y, z: x * y + z)
+        return S, (o, u, S.astype(state0.dtype))
+
+    _, ys = lax.scan(body, state0.astype(jnp.float32), xs)
+    o, u, states = (jnp.moveaxis(y, 0, 1) for y in ys)
+    return o.astype(q.dtype), u, kn, g, states
+
+
+def make_inputs(spec: CaseSpec, seed: int, work: Path):
+    import jax
+    import jax.numpy as jnp
+
+    from gdn_lossless_jax.cases import Shape, commit_indices, verify_inputs
+
+    shape = Shape(N=spec.N, D=spec.D, H=spec.H, HV=spec.HV, K=spec.K, V=spec.V)
+    dt = jnp.dtype(spec.dtype)
+    N, D, L = spec.N, spec.D, spec.L
+    S, R = 2 * N + 3, N + 2
+    rng = np.random.default_rng(seed)
+    normal = lambda *s: rng.standard_normal(s, dtype=np.float32)  # noqa: E731
+    pool = jnp.asarray(0.5 * normal(L, S, spec.HV, spec.V, spec.K)).astype(dt)
+    idx = commit_indices(seed, N=N, D=D, slots_in_pool=S, rows_in_tape=R, invalid=True, permute_rows=True)
+    slot_safe = np.clip(idx.slots, 0, S - 1)
+    arrays = dict(
+        pool=np.asarray(pool),
+        slots=idx.slots, steps=idx.steps, track_slots=idx.track_slots, track_steps=idx.track_steps, rows=idx.rows,
+        fill_u=normal(L, R, D, spec.HV, spec.V), fill_k=normal(L, R, D, spec.H, spec.K),
+        fill_g=-np.abs(normal(L, R, D, spec.HV)),
+        fill_states=np.asarray(jnp.asarray(normal(L, R, D, spec.HV, spec.V, spec.K)).astype(dt)),
+    )  # fmt: skip
+    for layer in range(L):
+        x = verify_inputs(rng, shape, kind="mixed", state_dtype=dt)
+        x["state0"] = pool[layer, slot_safe]
+        ref = jax.jit(_reference_close, static_argnums=8)(*x.values(), spec.K**-0.5)
+        for name, val in x.items():
+            arrays[f"L{layer}_{name}"] = np.asarray(val)
+        for name, val in zip(("out", "u", "k", "g", "states"), ref):
+            arrays[f"L{layer}_ref_{name}"] = np.asarray(val)
+    _save(work / f"{spec.name}.in.npz", arrays)
+
+
+# ---------------------------------------------------------------------------------------
+# Phase 2 (Triton environment, TRITON_INTERPRET=1): run the kernels.
+# ---------------------------------------------------------------------------------------
+def _kernel_modules():
+    """The kernel modules, loaded from their files without the JAX package around them."""
+    pkg = types.ModuleType("gdn_triton_kernels")
+    pkg.__path__ = [str(KERNELS)]
+    sys.modules["gdn_triton_kernels"] = pkg
+    return importlib.import_module("gdn_triton_kernels.verify"), importlib.import_module("gdn_triton_kernels.commit")
+
+
+def run_kernels(spec: CaseSpec, work: Path):
+    import torch
+
+    V_, C_ = _kernel_modules()
+    bf16 = lambda u16: torch.from_numpy(u16.view(np.int16).copy()).view(torch.bfloat16)  # noqa: E731
+    raw = _load_np(work / f"{spec.name}.in.npz", bf16=bf16)
+    T = {k: (v if isinstance(v, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(v))) for k, v in raw.items()}
+    N, D, H, HV, V, K, L = spec.N, spec.D, spec.H, spec.HV, spec.V, spec.K, spec.L
+    S, R = 2 * N + 3, N + 2
+    f32 = torch.float32
+    state_dt = T["pool"].dtype
+    out = {}
+
+    def verify(layer: int, snapshots: bool):
+        x = {n: T[f"L{layer}_{n}"].contiguous() for n in ("state0", "q", "k", "v", "a", "b", "A_log", "dt_bias")}
+        unused = torch.empty(1, dtype=f32)
+        o = torch.empty(N, D, HV, V, dtype=x["q"].dtype)
+        snap = torch.empty(N, D, HV, V, K, dtype=state_dt) if snapshots else unused
+        u = unused if snapshots else torch.empty(N, D, HV, V, dtype=f32)
+        kt = unused if snapshots else torch.empty(N, D, H, K, dtype=f32)
+        g = unused if snapshots else torch.empty(N, D, HV, dtype=f32)
+        # Filled with NaN, so that a missing write shows.
+        for t in (o, snap, u, kt, g):
+            t.fill_(float("nan"))
+        sizes, grid = V_.launch_sizes(tuple(x["state0"].shape), tuple(x["q"].shape), V_.VerifyConfig(block_v=spec.block_v))
+        V_.verify_kernel[grid](
+            *x.values(), o, snap, u, kt, g, **sizes, SCALE=float(K**-0.5), SNAPSHOTS=snapshots, INTERPRET=True
+        )
+        return o, (snap,) if snapshots else (u, kt, g)
+
+    rows = T["rows"].numpy()
+    ok_rows = (rows >= 0) & (rows < R)
+    tapes = {"u": T["fill_u"].clone(), "k": T["fill_k"].clone(), "g": T["fill_g"].clone(), "states": T["fill_states"].clone()}
+    for layer in range(L):
+        o_t, (u, kt, g) = verify(layer, snapshots=False)
+        o_s, (snap,) = verify(layer, snapshots=True)
+        out.update({f"L{layer}_out": o_t, f"L{layer}_out_snapshots": o_s, f"L{layer}_u": u, f"L{layer}_k": kt,
+                    f"L{layer}_g": g, f"L{layer}_states": snap})  # fmt: skip
+        for i in np.nonzero(ok_rows)[0]:
+            for name, val in (("u", u), ("k", kt), ("g", g), ("states", snap)):
+                tapes[name][layer, rows[i]] = val[i]
+    for name, val in tapes.items():
+        out[f"tape_{name}"] = val
+
+    idx = [T[n].to(torch.int32).contiguous() for n in ("slots", "steps", "track_slots", "track_steps", "rows")]
+    ccfg = C_.CommitConfig(block_v=spec.block_v, block=256)
+
+    # In place, as under jax-triton's aliasing: the same tensor is the input and the output.
+    pool = T["pool"].clone()
+    sizes, grid = C_.tuple_launch(tuple(pool.shape), tuple(tapes["k"].shape), R, D, N, ccfg)
+    C_.commit_tuples_kernel[grid](pool, tapes["u"], tapes["k"], tapes["g"], *idx, pool, **sizes, INTERPRET=True)
+    out["commit_tuples"] = pool
+
+    pool = T["pool"].clone()
+    sizes, grid = C_.snapshot_launch(tuple(pool.shape), R, D, N, ccfg)
+    C_.commit_snapshots_kernel[grid](pool, tapes["states"], *idx, pool, **sizes)
+    out["commit_snapshots"] = pool
+
+    # Replay of every step (-1 .. D-1) of every layer from its state0: the commit kernel on
+    # a one-layer pool made of state0, as commit.replay does.
+    steps_all = np.arange(-1, D)
+    for layer in range(L):
+        s0 = T[f"L{layer}_state0"]
+        reps = len(steps_all)
+        pool = torch.cat([s0] * reps)[None].contiguous()
+        ids = torch.arange(N * reps, dtype=torch.int32)
+        none = torch.full((N * reps,), -1, dtype=torch.int32)
+        steps = torch.from_numpy(np.repeat(steps_all, N).astype(np.int32))
+        tape = [torch.cat([out[f"L{layer}_{n}"]] * reps)[None].contiguous() for n in ("u", "k", "g")]
+        sizes, grid = C_.tuple_launch(tuple(pool.shape), tuple(tape[1].shape), N * reps, D, N * reps, ccfg)
+        C_.commit_tuples_kernel[grid](pool, *tape, ids, steps, none, none, ids, pool, **sizes, INTERPRET=True)
+        out[f"L{layer}_replay"] = pool[0]
+        # The control forms of the replay update, to the last step (commit.CONTROL_FORMS).
+        for name in ("twice_rounded", "other_product"):
+            pool = s0[None].clone()
+            last = torch.full((N,), D - 1, dtype=torch.int32)
+            ids, none = torch.arange(N, dtype=torch.int32), torch.full((N,), -1, dtype=torch.int32)
+            tape = [out[f"L{layer}_{n}"][None].contiguous() for n in ("u", "k", "g")]
+            sizes, grid = C_.tuple_launch(tuple(pool.shape), tuple(tape[1].shape), N, D, N, ccfg)
+            C_.commit_tuples_kernel[grid](
+                pool, *tape, ids, last, none, none, ids, pool, **sizes, INTERPRET=True, FORM=C_._FORM_CODE[name]
+            )
+            out[f"L{layer}_control_{name}"] = pool[0]
+
+    def to_np(t):
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy().view(np.uint16)
+        return t.numpy()
+
+    np.savez(work / f"{spec.name}.out.npz", **{k: to_np(v) for k, v in out.items()})
+    dt_names = {k: str(v.dtype).replace("torch.", "") for k, v in out.items()}
+    (work / f"{spec.name}.out.json").write_text(json.dumps(dt_names))
+
+
+# ---------------------------------------------------------------------------------------
+# Phase 2b (Triton environment, no interpreter): compile for sm_90 and read the code.
+# ---------------------------------------------------------------------------------------
+def compile_kernels() -> None:
+    """Compile every kernel variant for sm_90 (H200) as jax-triton would, and check the code.
+
+    No GPU is needed: Triton's CUDA backend and its bundled ptxas build the cubin for an
+    explicit target. Checks: both record modes' TTGIR carry the same arithmetic in the same
+    layouts (so their outputs are identical by construction); the rule's update is
+    ``fma.rn.f32`` and no contractible ``mul.f32``/``add.f32`` is left (fp fusion off);
+    the verify kernel has no approximate division or square root; the ``naive`` control
+    (fp fusion on) compiles to the contractible forms.
+    """
+    import collections
+    import hashlib
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    V_, C_ = _kernel_modules()
+    target = GPUTarget("cuda", 90, 32)
+
+    def build(fn, signature, constexprs, fusion, num_warps, num_stages):
+        sig = dict(signature)
+        sig.update({k: "constexpr" for k in constexprs})
+        src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+        opts = dict(num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=fusion)
+        return triton.compile(src, target=target, options=opts)
+
+    def ops(ptx):
+        pat = r"\b((?:fma|mul|add|sub|div|sqrt|ex2|lg2|rcp)\.[a-z0-9.]*f32)\b"
+        return collections.Counter(re.findall(pat, ptx))
+
+    def arithmetic(ttgir):
+        keep = ("arith.mulf", "arith.addf", "arith.subf", "arith.divf", "math.fma", "math.sqrt", "tt.reduce",
+                "tt.extern_elementwise", "arith.negf", "arith.select")  # fmt: skip
+        lines = [ln for ln in ttgir.splitlines() if any(k in ln for k in keep) and not ln.startswith("#")]
+        lines = [re.sub(r"%[\w#]+|loc\([^)]*\)", "", ln) for ln in lines]
+        return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:12]
+
+    vcfg, ccfg = V_.VerifyConfig(), C_.CommitConfig()
+    N, D, H, HV, K, Vd = 5, 4, 16, 32, 128, 128
+    for state in ("fp32", "bf16"):
+        digests = {}
+        for snapshots in (False, True):
+            sig = {"state0_ptr": f"*{state}", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "a_ptr": "*bf16",
+                   "b_ptr": "*bf16", "A_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "out_ptr": "*bf16",
+                   "snap_ptr": f"*{state}" if snapshots else "*fp32", "u_ptr": "*fp32", "kt_ptr": "*fp32", "g_ptr": "*fp32"}  # fmt: skip
+            sizes, _ = V_.launch_sizes((N, HV, Vd, K), (N, D, H, K), vcfg)
+            ck = build(V_.verify_kernel, sig, dict(**sizes, SCALE=K**-0.5, SNAPSHOTS=snapshots, INTERPRET=False),
+                       False, vcfg.num_warps, vcfg.num_stages)  # fmt: skip
+            c = ops(ck.asm["ptx"])
+            digests[snapshots] = arithmetic(ck.asm["ttgir"])
+            mode = "snapshots" if snapshots else "tuples"
+            print(f"  compiled verify ({mode}, {state} state) for sm_90: {dict(sorted(c.items()))}")
+            bad = [o for o in c if o.startswith(("div.full", "div.approx", "sqrt.approx", "mul.f32", "add.f32"))]
+            assert not bad, f"verify ({mode}): approximate or contractible operations {bad}"
+            assert c["fma.rn.f32"] > 0, "verify: no fma.rn.f32 for the update"
+        assert digests[False] == digests[True], f"verify ({state}): the record modes' TTGIR arithmetic differs"
+        print(f"  verify ({state}): tuples and snapshots TTGIR arithmetic identical ({digests[False]})")
+
+        sig = {"pool_ptr": f"*{state}", "u_ptr": "*fp32", "k_ptr": "*fp32", "g_ptr": "*fp32", "slots_ptr": "*i32",
+               "steps_ptr": "*i32", "track_slots_ptr": "*i32", "track_steps_ptr": "*i32", "rows_ptr": "*i32",
+               "out_ptr": f"*{state}"}  # fmt: skip
+        sizes, _ = C_.tuple_launch((2, 13, HV, Vd, K), (2, 7, D, H, K), 7, D, N, ccfg)
+        for form in C_.FORMS + C_.CONTROL_FORMS + C_.COMPILER_FORMS:
+            fusion = form == "naive"
+            ck = build(C_.commit_tuples_kernel, sig, dict(**sizes, INTERPRET=False, FORM=C_._FORM_CODE[form]),
+                       fusion, ccfg.num_warps, ccfg.num_stages)  # fmt: skip
+            c = ops(ck.asm["ptx"])
+            print(f"  compiled commit ({form}, {state} pool) for sm_90: {dict(sorted(c.items()))}")
+            if form == "rule":
+                assert c["fma.rn.f32"] > 0 and c["mul.rn.f32"] > 0, "commit: the rule's mul.rn + fma.rn are missing"
+                assert not (c["mul.f32"] or c["add.f32"]), "commit: contractible operations with fp fusion off"
+            if form == "naive":
+                assert c["mul.f32"] > 0, "commit naive: expected contractible operations with fp fusion on"
+                print(f"    naive: Triton fused {_fused_product(ck.asm['ptx'])}")
+
+    sig = {"pool_ptr": "*fp32", "states_ptr": "*fp32", "slots_ptr": "*i32", "steps_ptr": "*i32",
+           "track_slots_ptr": "*i32", "track_steps_ptr": "*i32", "rows_ptr": "*i32", "out_ptr": "*fp32"}  # fmt: skip
+    sizes, _ = C_.snapshot_launch((2, 13, HV, Vd, K), 7, D, N, ccfg)
+    build(C_.commit_snapshots_kernel, sig, sizes, False, ccfg.copy_warps, 3)
+    print("  compiled commit (snapshots) for sm_90")
+
+
+def _fused_product(ptx: str) -> str:
+    """Which product of ``S * alpha + k * u`` the compiler fused (the commit kernel's PTX).
+
+    alpha is libdevice's result: ``ex2.approx`` then a multiply by the scale; if the state
+    is still multiplied by it separately, ``k * u`` went into the fma (the rule).
+    """
+    import re
+
+    ex2 = re.search(r"ex2\.approx[.\w]*\s+(%r\d+),", ptx)
+    alpha = re.search(r"mul(?:\.rn)?\.f32\s+(%r\d+),\s*" + re.escape(ex2.group(1)) + r",", ptx) if ex2 else None
+    if not alpha:
+        return "(could not find exp's result)"
+    reg = re.escape(alpha.group(1))
+    decays = len(re.findall(r"\bmul(?:\.rn)?\.f32\s+%r\d+,\s*%r\d+,\s*" + reg + r";", ptx))
+    decays += len(re.findall(r"\bmul(?:\.rn)?\.f32\s+%r\d+,\s*" + reg + r",\s*%r\d+;", ptx))
+    fused = len(re.findall(r"\bfma\.rn\.f32\s+%r\d+,\s*(?:%r\d+,\s*" + reg + r"|" + reg + r",\s*%r\d+),", ptx))
+    if decays and not fused:
+        return f"k * u ({decays} separate multiplies by alpha): the rule, by luck"
+    if fused and not decays:
+        return f"S * alpha ({fused} fmas with alpha): the other product"
+    return f"both ({decays} separate decays, {fused} fused)"
+
+
+# ---------------------------------------------------------------------------------------
+# Phase 3 (JAX environment): compare.
+# ---------------------------------------------------------------------------------------
+def compare(spec: CaseSpec, work: Path) -> dict:
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    import gdn_lossless_jax as gl
+    from gdn_lossless_jax import reference
+    from gdn_lossless_jax.testing import assert_bitwise_equal, replay_oracle, ulp_stats
+
+    inp = _load_np(work / f"{spec.name}.in.npz", bf16=lambda u: u.view(ml_dtypes.bfloat16))
+    dtypes = json.loads((work / f"{spec.name}.out.json").read_text())
+    got = {}
+    with np.load(work / f"{spec.name}.out.npz") as f:
+        for k in f.files:
+            got[k] = f[k].view(ml_dtypes.bfloat16) if dtypes[k] == "bfloat16" else f[k]
+    N, D, L = spec.N, spec.D, spec.L
+    S, R = 2 * N + 3, N + 2
+    rows = inp["rows"]
+    ok_rows = (rows >= 0) & (rows < R)
+    report = {"case": spec.name, "bitwise": [], "close": {}, "controls": {}}
+
+    def bitwise(name, want, have):
+        assert_bitwise_equal(np.asarray(want), np.asarray(have), f"{spec.name}: {name}")
+        report["bitwise"].append(name)
+
+    for layer in range(L):
+        p = f"L{layer}_"
+        bitwise(p + "outputs tuples == snapshots", got[p + "out_snapshots"], got[p + "out"])
+        # Replay of every step == the snapshot of that step (state0 for step -1).
+        rep = got[p + "replay"].reshape(D + 1, N, *got[p + "replay"].shape[1:])
+        bitwise(p + "replay step -1 == state0", inp[p + "state0"], rep[0])
+        for t in range(D):
+            bitwise(p + f"replay step {t} == snapshot", got[p + "states"][:, t], rep[t + 1])
+        # The rule in an independent NumPy oracle, with the kernel's own exp(g).
+        alpha = np.exp(got[p + "g"].astype(np.float32))
+        steps = np.full(N, D - 1)
+        oracle = replay_oracle(inp[p + "state0"], got[p + "u"], got[p + "k"], alpha, steps)
+        bitwise(p + "replay of the last step == NumPy oracle", oracle, rep[D])
+        # The controls must drift (an fp32 pool; bf16 rounds a 1-ULP drift away almost always).
+        for name in ("twice_rounded", "other_product"):
+            drift = ulp_stats(rep[D], got[p + f"control_{name}"])
+            report["controls"].setdefault(name, []).append(drift["max_ulp"])
+            if spec.dtype == "float32" and D >= 2 and drift["max_ulp"] < 1:
+                raise AssertionError(f"{spec.name}: layer {layer}: the control {name} replays bit-identically")
+        # Against the JAX reference: close, not bitwise (exp, log and reduction order differ).
+        for field, ref_name in (("out", "ref_out"), ("u", "ref_u"), ("k", "ref_k"), ("g", "ref_g"), ("states", "ref_states")):
+            want, have = inp[p + ref_name], got[p + field]
+            stats = ulp_stats(want, have)
+            scale = np.max(np.abs(want.astype(np.float32))) + 1e-30
+            rel = float(np.max(np.abs(want.astype(np.float32) - have.astype(np.float32))) / scale)
+            report["close"].setdefault(field, []).append({"max_ulp": stats["max_ulp"], "fraction": round(stats["fraction"], 4), "max_rel": rel})
+            # bf16 values (outputs always, states of a bf16 pool): one ULP is 2**-8 relative.
+            bf16 = field == "out" or (field == "states" and spec.dtype == "bfloat16")
+            tol = 1e-2 if bf16 else 1e-3
+            if not rel <= tol:
+                raise AssertionError(f"{spec.name}: layer {layer} {field} differs from the reference by {rel:.3g} (relative) > {tol}")
+
+    # Commit: tuples == snapshots == expectation from the kernel's own snapshots.
+    bitwise("commit tuples == commit snapshots", got["commit_snapshots"], got["commit_tuples"])
+    expected = inp["pool"].copy()
+    snaps = got["tape_states"]
+    written = set()
+    for n in range(N):
+        slot, step, ts, tstep, row = (int(inp[k][n]) for k in ("slots", "steps", "track_slots", "track_steps", "rows"))
+        if not (0 <= slot < S and 0 <= row < R):
+            continue
+        if 0 <= tstep < D and 0 <= ts < S:
+            expected[:, ts] = snaps[:, row, tstep]
+            written.add(ts)
+        if 0 <= step < D:
+            expected[:, slot] = snaps[:, row, step]
+            written.add(slot)
+    bitwise("commit == expectation from snapshots", expected, got["commit_tuples"])
+    untouched = [s for s in range(S) if s not in written]
+    assert untouched, "the case must leave slots untouched"
+    bitwise("untouched slots keep their bits", inp["pool"][:, untouched], got["commit_tuples"][:, untouched])
+    # The reference's commit (JAX) of the kernel's snapshot tape: the masks agree.
+    args = tuple(jnp.asarray(inp[k], jnp.int32) for k in ("slots", "steps", "track_slots", "track_steps", "rows"))
+    ref_pool = reference.commit(jnp.asarray(inp["pool"]), gl.Snapshots(jnp.asarray(snaps)), *args)
+    bitwise("reference commit of the kernel's snapshot tape == kernel commit", np.asarray(ref_pool), got["commit_tuples"])
+    return report
+
+
+# ---------------------------------------------------------------------------------------
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--triton-python", default="/tmp/tvenv/bin/python", help="a Python with triton and torch (CPU)")
+    ap.add_argument("--work", default=None, help="folder for the exchanged .npz files (default: a temporary one)")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--phase", choices=("all", "kernels", "compile"), default="all", help=argparse.SUPPRESS)
+    ap.add_argument("--no-compile", action="store_true", help="skip compiling the kernels for sm_90")
+    ap.add_argument("--cases", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+
+    if a.phase == "compile":  # inside the Triton environment, without the interpreter
+        compile_kernels()
+        return
+    if a.phase == "kernels":  # inside the Triton environment
+        work = Path(a.work)
+        for spec in (CaseSpec(**d) for d in json.loads(a.cases)):
+            t0 = time.time()
+            run_kernels(spec, work)
+            print(f"  kernels {spec.name}: {time.time() - t0:.1f}s", flush=True)
+        return
+
+    work = Path(a.work or tempfile.mkdtemp(prefix="triton-interpret-"))
+    work.mkdir(parents=True, exist_ok=True)
+    specs = case_specs(a.quick)
+    print(f"{len(specs)} cases, work folder {work}, seed {a.seed}", flush=True)
+    for i, spec in enumerate(specs):
+        stamp = work / f"{spec.name}.seed"
+        seed = a.seed * 1000 + i
+        if not (stamp.exists() and stamp.read_text() == str(seed) and (work / f"{spec.name}.in.npz").exists()):
+            make_inputs(spec, seed, work)
+            stamp.write_text(str(seed))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cases = json.dumps([dataclasses.asdict(s) for s in specs])
+    subprocess.run(
+        [a.triton_python, __file__, "--phase", "kernels", "--work", str(work), "--cases", cases], env=env, check=True
+    )
+    if not a.no_compile:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        print("compiling the kernels for sm_90 (no GPU needed):", flush=True)
+        subprocess.run([a.triton_python, __file__, "--phase", "compile"], env=env, check=True)
+    failures = 0
+    summary = {}
+    for spec in specs:
+        try:
+            r = compare(spec, work)
+        except AssertionError as e:
+            failures += 1
+            print(f"FAIL {spec.name}: {e}", flush=True)
+            continue
+        worst = {f: max(x["max_ulp"] for x in v) for f, v in r["close"].items()}
+        rel = {f: max(x["max_rel"] for x in v) for f, v in r["close"].items()}
+        for f in worst:
+            summary.setdefault(f, []).append((worst[f], rel[f]))
+        drift = {f: max(v) for f, v in r["controls"].items()}
+        print(f"ok   {spec.name}: {len(r['bitwise'])} bitwise checks; vs reference max ULP {worst}; controls drift max ULP {drift}", flush=True)
+    print("vs the JAX reference over all cases (max ULP, max relative):")
+    for f, v in summary.items():
+        print(f"  {f:7s} max ULP {max(x[0] for x in v):>8d}   max rel {max(x[1] for x in v):.3g}")
+    print(f"{len(specs) - failures} passed, {failures} failed")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
