@@ -1,0 +1,194 @@
+"""The ``triton`` backend (jax-triton kernels): the shared equivalence suite and its own checks.
+
+GPU tests run where JAX's default backend is ``gpu`` and jax-triton imports; elsewhere
+they are skipped with the reason. On the CPU, only the error a user gets when asking for
+the backend is tested. Run on the H200 (jax 0.11.2, triton 3.6, jax-triton 0.3.1)::
+
+    pip install --no-deps .whl/jax_triton-0.3.1-py3-none-any.whl
+    python -m pytest -q tests/test_triton_backend.py
+
+Matrix: D in {2, 3, 4, 8, 16} x (H, HV) in {(16, 32), (4, 16)} x N in {1, 5} x fp32 and
+bf16 pools, K = V = 128, L = 2 layers; each case has a track copy, permuted rows and
+invalid rows (negative step, out-of-range slot, row and track slot).
+"""
+
+import dataclasses
+import importlib.util
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gdn_lossless_jax as gl
+from equivalence import check_commit, check_controls, check_outputs, check_replay_every_step, make_case
+from gdn_lossless_jax import backends, reference
+from gdn_lossless_jax.cases import Shape, verify_inputs
+from gdn_lossless_jax.testing import assert_bitwise_differs, assert_bitwise_equal
+
+ON_GPU = jax.default_backend() == "gpu"
+HAVE_JAX_TRITON = importlib.util.find_spec("jax_triton") is not None and importlib.util.find_spec("triton") is not None
+
+requires_triton = pytest.mark.skipif(
+    not (ON_GPU and HAVE_JAX_TRITON),
+    reason=(
+        f"backend 'triton' needs a GPU and jax-triton: JAX's default backend is {jax.default_backend()!r}, "
+        f"jax_triton/triton {'found' if HAVE_JAX_TRITON else 'not installed'} "
+        "(pip install 'gdn_lossless_jax[triton]')"
+    ),
+)
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+DRAFTS = [2, 3, 4, 8, 16]
+HEADS = [(16, 32), (4, 16)]
+MATRIX = [
+    pytest.param(Shape(N=n, D=d, H=h, HV=hv, K=128, V=128), dt, id=f"D{d}-H{h}-HV{hv}-N{n}-{jnp.dtype(dt).name}")
+    for d, (h, hv), n, dt in itertools.product(DRAFTS, HEADS, [1, 5], [F32, BF16])
+]
+SHAPE = Shape(N=5, D=8, H=16, HV=32, K=128, V=128)
+
+
+# ---------------------------------------------------------------------------------------
+# Off the GPU: the error says what is missing and what to do.
+# ---------------------------------------------------------------------------------------
+@pytest.mark.skipif(ON_GPU, reason="tests the error raised off the GPU")
+@pytest.mark.parametrize("op", ["verify", "replay", "commit"])
+def test_unavailable_off_the_gpu(op):
+    with pytest.raises(gl.BackendUnavailable) as e:
+        backends.resolve("triton", op)
+    msg = str(e.value)
+    for needle in (op, "'triton'", repr(jax.default_backend()), "'reference'", "pip install 'gdn_lossless_jax[triton]'"):
+        assert needle in msg, (needle, msg)
+
+
+@pytest.mark.skipif(ON_GPU, reason="tests the error raised off the GPU")
+def test_unavailable_through_the_api():
+    x = verify_inputs(0, Shape(N=1, D=2, H=1, HV=2, K=8, V=8))
+    with pytest.raises(gl.BackendUnavailable, match="backend 'triton'"):
+        gl.verify(**x, backend="triton")
+
+
+def test_package_imports_without_triton():
+    import gdn_lossless_jax.backends.triton as tb
+
+    assert {"verify", "replay", "commit", "check_available"} <= set(tb.__all__)
+
+
+# ---------------------------------------------------------------------------------------
+# The shared suite (tests/equivalence.py), against the backend's own snapshot path.
+# ---------------------------------------------------------------------------------------
+@requires_triton
+@pytest.mark.parametrize("shape,state_dtype", MATRIX)
+def test_equivalence(shape, state_dtype, seed):
+    case = make_case("triton", seed, shape, state_dtype=state_dtype)
+    check_outputs(case)
+    check_replay_every_step(case)
+    check_commit(case)
+    # Cross-backend: XLA's replay (the reference) of the Triton tape gives the Triton snapshots.
+    check_replay_every_step(dataclasses.replace(case, backend="reference"))
+
+
+@requires_triton
+@pytest.mark.parametrize("kind", ["normal", "mixed"])
+def test_controls_are_caught(kind, seed):
+    # fp32 pool: a bf16 pool rounds a 1-ULP fp32 drift away almost always.
+    case = make_case("triton", seed, Shape(N=4, D=4, H=2, HV=4, K=128, V=128), state_dtype=F32, kind=kind)
+    check_controls(case)
+
+
+# ---------------------------------------------------------------------------------------
+# Cross-backend tapes, in both directions, and the in-kernel controls.
+# ---------------------------------------------------------------------------------------
+@requires_triton
+@pytest.mark.parametrize("state_dtype", [F32, BF16])
+@pytest.mark.parametrize("kind", ["normal", "mixed"])
+def test_reference_replay_of_triton_tape(kind, state_dtype, seed):
+    x = verify_inputs(seed, SHAPE, kind=kind, state_dtype=state_dtype)
+    _, tup = gl.verify(**x, record="tuples", backend="triton")
+    _, snp = gl.verify(**x, record="snapshots", backend="triton")
+    for step in range(-1, SHAPE.D):
+        steps = jnp.full((SHAPE.N,), step, jnp.int32)
+        want = x["state0"] if step < 0 else snp.states[:, step]
+        assert_bitwise_equal(want, gl.replay(x["state0"], tup, steps, backend="reference"), f"reference, step {step}")
+        assert_bitwise_equal(want, gl.replay(x["state0"], tup, steps, backend="triton"), f"triton, step {step}")
+
+
+@requires_triton
+@pytest.mark.parametrize("state_dtype", [F32, BF16])
+def test_triton_replay_of_reference_tape(state_dtype, seed):
+    """The other direction: the commit kernel rebuilds XLA:GPU's snapshots from its tape."""
+    x = verify_inputs(seed, SHAPE, kind="mixed", state_dtype=state_dtype)
+    _, tup = gl.verify(**x, record="tuples", backend="reference")
+    _, snp = gl.verify(**x, record="snapshots", backend="reference")
+    steps = jnp.asarray(np.arange(SHAPE.N) % SHAPE.D, jnp.int32)
+    want = snp.states[jnp.arange(SHAPE.N), steps]
+    assert_bitwise_equal(want, gl.replay(x["state0"], tup, steps, backend="triton"))
+
+
+@requires_triton
+def test_outputs_agree_with_the_reference(seed):
+    """Within 2e-3 relative (max-norm), in float32: reductions are ordered differently."""
+    x = verify_inputs(seed, SHAPE, kind="normal")
+    for record in gl.RECORD_MODES:
+        ref, ref_tape = gl.verify(**x, record=record, backend="reference", out_dtype=F32)
+        got, got_tape = gl.verify(**x, record=record, backend="triton", out_dtype=F32)
+        ref, got = np.asarray(ref), np.asarray(got)
+        assert np.abs(got - ref).max() / np.abs(ref).max() < 2e-3
+        for a, b in zip(jax.tree.leaves(ref_tape), jax.tree.leaves(got_tape)):
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            assert np.abs(a - b).max() / (np.abs(a).max() + 1e-30) < 2e-3
+
+
+@requires_triton
+def test_in_kernel_naive_replay_drifts(seed):
+    tb = backends.resolve("triton", "replay")
+    x = verify_inputs(seed, SHAPE, kind="normal")
+    _, tup = gl.verify(**x, record="tuples", backend="triton")
+    _, snp = gl.verify(**x, record="snapshots", backend="triton")
+    last = jnp.full((SHAPE.N,), SHAPE.D - 1, jnp.int32)
+    assert_bitwise_equal(snp.states[:, -1], tb.replay(x["state0"], tup, last), "the rule")
+    for form in tb.CONTROL_FORMS:
+        report = assert_bitwise_differs(snp.states[:, -1], tb.replay(x["state0"], tup, last, form=form), form)
+        assert report.max_ulp >= 1
+
+
+# ---------------------------------------------------------------------------------------
+# Launch configurations, tape pitch, in-place commit.
+# ---------------------------------------------------------------------------------------
+@requires_triton
+@pytest.mark.parametrize("block_v,num_warps", [(16, 2), (32, 4), (64, 8), (128, 8)])
+def test_any_verify_config_replays_exactly(block_v, num_warps, seed):
+    """Tiles and warps may change the reductions, never the replay of the verify's own tape."""
+    tb = backends.resolve("triton", "verify")
+    cfg = tb.VerifyConfig(block_v=block_v, num_warps=num_warps)
+    x = verify_inputs(seed, SHAPE, kind="mixed", state_dtype=BF16)
+    kw = dict(scale=128**-0.5, out_dtype=jnp.dtype(BF16), config=cfg)
+    o_t, tup = tb.verify(**x, record="tuples", **kw)
+    o_s, snp = tb.verify(**x, record="snapshots", **kw)
+    assert_bitwise_equal(o_s, o_t, "outputs of the two record modes")
+    for step in range(SHAPE.D):
+        steps = jnp.full((SHAPE.N,), step, jnp.int32)
+        assert_bitwise_equal(snp.states[:, step], tb.replay(x["state0"], tup, steps), f"step {step}")
+
+
+@requires_triton
+@pytest.mark.parametrize("record", gl.RECORD_MODES)
+def test_commit_in_place_under_donation(record, seed):
+    case = make_case("triton", seed, Shape(N=5, D=4, H=4, HV=16, K=128, V=128), state_dtype=F32)
+    tape = case.tuples if record == "tuples" else case.snapshots
+    args = case.idx.as_args()
+    want = gl.commit(case.pool, tape, *args, backend="triton")
+    donated = jax.jit(lambda p, t, *a: gl.commit(p, t, *a, backend="triton"), donate_argnums=0)
+    got = donated(jnp.array(case.pool, copy=True), tape, *args)
+    assert_bitwise_equal(want, got)
+    # The reference's commit of the same tape agrees (snapshots: exactly; tuples: exp is
+    # libdevice's in both on the GPU).
+    assert_bitwise_equal(jax.jit(reference.commit)(case.pool, tape, *args), got)
+
+
+@requires_triton
+def test_commit_reads_the_tape_pitch_from_its_shape(seed):
+    """A tape buffer with more rows than requests (R > N): rows[i] picks the row."""
+    case = make_case("triton", seed, Shape(N=3, D=3, H=4, HV=16, K=128, V=128), state_dtype=BF16, extra_rows=9)
+    check_commit(case)
