@@ -184,7 +184,7 @@ def make_inputs(spec: CaseSpec, seed: int, work: Path):
         ref = jax.jit(_reference_close, static_argnums=8)(*x.values(), spec.K**-0.5)
         for name, val in x.items():
             arrays[f"L{layer}_{name}"] = np.asarray(val)
-        for name, val in zip(("out", "u", "k", "g", "states"), ref):
+        for name, val in zip(("out", "u", "k", "g", "states"), ref, strict=True):
             arrays[f"L{layer}_ref_{name}"] = np.asarray(val)
     _save(work / f"{spec.name}.in.npz", arrays)
 
@@ -208,7 +208,7 @@ def run_kernels(spec: CaseSpec, work: Path):
     raw = _load_np(work / f"{spec.name}.in.npz", bf16=bf16)
     T = {k: (v if isinstance(v, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(v))) for k, v in raw.items()}
     N, D, H, HV, V, K, L = spec.N, spec.D, spec.H, spec.HV, spec.V, spec.K, spec.L
-    S, R = 2 * N + 3, N + 2
+    R = N + 2
     f32 = torch.float32
     state_dt = T["pool"].dtype
     out = {}
@@ -224,7 +224,9 @@ def run_kernels(spec: CaseSpec, work: Path):
         # Filled with NaN, so that a missing write shows.
         for t in (o, snap, u, kt, g):
             t.fill_(float("nan"))
-        sizes, grid = V_.launch_sizes(tuple(x["state0"].shape), tuple(x["q"].shape), V_.VerifyConfig(block_v=spec.block_v))
+        sizes, grid = V_.launch_sizes(
+            tuple(x["state0"].shape), tuple(x["q"].shape), V_.VerifyConfig(block_v=spec.block_v)
+        )
         V_.verify_kernel[grid](
             *x.values(), o, snap, u, kt, g, **sizes, SCALE=float(K**-0.5), SNAPSHOTS=snapshots, INTERPRET=True
         )
@@ -232,7 +234,12 @@ def run_kernels(spec: CaseSpec, work: Path):
 
     rows = T["rows"].numpy()
     ok_rows = (rows >= 0) & (rows < R)
-    tapes = {"u": T["fill_u"].clone(), "k": T["fill_k"].clone(), "g": T["fill_g"].clone(), "states": T["fill_states"].clone()}
+    tapes = {
+        "u": T["fill_u"].clone(),
+        "k": T["fill_k"].clone(),
+        "g": T["fill_g"].clone(),
+        "states": T["fill_states"].clone(),
+    }
     for layer in range(L):
         o_t, (u, kt, g) = verify(layer, snapshots=False)
         o_s, (snap,) = verify(layer, snapshots=True)
@@ -300,8 +307,9 @@ def run_kernels(spec: CaseSpec, work: Path):
 def compile_kernels() -> None:
     """Compile every kernel variant for sm_90 (H200) as jax-triton would, and check the code.
 
-    No GPU is needed: Triton's CUDA backend and its bundled ptxas build the cubin for an
-    explicit target. Checks: both record modes' TTGIR carry the same arithmetic in the same
+    No GPU is needed: the TTIR -> TTGIR -> LLVM -> PTX stages run as jax-triton 0.3.1 calls
+    them (same options and specialisation), for an explicit sm_90 target, and Triton's
+    bundled ptxas assembles the result. Checks: both record modes' TTGIR carry the same arithmetic in the same
     layouts (so their outputs are identical by construction); the rule's update is
     ``fma.rn.f32`` and no contractible ``mul.f32``/``add.f32`` is left (fp fusion off);
     the verify kernel has no approximate division or square root; the ``naive`` control
@@ -311,19 +319,49 @@ def compile_kernels() -> None:
     import hashlib
     import re
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    import types as _types
+
+    import triton._C.libtriton as _triton
+    import triton.backends.nvidia.compiler as cb
+    from triton.compiler import code_generator as code_gen
+    from triton.compiler import compiler as tc
 
     V_, C_ = _kernel_modules()
-    target = GPUTarget("cuda", 90, 32)
+    capability = 90
+    backend = cb.CUDABackend(cb.GPUTarget("cuda", capability, 32))
 
     def build(fn, signature, constexprs, fusion, num_warps, num_stages):
-        sig = dict(signature)
-        sig.update({k: "constexpr" for k in constexprs})
-        src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
-        opts = dict(num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=fusion)
-        return triton.compile(src, target=target, options=opts)
+        """The calls jax-triton 0.3.1 makes (triton_lib.get_or_create_triton_kernel and
+        compile_ttir_to_ptx_inplace), then ptxas on the PTX."""
+        arg_dtypes = list(signature.values())
+        sig = {fn.arg_names[i]: v for i, v in enumerate(arg_dtypes)}
+        specialization = [
+            _triton.native_specialize_impl(
+                backend, _types.SimpleNamespace(data_ptr=lambda: 16, dtype=dt.removeprefix("*")), False, True, True
+            )
+            for dt in arg_dtypes
+        ]
+        attrs = {(i,): backend.parse_attr(attr) for i, (_, attr) in enumerate(specialization)}
+        constants = dict(constexprs)
+        sig.update({k: "constexpr" for k in constants})
+        opts = {"num_warps": num_warps, "num_stages": num_stages, "num_ctas": 1, "optimize_epilogue": False}
+        options = backend.parse_options({**opts, "debug": False, "enable_fp_fusion": fusion})
+        context = _triton.ir.context()
+        _triton.ir.load_dialects(context)
+        backend.load_dialects(context)
+        module = code_gen.ast_to_ttir(
+            fn, tc.ASTSource(fn, constexprs=constants, signature=sig, attrs=attrs), options=options,
+            codegen_fns=backend.get_codegen_implementation(options), context=context,
+            module_map=backend.get_module_map(),
+        )  # fmt: skip
+        metadata = {}
+        ttir = backend.make_ttir(module, metadata, options, capability)
+        ttgir = backend.make_ttgir(ttir, metadata, options, capability)
+        ttgir_text = str(ttgir)
+        llir = backend.make_llir(ttgir, metadata, options, capability)
+        ptx = backend.make_ptx(llir, metadata, options, capability)
+        backend.make_cubin(ptx, metadata, options, capability)  # ptxas accepts it
+        return _types.SimpleNamespace(asm={"ttgir": ttgir_text, "ptx": ptx}, shared=metadata.get("shared"))
 
     def ops(ptx):
         pat = r"\b((?:fma|mul|add|sub|div|sqrt|ex2|lg2|rcp)\.[a-z0-9.]*f32)\b"
@@ -343,7 +381,8 @@ def compile_kernels() -> None:
         for snapshots in (False, True):
             sig = {"state0_ptr": f"*{state}", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "a_ptr": "*bf16",
                    "b_ptr": "*bf16", "A_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "out_ptr": "*bf16",
-                   "snap_ptr": f"*{state}" if snapshots else "*fp32", "u_ptr": "*fp32", "kt_ptr": "*fp32", "g_ptr": "*fp32"}  # fmt: skip
+                   "snap_ptr": f"*{state}" if snapshots else "*fp32",
+                   "u_ptr": "*fp32", "kt_ptr": "*fp32", "g_ptr": "*fp32"}  # fmt: skip
             sizes, _ = V_.launch_sizes((N, HV, Vd, K), (N, D, H, K), vcfg)
             ck = build(V_.verify_kernel, sig, dict(**sizes, SCALE=K**-0.5, SNAPSHOTS=snapshots, INTERPRET=False),
                        False, vcfg.num_warps, vcfg.num_stages)  # fmt: skip
@@ -423,8 +462,6 @@ def compare(spec: CaseSpec, work: Path) -> dict:
             got[k] = f[k].view(ml_dtypes.bfloat16) if dtypes[k] == "bfloat16" else f[k]
     N, D, L = spec.N, spec.D, spec.L
     S, R = 2 * N + 3, N + 2
-    rows = inp["rows"]
-    ok_rows = (rows >= 0) & (rows < R)
     report = {"case": spec.name, "bitwise": [], "close": {}, "controls": {}}
 
     def bitwise(name, want, have):
@@ -451,17 +488,27 @@ def compare(spec: CaseSpec, work: Path) -> dict:
             if spec.dtype == "float32" and D >= 2 and drift["max_ulp"] < 1:
                 raise AssertionError(f"{spec.name}: layer {layer}: the control {name} replays bit-identically")
         # Against the JAX reference: close, not bitwise (exp, log and reduction order differ).
-        for field, ref_name in (("out", "ref_out"), ("u", "ref_u"), ("k", "ref_k"), ("g", "ref_g"), ("states", "ref_states")):
+        for field, ref_name in (
+            ("out", "ref_out"),
+            ("u", "ref_u"),
+            ("k", "ref_k"),
+            ("g", "ref_g"),
+            ("states", "ref_states"),
+        ):
             want, have = inp[p + ref_name], got[p + field]
             stats = ulp_stats(want, have)
             scale = np.max(np.abs(want.astype(np.float32))) + 1e-30
             rel = float(np.max(np.abs(want.astype(np.float32) - have.astype(np.float32))) / scale)
-            report["close"].setdefault(field, []).append({"max_ulp": stats["max_ulp"], "fraction": round(stats["fraction"], 4), "max_rel": rel})
+            report["close"].setdefault(field, []).append(
+                {"max_ulp": stats["max_ulp"], "fraction": round(stats["fraction"], 4), "max_rel": rel}
+            )
             # bf16 values (outputs always, states of a bf16 pool): one ULP is 2**-8 relative.
             bf16 = field == "out" or (field == "states" and spec.dtype == "bfloat16")
             tol = 1e-2 if bf16 else 1e-3
             if not rel <= tol:
-                raise AssertionError(f"{spec.name}: layer {layer} {field} differs from the reference by {rel:.3g} (relative) > {tol}")
+                raise AssertionError(
+                    f"{spec.name}: layer {layer} {field} differs from the reference by {rel:.3g} (relative) > {tol}"
+                )
 
     # Commit: tuples == snapshots == expectation from the kernel's own snapshots.
     bitwise("commit tuples == commit snapshots", got["commit_snapshots"], got["commit_tuples"])
@@ -485,7 +532,9 @@ def compare(spec: CaseSpec, work: Path) -> dict:
     # The reference's commit (JAX) of the kernel's snapshot tape: the masks agree.
     args = tuple(jnp.asarray(inp[k], jnp.int32) for k in ("slots", "steps", "track_slots", "track_steps", "rows"))
     ref_pool = reference.commit(jnp.asarray(inp["pool"]), gl.Snapshots(jnp.asarray(snaps)), *args)
-    bitwise("reference commit of the kernel's snapshot tape == kernel commit", np.asarray(ref_pool), got["commit_tuples"])
+    bitwise(
+        "reference commit of the kernel's snapshot tape == kernel commit", np.asarray(ref_pool), got["commit_tuples"]
+    )
     return report
 
 
@@ -545,7 +594,8 @@ def main():
         for f in worst:
             summary.setdefault(f, []).append((worst[f], rel[f]))
         drift = {f: max(v) for f, v in r["controls"].items()}
-        print(f"ok   {spec.name}: {len(r['bitwise'])} bitwise checks; vs reference max ULP {worst}; controls drift max ULP {drift}", flush=True)
+        n = len(r["bitwise"])
+        print(f"ok   {spec.name}: {n} bitwise checks; vs reference max ULP {worst}; controls drift max ULP {drift}")
     print("vs the JAX reference over all cases (max ULP, max relative):")
     for f, v in summary.items():
         print(f"  {f:7s} max ULP {max(x[0] for x in v):>8d}   max rel {max(x[1] for x in v):.3g}")

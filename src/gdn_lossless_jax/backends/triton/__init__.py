@@ -77,7 +77,16 @@ def replay(state0, tuples, steps, *, config: CommitConfig = CommitConfig(), form
 
 
 def commit(
-    pool, tape, slots, steps, track_slots, track_steps, rows, *, config: CommitConfig = CommitConfig(), form: str = "rule"
+    pool,
+    tape,
+    slots,
+    steps,
+    track_slots,
+    track_steps,
+    rows,
+    *,
+    config: CommitConfig = CommitConfig(),
+    form: str = "rule",
 ):
     """See :func:`gdn_lossless_jax.commit`: one launch for all layers, in place on the pool.
 

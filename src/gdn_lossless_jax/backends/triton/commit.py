@@ -49,14 +49,15 @@ __all__ = [
 ]
 
 #: The replay update of the commit kernel. ``rule`` is the library's rule. The control
-#: forms break it on purpose, for tests that must catch them: ``twice_rounded`` is
+#: forms break it by construction, for tests that must catch them: ``twice_rounded`` is
 #: ``rn(rn(S * alpha) + rn(k * u))`` (what XLA:GPU makes of the plain expression) and
-#: ``other_product`` is ``fma(S, alpha, rn(k * u))`` (what Triton's fp fusion made of it in
-#: SGLang's kernel, SPEC section 3). ``naive`` writes ``S * alpha + k * u`` and launches
-#: with fp fusion on, so the compiler decides; it is not a control: in this kernel Triton
-#: 3.6 for sm_90 keeps ``S * alpha`` and fuses ``k * u``, i.e. it happens to compile the
-#: rule (seen in the PTX, scripts/triton_interpret_check.py), which is exactly why the
-#: rule is written out instead of left to the compiler.
+#: ``other_product`` is ``fma(S, alpha, rn(k * u))`` written out (what Triton's fp fusion
+#: made of it in SGLang's kernel, SPEC section 3). ``naive`` writes ``S * alpha + k * u``
+#: and launches with fp fusion on, so the compiler decides, which is why it is not among
+#: the controls: compiled for sm_90 as jax-triton 0.3.1 specialises the kernel, Triton 3.6
+#: fuses ``S * alpha`` (the other product); compiled without jax-triton's 16-byte
+#: pointer specialisation, it fused ``k * u`` (the rule). Both seen in the PTX
+#: (scripts/triton_interpret_check.py prints which); the rule is written out for this reason.
 FORMS = ("rule",)
 CONTROL_FORMS = ("twice_rounded", "other_product")
 COMPILER_FORMS = ("naive",)
@@ -147,7 +148,7 @@ def commit_tuples_kernel(
     tape_row = layer * R + row  # int64
 
     state = _to_f32(tl.load(src, mask=m_vk, other=0.0), INTERPRET)  # [BV, BK], read before any write
-    for t in range(0, last + 1):
+    for t in range(last + 1):
         g = tl.load(g_ptr + (tape_row * D + t) * HV + hv)
         k = tl.load(k_ptr + ((tape_row * D + t) * H + h) * K + offs_k, mask=m_k, other=0.0)
         u = tl.load(u_ptr + ((tape_row * D + t) * HV + hv) * V + offs_v, mask=m_v, other=0.0)
@@ -228,7 +229,9 @@ def commit_tuples(
     return _jitted("tuples")(pool, u, k, g, slots, steps, track_slots, track_steps, rows, config=config, form=form)
 
 
-def commit_snapshots(pool, states, slots, steps, track_slots, track_steps, rows, *, config: CommitConfig = CommitConfig()):
+def commit_snapshots(
+    pool, states, slots, steps, track_slots, track_steps, rows, *, config: CommitConfig = CommitConfig()
+):
     """Gather-scatter commit from a snapshot tape; returns the new pool."""
     return _jitted("snapshots")(pool, states, slots, steps, track_slots, track_steps, rows, config=config)
 
@@ -244,7 +247,9 @@ def _replay(state0, u, k, g, steps, *, config, form):
     N = state0.shape[0]
     ids = jnp.arange(N, dtype=jnp.int32)
     none = jnp.full((N,), -1, jnp.int32)
-    pool = _commit_tuples(state0[None], u[None], k[None], g[None], ids, steps, none, none, ids, config=config, form=form)
+    pool = _commit_tuples(
+        state0[None], u[None], k[None], g[None], ids, steps, none, none, ids, config=config, form=form
+    )
     return pool[0]
 
 

@@ -12,7 +12,9 @@ the D steps in registers (SPEC section 2)::
     o_t   = sum_k S * q_t
 
 One kernel body and one launch configuration serve both record modes (the constexpr
-``SNAPSHOTS`` only chooses what is stored), so the outputs are identical by construction.
+``SNAPSHOTS`` only chooses what is stored), so the outputs are identical by construction
+(scripts/triton_interpret_check.py checks that the two variants' TTGIR carry the same
+arithmetic in the same layouts). The wrapper launches with fp fusion off (``_lang.py``).
 ``record="snapshots"`` stores the state after every step (``[N, D, HV, V, K]``, state0's
 dtype); ``record="tuples"`` stores ``u [N, D, HV, V]``, the normalised ``k [N, D, H, K]``
 (written once per ``(n, h)``: by the program of the group's first v-head and V tile 0)
@@ -35,7 +37,8 @@ from ._lang import jit, next_power_of_2, tl
 from ._lang import log as _log
 from ._lang import to_f32 as _to_f32
 
-__all__ = ["VerifyConfig", "verify", "verify_kernel"]
+__all__ = ["VerifyConfig", "verify", "verify_kernel", "launch_sizes"]
+
 
 @dataclasses.dataclass(frozen=True)
 class VerifyConfig:
@@ -184,7 +187,9 @@ def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, c
     Returns ``(outputs [N, D, HV, V], fields)``: ``(states,)`` for ``record="snapshots"``,
     ``(u, k, g)`` for ``record="tuples"``.
     """
-    return _jitted()(state0, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, out_dtype=out_dtype, config=config)
+    return _jitted()(
+        state0, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, out_dtype=out_dtype, config=config
+    )
 
 
 def _verify(state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, config):
