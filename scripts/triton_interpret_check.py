@@ -30,7 +30,9 @@ rows, as tests/equivalence.py builds them):
 
 Usage (from the repository root)::
 
-    /tmp/tvenv/bin/python -m pip install triton==3.6.0 torch==2.13.0 numpy   # once, Python 3.11
+    python3.11 -m venv /tmp/tvenv   # once: torch's CPU wheel on this disk is for Python 3.11
+    /tmp/tvenv/bin/python -m pip install triton==3.6.0 torch==2.13.0 'numpy<2.3'
+    # (numpy 2.4 breaks the interpreter's dynamic loops: int() of a one-element array)
     PYTHONPATH=src python3.12 scripts/triton_interpret_check.py --triton-python /tmp/tvenv/bin/python
 
 ``--quick`` runs three cases; the default runs every draft length of the CPU equivalence
