@@ -25,6 +25,7 @@ from .tape import Snapshots, Tuples
 
 __all__ = [
     "gates",
+    "ksum",
     "l2norm",
     "prepare",
     "gdn_step",
@@ -58,10 +59,27 @@ def gates(a, b, A_log, dt_bias):
     return g, beta
 
 
+def ksum(x):
+    """Sum over the last axis as a fixed pairwise tree of elementwise adds.
+
+    Not ``jnp.sum``: XLA:GPU picks a reduction strategy per compiled program, and the two
+    record modes' programs summed in different orders (their outputs differed bitwise;
+    seen on the H200). Elementwise adds leave the compiler no order to choose.
+    """
+    n = x.shape[-1]
+    p = 1 << max(n - 1, 0).bit_length()
+    if p != n:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, p - n)])
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = x[..., :h] + x[..., h:]
+    return x[..., 0]
+
+
 def l2norm(x):
     """``x / sqrt(sum(x * x) + 1e-6)`` over the last axis, in fp32 (SPEC 2.2)."""
     x = x.astype(F32)
-    return x / jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+    return x / jnp.sqrt(ksum(x * x)[..., None] + L2NORM_EPS)
 
 
 def prepare(q, k, a, b, A_log, dt_bias, scale):
@@ -95,9 +113,9 @@ def gdn_step(S, x, *, mul: Callable = rounding.mul_rn, fma: Callable = rounding.
     q, k, v, g, beta = x
     alpha = jnp.exp(g)
     Sd = rounding.decay(S, alpha[..., None, None], mul=mul)
-    u = beta[..., None] * (v - jnp.sum(Sd * k[..., None, :], axis=-1))
+    u = beta[..., None] * (v - ksum(Sd * k[..., None, :]))
     S_new = rounding.update(Sd, k, u, fma=fma)
-    o = jnp.sum(S_new * q[..., None, :], axis=-1)
+    o = ksum(S_new * q[..., None, :])
     return S_new, (o, u)
 
 
@@ -113,16 +131,21 @@ def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record: str = "tuples", sca
     qn, kn, g, beta = prepare(q, k, a, b, A_log, dt_bias, scale)
     xs = (_expand_heads(qn, HV), _expand_heads(kn, HV), v.astype(F32), g, beta)
     xs = jax.tree.map(lambda t: jnp.moveaxis(t, 1, 0), xs)  # scan over D
-    snapshots = record == "snapshots"
 
     def body(S, x):
         S_new, (o, u) = gdn_step(S, x)
-        return S_new, (o, S_new.astype(state0.dtype) if snapshots else u)
+        return S_new, (o, u, S_new.astype(state0.dtype))
 
-    _, (o, rec) = lax.scan(body, state0.astype(F32), xs)
-    outputs = jnp.moveaxis(o, 0, 1).astype(out_dtype)
-    rec = jnp.moveaxis(rec, 0, 1)
-    tape = Snapshots(rec) if snapshots else Tuples(u=rec, k=kn, g=g)
+    # One program for both record modes: the scan emits the outputs, u and the snapshots,
+    # and the barrier keeps XLA from pruning the unused ones. Otherwise XLA compiles the
+    # two modes' loops differently, and on XLA:GPU that changed the order of the K-term
+    # reductions (outputs and u differed between modes; seen on the H200). The price is
+    # that the reference materialises the snapshots in tuples mode too: it is the
+    # specification, not the memory-lean path.
+    _, ys = lax.scan(body, state0.astype(F32), xs)
+    o, u, states = (jnp.moveaxis(y, 0, 1) for y in lax.optimization_barrier(ys))
+    outputs = o.astype(out_dtype)
+    tape = Snapshots(states) if record == "snapshots" else Tuples(u=u, k=kn, g=g)
     return outputs, tape
 
 

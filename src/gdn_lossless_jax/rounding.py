@@ -31,7 +31,9 @@ from __future__ import annotations
 
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 __all__ = [
@@ -73,8 +75,13 @@ def _low_mask(s):
     return _shl32(jnp.ones_like(s, _U32), s) - _u(1)
 
 
+def _clz32(x):
+    # On int32: Pallas Triton lowers clz of int32 to __nv_clz; of uint32 it fails.
+    return lax.clz(lax.bitcast_convert_type(x, _I32))
+
+
 def _clz64(hi, lo):
-    return jnp.where(hi != 0, lax.clz(hi).astype(_I32), 32 + lax.clz(lo).astype(_I32))
+    return jnp.where(hi != 0, _clz32(hi), 32 + _clz32(lo))
 
 
 def _shl64(hi, lo, n):
@@ -139,6 +146,11 @@ def _unpack(bits):
 
 
 def _bits(x):
+    if isinstance(x, (int, float, np.generic, np.ndarray)) or (
+        isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+    ):
+        # A constant: take its bits now (Pallas Triton cannot bitcast a literal).
+        return jnp.asarray(np.asarray(x, np.float32).view(np.uint32))
     return lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), _U32)
 
 
@@ -243,12 +255,12 @@ def mul_rn(x, y):
     inputs to zero; the GPU keeps them. ``-0.0`` is the additive identity that also keeps
     the sign of a zero product.
     """
-    return fma_rn(x, y, jnp.float32(-0.0))
+    return fma_rn(x, y, np.float32(-0.0))
 
 
 def add_rn(x, y):
     """``rn(x + y)`` in float32, pinned (``fma_rn(x, 1, y)``): no product to contract."""
-    return fma_rn(x, jnp.float32(1.0), y)
+    return fma_rn(x, np.float32(1.0), y)
 
 
 # ---------------------------------------------------------------------------------
