@@ -14,7 +14,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from ...tape import Snapshots, Tuples
+from ...tape import Snapshots
 from .. import BackendUnavailable, platform
 from .commit import CommitConfig, commit_snapshots, commit_tuples
 from .rounding import CONTROL_FORMS, FORMS, default_form
@@ -59,11 +59,10 @@ def _form(form: str | None, allowed=FORMS) -> str:
 def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, form=None, config=VerifyConfig()):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
-        outputs, fields = _verify(
+        return _verify(
             state0, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, out_dtype=jnp.dtype(out_dtype),
             config=config, form=_form(form), interpret=_interpret(),
         )  # fmt: skip
-    return outputs, (Snapshots(*fields) if record == "snapshots" else Tuples(*fields))
 
 
 def commit(pool, tape, slots, steps, track_slots, track_steps, rows, *, form=None, config=CommitConfig()):

@@ -1,12 +1,15 @@
 """Pallas (Triton backend) verify: one kernel body, one launch for both record modes.
 
-Grid ``(N, HV, V // BV)``: one program per request, v-head and V tile, holding the
-``[BV, K]`` fp32 state tile in registers for the whole chain. Designed for latency: every
-input of all D steps is loaded, and the gates and q/k norms are computed, before the
-serial chain starts; the chain itself is one decay multiply, one reduction over K, one
-fma and one output reduction per step. ``k`` and ``g`` go to the tape once per (request,
-q/k head) and (request, v-head): only V tile 0 (and the group's first v-head for k)
-writes them. The per-request pitch of the tape comes from the output buffer's shape.
+Work outside the serial chain runs first, once per (request, step, head), as one XLA
+fusion: the q/k l2 norms, the query scale and the gates (``reference.prepare``, the same
+code the reference runs). Its ``k`` and ``g`` *are* the tape's ``k`` and ``g``: written
+once per (request, q/k head) and (request, v-head), never once per V tile.
+
+The kernel's grid is ``(N, HV, V // BV)``: one program per request, v-head and V tile,
+holding the ``[BV, K]`` fp32 state tile in registers for the whole chain. Per step: one
+pinned decay multiply, one reduction over K, one pinned fma, one output reduction, and the
+step's store (``u``, or the snapshot). The per-request pitch of the tape is the buffer's:
+with ``tape=`` the kernel writes into rows of a larger buffer (``D <= Dmax``).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ...reference import L2NORM_EPS, SOFTPLUS_THRESHOLD
+from ...reference import prepare
 from .rounding import ops as rounding_ops
 
 __all__ = ["VerifyConfig", "verify"]
@@ -28,69 +31,61 @@ F32 = jnp.float32
 
 @dataclasses.dataclass(frozen=True)
 class VerifyConfig:
-    """Launch configuration (the same for both record modes, so outputs agree by construction)."""
+    """Launch configuration (the same for both record modes, so outputs agree by construction).
 
-    block_v: int = 32
-    num_warps: int = 4
+    ``row_vectors``: load q and k as ``[1, K]`` rows of the state tile's layout rather than
+    ``[K]`` vectors (which Triton must convert through shared memory every step).
+    """
+
+    block_v: int = 16
+    num_warps: int = 2
     num_stages: int = 1
+    row_vectors: bool = True
 
     def fit(self, V: int) -> "VerifyConfig":
         return dataclasses.replace(self, block_v=min(self.block_v, V))
 
 
-def _kernel(*refs, D: int, r: int, BV: int, scale: float, snapshots: bool, form: str, into: bool):
-    # inputs: state, q, k, v, a, b, A_log, dt_bias[, rows, *tape buffers (aliased)]
-    # outputs: o, *tape
-    state_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_ref, dtb_ref = refs[:8]
-    n_tape = 1 if snapshots else 3
-    rows_ref = refs[8] if into else None
-    o_ref, *tape_refs = refs[-1 - n_tape :]
+def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bool, row_vectors: bool):
+    # inputs: state, qn, kn, v, g, beta[, rows, tape buffer (aliased)]; outputs: o, tape
+    state_ref, q_ref, k_ref, v_ref, g_ref, beta_ref = refs[:6]
+    rows_ref = refs[6] if into else None
+    o_ref, tape_ref = refs[-2:]
     mul, fma = rounding_ops(form)
     n, hv, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     row = rows_ref[n] if into else n
     h = hv // r
     vs = pl.ds(j * BV, BV)
 
-    # Everything the chain needs, loaded and prepared before it starts.
+    def vec(ref, t):  # q or k of step t, shaped to broadcast over the tile's rows
+        return ref[n, t, pl.ds(h, 1), :] if row_vectors else ref[n, t, h, :][None, :]
+
     S = state_ref[n, hv, vs, :].astype(F32)  # [BV, K]
-    A = jnp.exp(alog_ref[hv].astype(F32))
-    dtb = dtb_ref[hv].astype(F32)
-    qs, ks, vv, gs, betas = [], [], [], [], []
-    for t in range(D):
-        q = q_ref[n, t, h, :].astype(F32)
-        k = k_ref[n, t, h, :].astype(F32)
-        qs.append(q / jnp.sqrt(jnp.sum(q * q) + L2NORM_EPS) * scale)
-        ks.append(k / jnp.sqrt(jnp.sum(k * k) + L2NORM_EPS))
-        vv.append(v_ref[n, t, hv, vs].astype(F32))
-        x = a_ref[n, t, hv].astype(F32) + dtb
-        sp = jnp.where(x > SOFTPLUS_THRESHOLD, x, jnp.log(1.0 + jnp.exp(x)))
-        gs.append(-A * sp)
-        betas.append(1.0 / (1.0 + jnp.exp(-b_ref[n, t, hv].astype(F32))))
+    qs = [vec(q_ref, t) for t in range(D)]
+    ks = [vec(k_ref, t) for t in range(D)]
+    vv = [v_ref[n, t, hv, vs].astype(F32) for t in range(D)]
+    alphas = [jnp.exp(g_ref[n, t, hv]) for t in range(D)]
+    betas = [beta_ref[n, t, hv] for t in range(D)]
 
     for t in range(D):
-        alpha = jnp.exp(gs[t])
-        Sd = mul(S, alpha)
-        u = betas[t] * (vv[t] - jnp.sum(Sd * ks[t][None, :], axis=1))
-        S = fma(ks[t][None, :], u[:, None], Sd)
-        o_ref[n, t, hv, vs] = jnp.sum(S * qs[t][None, :], axis=1).astype(o_ref.dtype)
+        Sd = mul(S, alphas[t])
+        u = betas[t] * (vv[t] - jnp.sum(Sd * ks[t], axis=1))
+        S = fma(ks[t], u[:, None], Sd)
+        o_ref[n, t, hv, vs] = jnp.sum(S * qs[t], axis=1).astype(o_ref.dtype)
         if snapshots:
-            (snap_ref,) = tape_refs
-            snap_ref[row, t, hv, vs, :] = S.astype(snap_ref.dtype)
+            _store_row(tape_ref, row, into, (row, t, hv, vs, slice(None)), S.astype(tape_ref.dtype))
         else:
-            tape_refs[0][row, t, hv, vs] = u
+            _store_row(tape_ref, row, into, (row, t, hv, vs), u)
 
-    if not snapshots:
-        _, k_out, g_out = tape_refs
 
-        @pl.when(j == 0)
-        def _():
-            for t in range(D):
-                g_out[row, pl.ds(t, 1), hv] = jnp.full((1,), gs[t], F32)
+def _store_row(ref, row, into: bool, idx, value):
+    if not into:  # rows are the requests themselves
+        ref[idx] = value
+        return
 
-        @pl.when((j == 0) & (hv % r == 0))
-        def _():
-            for t in range(D):
-                k_out[row, t, h, :] = ks[t]
+    @pl.when((row >= 0) & (row < ref.shape[0]))  # out-of-range rows write nothing
+    def _():
+        ref[idx] = value
 
 
 @functools.partial(jax.jit, static_argnames=("record", "scale", "out_dtype", "config", "form", "interpret"))
@@ -102,10 +97,12 @@ def verify(
 
     With ``tape`` (a ``Tuples`` or ``Snapshots`` buffer of R >= N rows and Dmax >= D
     steps) and ``rows`` ``[N]``, request n's tape goes to row ``rows[n]`` of that buffer,
-    in place (aliased; donate it under jit); the per-request pitch is the buffer's. Steps
-    ``>= D`` and other rows keep their contents. Returns ``(outputs, tape fields)``.
+    in place (aliased; donate it under jit); steps ``>= D`` and other rows keep their
+    contents. Returns ``(outputs, tape fields)``.
     """
     from jax.experimental.pallas import triton as plgpu
+
+    from ...tape import Snapshots, Tuples
 
     N, HV, V, K = state0.shape
     D, H = q.shape[1], q.shape[2]
@@ -113,28 +110,25 @@ def verify(
     if V % cfg.block_v:
         raise ValueError(f"pallas verify: V={V} must be a multiple of block_v={cfg.block_v}")
     snapshots = record == "snapshots"
+    qn, kn, g, beta = prepare(q, k, a, b, A_log, dt_bias, scale)
     into = tape is not None
-    inputs = [state0, q, k, v, a, b, A_log, dt_bias]
+    inputs = [state0, qn, kn, v, g, beta]
     out_shape = [jax.ShapeDtypeStruct((N, D, HV, V), out_dtype)]
+    aliases = {}
     if into:
-        buffers = list(jax.tree.leaves(tape))
-        inputs += [rows, *buffers]
-        out_shape += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in buffers]
-        aliases = {9 + i: 1 + i for i in range(len(buffers))}
+        buf = tape.states if snapshots else tape.u
+        inputs += [rows, buf]
+        out_shape.append(jax.ShapeDtypeStruct(buf.shape, buf.dtype))
+        aliases = {7: 1}
     elif snapshots:
         out_shape.append(jax.ShapeDtypeStruct((N, D, HV, V, K), state0.dtype))
-        aliases = {}
     else:
-        out_shape += [
-            jax.ShapeDtypeStruct((N, D, HV, V), F32),
-            jax.ShapeDtypeStruct((N, D, H, K), F32),
-            jax.ShapeDtypeStruct((N, D, HV), F32),
-        ]
-        aliases = {}
+        out_shape.append(jax.ShapeDtypeStruct((N, D, HV, V), F32))
     kernel = functools.partial(
-        _kernel, D=D, r=HV // H, BV=cfg.block_v, scale=scale, snapshots=snapshots, form=form, into=into
-    )
-    outs = pl.pallas_call(
+        _kernel, D=D, r=HV // H, BV=cfg.block_v, snapshots=snapshots, form=form, into=into,
+        row_vectors=cfg.row_vectors,
+    )  # fmt: skip
+    outputs, rec = pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=(N, HV, V // cfg.block_v),
@@ -143,4 +137,12 @@ def verify(
         interpret=interpret,
         name=f"gdn_verify_{record}",
     )(*inputs)
-    return outs[0], tuple(outs[1:])
+    if snapshots:
+        return outputs, Snapshots(rec)
+    if into:
+        ok = (rows >= 0) & (rows < tape.k.shape[0])
+        idx = jnp.where(ok, rows, tape.k.shape[0])  # out-of-range rows: dropped (negative would wrap)
+        kbuf = tape.k.at[idx, :D].set(kn, mode="drop")
+        gbuf = tape.g.at[idx, :D].set(g, mode="drop")
+        return outputs, Tuples(rec, kbuf, gbuf)
+    return outputs, Tuples(rec, kn, g)
