@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One device call: GPU tests, then (optionally) tuning and benchmarks. Logs go to $OUT.
+# Usage on the device machine: bash scripts/gpu_session.sh [tests] [tune] [bench]
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}src:tests:. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+{
+  date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import jax, triton; print('jax', jax.__version__, 'triton', triton.__version__, jax.devices())"
+  python3 -c "import jax_triton; print('jax_triton', jax_triton.__version__)" 2>&1
+} | tee "$OUT/env.txt"
+for phase in "$@"; do
+  case "$phase" in
+    tests)
+      timeout ${TEST_TIMEOUT:-420} python3 -m pytest -n ${WORKERS:-6} -v -rfs -p no:cacheprovider -p no:benchmark \
+        tests/test_equivalence.py tests/test_gpu.py $(ls tests/test_triton_backend.py 2>/dev/null) ${PYTEST_ARGS:-} 2>&1 \
+        | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    tune) timeout ${TUNE_TIMEOUT:-300} python3 scripts/gpu_tune.py 2>&1 | tee "$OUT/tune.log" | tail -60 ;;
+    bench) timeout ${BENCH_TIMEOUT:-400} python3 -m benchmarks.run --mode h200 --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
+    profile)
+      timeout ${PROFILE_TIMEOUT:-150} ncu --clock-control none -k "regex:gdn_|_kernel" --launch-skip ${NCU_SKIP:-0} \
+        --launch-count ${NCU_COUNT:-200} --section SpeedOfLight --section Occupancy --section LaunchStats \
+        python3 scripts/profile_kernels.py > "$OUT/ncu.txt" 2>&1
+      python3 scripts/ncu_table.py "$OUT/ncu.txt" "$OUT/variants.txt" | tee "$OUT/ncu_table.md" ;;
+    *) echo "unknown phase $phase" ;;
+  esac
+done
