@@ -16,7 +16,7 @@ check: $(STAMP)
 	JAX_PLATFORMS=$${JAX_PLATFORMS-cpu} $(PY) -m gdn_lossless_jax check $(ARGS)
 
 test: $(STAMP)
-	JAX_PLATFORMS=$${JAX_PLATFORMS-cpu} $(PY) -m pytest -n 2 -q $(ARGS)
+	JAX_PLATFORMS=$${JAX_PLATFORMS-cpu} $(PY) -m pytest -n 2 -q --durations=10 $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -105,7 +105,7 @@ def gdn_step(S, x, *, mul: Callable = rounding.mul_rn, fma: Callable = rounding.
       S: ``[..., HV, V, K]`` float32 state before the step.
       x: ``(q, k, v, g, beta)`` with q, k ``[..., HV, K]`` (normalised, q scaled),
         v ``[..., HV, V]``, g and beta ``[..., HV]``, all float32.
-      mul, fma: the rounding primitives (portable by default; backends pass hardware ones).
+      mul, fma: the rounding primitives (the portable, pinned ones by default).
     Returns:
       ``(S', (o, u))``: the new state and the step's output ``o = S' @ q`` and
       ``u = beta * (v - Sd @ k)``, both ``[..., HV, V]``.
