@@ -134,16 +134,18 @@ def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record: str = "tuples", sca
 
     def body(S, x):
         S_new, (o, u) = gdn_step(S, x)
-        return S_new, (o, u, S_new.astype(state0.dtype))
+        return S_new, (o, u, S_new)
 
-    # One program for both record modes: the scan emits the outputs, u and the snapshots,
+    # One program for both record modes: the scan emits the outputs, u and the fp32 states,
     # and the barrier keeps XLA from pruning the unused ones. Otherwise XLA compiles the
-    # two modes' loops differently, and on XLA:GPU that changed the order of the K-term
-    # reductions (outputs and u differed between modes; seen on the H200). The price is
-    # that the reference materialises the snapshots in tuples mode too: it is the
+    # two modes' loops differently (on XLA:GPU that changed the order of the K-term
+    # reductions: outputs and u differed between modes on the H200). The states are rounded
+    # to the pool dtype after the loop: rounding bf16 inside it made XLA:CPU's compile hang.
+    # The reference thus materialises the snapshots in tuples mode too: it is the
     # specification, not the memory-lean path.
     _, ys = lax.scan(body, state0.astype(F32), xs)
     o, u, states = (jnp.moveaxis(y, 0, 1) for y in lax.optimization_barrier(ys))
+    states = states.astype(state0.dtype)
     outputs = o.astype(out_dtype)
     tape = Snapshots(states) if record == "snapshots" else Tuples(u=u, k=kn, g=g)
     return outputs, tape
