@@ -60,12 +60,17 @@ def gates(a, b, A_log, dt_bias):
 
 
 def ksum(x):
-    """Sum over the last axis as a fixed pairwise tree of elementwise adds.
+    """Sum over the last axis; on a GPU as a fixed pairwise tree of elementwise adds.
 
-    Not ``jnp.sum``: XLA:GPU picks a reduction strategy per compiled program, and the two
-    record modes' programs summed in different orders (their outputs differed bitwise;
-    seen on the H200). Elementwise adds leave the compiler no order to choose.
+    Not ``jnp.sum`` on a GPU: XLA:GPU picks a reduction strategy per compiled program, and
+    the two record modes' programs summed in different orders (their outputs differed
+    bitwise; seen on the H200). Elementwise adds leave the compiler no order to choose.
+    On XLA:CPU ``jnp.sum`` gave the same bits in both modes in every run, and the tree made
+    some of its compiles take minutes, so the CPU keeps ``jnp.sum``. (These sums feed the
+    tape; the replay rule never recomputes them.)
     """
+    if jax.default_backend() == "cpu":
+        return jnp.sum(x, axis=-1)
     n = x.shape[-1]
     p = 1 << max(n - 1, 0).bit_length()
     if p != n:
