@@ -52,7 +52,9 @@ def _cases():
     ]
     full = [
         _param("reference", Shape(N=2, D=4, H=16, HV=32, K=128, V=128), F32),
-        _param("reference", Shape(N=5, D=8, H=4, HV=16, K=128, V=128), BF16),
+        # fp32: with a bf16 pool at K = 128 XLA:CPU took minutes to compile the replay; bf16
+        # pools run at K = 128 on the GPU matrix and at small K above.
+        _param("reference", Shape(N=5, D=8, H=4, HV=16, K=128, V=128), F32),
     ]
     # Interpret mode compiles the unrolled kernel with XLA:CPU: small D and fp32 pools keep
     # it to seconds (bf16 pools run through the same body on the GPU matrix above).

@@ -20,7 +20,6 @@ __all__ = ["verify", "replay", "commit", "RECORD_MODES"]
 
 RECORD_MODES = ("tuples", "snapshots")
 STATE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-_FLOAT_KINDS = "f"
 
 
 def _shape(x) -> tuple[int, ...]:
@@ -31,14 +30,16 @@ def _fmt(shape) -> str:
     return "[" + ", ".join(str(s) for s in shape) + "]"
 
 
+def _dtype(x):
+    return x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
+
+
 def _is_float(x) -> bool:
-    dt = jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype
-    return jnp.issubdtype(dt, jnp.floating)
+    return jnp.issubdtype(_dtype(x), jnp.floating)
 
 
 def _is_int(x) -> bool:
-    dt = jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype
-    return jnp.issubdtype(dt, jnp.integer)
+    return jnp.issubdtype(_dtype(x), jnp.integer)
 
 
 def _check_rank(fn: str, name: str, x, rank: int, dims: str):
@@ -55,12 +56,12 @@ def _check_shape(fn: str, name: str, x, expected: Sequence[int], dims: str, sour
 
 def _check_float(fn: str, name: str, x):
     if not _is_float(x):
-        raise TypeError(f"{fn}: argument {name!r} must be a floating-point array, got dtype {jnp.asarray(x).dtype}")
+        raise TypeError(f"{fn}: argument {name!r} must be a floating-point array, got dtype {_dtype(x)}")
 
 
 def _check_index(fn: str, name: str, x, n: int):
     if not _is_int(x):
-        raise TypeError(f"{fn}: argument {name!r} must be an integer array, got dtype {jnp.asarray(x).dtype}")
+        raise TypeError(f"{fn}: argument {name!r} must be an integer array, got dtype {_dtype(x)}")
     _check_shape(fn, name, x, (n,), "[N]", "one per request")
 
 
