@@ -182,7 +182,9 @@ def replay_two(state0, tuples: Tuples, steps, track_steps, *, rule: Callable = r
     def body(carry, x):
         S, final, track = carry
         u, k, g, t = x
-        S = rule(S, jnp.exp(g), k, u)
+        # The barrier keeps XLA from fusing the integer fma graph into its three consumers:
+        # at D = 1 the scan is inlined and XLA:CPU's compile of a bf16 replay never ended.
+        S = lax.optimization_barrier(rule(S, jnp.exp(g), k, u))
         return (S, jnp.where(sel(t, steps), S, final), jnp.where(sel(t, track_steps), S, track)), None
 
     (_, final, track), _ = lax.scan(body, (S0, S0, S0), xs)

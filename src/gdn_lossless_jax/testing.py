@@ -153,8 +153,8 @@ def ulp_stats(reference, other) -> dict[str, float]:
 # ---------------------------------------------------------------------------------
 def fma_oracle(a, b, c) -> np.ndarray:
     """``rn(a * b + c)`` for float32 inputs, exactly, in NumPy (float64 round-to-odd)."""
-    a, b, c = (np.asarray(x, np.float32).astype(np.float64) for x in (a, b, c))
-    with np.errstate(all="ignore"):
+    with np.errstate(all="ignore"):  # NaN/inf inputs are part of the domain
+        a, b, c = (np.asarray(x, np.float32).astype(np.float64) for x in (a, b, c))
         p = a * b  # exact: 24 + 24 bits < 53
         s = p + c
         bb = s - p
