@@ -10,6 +10,9 @@ step of the model for ``net``):
   vs_snapshots                        the snapshot path's median / this median, same backend,
                                       work and configuration (> 1: faster than snapshots)
   vs_sglang                           SGLang's median / this median for the same work (peer run only)
+  device_us                           the GPU's own kernel durations per call, from a profiler
+                                      trace (no dispatch, no host clock; GPU runs only)
+  device_x_floor, device_vs_snapshots the floor ratio and the snapshot ratio on device times
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ def finish_rows(rows: list[dict], copy_rate: float | None) -> None:
         r["vs_snapshots"] = snap["median_us"] / med if ok and snap and snap.get("median_us") else None
         peer = by.get((r["config"], "sglang", r["op"], "snapshots"))
         r["vs_sglang"] = peer["median_us"] / med if ok and peer and peer.get("median_us") else None
+        dev = r.get("device_us")
+        r["device_x_floor"] = dev / r["floor_us"] if dev and r["floor_us"] else None
+        r["device_vs_snapshots"] = snap["device_us"] / dev if dev and snap and snap.get("device_us") else None
+        r["device_vs_sglang"] = peer["device_us"] / dev if dev and peer and peer.get("device_us") else None
 
 
 def _clean(x):
@@ -71,8 +78,9 @@ def _mb(n):
 
 
 ROW_HEADER = (
-    "| backend | work | record | median us | p10-p90 us | min us | MB moved | GB/s | floor us | x floor | snap/this | sglang/this | notes |\n"
-    "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
+    "| backend | work | record | median us | p10-p90 us | min us | MB moved | GB/s | floor us | x floor | snap/this "
+    "| sglang/this | device us | dev. x floor | dev. snap/this | notes |\n"
+    "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
 )
 
 
@@ -85,6 +93,7 @@ def _row_line(r: dict, with_config: bool = False) -> str:
         f"{r['backend']} | {OP_TITLES.get(r['op'], r['op'])} | {r['record'] or '-'} | {_f(r.get('median_us'))} | {spread} "
         f"| {_f(r.get('min_us'))} | {_mb(r['bytes'])} | {_f(r.get('gbps'), '{:.3g}')} | {_f(r.get('floor_us'))} "
         f"| {_f(r.get('x_floor'), '{:.2f}')} | {_f(r.get('vs_snapshots'), '{:.2f}')} | {_f(r.get('vs_sglang'), '{:.2f}')} "
+        f"| {_f(r.get('device_us'))} | {_f(r.get('device_x_floor'), '{:.2f}')} | {_f(r.get('device_vs_snapshots'), '{:.2f}')} "
         f"| {notes.replace('|', '/')} |"
     )
 
@@ -102,6 +111,19 @@ def _rows_table(rows: list[dict], with_config: bool = False) -> list[str]:
     header = ["| config " + head[0], "|---" + head[1]]
     configs = list(dict.fromkeys(r["config"] for r in rows))
     return header + [_row_line(r, True) for r in sorted(rows, key=lambda r: (configs.index(r["config"]), *_order(r)))]
+
+
+def _kernel_lines(rows: list[dict]) -> list[str]:
+    """Per row, the kernels of its device time (launches per call, median of one launch)."""
+    out = []
+    for r in sorted(rows, key=_order):
+        ks = (r.get("device") or {}).get("kernels") or []
+        if not ks:
+            continue
+        parts = [f"`{k['name'][:48]}` x{k['launches_per_call']:.3g} {k['median_us']:.1f} us "
+                 f"[{k['p10_us']:.1f}, {k['p90_us']:.1f}]" for k in ks[:4]]  # fmt: skip
+        out.append(f"- {r['backend']} {r['op']} {r['record'] or ''}: " + "; ".join(parts))
+    return (["Kernels in the device time (launches per call, median of one launch [p10, p90]):", ""] + out + [""]) if out else []
 
 
 def write_markdown(result: dict, path: Path) -> None:
@@ -129,7 +151,8 @@ def write_markdown(result: dict, path: Path) -> None:
         "Times are per call: verify of one layer, commit of all layers, net = L x verify + commit per verify step. "
         "median and p10-p90 over interleaved rounds, dispatch overhead subtracted; floor = bytes / copy rate; "
         "x floor = median / floor; snap/this = the snapshot path's median / this one (same backend); "
-        "see benchmarks/README.md.",
+        "device us = the GPU's own kernel durations per call from a profiler trace (no dispatch; GPU runs only), "
+        "with its floor and snapshot ratios; see benchmarks/README.md.",
         "",
     ]  # fmt: skip
     for cfg in m["configs"]:
@@ -139,6 +162,7 @@ def write_markdown(result: dict, path: Path) -> None:
                   f"{info.get('track_rows_mean', 0):.1f} of them crossing a track boundary on average, "
                   f"pool of {info.get('slots')} slots, {info.get('state_copies')} state copies)", ""]  # fmt: skip
         lines += _rows_table(rows) + [""]
+        lines += _kernel_lines(rows)
     if result.get("compile"):
         lines += ["## Compile time (one call, `lower().compile()` wall time, s)", "",
                   "| config | backend | verify tuples | verify snapshots | commit tuples | commit snapshots |",

@@ -104,6 +104,8 @@ def _row_dict(row, samples=None) -> dict:
         "failed": row.failed,
         **summarize(s),
         "samples_us": [round(float(x) * 1e6, 3) for x in s],
+        "device_us": row.device["us_per_call"] if getattr(row, "device", None) else None,
+        "device": getattr(row, "device", None),
     }
     return d
 
@@ -117,6 +119,7 @@ class _NetRow:
         self.compile_s = self.timed_compile_s = None
         self.notes = [f"{layers} x verify + commit, per round"]
         self.failed = None
+        self.device = None
 
     @property
     def key(self):
@@ -137,6 +140,9 @@ def _net_rows(rows, layers):
             sv, sc = v.samples(), c.samples()
             n = min(len(sv), len(sc))
             net = _NetRow(v.config, be, rec, tr.net_traffic(v.traffic, c.traffic, layers), layers)
+            if v.device and c.device:
+                net.device = {"us_per_call": layers * v.device["us_per_call"] + c.device["us_per_call"],
+                              "kernels": [], "note": f"{layers} x verify + commit device times"}
             out.append(_row_dict(net, layers * sv[:n] + sc[:n]))
     return out
 
@@ -149,7 +155,7 @@ def run_suite(mode, configs, backends, *, peer, clock, seed: int, label: str = "
     import numpy as np
 
     from . import suite
-    from .timing import run_rounds
+    from .timing import device_pass, run_rounds
 
     rows, compile_, checks, info, rounds, skipped_cfg = [], [], [], {}, {}, {}
     budget_left = mode.budget_s
@@ -211,6 +217,8 @@ def run_suite(mode, configs, backends, *, peer, clock, seed: int, label: str = "
         share = budget_left / (len(configs) - ci)
         n = run_rounds(timed, trials=mode.trials, min_trials=mode.min_trials, deadline=t_rounds + share,
                        seed=seed + ci, clock=clock, label=tag, warmup=mode.warmup)  # fmt: skip
+        if mode.device_invocations:
+            device_pass(timed, invocations=mode.device_invocations, clock=clock, label=tag)
         budget_left -= time.perf_counter() - t_rounds
         rounds[cfg.label] = n
         rows += [_row_dict(r) for r in timed] + _net_rows(timed, inp.layers)
@@ -245,7 +253,7 @@ def _geometry_dict(g):
 def _summary(result) -> str:
     """A short table for the end of the output."""
     lines = [f"{'config':<7} {'backend':<9} {'record':<9} {'verify us':>10} {'x floor':>7} {'commit us':>10} {'x floor':>7} "
-             f"{'net us':>9} {'x floor':>7} {'snap/this':>9}"]  # fmt: skip
+             f"{'net us':>9} {'x floor':>7} {'snap/this':>9} | device us: {'verify':>7} {'commit':>7} {'net':>7} {'snap/this':>9}"]  # fmt: skip
     rows = result["rows"]
     get = lambda c, b, o, r: next((x for x in rows if (x["config"], x["backend"], x["op"], x["record"]) == (c, b, o, r)), {})  # noqa: E731
     f = lambda x, fmt: "-" if x is None else fmt.format(x)  # noqa: E731
@@ -259,6 +267,8 @@ def _summary(result) -> str:
                     f"{c:<7} {b:<9} {rec:<9} {f(v.get('median_us'), '{:.1f}'):>10} {f(v.get('x_floor'), '{:.2f}'):>7} "
                     f"{f(cm.get('median_us'), '{:.1f}'):>10} {f(cm.get('x_floor'), '{:.2f}'):>7} "
                     f"{f(n.get('median_us'), '{:.0f}'):>9} {f(n.get('x_floor'), '{:.2f}'):>7} {f(n.get('vs_snapshots'), '{:.2f}'):>9}"
+                    f" |            {f(v.get('device_us'), '{:.1f}'):>7} {f(cm.get('device_us'), '{:.0f}'):>7} "
+                    f"{f(n.get('device_us'), '{:.0f}'):>7} {f(n.get('device_vs_snapshots'), '{:.2f}'):>9}"
                 )
     cr = result.get("copy")
     if cr:

@@ -64,6 +64,7 @@ class Row:
     raw: list[float] = dataclasses.field(default_factory=list)  # seconds per invocation
     overhead: list[float] = dataclasses.field(default_factory=list)  # seconds per noop
     failed: str | None = None
+    device: dict | None = None  # from a profiler trace (benchmarks.devtime), GPU only
 
     @property
     def key(self) -> str:
@@ -137,6 +138,24 @@ def run_rounds(
             r.raw.clear()
             r.overhead.clear()
     return done
+
+
+def device_pass(rows: list[Row], *, invocations: int, clock: Clock, label: str) -> None:
+    """Trace ``invocations`` invocations of every live row and keep its device time
+    (:func:`benchmarks.devtime.device_time`) in ``row.device``; rows in a random order is not
+    needed: each kernel's duration is measured by the GPU itself."""
+    from .devtime import device_time
+
+    t = time.perf_counter()
+    for r in rows:
+        if r.failed:
+            continue
+        try:
+            r.device = device_time(r.run, invocations, r.calls)
+        except Exception as e:  # noqa: BLE001 - the wall-clock numbers stand without it
+            r.notes.append(f"device trace failed: {type(e).__name__}: {str(e)[:200]}")
+    traced = sum(r.device is not None for r in rows)
+    clock.log(f"{label}: device times of {traced} rows from a profiler trace in {time.perf_counter() - t:.1f} s")
 
 
 def summarize(samples: np.ndarray) -> dict:

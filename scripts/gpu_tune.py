@@ -1,8 +1,12 @@
-"""Launch-configuration sweep for the Pallas kernels on the GPU (times only; see benchmarks/ for results).
+"""Launch-configuration sweep for the Pallas kernels, timed on the device (profiler trace).
 
-Each variant is timed as R calls inside one jitted function over R input sets (so JAX's
-dispatch cost is amortised and the L2 cache does not hold the state), interleaved across
-variants, medians over trials.
+Every variant is one jitted call; it runs ``CALLS`` times over ``COPIES`` state copies and
+input sets (so the 50 MB L2 cannot keep a state between uses), and its device time is the
+sum of the GPU's own kernel durations per call (benchmarks/devtime.py): no dispatch, no
+host clock. Prints a table; writes ``$OUT/tune.json``. Rank configurations with it; the
+benchmark (``python -m benchmarks.run``) gives the results.
+
+Usage: python3 scripts/gpu_tune.py [verify] [commit]   (default: both)
 """
 
 import itertools
@@ -16,82 +20,102 @@ import jax.numpy as jnp
 import numpy as np
 
 import gdn_lossless_jax as gl
+from benchmarks.devtime import device_time
+from benchmarks.traffic import verify_traffic
 from gdn_lossless_jax import backends
 from gdn_lossless_jax.backends.pallas import CommitConfig, VerifyConfig
 from gdn_lossless_jax.cases import Shape, commit_indices, verify_inputs
 
-pal = backends.resolve("pallas", "verify")
-R, TRIALS = 12, 9
+CALLS, COPIES = 16, 4
 out_dir = os.environ.get("OUT", "/tmp")
+parts = sys.argv[1:] or ["verify", "commit"]
 rows = []
+T0 = time.perf_counter()
 
 
-def run_interleaved(variants):
-    """variants: name -> (jitted multi fn, args). Returns name -> list of per-call us."""
-    for f, a in variants.values():
-        jax.block_until_ready(f(*a))
-    times = {k: [] for k in variants}
-    for _ in range(TRIALS):
-        for k, (f, a) in variants.items():
-            t = time.perf_counter()
-            jax.block_until_ready(f(*a))
-            times[k].append((time.perf_counter() - t) / R * 1e6)
-    return times
+def log(msg):
+    print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
 
 
-def report(times, extra):
-    for k, ts in times.items():
-        row = dict(variant=k, median_us=float(np.median(ts)), p10=float(np.percentile(ts, 10)), p90=float(np.percentile(ts, 90)), **extra)
-        rows.append(row)
-        print(f"{k:<60} {row['median_us']:8.1f} us  [{row['p10']:.1f}, {row['p90']:.1f}]", flush=True)
+def record(name, dev, **extra):
+    ks = dev["kernels"]
+    row = dict(variant=name, device_us=dev["us_per_call"], kernels=ks, **extra)
+    rows.append(row)
+    main = ks[0]
+    log(f"{name:<48} {dev['us_per_call']:8.1f} us/call  main {main['name'][:28]:<28} {main['median_us']:7.1f} "
+        f"[{main['p10_us']:.1f}, {main['p90_us']:.1f}] x{main['launches_per_call']:.2g}  others "
+        f"{dev['us_per_call'] - main['us_per_call']:.1f} us")
 
 
-big = jnp.ones((256 * 2**20,), jnp.float32)
-cp = jax.jit(lambda xs: [-x for x in xs])
-t = run_interleaved({"copy 1 GiB": (cp, ([big] * 1,))})
-copy_us = float(np.median(t["copy 1 GiB"])) * R  # one copy per call
-print(f"copy 1 GiB: {copy_us:.1f} us, rate {2 * big.nbytes / (copy_us * 1e-6) / 1e12:.2f} TB/s", flush=True)
-rows.append(dict(variant="copy 1 GiB", median_us=copy_us, kind="copy"))
+def multi(f, arg_sets):
+    def run():
+        outs = [f(*arg_sets[i % len(arg_sets)]) for i in range(CALLS)]
+        jax.block_until_ready(outs)
 
-configs = [VerifyConfig(block_v=bv, num_warps=w) for bv, w in itertools.product([16, 32, 64], [2, 4, 8])]
-for N, D in [(25, 4), (8, 16)]:
-    shape = Shape(N=N, D=D, H=16, HV=32, K=128, V=128)
-    xs = [verify_inputs(i, shape) for i in range(R)]
-    variants = {}
-    for cfg in configs:
-        for rec in gl.RECORD_MODES:
-            f = jax.jit(lambda xs, cfg=cfg, rec=rec: [pal.verify(**x, record=rec, scale=128**-0.5, out_dtype=jnp.bfloat16, config=cfg) for x in xs])
-            variants[f"verify {N}x{D} {rec} bv{cfg.block_v} w{cfg.num_warps}"] = (f, (xs,))
-    report(run_interleaved(variants), dict(kind="verify", N=N, D=D))
-    del xs
+    return run
 
-# commit, 30 layers, 25x4, pool donated, R commits chained inside one jit.
-L, N, D = 30, 25, 4
-S = 2 * N + 8
-rng = np.random.default_rng(0)
-pool = jnp.asarray(rng.standard_normal((L, S, 32, 128, 128), np.float32))
-idx = commit_indices(0, N=N, D=D, slots_in_pool=S, track_fraction=0.25).as_args()
-tup = gl.Tuples(
-    u=jnp.asarray(rng.standard_normal((L, N, D, 32, 128), np.float32)),
-    k=jnp.asarray(rng.standard_normal((L, N, D, 16, 128), np.float32)),
-    g=-jnp.asarray(np.abs(rng.standard_normal((L, N, D, 32), np.float32))),
-)
-snp = gl.Snapshots(jnp.asarray(rng.standard_normal((L, N, D, 32, 128, 128), np.float32)))
-ccfgs = [CommitConfig(block_v=bv, num_warps=w) for bv, w in itertools.product([16, 32, 64], [2, 4, 8])]
-for name, tape in (("replay", tup), ("scatter", snp)):
-    for cfg in ccfgs:
-        def chain(pool, tape, cfg=cfg):
-            for _ in range(R):
-                pool = pal.commit(pool, tape, *idx, config=cfg)
-            return pool
 
-        f = jax.jit(chain, donate_argnums=0)
-        pool = f(pool, tape)
-        ts = []
-        for _ in range(TRIALS):
-            t0 = time.perf_counter()
-            pool = f(pool, tape)
-            jax.block_until_ready(pool)
-            ts.append((time.perf_counter() - t0) / R * 1e6)
-        report({f"commit {name} 30L 25x4 bv{cfg.block_v} w{cfg.num_warps}": ts}, dict(kind="commit", N=N, D=D))
-json.dump(rows, open(os.path.join(out_dir, "tune.json"), "w"), indent=1)
+big = jnp.ones((512 * 2**20,), jnp.float32)  # 2 GiB
+cp = jax.jit(lambda x: x * 2)
+jax.block_until_ready(cp(big))
+dev = device_time(lambda: jax.block_until_ready(cp(big)), 8, 1)
+rate = 2 * big.nbytes / (dev["us_per_call"] * 1e-6)
+log(f"copy 2 GiB: {dev['us_per_call']:.1f} us, rate {rate / 1e9:.0f} GB/s")
+rows.append(dict(variant="copy 2 GiB", device_us=dev["us_per_call"], rate_gbps=rate / 1e9))
+del big
+
+if "verify" in parts:
+    pal = backends.resolve("pallas", "verify")
+    configs = [VerifyConfig(block_v=bv, num_warps=w) for bv, w in itertools.product([8, 16, 32], [1, 2, 4])]
+    configs += [VerifyConfig(block_v=bv, num_warps=w, one_pass=True) for bv, w in [(8, 1), (16, 1), (16, 2), (32, 2)]]
+    shapes = os.environ.get("TUNE_SHAPES", "25x4,8x16,8x4,8x8").split(",")
+    for N, D in [tuple(map(int, x.split("x"))) for x in shapes]:
+        shape = Shape(N=N, D=D, H=16, HV=32, K=128, V=128)
+        xs = [verify_inputs(i, shape) for i in range(COPIES)]
+        floor_t, floor_s = (verify_traffic(shape, rec).total / rate * 1e6 for rec in ("tuples", "snapshots"))
+        log(f"verify {N}x{D}: floors tuples {floor_t:.1f} us, snapshots {floor_s:.1f} us")
+        for cfg in configs:
+            for rec in gl.RECORD_MODES:
+                f = jax.jit(lambda x, cfg=cfg, rec=rec: pal.verify(**x, record=rec, scale=128**-0.5, out_dtype=jnp.bfloat16, config=cfg))
+                name = f"verify {N}x{D} {rec[:5]} bv{cfg.block_v} w{cfg.num_warps}{' 1pass' if cfg.one_pass else ''}"
+                try:
+                    jax.block_until_ready(f(xs[0]))
+                    dev = device_time(multi(f, [(x,) for x in xs]), 2, CALLS)
+                except Exception as e:  # noqa: BLE001
+                    log(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}")
+                    continue
+                floor = floor_t if rec == "tuples" else floor_s
+                record(name, dev, kind="verify", N=N, D=D, record=rec, block_v=cfg.block_v, num_warps=cfg.num_warps,
+                       one_pass=cfg.one_pass, floor_us=floor, x_floor=dev["us_per_call"] / floor)
+        del xs
+    json.dump(rows, open(os.path.join(out_dir, "tune.json"), "w"), indent=1)
+
+if "commit" in parts:
+    pal = backends.resolve("pallas", "commit")
+    L, N, D = 30, 25, 4
+    S = 2 * N + 8
+    rng = np.random.default_rng(0)
+    pool = [jnp.asarray(rng.standard_normal((L, S, 32, 128, 128), np.float32))]
+    idx = commit_indices(0, N=N, D=D, slots_in_pool=S, track_fraction=0.25).as_args()
+    tup = gl.Tuples(
+        u=jnp.asarray(rng.standard_normal((L, N, D, 32, 128), np.float32)),
+        k=jnp.asarray(rng.standard_normal((L, N, D, 16, 128), np.float32)),
+        g=-jnp.asarray(np.abs(rng.standard_normal((L, N, D, 32), np.float32))),
+    )
+    snp = gl.Snapshots(jnp.asarray(rng.standard_normal((L, N, D, 32, 128, 128), np.float32)))
+    ccfgs = [CommitConfig(block_v=bv, num_warps=w) for bv, w in itertools.product([16, 32, 64], [2, 4, 8])]
+    for name, tape in (("replay", tup), ("scatter", snp)):
+        for cfg in ccfgs:
+            f = jax.jit(lambda pool, tape, cfg=cfg: pal.commit(pool, tape, *idx, config=cfg), donate_argnums=0)
+
+            def run(f=f, tape=tape):
+                pool[0] = f(pool[0], tape)
+                jax.block_until_ready(pool[0])
+
+            run()
+            dev = device_time(run, 6, 1)
+            record(f"commit {name} 30L 25x4 bv{cfg.block_v} w{cfg.num_warps}", dev, kind="commit", op=name,
+                   block_v=cfg.block_v, num_warps=cfg.num_warps)
+    json.dump(rows, open(os.path.join(out_dir, "tune.json"), "w"), indent=1)
+
+log("done")

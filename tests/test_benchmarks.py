@@ -141,3 +141,28 @@ def test_peer_without_sources_says_why(tmp_path):
     with pytest.raises(peer_sglang.PeerUnavailable) as e:
         peer_sglang.load(tmp_path)
     assert "sglang" in str(e.value).lower()
+
+
+def test_device_columns_from_trace_dicts():
+    """finish_rows derives the device ratios; the markdown lists each row's kernels."""
+    from benchmarks import report
+    from benchmarks.devtime import device_time
+
+    # On a CPU the trace has no GPU plane: no device time, and no error.
+    assert device_time(lambda: None, 1, 1) is None
+    kern = lambda us: {"us_per_call": us, "kernels": [  # noqa: E731
+        {"name": "gdn_verify", "launches_per_call": 1.0, "median_us": us - 2, "p10_us": us - 3, "p90_us": us, "us_per_call": us - 2},
+        {"name": "loop_fusion", "launches_per_call": 2.0, "median_us": 1.0, "p10_us": 1.0, "p90_us": 1.0, "us_per_call": 2.0}]}
+    rows = [
+        {"config": "c", "backend": "pallas", "op": "verify", "record": rec, "bytes": 4_000_000, "median_us": med,
+         "device_us": dev, "device": kern(dev)}
+        for rec, med, dev in (("tuples", 50.0, 20.0), ("snapshots", 80.0, 60.0))
+    ]
+    report.finish_rows(rows, copy_rate=4e12)  # floor: 1 us
+    t, s = rows
+    assert t["device_x_floor"] == pytest.approx(20.0) and s["device_x_floor"] == pytest.approx(60.0)
+    assert t["device_vs_snapshots"] == pytest.approx(3.0) and s["device_vs_snapshots"] == pytest.approx(1.0)
+    assert t["vs_snapshots"] == pytest.approx(1.6)
+    lines = report._kernel_lines(rows)
+    assert any("`gdn_verify` x1 18.0 us [17.0, 20.0]" in x for x in lines)
+    assert any("`loop_fusion` x2" in x for x in lines)

@@ -35,18 +35,22 @@ class VerifyConfig:
 
     ``row_vectors``: load q and k as ``[1, K]`` rows of the state tile's layout rather than
     ``[K]`` vectors (which Triton must convert through shared memory every step).
+    ``one_pass``: compute a step's output from the decayed state, ``o = Sd q + u (k . q)``,
+    so both K-reductions of a step read ``Sd`` together and the output leaves the chain
+    (the output's fp32 rounding changes; the tape and the state do not).
     """
 
     block_v: int = 16
     num_warps: int = 2
     num_stages: int = 1
     row_vectors: bool = True
+    one_pass: bool = False
 
     def fit(self, V: int) -> "VerifyConfig":
         return dataclasses.replace(self, block_v=min(self.block_v, V))
 
 
-def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bool, row_vectors: bool):
+def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bool, row_vectors: bool, one_pass: bool):
     # inputs: state, qn, kn, v, g, beta[, rows, tape buffer (aliased)]; outputs: o, tape
     state_ref, q_ref, k_ref, v_ref, g_ref, beta_ref = refs[:6]
     rows_ref = refs[6] if into else None
@@ -66,12 +70,16 @@ def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bo
     vv = [v_ref[n, t, hv, vs].astype(F32) for t in range(D)]
     alphas = [jnp.exp(g_ref[n, t, hv]) for t in range(D)]
     betas = [beta_ref[n, t, hv] for t in range(D)]
+    kqs = [jnp.sum(ks[t] * qs[t], axis=1) for t in range(D)] if one_pass else None  # [1]
 
     for t in range(D):
         Sd = mul(S, alphas[t])
+        if one_pass:
+            sq = jnp.sum(Sd * qs[t], axis=1)
         u = betas[t] * (vv[t] - jnp.sum(Sd * ks[t], axis=1))
         S = fma(ks[t], u[:, None], Sd)
-        o_ref[n, t, hv, vs] = jnp.sum(S * qs[t], axis=1).astype(o_ref.dtype)
+        o = sq + u * kqs[t] if one_pass else jnp.sum(S * qs[t], axis=1)
+        o_ref[n, t, hv, vs] = o.astype(o_ref.dtype)
         if snapshots:
             _store_row(tape_ref, row, into, (row, t, hv, vs, slice(None)), S.astype(tape_ref.dtype))
         else:
@@ -126,7 +134,7 @@ def verify(
         out_shape.append(jax.ShapeDtypeStruct((N, D, HV, V), F32))
     kernel = functools.partial(
         _kernel, D=D, r=HV // H, BV=cfg.block_v, snapshots=snapshots, form=form, into=into,
-        row_vectors=cfg.row_vectors,
+        row_vectors=cfg.row_vectors, one_pass=cfg.one_pass,
     )  # fmt: skip
     outputs, rec = pl.pallas_call(
         kernel,

@@ -1,0 +1,80 @@
+"""Device time from a profiler trace: the GPU's own kernel durations (CUPTI), no dispatch.
+
+``jax.profiler`` records every kernel a traced region launches, with its start and duration
+as the GPU measured them. Summing the durations of the kernels one invocation launched gives
+its *device time*: what the work costs on the GPU when nothing waits on the host (inside a
+CUDA graph or a larger jitted program), free of JAX's Python dispatch and of the host clock's
+noise. On a CPU-only backend the trace has no device plane and the functions return None.
+"""
+
+from __future__ import annotations
+
+import glob
+import tempfile
+from collections import defaultdict
+from typing import Callable
+
+import numpy as np
+
+__all__ = ["trace_kernels", "device_time"]
+
+# Lines of a GPU plane that repeat the kernels under other groupings (XLA ops, modules,
+# launch statistics): only the per-stream lines list each kernel once.
+_STREAM_PREFIX = "Stream"
+_HOST_COPIES = ("H2D", "D2H", "HtoD", "DtoH")
+
+
+def trace_kernels(run: Callable[[], None], invocations: int) -> dict[str, list[float]] | None:
+    """Run ``run`` ``invocations`` times under the profiler; kernel name -> durations in us.
+
+    ``run`` must block until the device is done. Returns None when the trace holds no GPU
+    kernel (a CPU backend)."""
+    import jax
+
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        try:
+            for _ in range(invocations):
+                run()
+        finally:
+            jax.profiler.stop_trace()
+        files = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
+        if not files:
+            return None
+        data = jax.profiler.ProfileData.from_file(files[0])
+    out: dict[str, list[float]] = defaultdict(list)
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if not line.name.startswith(_STREAM_PREFIX):
+                continue
+            for ev in line.events:
+                if any(x in ev.name for x in _HOST_COPIES):  # device-to-device copies count
+                    continue
+                out[ev.name].append(ev.duration_ns / 1e3)
+    return dict(out) or None
+
+
+def device_time(run: Callable[[], None], invocations: int, calls: int) -> dict | None:
+    """Device time per call of ``run`` (which makes ``calls`` calls of the work), and the
+    kernels that make it up (count per call, median and p10/p90 of one launch, total per
+    call), largest first."""
+    kernels = trace_kernels(run, invocations)
+    if kernels is None:
+        return None
+    n = invocations * calls
+    per_kernel = []
+    for name, durs in kernels.items():
+        d = np.asarray(durs)
+        per_kernel.append({
+            "name": name[:120],
+            "launches_per_call": len(d) / n,
+            "median_us": float(np.median(d)),
+            "p10_us": float(np.percentile(d, 10)),
+            "p90_us": float(np.percentile(d, 90)),
+            "us_per_call": float(d.sum() / n),
+        })  # fmt: skip
+    per_kernel.sort(key=lambda k: -k["us_per_call"])
+    return {"us_per_call": float(sum(k["us_per_call"] for k in per_kernel)), "invocations": invocations,
+            "kernels": per_kernel}  # fmt: skip
