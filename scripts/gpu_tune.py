@@ -66,8 +66,10 @@ del big
 
 if "verify" in parts:
     pal = backends.resolve("pallas", "verify")
-    configs = [VerifyConfig(block_v=bv, num_warps=w) for bv, w in itertools.product([8, 16, 32], [1, 2, 4])]
-    configs += [VerifyConfig(block_v=bv, num_warps=w, one_pass=True) for bv, w in [(8, 1), (16, 1), (16, 2), (32, 2)]]
+    # One warp per program keeps the K-reductions inside warps (no shared memory, no barriers):
+    # benchmarks/NOTES.md, "Static analysis" (scripts/sass_stats.py) ranks these without a GPU.
+    configs = [VerifyConfig(block_v=bv, num_warps=w) for bv, w in [(4, 1), (8, 1), (16, 1), (16, 2), (32, 2)]]
+    configs += [VerifyConfig(block_v=bv, num_warps=1, one_pass=True) for bv in (8, 16)]
     shapes = os.environ.get("TUNE_SHAPES", "25x4,8x16,8x4,8x8").split(",")
     for N, D in [tuple(map(int, x.split("x"))) for x in shapes]:
         shape = Shape(N=N, D=D, H=16, HV=32, K=128, V=128)

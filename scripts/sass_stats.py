@@ -1,0 +1,128 @@
+#!/usr/bin/env python3
+"""Static cost of the Pallas verify kernel per launch configuration, with no GPU.
+
+Reads what costs no device time: the kernel is lowered to Triton IR for an sm_90 target
+on the CPU (JAX's cross-platform lowering; Pallas asks for the GPU's compute capability,
+which is stubbed to 9.0), compiled with Triton 3.6 to PTX and a cubin, and measured with
+the ptxas and cuobjdump that Triton's wheel ships: registers, spills and the SASS
+instruction mix of one thread. From the counts and the grid it prints two bounds for one
+launch on an H200 (132 SMs at 1.98 GHz): *issue* (all warp instructions at 4 per SM per
+clock) and *shfl* (warp shuffles at one per SM per clock). They are lower bounds from
+instruction throughput, not predictions of latency.
+
+Two Pythons: this one (the project's, with JAX) lowers; ``--triton-python`` (one with
+``triton==3.6.0``; no JAX or GPU needed, e.g. the venv of scripts/triton_interpret_check.py)
+compiles.
+
+Usage::
+
+    PYTHONPATH=src python3.12 scripts/sass_stats.py --triton-python /tmp/tvenv/bin/python \\
+        25x4:tuples:16:2 25x4:tuples:8:1 8x16:snapshots:4:1:one_pass
+
+A variant is ``REQUESTSxDRAFTS:RECORD:BLOCK_V:NUM_WARPS[:one_pass]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import types
+from pathlib import Path
+
+SM_COUNT, CLOCK_HZ = 132, 1.98e9
+
+_COMPILE = r"""
+import json, os, re, subprocess, sys
+from collections import Counter
+import triton
+from triton.backends.compiler import GPUTarget
+work = sys.argv[1]
+bins = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+out = []
+for v in json.load(open(os.path.join(work, "index.json"))):
+    p = os.path.join(work, v["name"] + ".ttir")
+    k = triton.compile(p, target=GPUTarget("cuda", 90, 32), options={"num_warps": v["num_warps"], "num_stages": 1})
+    open(p + ".ptx", "w").write(k.asm["ptx"])
+    open(p + ".cubin", "wb").write(k.asm["cubin"])
+    info = subprocess.run([os.path.join(bins, "ptxas"), "-v", "-arch=sm_90a", p + ".ptx", "-o", p + ".ptxas.cubin"],
+                          capture_output=True, text=True).stderr
+    sass = subprocess.run([os.path.join(bins, "cuobjdump"), "-sass", p + ".cubin"], capture_output=True, text=True).stdout
+    ops = [re.sub(r"^@!?U?P\w+\s+", "", line.split("*/", 1)[1].strip()).split(" ")[0].split(".")[0]
+           for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line)]
+    c = Counter(ops)
+    out.append(dict(v, registers=int(re.search(r"Used (\d+) registers", info).group(1)),
+                    spill_bytes=int(re.search(r"(\d+) bytes spill stores", info).group(1)),
+                    instructions=len(ops), mix={k: c[k] for k in ("SHFL", "FADD", "FFMA", "FMUL", "LDS", "STS", "BAR", "LDG", "STG")}))
+json.dump(out, open(os.path.join(work, "stats.json"), "w"))
+"""
+
+
+def lower(variants, work: Path) -> None:
+    import jax
+    import jax.numpy as jnp
+    from jax._src.pallas.triton import lowering
+    from jax._src.pallas.triton import pallas_call_registration as reg
+
+    from gdn_lossless_jax.backends.pallas.verify import VerifyConfig, verify
+    from gdn_lossless_jax.cases import Shape, verify_inputs
+
+    reg.gpu_info_lib.get_gpu_info = lambda: types.SimpleNamespace(compute_capability=90)  # an H200, stubbed
+    captured = []
+    orig = lowering.lower_jaxpr_to_triton_module
+
+    def capture(*a, **k):
+        r = orig(*a, **k)
+        captured.append(r.module.operation.get_asm(enable_debug_info=False))
+        return r
+
+    reg.lowering.lower_jaxpr_to_triton_module = capture
+    index = []
+    for spec in variants:
+        parts = spec.split(":")
+        cfg_s, record, bv, w = parts[:4]
+        one_pass = "one_pass" in parts[4:]
+        N, D = map(int, cfg_s.split("x"))
+        shape = Shape(N=N, D=D, H=16, HV=32, K=128, V=128)
+        x = verify_inputs(0, shape)
+        cfg = VerifyConfig(block_v=int(bv), num_warps=int(w), one_pass=one_pass)
+        f = lambda x, cfg=cfg, record=record: verify(**x, record=record, scale=128**-0.5, out_dtype=jnp.bfloat16,  # noqa: E731
+                                                      config=cfg, form="ptx", interpret=False)
+        captured.clear()
+        jax.jit(f).trace(x).lower(lowering_platforms=("cuda",))
+        name = spec.replace(":", "_")
+        (work / f"{name}.ttir").write_text(captured[0])
+        index.append(dict(name=name, spec=spec, num_warps=int(w), warps=N * shape.HV * (shape.V // int(bv)) * int(w)))
+    (work / "index.json").write_text(json.dumps(index))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("variants", nargs="+", help="REQUESTSxDRAFTS:RECORD:BLOCK_V:NUM_WARPS[:one_pass]")
+    p.add_argument("--triton-python", required=True, help="a Python with triton==3.6.0")
+    p.add_argument("--work", type=Path, default=None, help="folder for the IR, PTX, cubins and stats.json")
+    p.add_argument("--json", type=Path, default=None, help="also write the table as JSON here")
+    args = p.parse_args(argv)
+    work = args.work or Path(tempfile.mkdtemp(prefix="sass_stats_"))
+    work.mkdir(parents=True, exist_ok=True)
+    lower(args.variants, work)
+    subprocess.run([args.triton_python, "-c", _COMPILE, str(work)], check=True)
+    stats = json.loads((work / "stats.json").read_text())
+    head = f"{'variant':<30}{'regs':>5}{'spill B':>8}{'instr':>7}{'SHFL':>6}{'FADD':>6}{'FFMA':>6}{'FMUL':>6}{'LDS':>5}{'BAR':>5}{'issue us':>9}{'shfl us':>8}"
+    print(head)
+    for s in stats:
+        m = s["mix"]
+        s["issue_us"] = s["warps"] * s["instructions"] / (SM_COUNT * CLOCK_HZ * 4) * 1e6
+        s["shfl_us"] = s["warps"] * m["SHFL"] / (SM_COUNT * CLOCK_HZ) * 1e6
+        print(f"{s['spec']:<30}{s['registers']:>5}{s['spill_bytes']:>8}{s['instructions']:>7}{m['SHFL']:>6}{m['FADD']:>6}"
+              f"{m['FFMA']:>6}{m['FMUL']:>6}{m['LDS']:>5}{m['BAR']:>5}{s['issue_us']:>9.1f}{s['shfl_us']:>8.1f}")
+    if args.json:
+        args.json.write_text(json.dumps(stats, indent=1) + "\n")
+    print(f"IR, PTX and cubins in {work}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
