@@ -142,8 +142,9 @@ def run_rounds(
 
 def device_pass(rows: list[Row], *, invocations: int, clock: Clock, label: str) -> None:
     """Trace ``invocations`` invocations of every live row and keep its device time
-    (:func:`benchmarks.devtime.device_time`) in ``row.device``; rows in a random order is not
-    needed: each kernel's duration is measured by the GPU itself."""
+    (:func:`benchmarks.devtime.device_time`) in ``row.device``. Rows run one after the other,
+    not interleaved: the GPU measures each kernel's duration itself, so host-side drift does
+    not enter."""
     from .devtime import device_time
 
     t = time.perf_counter()
