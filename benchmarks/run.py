@@ -104,8 +104,8 @@ def _row_dict(row, samples=None) -> dict:
         "failed": row.failed,
         **summarize(s),
         "samples_us": [round(float(x) * 1e6, 3) for x in s],
-        "device_us": row.device["us_per_call"] if getattr(row, "device", None) else None,
-        "device": getattr(row, "device", None),
+        "device_us": row.device["us_per_call"] if row.device else None,
+        "device": row.device,
     }
     return d
 

@@ -17,14 +17,13 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import gdn_lossless_jax as gl
 from benchmarks.devtime import device_time
 from benchmarks.traffic import verify_traffic
 from gdn_lossless_jax import backends
 from gdn_lossless_jax.backends.pallas import CommitConfig, VerifyConfig
-from gdn_lossless_jax.cases import Shape, commit_indices, verify_inputs
+from gdn_lossless_jax.cases import Shape, commit_indices, commit_tapes, verify_inputs
 
 CALLS, COPIES = 16, 4
 out_dir = os.environ.get("OUT", "/tmp")
@@ -96,15 +95,9 @@ if "commit" in parts:
     pal = backends.resolve("pallas", "commit")
     L, N, D = 30, 25, 4
     S = 2 * N + 8
-    rng = np.random.default_rng(0)
-    pool = [jnp.asarray(rng.standard_normal((L, S, 32, 128, 128), np.float32))]
+    pool0, tup, snp = commit_tapes(0, Shape(N=N, D=D, H=16, HV=32, K=128, V=128), layers=L, slots_in_pool=S)
+    pool = [pool0]
     idx = commit_indices(0, N=N, D=D, slots_in_pool=S, track_fraction=0.25).as_args()
-    tup = gl.Tuples(
-        u=jnp.asarray(rng.standard_normal((L, N, D, 32, 128), np.float32)),
-        k=jnp.asarray(rng.standard_normal((L, N, D, 16, 128), np.float32)),
-        g=-jnp.asarray(np.abs(rng.standard_normal((L, N, D, 32), np.float32))),
-    )
-    snp = gl.Snapshots(jnp.asarray(rng.standard_normal((L, N, D, 32, 128, 128), np.float32)))
     ccfgs = [CommitConfig(block_v=bv, num_warps=w) for bv, w in itertools.product([16, 32, 64], [2, 4, 8])]
     for name, tape in (("replay", tup), ("scatter", snp)):
         for cfg in ccfgs:

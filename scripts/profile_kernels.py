@@ -8,12 +8,11 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import gdn_lossless_jax as gl
 from gdn_lossless_jax import backends
 from gdn_lossless_jax.backends.pallas import CommitConfig, VerifyConfig
-from gdn_lossless_jax.cases import Shape, commit_indices, verify_inputs
+from gdn_lossless_jax.cases import Shape, commit_indices, commit_tapes, verify_inputs
 
 pal = backends.resolve("pallas", "verify")
 order = []
@@ -36,15 +35,8 @@ for N, D in [(25, 4), (8, 16)]:
     except Exception as e:  # noqa: BLE001
         print("triton verify skipped:", e)
 L, N, D, S = 30, 25, 4, 58
-rng = np.random.default_rng(0)
-pool = jnp.asarray(rng.standard_normal((L, S, 32, 128, 128), np.float32))
+pool, tup, snp = commit_tapes(0, Shape(N=N, D=D, H=16, HV=32, K=128, V=128), layers=L, slots_in_pool=S)
 idx = commit_indices(0, N=N, D=D, slots_in_pool=S).as_args()
-tup = gl.Tuples(
-    u=jnp.asarray(rng.standard_normal((L, N, D, 32, 128), np.float32)),
-    k=jnp.asarray(rng.standard_normal((L, N, D, 16, 128), np.float32)),
-    g=-jnp.asarray(np.abs(rng.standard_normal((L, N, D, 32), np.float32))),
-)
-snp = gl.Snapshots(jnp.asarray(rng.standard_normal((L, N, D, 32, 128, 128), np.float32)))
 for name, tape in (("replay", tup), ("scatter", snp)):
     for bv, w in [(16, 2), (32, 4), (32, 2), (64, 4), (8, 1), (128, 4)]:
         cfg = CommitConfig(block_v=bv, num_warps=w)

@@ -15,7 +15,7 @@ import numpy as np
 
 from .config import Geometry
 
-__all__ = ["Shape", "KINDS", "verify_inputs", "commit_indices", "CommitIndices"]
+__all__ = ["Shape", "KINDS", "verify_inputs", "commit_indices", "commit_tapes", "CommitIndices"]
 
 Kind = Literal["normal", "cancel", "decay_extremes", "subnormal", "mixed"]
 KINDS: tuple[str, ...] = ("normal", "cancel", "decay_extremes", "subnormal", "mixed")
@@ -167,3 +167,22 @@ def commit_indices(
             track_slots[4], track_steps[4] = -7, 0  # track slot out of range
     i32 = lambda x: np.asarray(x, np.int32)  # noqa: E731
     return CommitIndices(i32(slots), i32(steps), i32(track_slots), i32(track_steps), i32(rows))
+
+
+def commit_tapes(seed: int, shape: Shape, *, layers: int, slots_in_pool: int):
+    """Random fp32 commit inputs for timing (never zeros): a pool ``[L, S, HV, V, K]``, and
+    tapes of ``layers`` layers: ``Tuples`` (u, k normal; g = -|normal|) and ``Snapshots``.
+    Not a verify's output: the tests check semantics, timing only needs the shapes and data."""
+    from .tape import Snapshots, Tuples
+
+    s, L = shape, layers
+    rng = np.random.default_rng(seed)
+    normal = lambda *dims: rng.standard_normal(dims, np.float32)  # noqa: E731
+    pool = jnp.asarray(normal(L, slots_in_pool, s.HV, s.V, s.K))
+    tuples = Tuples(
+        u=jnp.asarray(normal(L, s.N, s.D, s.HV, s.V)),
+        k=jnp.asarray(normal(L, s.N, s.D, s.H, s.K)),
+        g=-jnp.asarray(np.abs(normal(L, s.N, s.D, s.HV))),
+    )
+    snapshots = Snapshots(jnp.asarray(normal(L, s.N, s.D, s.HV, s.V, s.K)))
+    return pool, tuples, snapshots
