@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then (optionally) tuning and benchmarks. Logs go to $OUT.
 # Usage on the device machine: bash scripts/gpu_session.sh [tests] [tune] [bench] [profile]
-# Env: TEST_FILES, WORKERS, PYTEST_ARGS, TEST_TIMEOUT; TUNE_ARGS (verify/commit), TUNE_SHAPES; BENCH_ARGS, BENCH_TIMEOUT
+# Env: TEST_FILES, WORKERS, PYTEST_ARGS, PYTEST_K (a -k expression), TEST_TIMEOUT; TUNE_ARGS (verify/commit), TUNE_SHAPES; BENCH_ARGS, BENCH_TIMEOUT
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -19,7 +19,7 @@ for phase in "$@"; do
   case "$phase" in
     tests)
       timeout ${TEST_TIMEOUT:-420} python3 -m pytest -n ${WORKERS:-6} -v -rfs -p no:cacheprovider -p no:benchmark \
-        ${TEST_FILES:-tests/test_equivalence.py tests/test_gpu.py tests/test_triton_backend.py tests/test_pallas_config.py} ${PYTEST_ARGS:-} 2>&1 \
+        ${TEST_FILES:-tests/test_equivalence.py tests/test_gpu.py tests/test_triton_backend.py tests/test_pallas_config.py} ${PYTEST_ARGS:-} ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -25 ;;
     tune) timeout ${TUNE_TIMEOUT:-300} python3 scripts/gpu_tune.py ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | tail -60 ;;
     bench) timeout ${BENCH_TIMEOUT:-400} python3 -m benchmarks.run --mode h200 --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -40 ;;

@@ -65,10 +65,11 @@ del big
 
 if "verify" in parts:
     pal = backends.resolve("pallas", "verify")
-    # One warp per program keeps the K-reductions inside warps (no shared memory, no barriers):
-    # benchmarks/NOTES.md, "Static analysis" (scripts/sass_stats.py) ranks these without a GPU.
-    configs = [VerifyConfig(block_v=bv, num_warps=w) for bv, w in [(4, 1), (8, 1), (16, 1), (16, 2), (32, 2)]]
-    configs += [VerifyConfig(block_v=bv, num_warps=1, one_pass=True) for bv in (8, 16)]
+    # The chain's best launch of the first sweep (bv8 w1), then the Gram form's launches that
+    # scripts/sass_stats.py compiles without spills (benchmarks/NOTES.md, "The Gram form").
+    configs = [VerifyConfig(block_v=8, num_warps=1, algorithm="chain")]
+    configs += [VerifyConfig(block_v=bv, num_warps=w, k_chunk=kc)
+                for bv, w, kc in [(16, 1, 32), (16, 1, 128), (16, 2, 32), (32, 2, 32), (32, 4, 32), (64, 4, 32)]]  # fmt: skip
     shapes = os.environ.get("TUNE_SHAPES", "25x4,8x16,8x4,8x8").split(",")
     for N, D in [tuple(map(int, x.split("x"))) for x in shapes]:
         shape = Shape(N=N, D=D, H=16, HV=32, K=128, V=128)
@@ -78,7 +79,8 @@ if "verify" in parts:
         for cfg in configs:
             for rec in gl.RECORD_MODES:
                 f = jax.jit(lambda x, cfg=cfg, rec=rec: pal.verify(**x, record=rec, scale=128**-0.5, out_dtype=jnp.bfloat16, config=cfg))
-                name = f"verify {N}x{D} {rec[:5]} bv{cfg.block_v} w{cfg.num_warps}{' 1pass' if cfg.one_pass else ''}"
+                name = (f"verify {N}x{D} {rec[:5]} {cfg.algorithm} bv{cfg.block_v} w{cfg.num_warps}"
+                        + (f" kc{cfg.k_chunk}" if cfg.algorithm == "gram" else "") + (" 1pass" if cfg.one_pass else ""))
                 try:
                     jax.block_until_ready(f(xs[0]))
                     dev = device_time(multi(f, [(x,) for x in xs]), 2, CALLS)
@@ -87,7 +89,7 @@ if "verify" in parts:
                     continue
                 floor = floor_t if rec == "tuples" else floor_s
                 record(name, dev, kind="verify", N=N, D=D, record=rec, block_v=cfg.block_v, num_warps=cfg.num_warps,
-                       one_pass=cfg.one_pass, floor_us=floor, x_floor=dev["us_per_call"] / floor)
+                       one_pass=cfg.one_pass, algorithm=cfg.algorithm, k_chunk=cfg.k_chunk, floor_us=floor, x_floor=dev["us_per_call"] / floor)
         del xs
     json.dump(rows, open(os.path.join(out_dir, "tune.json"), "w"), indent=1)
 

@@ -19,7 +19,7 @@ Usage::
     PYTHONPATH=src python3.12 scripts/sass_stats.py --triton-python /tmp/tvenv/bin/python \\
         25x4:tuples:16:2 25x4:tuples:8:1 8x16:snapshots:4:1:one_pass
 
-A variant is ``REQUESTSxDRAFTS:RECORD:BLOCK_V:NUM_WARPS[:one_pass]``.
+A variant is ``REQUESTSxDRAFTS:RECORD:BLOCK_V:NUM_WARPS[:one_pass][:gram][:kcN]``.
 """
 
 from __future__ import annotations
@@ -84,23 +84,28 @@ def lower(variants, work: Path) -> None:
         parts = spec.split(":")
         cfg_s, record, bv, w = parts[:4]
         one_pass = "one_pass" in parts[4:]
+        algorithm = "gram" if "gram" in parts[4:] else "chain"
+        k_chunk = int(next((x[2:] for x in parts[4:] if x.startswith("kc")), 128))
         N, D = map(int, cfg_s.split("x"))
         shape = Shape(N=N, D=D, H=16, HV=32, K=128, V=128)
         x = verify_inputs(0, shape)
-        cfg = VerifyConfig(block_v=int(bv), num_warps=int(w), one_pass=one_pass)
+        cfg = VerifyConfig(block_v=int(bv), num_warps=int(w), one_pass=one_pass, algorithm=algorithm, k_chunk=k_chunk)
         f = lambda x, cfg=cfg, record=record: verify(**x, record=record, scale=128**-0.5, out_dtype=jnp.bfloat16,  # noqa: E731
                                                       config=cfg, form="ptx", interpret=False)
         captured.clear()
         jax.jit(f).trace(x).lower(lowering_platforms=("cuda",))
         name = spec.replace(":", "_")
-        (work / f"{name}.ttir").write_text(captured[0])
+        (work / f"{name}.ttir").write_text(captured[-1])  # the verify kernel is lowered last
         index.append(dict(name=name, spec=spec, num_warps=int(w), warps=N * shape.HV * (shape.V // int(bv)) * int(w)))
+        if algorithm == "gram":  # its prologue kernel: grid (N, H), 2 warps
+            (work / f"{name}_prep.ttir").write_text(captured[0])
+            index.append(dict(name=f"{name}_prep", spec=f"{spec}[prep]", num_warps=2, warps=N * shape.H * 2))
     (work / "index.json").write_text(json.dumps(index))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("variants", nargs="+", help="REQUESTSxDRAFTS:RECORD:BLOCK_V:NUM_WARPS[:one_pass]")
+    p.add_argument("variants", nargs="+", help="REQUESTSxDRAFTS:RECORD:BLOCK_V:NUM_WARPS[:one_pass][:gram][:kcN]")
     p.add_argument("--triton-python", required=True, help="a Python with triton==3.6.0")
     p.add_argument("--work", type=Path, default=None, help="folder for the IR, PTX, cubins and stats.json")
     p.add_argument("--json", type=Path, default=None, help="also write the table as JSON here")

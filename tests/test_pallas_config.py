@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import gdn_lossless_jax as gl
+from conftest import requires_gpu
 from equivalence import naive_replays
 from gdn_lossless_jax import backends
 from gdn_lossless_jax.backends.pallas import VerifyConfig
@@ -22,19 +23,41 @@ SHAPE = Shape(N=2, D=3, H=2, HV=4, K=16, V=16)
 
 def _verify(x, record, config):
     pal = backends.resolve("pallas", "verify")
-    return pal.verify(**x, record=record, scale=SHAPE.K**-0.5, out_dtype=jnp.float32, config=config)
+    return pal.verify(**x, record=record, scale=x["q"].shape[-1] ** -0.5, out_dtype=jnp.float32, config=config)
 
 
-@pytest.mark.parametrize("config", [VerifyConfig(block_v=8, num_warps=1, one_pass=True), VerifyConfig(block_v=4, num_warps=1)],
-                         ids=["bv8-w1-one_pass", "bv4-w1"])  # fmt: skip
+CONFIGS = {
+    "chain-bv16-w2": VerifyConfig(block_v=16, num_warps=2, algorithm="chain"),
+    "chain-bv8-w1-one_pass": VerifyConfig(block_v=8, num_warps=1, one_pass=True, algorithm="chain"),
+    "chain-bv4-w1": VerifyConfig(block_v=4, num_warps=1, algorithm="chain"),
+    "gram-bv8-w1-kc8": VerifyConfig(block_v=8, num_warps=1, k_chunk=8),  # two chunks of K = 16
+    "gram-bv16-w1-kc128": VerifyConfig(block_v=16, num_warps=1, k_chunk=128),
+}
+# The Gram launches the GPU sweep (scripts/gpu_tune.py) tries, at K = V = 128: on a GPU the launch,
+# not only the algorithm, sets the low bits (on the CPU they would repeat the cases above).
+GPU_CONFIGS = {f"gram-bv{bv}-w{w}-kc{kc}": VerifyConfig(block_v=bv, num_warps=w, k_chunk=kc)
+               for bv, w, kc in [(16, 1, 32), (16, 1, 128), (16, 2, 32), (32, 2, 32), (32, 4, 32), (64, 4, 32)]}  # fmt: skip
+
+
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
 def test_config_keeps_the_tape_exact(config, seed):
-    x = verify_inputs(seed, SHAPE, kind="normal")
+    _check_config(config, seed, SHAPE)
+
+
+@requires_gpu
+@pytest.mark.parametrize("config", GPU_CONFIGS.values(), ids=GPU_CONFIGS.keys())
+def test_gpu_launch_keeps_the_tape_exact(config, seed):
+    _check_config(config, seed, Shape(N=3, D=4, H=4, HV=8, K=128, V=128))
+
+
+def _check_config(config, seed, shape):
+    x = verify_inputs(seed, shape, kind="normal")
     out_t, tup = _verify(x, "tuples", config)
     out_s, snp = _verify(x, "snapshots", config)
     assert_bitwise_equal(out_t, out_s, "outputs")  # one body for both modes
-    last = jnp.full((SHAPE.N,), SHAPE.D - 1, jnp.int32)
-    for step in range(SHAPE.D):
-        steps = jnp.full((SHAPE.N,), step, jnp.int32)
+    last = jnp.full((shape.N,), shape.D - 1, jnp.int32)
+    for step in range(shape.D):
+        steps = jnp.full((shape.N,), step, jnp.int32)
         assert_bitwise_equal(snp.states[:, step], gl.replay(x["state0"], tup, steps, backend="reference"), f"step {step}")
     # Outputs: within fp32 rounding of the default launch.
     base, _ = _verify(x, "tuples", VerifyConfig())

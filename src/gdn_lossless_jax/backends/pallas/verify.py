@@ -6,10 +6,23 @@ code the reference runs). Its ``k`` and ``g`` *are* the tape's ``k`` and ``g``: 
 once per (request, q/k head) and (request, v-head), never once per V tile.
 
 The kernel's grid is ``(N, HV, V // BV)``: one program per request, v-head and V tile,
-holding the ``[BV, K]`` fp32 state tile in registers for the whole chain. Per step: one
-pinned decay multiply, one reduction over K, one pinned fma, one output reduction, and the
-step's store (``u``, or the snapshot). The per-request pitch of the tape is the buffer's:
-with ``tape=`` the kernel writes into rows of a larger buffer (``D <= Dmax``).
+holding the ``[BV, K]`` fp32 state tile in registers. Two algorithms, chosen by
+``VerifyConfig.algorithm``:
+
+- ``"chain"``: the D steps as written (SPEC 2.3-2.6). Per step: one pinned decay multiply,
+  one reduction over K, one pinned fma, one output reduction, and the step's store (``u``,
+  or the snapshot). Each reduction over K is a tree of warp shuffles inside the serial chain.
+- ``"gram"``: no reduction over K inside the chain. With ``G[t, s] = a_{s+1} ... a_t`` and
+  ``P_t = a_1 ... a_t``, the state after step t is ``P_t S0 + sum_{s<=t} G[t, s] u_s k_s^T``,
+  so ``A u = beta (v - P (S0 k))`` with ``A = I + strictly_lower(beta G (k k^T))`` and
+  ``o = P (S0 q) + tril(G (k q^T))^T-ordered u`` (see ``_gram_kernel``): two fp32 products of
+  the untouched state against all D keys and queries (in-thread FMA reductions), the
+  ``[D, D]`` Gram matrices, and a unit-triangular inverse by recursive doubling. ``u``
+  and ``o`` differ from the chain's in their low bits; the tape stays exact because the
+  snapshot mode builds its states from the same ``u`` with the pinned rule, step by step.
+
+The per-request pitch of the tape is the buffer's: with ``tape=`` the kernel writes into
+rows of a larger buffer (``D <= Dmax``).
 """
 
 from __future__ import annotations
@@ -20,13 +33,16 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
-from ...reference import prepare
+from ...reference import L2NORM_EPS, gates, prepare
 from .rounding import ops as rounding_ops
 
-__all__ = ["VerifyConfig", "verify"]
+__all__ = ["VerifyConfig", "verify", "ALGORITHMS"]
 
 F32 = jnp.float32
+ALGORITHMS = ("chain", "gram")
+HIGHEST = jax.lax.Precision.HIGHEST  # fp32 products in fp32 (the default would be TF32 on a GPU)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +54,9 @@ class VerifyConfig:
     ``one_pass``: compute a step's output from the decayed state, ``o = Sd q + u (k . q)``,
     so both K-reductions of a step read ``Sd`` together and the output leaves the chain
     (the output's fp32 rounding changes; the tape and the state do not).
+    ``algorithm``: ``"chain"`` or ``"gram"`` (module docstring); ``row_vectors`` and
+    ``one_pass`` only apply to the chain, ``k_chunk`` (the Gram form's products over K in
+    chunks of this many columns, summed) only to the Gram form.
     """
 
     block_v: int = 16
@@ -45,6 +64,16 @@ class VerifyConfig:
     num_stages: int = 1
     row_vectors: bool = True
     one_pass: bool = False
+    algorithm: str = "gram"
+    k_chunk: int = 32
+
+    def __post_init__(self):
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"VerifyConfig: algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
+        for name in ("block_v", "num_warps", "k_chunk"):
+            n = getattr(self, name)
+            if n < 1 or n & (n - 1):
+                raise ValueError(f"VerifyConfig: {name} must be a power of 2, got {n}")
 
     def fit(self, V: int) -> "VerifyConfig":
         return dataclasses.replace(self, block_v=min(self.block_v, V))
@@ -86,14 +115,156 @@ def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bo
             _store_row(tape_ref, row, into, (row, t, hv, vs), u)
 
 
-def _store_row(ref, row, into: bool, idx, value):
+def _dot(a, b, *, trans_b=False):
+    """``a @ b`` (``a @ b.T`` with ``trans_b``) in fp32, fp32 accumulation."""
+    return jax.lax.dot_general(a, b, (((1,), (1 if trans_b else 0,)), ((), ())), precision=HIGHEST)
+
+
+def _unit_lower_inverse(L, Dp: int):
+    """``(I + L)^-1`` for a strictly lower-triangular ``[Dp, Dp]`` ``L``, by recursive doubling.
+
+    With ``B`` the inverse of the block diagonal of ``I + L`` (blocks of ``size``) and ``M``
+    the part of ``L`` that joins pairs of blocks, ``(D + M)^-1 = B - B M B`` because
+    ``M B M = 0``; log2(Dp) levels, two small products each (the standard recursive
+    triangular inverse: as stable as forward substitution).
+    """
+    t = jax.lax.broadcasted_iota(jnp.int32, (Dp, Dp), 0)
+    s = jax.lax.broadcasted_iota(jnp.int32, (Dp, Dp), 1)
+    B = jnp.where(t == s, 1.0, 0.0).astype(F32)
+    size = 1
+    while size < Dp:
+        M = jnp.where((t // (2 * size) == s // (2 * size)) & (t // size != s // size), L, 0.0)
+        B = B - _dot(B, _dot(M, B))
+        size *= 2
+    return B
+
+
+def _row(x, t: int):
+    """Row ``t`` of a ``[Dp, BV]`` fp32 tile, bit for bit (an integer sum of one value and zeros)."""
+    rows = jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jax.lax.bitcast_convert_type(jnp.sum(jnp.where(rows == t, bits, 0), axis=0), F32)
+
+
+def _gram_prep_kernel(q_ref, k_ref, a_ref, b_ref, A_log_ref, dt_bias_ref, qn_ref, kn_ref, g_ref, Mu_ref, Co_ref, P_ref,
+                      *, D: int, Dp: int, r: int, scale: float):  # fmt: skip
+    """Per (request, q/k head): the norms, the gates and the ``[Dp, Dp]`` matrices of its v-heads.
+
+    Replaces ``reference.prepare`` (six small XLA kernels on the H200) for the Gram form:
+    ``qn``, ``kn`` and ``g`` are its outputs (``kn`` and ``g`` are the tape's), computed with
+    the same formulas in this kernel; ``Mu = A^-1 diag(beta)``, ``Co`` and ``P`` feed
+    :func:`_gram_kernel`.
+    """
+    n, h = pl.program_id(0), pl.program_id(1)
+    steps = pl.ds(0, Dp)
+    K = k_ref.shape[-1]
+    rows = jax.lax.broadcasted_iota(jnp.int32, (Dp, K), 0) < D
+
+    def unit(ref):  # l2norm of the D rows (SPEC 2.2)
+        x = plgpu.load(ref.at[n, steps, h, :], mask=rows, other=0.0).astype(F32)
+        return x / jnp.sqrt(jnp.sum(x * x, axis=1)[:, None] + L2NORM_EPS)
+
+    qn, kn = unit(q_ref) * jnp.asarray(scale, F32), unit(k_ref)
+    plgpu.store(qn_ref.at[n, steps, h, :], qn, mask=rows)
+    plgpu.store(kn_ref.at[n, steps, h, :], kn, mask=rows)
+    KK = _dot(kn, kn, trans_b=True)  # k_t . k_s
+    QK = _dot(qn, kn, trans_b=True)  # q_t . k_s
+    t_ = jax.lax.broadcasted_iota(jnp.int32, (Dp, Dp), 0)
+    s_ = jax.lax.broadcasted_iota(jnp.int32, (Dp, Dp), 1)
+    live = jax.lax.broadcasted_iota(jnp.int32, (Dp,), 0) < D
+    for i in range(r):
+        hv = h * r + i
+        a = plgpu.load(a_ref.at[n, steps, hv], mask=live, other=0.0)
+        b = plgpu.load(b_ref.at[n, steps, hv], mask=live, other=0.0)
+        g, beta = gates(a, b, A_log_ref[hv], dt_bias_ref[hv])
+        g = jnp.where(live, g, 0.0)
+        plgpu.store(g_ref.at[n, steps, hv], g, mask=live)
+        # G[t, s] = exp(g_{s+1} + ... + g_t): each exponent a sum of terms of one sign (a product
+        # with 0/1 masks; no difference of cumulative sums, which cancels under strong decays).
+        G = jnp.exp(_dot(jnp.where(s_ <= t_, g[None, :], 0.0), jnp.where(t_ > s_, 1.0, 0.0)))
+        G = jnp.where((s_ <= t_) & (t_ < D), G, 0.0)
+        P = jnp.where(live, jnp.exp(jnp.sum(jnp.where(s_ <= t_, g[None, :], 0.0), axis=1)), 0.0)
+        Ainv = _unit_lower_inverse(jnp.where(s_ < t_, beta[:, None] * (G * KK), 0.0), Dp)
+        Mu_ref[n, hv, :, :] = Ainv * beta[None, :]
+        Co_ref[n, hv, :, :] = jnp.where(s_ <= t_, G * QK, 0.0)
+        P_ref[n, hv, :] = P
+
+
+def _gram_kernel(*refs, D: int, Dp: int, r: int, BV: int, snapshots: bool, form: str, into: bool, interpret: bool,
+                 k_chunk: int):
+    """The Gram form (module docstring) for one (request, v-head, V tile).
+
+    ``u = Mu (v - P (S0 k))`` and ``o = P (S0 q) + Co u``, in ``[Dp, BV]`` tiles (steps by
+    rows), with ``Mu``, ``Co``, ``P`` from :func:`_gram_prep_kernel`.
+    """
+    # inputs: state, qn, kn, v, g, Mu, Co, P[, rows, tape buffer (aliased)]; outputs: o, tape
+    state_ref, q_ref, k_ref, v_ref, g_ref, Mu_ref, Co_ref, P_ref = refs[:8]
+    rows_ref = refs[8] if into else None
+    o_ref, tape_ref = refs[-2:]
+    mul, fma = rounding_ops(form)
+    n, hv, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    row = rows_ref[n] if into else n
+    h = hv // r
+    vs = pl.ds(j * BV, BV)
+    steps = pl.ds(0, Dp)  # padded to a power of 2; steps >= D are masked (loads give 0, stores skip)
+
+    def live(shape):
+        return jax.lax.broadcasted_iota(jnp.int32, shape, 0) < D
+
+    K = k_ref.shape[-1]
+    KC = min(K, k_chunk)  # the products over K in chunks: fewer operand registers per thread
+    XkT = XqT = None
+    for c in range(K // KC):
+        ks = pl.ds(c * KC, KC)
+        S0c = state_ref[n, hv, vs, ks].astype(F32)  # [BV, KC]
+        xk = _dot(plgpu.load(k_ref.at[n, steps, h, ks], mask=live((Dp, KC)), other=0.0), S0c, trans_b=True)  # [Dp, BV]
+        xq = _dot(plgpu.load(q_ref.at[n, steps, h, ks], mask=live((Dp, KC)), other=0.0), S0c, trans_b=True)
+        XkT, XqT = (xk, xq) if c == 0 else (XkT + xk, XqT + xq)
+    vT = plgpu.load(v_ref.at[n, steps, hv, vs], mask=live((Dp, BV)), other=0.0).astype(F32)  # [Dp, BV]
+    P = P_ref[n, hv, :][:, None]  # [Dp, 1]
+    uT = _dot(Mu_ref[n, hv, :, :], vT - P * XkT)  # [Dp, BV]
+    oT = P * XqT + _dot(Co_ref[n, hv, :, :], uT)
+    plgpu.store(o_ref.at[n, steps, hv, vs], oT.astype(o_ref.dtype), mask=live((Dp, BV)))
+    if not snapshots:
+        _store_row(tape_ref, row, into, (row, steps, hv, vs), uT, mask=live((Dp, BV)))
+        return
+    S = state_ref[n, hv, vs, :].astype(F32)
+    for t in range(D):  # the states, from the same u, with the pinned rule
+        S = fma(k_ref[n, t, pl.ds(h, 1), :], _row(uT, t)[:, None], mul(S, jnp.exp(g_ref[n, t, hv])))
+        if interpret:  # XLA:CPU would fuse the whole elementwise chain of integer fmas (compiles for minutes)
+            S = jax.lax.optimization_barrier(S)
+        _store_row(tape_ref, row, into, (row, t, hv, vs, slice(None)), S.astype(tape_ref.dtype))
+
+
+def _gram_prep(q, k, a, b, A_log, dt_bias, *, scale, Dp: int, interpret: bool):
+    N, D, H, K = q.shape
+    HV = a.shape[-1]
+    kernel = functools.partial(_gram_prep_kernel, D=D, Dp=Dp, r=HV // H, scale=scale)
+    return pl.pallas_call(
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct((N, D, H, K), F32)] * 2 + [jax.ShapeDtypeStruct((N, D, HV), F32)]
+        + [jax.ShapeDtypeStruct((N, HV, Dp, Dp), F32)] * 2 + [jax.ShapeDtypeStruct((N, HV, Dp), F32)],
+        grid=(N, H),
+        compiler_params=plgpu.CompilerParams(num_warps=2, num_stages=1),
+        interpret=interpret,
+        name="gdn_verify_prep",
+    )(q, k, a, b, A_log, dt_bias)
+
+
+def _store_row(ref, row, into: bool, idx, value, mask=None):
+    def store():
+        if mask is None:
+            ref[idx] = value
+        else:
+            plgpu.store(ref.at[idx], value, mask=mask)
+
     if not into:  # rows are the requests themselves
-        ref[idx] = value
+        store()
         return
 
     @pl.when((row >= 0) & (row < ref.shape[0]))  # out-of-range rows write nothing
     def _():
-        ref[idx] = value
+        store()
 
 
 @functools.partial(jax.jit, static_argnames=("record", "scale", "out_dtype", "config", "form", "interpret"))
@@ -108,8 +279,6 @@ def verify(
     in place (aliased; donate it under jit); steps ``>= D`` and other rows keep their
     contents. Returns ``(outputs, tape fields)``.
     """
-    from jax.experimental.pallas import triton as plgpu
-
     from ...tape import Snapshots, Tuples
 
     N, HV, V, K = state0.shape
@@ -118,24 +287,34 @@ def verify(
     if V % cfg.block_v:
         raise ValueError(f"pallas verify: V={V} must be a multiple of block_v={cfg.block_v}")
     snapshots = record == "snapshots"
-    qn, kn, g, beta = prepare(q, k, a, b, A_log, dt_bias, scale)
     into = tape is not None
-    inputs = [state0, qn, kn, v, g, beta]
+    gram = cfg.algorithm == "gram"
+    if gram:
+        Dp = max(2, pl.next_power_of_2(D))
+        qn, kn, g, Mu, Co, P = _gram_prep(q, k, a, b, A_log, dt_bias, scale=scale, Dp=Dp, interpret=interpret)
+        inputs = [state0, qn, kn, v, g, Mu, Co, P]
+    else:
+        qn, kn, g, beta = prepare(q, k, a, b, A_log, dt_bias, scale)
+        inputs = [state0, qn, kn, v, g, beta]
     out_shape = [jax.ShapeDtypeStruct((N, D, HV, V), out_dtype)]
     aliases = {}
     if into:
         buf = tape.states if snapshots else tape.u
         inputs += [rows, buf]
         out_shape.append(jax.ShapeDtypeStruct(buf.shape, buf.dtype))
-        aliases = {7: 1}
+        aliases = {len(inputs) - 1: 1}
     elif snapshots:
         out_shape.append(jax.ShapeDtypeStruct((N, D, HV, V, K), state0.dtype))
     else:
         out_shape.append(jax.ShapeDtypeStruct((N, D, HV, V), F32))
-    kernel = functools.partial(
-        _kernel, D=D, r=HV // H, BV=cfg.block_v, snapshots=snapshots, form=form, into=into,
-        row_vectors=cfg.row_vectors, one_pass=cfg.one_pass,
-    )  # fmt: skip
+    if gram:
+        kernel = functools.partial(_gram_kernel, D=D, Dp=Dp, r=HV // H, BV=cfg.block_v, snapshots=snapshots, form=form,
+                                   into=into, interpret=interpret, k_chunk=cfg.k_chunk)  # fmt: skip
+    else:
+        kernel = functools.partial(
+            _kernel, D=D, r=HV // H, BV=cfg.block_v, snapshots=snapshots, form=form, into=into,
+            row_vectors=cfg.row_vectors, one_pass=cfg.one_pass,
+        )  # fmt: skip
     outputs, rec = pl.pallas_call(
         kernel,
         out_shape=out_shape,
