@@ -97,9 +97,13 @@ def lower(variants, work: Path) -> None:
         name = spec.replace(":", "_")
         (work / f"{name}.ttir").write_text(captured[-1])  # the verify kernel is lowered last
         index.append(dict(name=name, spec=spec, num_warps=int(w), warps=N * shape.HV * (shape.V // int(bv)) * int(w)))
-        if algorithm == "gram":  # its prologue kernel: grid (N, H), 2 warps
+        if len(captured) > 1:  # the prologue kernel: grid (N, D) for the chain, (N, HV) for the Gram form
             (work / f"{name}_prep.ttir").write_text(captured[0])
-            index.append(dict(name=f"{name}_prep", spec=f"{spec}[prep]", num_warps=2, warps=N * shape.H * 2))
+            from gdn_lossless_jax.backends.pallas.verify import GRAM_PREP_WARPS
+
+            programs = N * (shape.HV if algorithm == "gram" else D)
+            pw = GRAM_PREP_WARPS(max(2, 1 << (D - 1).bit_length())) if algorithm == "gram" else 2
+            index.append(dict(name=f"{name}_prep", spec=f"{spec}[prep]", num_warps=pw, warps=programs * pw))
     (work / "index.json").write_text(json.dumps(index))
 
 

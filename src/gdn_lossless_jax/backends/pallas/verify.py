@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ...reference import L2NORM_EPS, gates, prepare
+from ...reference import L2NORM_EPS, gates
 from .rounding import ops as rounding_ops
 
 __all__ = ["VerifyConfig", "verify", "ALGORITHMS"]
@@ -59,12 +59,12 @@ class VerifyConfig:
     chunks of this many columns, summed) only to the Gram form.
     """
 
-    block_v: int = 16
-    num_warps: int = 2
+    block_v: int = 8
+    num_warps: int = 1
     num_stages: int = 1
     row_vectors: bool = True
     one_pass: bool = False
-    algorithm: str = "gram"
+    algorithm: str = "chain"
     k_chunk: int = 32
 
     def __post_init__(self):
@@ -146,16 +146,58 @@ def _row(x, t: int):
     return jax.lax.bitcast_convert_type(jnp.sum(jnp.where(rows == t, bits, 0), axis=0), F32)
 
 
+def _prep_kernel(q_ref, k_ref, a_ref, b_ref, A_log_ref, dt_bias_ref, qn_ref, kn_ref, g_ref, beta_ref,
+                 *, H: int, HV: int, scale: float):  # fmt: skip
+    """Per (request, step): the q/k l2 norms of all heads and the gates of all v-heads.
+
+    ``reference.prepare``'s formulas in one small kernel (XLA made six kernels of them, ~10 us
+    on the H200). Heads are padded to powers of 2 and masked.
+    """
+    n, t = pl.program_id(0), pl.program_id(1)
+    Hp, HVp = pl.next_power_of_2(H), pl.next_power_of_2(HV)
+    K = k_ref.shape[-1]
+    heads = jax.lax.broadcasted_iota(jnp.int32, (Hp, K), 0) < H
+    for src, dst, mult in ((q_ref, qn_ref, scale), (k_ref, kn_ref, None)):
+        x = plgpu.load(src.at[n, t, pl.ds(0, Hp), :], mask=heads, other=0.0).astype(F32)  # [Hp, K]
+        y = x / jnp.sqrt(jnp.sum(x * x, axis=1)[:, None] + L2NORM_EPS)
+        plgpu.store(dst.at[n, t, pl.ds(0, Hp), :], y if mult is None else y * jnp.asarray(mult, F32), mask=heads)
+    vheads = jax.lax.broadcasted_iota(jnp.int32, (HVp,), 0) < HV
+    hvs = pl.ds(0, HVp)
+
+    def load(ref, *idx):
+        return plgpu.load(ref.at[(*idx, hvs)], mask=vheads, other=0.0)
+
+    g, beta = gates(load(a_ref, n, t), load(b_ref, n, t), load(A_log_ref), load(dt_bias_ref))
+    plgpu.store(g_ref.at[n, t, hvs], g, mask=vheads)
+    plgpu.store(beta_ref.at[n, t, hvs], beta, mask=vheads)
+
+
+def _prep(q, k, a, b, A_log, dt_bias, *, scale, interpret: bool):
+    """``(qn, kn, g, beta)`` as ``reference.prepare`` computes them, in one launch (grid ``(N, D)``)."""
+    N, D, H, K = q.shape
+    HV = a.shape[-1]
+    return pl.pallas_call(
+        functools.partial(_prep_kernel, H=H, HV=HV, scale=scale),
+        out_shape=[jax.ShapeDtypeStruct((N, D, H, K), F32)] * 2 + [jax.ShapeDtypeStruct((N, D, HV), F32)] * 2,
+        grid=(N, D),
+        compiler_params=plgpu.CompilerParams(num_warps=2, num_stages=1),
+        interpret=interpret,
+        name="gdn_verify_prep",
+    )(q, k, a, b, A_log, dt_bias)
+
+
 def _gram_prep_kernel(q_ref, k_ref, a_ref, b_ref, A_log_ref, dt_bias_ref, qn_ref, kn_ref, g_ref, Mu_ref, Co_ref, P_ref,
                       *, D: int, Dp: int, r: int, scale: float):  # fmt: skip
-    """Per (request, q/k head): the norms, the gates and the ``[Dp, Dp]`` matrices of its v-heads.
+    """Per (request, v-head): the norms of its q/k head, its gates and its ``[Dp, Dp]`` matrices.
 
-    Replaces ``reference.prepare`` (six small XLA kernels on the H200) for the Gram form:
-    ``qn``, ``kn`` and ``g`` are its outputs (``kn`` and ``g`` are the tape's), computed with
-    the same formulas in this kernel; ``Mu = A^-1 diag(beta)``, ``Co`` and ``P`` feed
-    :func:`_gram_kernel`.
+    Replaces ``reference.prepare`` for the Gram form: ``qn``, ``kn`` and ``g`` are its outputs
+    (``kn`` and ``g`` are the tape's; the first v-head of each q/k head writes qn and kn),
+    with the same formulas; ``Mu = A^-1 diag(beta)``, ``Co`` and ``P`` feed
+    :func:`_gram_kernel`. One program per v-head: the chain of small products is latency,
+    so more programs, not fewer, finish sooner.
     """
-    n, h = pl.program_id(0), pl.program_id(1)
+    n, hv = pl.program_id(0), pl.program_id(1)
+    h = hv // r
     steps = pl.ds(0, Dp)
     K = k_ref.shape[-1]
     rows = jax.lax.broadcasted_iota(jnp.int32, (Dp, K), 0) < D
@@ -165,29 +207,31 @@ def _gram_prep_kernel(q_ref, k_ref, a_ref, b_ref, A_log_ref, dt_bias_ref, qn_ref
         return x / jnp.sqrt(jnp.sum(x * x, axis=1)[:, None] + L2NORM_EPS)
 
     qn, kn = unit(q_ref) * jnp.asarray(scale, F32), unit(k_ref)
-    plgpu.store(qn_ref.at[n, steps, h, :], qn, mask=rows)
-    plgpu.store(kn_ref.at[n, steps, h, :], kn, mask=rows)
+
+    @pl.when(hv % r == 0)
+    def _():
+        plgpu.store(qn_ref.at[n, steps, h, :], qn, mask=rows)
+        plgpu.store(kn_ref.at[n, steps, h, :], kn, mask=rows)
+
     KK = _dot(kn, kn, trans_b=True)  # k_t . k_s
     QK = _dot(qn, kn, trans_b=True)  # q_t . k_s
     t_ = jax.lax.broadcasted_iota(jnp.int32, (Dp, Dp), 0)
     s_ = jax.lax.broadcasted_iota(jnp.int32, (Dp, Dp), 1)
     live = jax.lax.broadcasted_iota(jnp.int32, (Dp,), 0) < D
-    for i in range(r):
-        hv = h * r + i
-        a = plgpu.load(a_ref.at[n, steps, hv], mask=live, other=0.0)
-        b = plgpu.load(b_ref.at[n, steps, hv], mask=live, other=0.0)
-        g, beta = gates(a, b, A_log_ref[hv], dt_bias_ref[hv])
-        g = jnp.where(live, g, 0.0)
-        plgpu.store(g_ref.at[n, steps, hv], g, mask=live)
-        # G[t, s] = exp(g_{s+1} + ... + g_t): each exponent a sum of terms of one sign (a product
-        # with 0/1 masks; no difference of cumulative sums, which cancels under strong decays).
-        G = jnp.exp(_dot(jnp.where(s_ <= t_, g[None, :], 0.0), jnp.where(t_ > s_, 1.0, 0.0)))
-        G = jnp.where((s_ <= t_) & (t_ < D), G, 0.0)
-        P = jnp.where(live, jnp.exp(jnp.sum(jnp.where(s_ <= t_, g[None, :], 0.0), axis=1)), 0.0)
-        Ainv = _unit_lower_inverse(jnp.where(s_ < t_, beta[:, None] * (G * KK), 0.0), Dp)
-        Mu_ref[n, hv, :, :] = Ainv * beta[None, :]
-        Co_ref[n, hv, :, :] = jnp.where(s_ <= t_, G * QK, 0.0)
-        P_ref[n, hv, :] = P
+    a = plgpu.load(a_ref.at[n, steps, hv], mask=live, other=0.0)
+    b = plgpu.load(b_ref.at[n, steps, hv], mask=live, other=0.0)
+    g, beta = gates(a, b, A_log_ref[hv], dt_bias_ref[hv])
+    g = jnp.where(live, g, 0.0)
+    plgpu.store(g_ref.at[n, steps, hv], g, mask=live)
+    # G[t, s] = exp(g_{s+1} + ... + g_t): each exponent a sum of terms of one sign (a product
+    # with 0/1 masks; no difference of cumulative sums, which cancels under strong decays).
+    G = jnp.exp(_dot(jnp.where(s_ <= t_, g[None, :], 0.0), jnp.where(t_ > s_, 1.0, 0.0)))
+    G = jnp.where((s_ <= t_) & (t_ < D), G, 0.0)
+    P = jnp.where(live, jnp.exp(jnp.sum(jnp.where(s_ <= t_, g[None, :], 0.0), axis=1)), 0.0)
+    Ainv = _unit_lower_inverse(jnp.where(s_ < t_, beta[:, None] * (G * KK), 0.0), Dp)
+    Mu_ref[n, hv, :, :] = Ainv * beta[None, :]
+    Co_ref[n, hv, :, :] = jnp.where(s_ <= t_, G * QK, 0.0)
+    P_ref[n, hv, :] = P
 
 
 def _gram_kernel(*refs, D: int, Dp: int, r: int, BV: int, snapshots: bool, form: str, into: bool, interpret: bool,
@@ -213,17 +257,20 @@ def _gram_kernel(*refs, D: int, Dp: int, r: int, BV: int, snapshots: bool, form:
 
     K = k_ref.shape[-1]
     KC = min(K, k_chunk)  # the products over K in chunks: fewer operand registers per thread
-    XkT = XqT = None
-    for c in range(K // KC):
-        ks = pl.ds(c * KC, KC)
-        S0c = state_ref[n, hv, vs, ks].astype(F32)  # [BV, KC]
-        xk = _dot(plgpu.load(k_ref.at[n, steps, h, ks], mask=live((Dp, KC)), other=0.0), S0c, trans_b=True)  # [Dp, BV]
-        xq = _dot(plgpu.load(q_ref.at[n, steps, h, ks], mask=live((Dp, KC)), other=0.0), S0c, trans_b=True)
-        XkT, XqT = (xk, xq) if c == 0 else (XkT + xk, XqT + xq)
+    # Every load first (one round of memory latency), then the products.
     vT = plgpu.load(v_ref.at[n, steps, hv, vs], mask=live((Dp, BV)), other=0.0).astype(F32)  # [Dp, BV]
     P = P_ref[n, hv, :][:, None]  # [Dp, 1]
-    uT = _dot(Mu_ref[n, hv, :, :], vT - P * XkT)  # [Dp, BV]
-    oT = P * XqT + _dot(Co_ref[n, hv, :, :], uT)
+    Mu, Co = Mu_ref[n, hv, :, :], Co_ref[n, hv, :, :]
+    chunks = [
+        (state_ref[n, hv, vs, pl.ds(c * KC, KC)].astype(F32),  # [BV, KC]
+         plgpu.load(k_ref.at[n, steps, h, pl.ds(c * KC, KC)], mask=live((Dp, KC)), other=0.0),
+         plgpu.load(q_ref.at[n, steps, h, pl.ds(c * KC, KC)], mask=live((Dp, KC)), other=0.0))
+        for c in range(K // KC)
+    ]  # fmt: skip
+    XkT = sum(_dot(kc, s0, trans_b=True) for s0, kc, _ in chunks)  # [Dp, BV]: S0 k_t
+    XqT = sum(_dot(qc, s0, trans_b=True) for s0, _, qc in chunks)  # S0 q_t
+    uT = _dot(Mu, vT - P * XkT)  # [Dp, BV]
+    oT = P * XqT + _dot(Co, uT)
     plgpu.store(o_ref.at[n, steps, hv, vs], oT.astype(o_ref.dtype), mask=live((Dp, BV)))
     if not snapshots:
         _store_row(tape_ref, row, into, (row, steps, hv, vs), uT, mask=live((Dp, BV)))
@@ -236,6 +283,10 @@ def _gram_kernel(*refs, D: int, Dp: int, r: int, BV: int, snapshots: bool, form:
         _store_row(tape_ref, row, into, (row, t, hv, vs, slice(None)), S.astype(tape_ref.dtype))
 
 
+def GRAM_PREP_WARPS(Dp: int) -> int:  # noqa: N802
+    return 4 if Dp >= 16 else 2  # two [Dp, K] tiles per program: at Dp = 16, 2 warps spill (scripts/sass_stats.py)
+
+
 def _gram_prep(q, k, a, b, A_log, dt_bias, *, scale, Dp: int, interpret: bool):
     N, D, H, K = q.shape
     HV = a.shape[-1]
@@ -244,10 +295,10 @@ def _gram_prep(q, k, a, b, A_log, dt_bias, *, scale, Dp: int, interpret: bool):
         kernel,
         out_shape=[jax.ShapeDtypeStruct((N, D, H, K), F32)] * 2 + [jax.ShapeDtypeStruct((N, D, HV), F32)]
         + [jax.ShapeDtypeStruct((N, HV, Dp, Dp), F32)] * 2 + [jax.ShapeDtypeStruct((N, HV, Dp), F32)],
-        grid=(N, H),
-        compiler_params=plgpu.CompilerParams(num_warps=2, num_stages=1),
+        grid=(N, HV),
+        compiler_params=plgpu.CompilerParams(num_warps=GRAM_PREP_WARPS(Dp), num_stages=1),
         interpret=interpret,
-        name="gdn_verify_prep",
+        name="gdn_verify_gram_prep",
     )(q, k, a, b, A_log, dt_bias)
 
 
@@ -294,7 +345,7 @@ def verify(
         qn, kn, g, Mu, Co, P = _gram_prep(q, k, a, b, A_log, dt_bias, scale=scale, Dp=Dp, interpret=interpret)
         inputs = [state0, qn, kn, v, g, Mu, Co, P]
     else:
-        qn, kn, g, beta = prepare(q, k, a, b, A_log, dt_bias, scale)
+        qn, kn, g, beta = _prep(q, k, a, b, A_log, dt_bias, scale=scale, interpret=interpret)
         inputs = [state0, qn, kn, v, g, beta]
     out_shape = [jax.ShapeDtypeStruct((N, D, HV, V), out_dtype)]
     aliases = {}
