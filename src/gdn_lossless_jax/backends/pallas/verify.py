@@ -1,9 +1,10 @@
 """Pallas (Triton backend) verify: one kernel body, one launch for both record modes.
 
-Work outside the serial chain runs first, once per (request, step, head), as one XLA
-fusion: the q/k l2 norms, the query scale and the gates (``reference.prepare``, the same
-code the reference runs). Its ``k`` and ``g`` *are* the tape's ``k`` and ``g``: written
-once per (request, q/k head) and (request, v-head), never once per V tile.
+Work outside the serial chain runs first, in a small prologue kernel: the q/k l2 norms,
+the query scale and the gates, with ``reference.prepare``'s formulas (XLA compiled those into
+six kernels, ~10 us on the H200; this is one launch). Its ``k`` and ``g`` *are* the tape's
+``k`` and ``g``: written once per (request, q/k head) and (request, v-head), never once
+per V tile.
 
 The kernel's grid is ``(N, HV, V // BV)``: one program per request, v-head and V tile,
 holding the ``[BV, K]`` fp32 state tile in registers. Two algorithms, chosen by
@@ -15,11 +16,16 @@ holding the ``[BV, K]`` fp32 state tile in registers. Two algorithms, chosen by
 - ``"gram"``: no reduction over K inside the chain. With ``G[t, s] = a_{s+1} ... a_t`` and
   ``P_t = a_1 ... a_t``, the state after step t is ``P_t S0 + sum_{s<=t} G[t, s] u_s k_s^T``,
   so ``A u = beta (v - P (S0 k))`` with ``A = I + strictly_lower(beta G (k k^T))`` and
-  ``o = P (S0 q) + tril(G (k q^T))^T-ordered u`` (see ``_gram_kernel``): two fp32 products of
-  the untouched state against all D keys and queries (in-thread FMA reductions), the
-  ``[D, D]`` Gram matrices, and a unit-triangular inverse by recursive doubling. ``u``
-  and ``o`` differ from the chain's in their low bits; the tape stays exact because the
-  snapshot mode builds its states from the same ``u`` with the pinned rule, step by step.
+  ``o_t = P_t (S0 q_t) + sum_{s<=t} G[t, s] (q_t . k_s) u_s`` (see ``_gram_kernel``): two
+  fp32 products of the untouched state against all D keys and queries (in-thread FMA
+  reductions), and per (request, v-head) the ``[D, D]`` matrices, made by its own prologue
+  kernel (unit-triangular inverse by recursive doubling). ``u`` and ``o`` differ from the
+  chain's in their low bits; the tape stays exact because the snapshot mode builds its
+  states from the same ``u`` with the pinned rule, step by step.
+
+The default launch is the chain with 8 rows and one warp per program: on the H200 it was the
+fastest for both record modes at 25 x 4; the Gram form was faster for tuples at D = 16
+(``benchmarks/NOTES.md``).
 
 The per-request pitch of the tape is the buffer's: with ``tape=`` the kernel writes into
 rows of a larger buffer (``D <= Dmax``).
