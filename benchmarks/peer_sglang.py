@@ -160,8 +160,29 @@ def _load_sources(src: Path) -> Peer:
                 f"sglang {version} kernel sources from {src}")  # fmt: skip
 
 
+def _triton_cache_dir() -> None:
+    """Give Triton a writable cache folder when it has none.
+
+    On the H200 machine Triton's cache folder resolved to nothing even with
+    ``TRITON_CACHE_DIR`` set ("Could not create or locate cache dir" at the first launch), so
+    the peer never ran; a temporary folder set on ``triton.knobs`` works whatever the cause.
+    """
+    import os
+    import tempfile
+
+    import triton
+
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None and not knobs.cache.dir:
+        knobs.cache.dir = os.environ.get("TRITON_CACHE_DIR") or tempfile.mkdtemp(prefix="triton_cache_")
+
+
 def load(src: str | Path | None = None) -> Peer:
     """SGLang's verify and scatter entry points, or :class:`PeerUnavailable` with the reason."""
+    try:
+        _triton_cache_dir()
+    except Exception:  # noqa: BLE001, S110 - no triton: the loaders below say so
+        pass
     reasons = []
     try:
         return _load_installed()
