@@ -33,7 +33,7 @@ F32 = jnp.float32
 @dataclasses.dataclass(frozen=True)
 class CommitConfig:
     block_v: int = 32
-    num_warps: int = 4
+    num_warps: int = 8  # the H200 sweep: 925 us against 971 with 4 warps (benchmarks/NOTES.md)
     num_stages: int = 1
 
     def fit(self, V: int) -> "CommitConfig":
