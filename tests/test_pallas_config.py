@@ -66,3 +66,10 @@ def _check_config(config, seed, shape):
     # Control: the naive replay forms of the same tape are caught.
     for name, replay in naive_replays("reference").items():
         assert_bitwise_differs(snp.states[:, -1], replay(x["state0"], tup, last), name)
+
+
+@pytest.mark.parametrize(("kwargs", "names"), [(dict(algorithm="scan"), "algorithm"), (dict(block_v=12), "block_v"),
+                                               (dict(num_warps=3), "num_warps"), (dict(k_chunk=0), "k_chunk")])  # fmt: skip
+def test_bad_config_names_the_field(kwargs, names):
+    with pytest.raises(ValueError, match=names):
+        VerifyConfig(**kwargs)
