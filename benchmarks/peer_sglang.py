@@ -163,18 +163,18 @@ def _load_sources(src: Path) -> Peer:
 def _triton_cache_dir() -> None:
     """Give Triton a writable cache folder when it has none.
 
-    On the H200 machine Triton's cache folder resolved to nothing even with
-    ``TRITON_CACHE_DIR`` set ("Could not create or locate cache dir" at the first launch), so
-    the peer never ran; a temporary folder set on ``triton.knobs`` works whatever the cause.
+    Inside the benchmark on the H200 machine Triton's cache folder resolved to nothing, with
+    or without ``TRITON_CACHE_DIR`` ("Could not create or locate cache dir" at the first
+    launch; in a plain Python it is ``~/.triton/cache``), so the peer never ran. A temporary
+    folder set on ``triton.knobs`` works whatever the cause.
     """
-    import os
     import tempfile
 
     import triton
 
     knobs = getattr(triton, "knobs", None)
     if knobs is not None and not knobs.cache.dir:
-        knobs.cache.dir = os.environ.get("TRITON_CACHE_DIR") or tempfile.mkdtemp(prefix="triton_cache_")
+        knobs.cache.dir = tempfile.mkdtemp(prefix="triton_cache_")
 
 
 def load(src: str | Path | None = None) -> Peer:

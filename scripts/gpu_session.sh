@@ -10,8 +10,6 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}src:tests:. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-# Triton (the SGLang peer, jax-triton) caches under $HOME, which is not writable on the device machine.
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton_cache}
 {
   date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import jax, triton; print('jax', jax.__version__, 'triton', triton.__version__, jax.devices())"

@@ -99,10 +99,10 @@ def lower(variants, work: Path) -> None:
         index.append(dict(name=name, spec=spec, num_warps=int(w), warps=N * shape.HV * (shape.V // int(bv)) * int(w)))
         if len(captured) > 1:  # the prologue kernel: grid (N, D) for the chain, (N, HV) for the Gram form
             (work / f"{name}_prep.ttir").write_text(captured[0])
-            from gdn_lossless_jax.backends.pallas.verify import GRAM_PREP_WARPS
+            from gdn_lossless_jax.backends.pallas.verify import gram_prep_warps, gram_steps
 
             programs = N * (shape.HV if algorithm == "gram" else D)
-            pw = GRAM_PREP_WARPS(max(2, 1 << (D - 1).bit_length())) if algorithm == "gram" else 2
+            pw = gram_prep_warps(gram_steps(D)) if algorithm == "gram" else 2
             index.append(dict(name=f"{name}_prep", spec=f"{spec}[prep]", num_warps=pw, warps=programs * pw))
     (work / "index.json").write_text(json.dumps(index))
 

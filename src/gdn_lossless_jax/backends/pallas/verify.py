@@ -85,16 +85,32 @@ class VerifyConfig:
         return dataclasses.replace(self, block_v=min(self.block_v, V))
 
 
+def _program(refs, n_inputs: int, into: bool, r: int, BV: int):
+    """What both verify kernels read first: their input refs, the two output refs, and the
+    program's request ``n``, v-head ``hv``, q/k head ``h``, tape row and V tile ``vs``.
+
+    ``refs`` is ``inputs[, rows, tape buffer (aliased)], o, tape``; the tape row is ``rows[n]``
+    when the tape goes into a larger buffer, else ``n``.
+    """
+    n, hv, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    row = refs[n_inputs][n] if into else n
+    return refs[:n_inputs], refs[-2], refs[-1], (n, hv, hv // r, row, pl.ds(j * BV, BV))
+
+
+def _unit_rows(x):
+    """l2norm of each row of a ``[rows, K]`` tile (SPEC 2.2; ``reference.l2norm``'s formula)."""
+    return x / jnp.sqrt(jnp.sum(x * x, axis=1)[:, None] + L2NORM_EPS)
+
+
+def gram_steps(D: int) -> int:
+    """The Gram form's step axis: D padded to a power of 2 (Triton tiles), at least 2."""
+    return max(2, pl.next_power_of_2(D))
+
+
 def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bool, row_vectors: bool, one_pass: bool):
     # inputs: state, qn, kn, v, g, beta[, rows, tape buffer (aliased)]; outputs: o, tape
-    state_ref, q_ref, k_ref, v_ref, g_ref, beta_ref = refs[:6]
-    rows_ref = refs[6] if into else None
-    o_ref, tape_ref = refs[-2:]
+    (state_ref, q_ref, k_ref, v_ref, g_ref, beta_ref), o_ref, tape_ref, (n, hv, h, row, vs) = _program(refs, 6, into, r, BV)
     mul, fma = rounding_ops(form)
-    n, hv, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    row = rows_ref[n] if into else n
-    h = hv // r
-    vs = pl.ds(j * BV, BV)
 
     def vec(ref, t):  # q or k of step t, shaped to broadcast over the tile's rows
         return ref[n, t, pl.ds(h, 1), :] if row_vectors else ref[n, t, h, :][None, :]
@@ -165,7 +181,7 @@ def _prep_kernel(q_ref, k_ref, a_ref, b_ref, A_log_ref, dt_bias_ref, qn_ref, kn_
     heads = jax.lax.broadcasted_iota(jnp.int32, (Hp, K), 0) < H
     for src, dst, mult in ((q_ref, qn_ref, scale), (k_ref, kn_ref, None)):
         x = plgpu.load(src.at[n, t, pl.ds(0, Hp), :], mask=heads, other=0.0).astype(F32)  # [Hp, K]
-        y = x / jnp.sqrt(jnp.sum(x * x, axis=1)[:, None] + L2NORM_EPS)
+        y = _unit_rows(x)
         plgpu.store(dst.at[n, t, pl.ds(0, Hp), :], y if mult is None else y * jnp.asarray(mult, F32), mask=heads)
     vheads = jax.lax.broadcasted_iota(jnp.int32, (HVp,), 0) < HV
     hvs = pl.ds(0, HVp)
@@ -209,8 +225,7 @@ def _gram_prep_kernel(q_ref, k_ref, a_ref, b_ref, A_log_ref, dt_bias_ref, qn_ref
     rows = jax.lax.broadcasted_iota(jnp.int32, (Dp, K), 0) < D
 
     def unit(ref):  # l2norm of the D rows (SPEC 2.2)
-        x = plgpu.load(ref.at[n, steps, h, :], mask=rows, other=0.0).astype(F32)
-        return x / jnp.sqrt(jnp.sum(x * x, axis=1)[:, None] + L2NORM_EPS)
+        return _unit_rows(plgpu.load(ref.at[n, steps, h, :], mask=rows, other=0.0).astype(F32))
 
     qn, kn = unit(q_ref) * jnp.asarray(scale, F32), unit(k_ref)
 
@@ -248,14 +263,9 @@ def _gram_kernel(*refs, D: int, Dp: int, r: int, BV: int, snapshots: bool, form:
     rows), with ``Mu``, ``Co``, ``P`` from :func:`_gram_prep_kernel`.
     """
     # inputs: state, qn, kn, v, g, Mu, Co, P[, rows, tape buffer (aliased)]; outputs: o, tape
-    state_ref, q_ref, k_ref, v_ref, g_ref, Mu_ref, Co_ref, P_ref = refs[:8]
-    rows_ref = refs[8] if into else None
-    o_ref, tape_ref = refs[-2:]
+    (state_ref, q_ref, k_ref, v_ref, g_ref, Mu_ref, Co_ref, P_ref), o_ref, tape_ref, (n, hv, h, row, vs) = _program(
+        refs, 8, into, r, BV)  # fmt: skip
     mul, fma = rounding_ops(form)
-    n, hv, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    row = rows_ref[n] if into else n
-    h = hv // r
-    vs = pl.ds(j * BV, BV)
     steps = pl.ds(0, Dp)  # padded to a power of 2; steps >= D are masked (loads give 0, stores skip)
 
     def live(shape):
@@ -289,7 +299,7 @@ def _gram_kernel(*refs, D: int, Dp: int, r: int, BV: int, snapshots: bool, form:
         _store_row(tape_ref, row, into, (row, t, hv, vs, slice(None)), S.astype(tape_ref.dtype))
 
 
-def GRAM_PREP_WARPS(Dp: int) -> int:  # noqa: N802
+def gram_prep_warps(Dp: int) -> int:
     return 4 if Dp >= 16 else 2  # two [Dp, K] tiles per program: at Dp = 16, 2 warps spill (scripts/sass_stats.py)
 
 
@@ -302,7 +312,7 @@ def _gram_prep(q, k, a, b, A_log, dt_bias, *, scale, Dp: int, interpret: bool):
         out_shape=[jax.ShapeDtypeStruct((N, D, H, K), F32)] * 2 + [jax.ShapeDtypeStruct((N, D, HV), F32)]
         + [jax.ShapeDtypeStruct((N, HV, Dp, Dp), F32)] * 2 + [jax.ShapeDtypeStruct((N, HV, Dp), F32)],
         grid=(N, HV),
-        compiler_params=plgpu.CompilerParams(num_warps=GRAM_PREP_WARPS(Dp), num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=gram_prep_warps(Dp), num_stages=1),
         interpret=interpret,
         name="gdn_verify_gram_prep",
     )(q, k, a, b, A_log, dt_bias)
@@ -347,7 +357,7 @@ def verify(
     into = tape is not None
     gram = cfg.algorithm == "gram"
     if gram:
-        Dp = max(2, pl.next_power_of_2(D))
+        Dp = gram_steps(D)
         qn, kn, g, Mu, Co, P = _gram_prep(q, k, a, b, A_log, dt_bias, scale=scale, Dp=Dp, interpret=interpret)
         inputs = [state0, qn, kn, v, g, Mu, Co, P]
     else:
