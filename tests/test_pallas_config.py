@@ -30,13 +30,20 @@ CONFIGS = {
     "chain-bv16-w2": VerifyConfig(block_v=16, num_warps=2, algorithm="chain"),
     "chain-bv8-w1-one_pass": VerifyConfig(block_v=8, num_warps=1, one_pass=True, algorithm="chain"),
     "chain-bv4-w1": VerifyConfig(block_v=4, num_warps=1, algorithm="chain"),
-    "gram-bv8-w1-kc8": VerifyConfig(block_v=8, num_warps=1, k_chunk=8),  # two chunks of K = 16
-    "gram-bv16-w1-kc128": VerifyConfig(block_v=16, num_warps=1, k_chunk=128),
+    "chain-bv8-w1-kc8": VerifyConfig(k_chunk=8),  # the state tile as two [8, 8] chunks, the steps as a loop
+    "chain-bv8-w1-kc8-unrolled": VerifyConfig(k_chunk=8, unroll=4),  # every step's inputs loaded first
+    "chain-bv4-w1-kc4-unrolled": VerifyConfig(block_v=4, k_chunk=4, unroll=4),
+    "chain-bv8-w1-kc8-no-evict": VerifyConfig(k_chunk=8, evict=None),  # the default evicts the state first
+    "gram-bv8-w1-kc8": VerifyConfig(block_v=8, num_warps=1, k_chunk=8, algorithm="gram"),  # two chunks of K = 16
+    "gram-bv16-w1-kc128": VerifyConfig(block_v=16, num_warps=1, k_chunk=128, algorithm="gram"),
 }
-# The Gram launches the GPU sweep (scripts/gpu_tune.py) tries, at K = V = 128: on a GPU the launch,
+# The launches the GPU sweep (scripts/gpu_tune.py) tries, at K = V = 128: on a GPU the launch,
 # not only the algorithm, sets the low bits (on the CPU they would repeat the cases above).
-GPU_CONFIGS = {f"gram-bv{bv}-w{w}-kc{kc}": VerifyConfig(block_v=bv, num_warps=w, k_chunk=kc)
+GPU_CONFIGS = {f"gram-bv{bv}-w{w}-kc{kc}": VerifyConfig(block_v=bv, num_warps=w, k_chunk=kc, algorithm="gram")
                for bv, w, kc in [(16, 1, 32), (16, 1, 128), (16, 2, 32), (32, 2, 32), (32, 4, 32), (64, 4, 32)]}  # fmt: skip
+GPU_CONFIGS |= {f"chain-bv{bv}-w{w}-kc{kc}-un{un}": VerifyConfig(block_v=bv, num_warps=w, k_chunk=kc, unroll=un)
+                for bv, w, kc, un in [(8, 1, 16, 4), (16, 2, 16, 0), (4, 1, 16, 4), (8, 1, 128, 4)]}  # fmt: skip
+GPU_CONFIGS["chain-no-evict"] = VerifyConfig(evict=None)
 
 
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
@@ -69,10 +76,18 @@ def _check_config(config, seed, shape):
 
 
 @pytest.mark.parametrize(("kwargs", "names"), [(dict(algorithm="scan"), "algorithm"), (dict(block_v=12), "block_v"),
-                                               (dict(num_warps=3), "num_warps"), (dict(k_chunk=0), "k_chunk")])  # fmt: skip
+                                               (dict(num_warps=3), "num_warps"), (dict(k_chunk=0), "k_chunk"),
+                                               ({"unroll": -1}, "unroll"), ({"evict": "first"}, "evict")])  # fmt: skip
 def test_bad_config_names_the_field(kwargs, names):
     with pytest.raises(ValueError, match=names):
         VerifyConfig(**kwargs)
+
+
+def test_k_not_a_multiple_of_k_chunk_is_refused(seed):
+    """K = 24 in chunks of 16 would drop 8 columns of the state: refused, naming the field."""
+    x = verify_inputs(seed, Shape(N=1, D=2, H=1, HV=1, K=24, V=8), kind="normal")
+    with pytest.raises(ValueError, match="k_chunk"):
+        _verify(x, "tuples", VerifyConfig(k_chunk=16))
 
 
 def test_head_counts_that_are_not_powers_of_two(seed):

@@ -12,7 +12,8 @@ holding the ``[BV, K]`` fp32 state tile in registers. Two algorithms, chosen by
 
 - ``"chain"``: the D steps as written (SPEC 2.3-2.6). Per step: one pinned decay multiply,
   one reduction over K, one pinned fma, one output reduction, and the step's store (``u``,
-  or the snapshot). Each reduction over K is a tree of warp shuffles inside the serial chain.
+  or the snapshot). Each reduction over K sums the chunks' products elementwise, then ends
+  in a short tree of warp shuffles inside the serial chain.
 - ``"gram"``: no reduction over K inside the chain. With ``G[t, s] = a_{s+1} ... a_t`` and
   ``P_t = a_1 ... a_t``, the state after step t is ``P_t S0 + sum_{s<=t} G[t, s] u_s k_s^T``,
   so ``A u = beta (v - P (S0 k))`` with ``A = I + strictly_lower(beta G (k k^T))`` and
@@ -23,9 +24,10 @@ holding the ``[BV, K]`` fp32 state tile in registers. Two algorithms, chosen by
   chain's in their low bits; the tape stays exact because the snapshot mode builds its
   states from the same ``u`` with the pinned rule, step by step.
 
-The default launch is the chain with 8 rows and one warp per program: on the H200 it was the
-fastest for both record modes at 25 x 4; the Gram form was faster for tuples at D = 16
-(``benchmarks/NOTES.md``).
+The default launch is the chain with 8 rows and one warp per program, its state tile held as
+``[8, 16]`` chunks (``VerifyConfig.k_chunk``) and its steps run as a loop: on the H200 the fastest
+tuple verify at D = 4, 8 and 16, and within 4% of the fastest snapshot verify (the whole-K tile);
+both modes must share one launch (``benchmarks/NOTES.md``).
 
 The per-request pitch of the tape is the buffer's: with ``tape=`` the kernel writes into
 rows of a larger buffer (``D <= Dmax``).
@@ -55,14 +57,28 @@ HIGHEST = jax.lax.Precision.HIGHEST  # fp32 products in fp32 (the default would 
 class VerifyConfig:
     """Launch configuration (the same for both record modes, so outputs agree by construction).
 
+    ``k_chunk``: the chain holds its ``[BV, K]`` state tile as ``K / k_chunk`` tiles
+    ``[BV, k_chunk]``, sums a reduction's products over the chunks elementwise and reduces
+    once. Triton lays a ``[8, 16]`` fp32 tile out with 8 lanes across rows and 4 across
+    columns, so a reduction costs 2 shuffle levels for one row per lane, where a whole
+    ``[8, 128]`` row (32 lanes across K) costs 5 levels for each of 8 rows per lane: 24
+    shuffles per thread at 25 x 4 instead of 320 (``scripts/sass_stats.py``). In the Gram
+    form, the products over K run in chunks of this many columns.
+    ``unroll``: the chain unrolls its D steps (every step's inputs loaded first) up to this
+    D and runs them as a loop above it (step t + 1's inputs prefetched during step t). The
+    loop is the default: on the H200 it was as fast or faster at every D (31.9 against
+    33.0 us at 25 x 4), and unrolled chunked steps took Triton minutes to compile at D = 16
+    and 255 registers at D = 8.
     ``row_vectors``: load q and k as ``[1, K]`` rows of the state tile's layout rather than
     ``[K]`` vectors (which Triton must convert through shared memory every step).
     ``one_pass``: compute a step's output from the decayed state, ``o = Sd q + u (k . q)``,
     so both K-reductions of a step read ``Sd`` together and the output leaves the chain
     (the output's fp32 rounding changes; the tape and the state do not).
-    ``algorithm``: ``"chain"`` or ``"gram"`` (module docstring); ``row_vectors`` and
-    ``one_pass`` only apply to the chain, ``k_chunk`` (the Gram form's products over K in
-    chunks of this many columns, summed) only to the Gram form.
+    ``evict``: Triton's eviction policy (``"evict_first"``, ``"evict_last"`` or None) for the
+    chain's state loads and snapshot stores, each touched once; ``"evict_first"`` keeps the
+    shared q/k rows in L2 (H200: 25 x 4 tuples 35.5 -> 33.3 us, 8 x 16 snapshots -8%).
+    ``algorithm``: ``"chain"`` or ``"gram"`` (module docstring); ``row_vectors``,
+    ``one_pass``, ``unroll`` and ``evict`` only apply to the chain.
     """
 
     block_v: int = 8
@@ -71,11 +87,17 @@ class VerifyConfig:
     row_vectors: bool = True
     one_pass: bool = False
     algorithm: str = "chain"
-    k_chunk: int = 32
+    k_chunk: int = 16
+    unroll: int = 0
+    evict: str | None = "evict_first"
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"VerifyConfig: algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
+        if self.evict not in (None, "evict_first", "evict_last"):
+            raise ValueError(f"VerifyConfig: evict must be None, 'evict_first' or 'evict_last', got {self.evict!r}")
+        if self.unroll < 0:
+            raise ValueError(f"VerifyConfig: unroll must be >= 0, got {self.unroll}")
         for name in ("block_v", "num_warps", "k_chunk"):
             n = getattr(self, name)
             if n < 1 or n & (n - 1):
@@ -107,34 +129,58 @@ def gram_steps(D: int) -> int:
     return max(2, pl.next_power_of_2(D))
 
 
-def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bool, row_vectors: bool, one_pass: bool):
+def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bool, row_vectors: bool, one_pass: bool,
+            k_chunk: int, loop: bool, evict: str | None):  # fmt: skip
     # inputs: state, qn, kn, v, g, beta[, rows, tape buffer (aliased)]; outputs: o, tape
     (state_ref, q_ref, k_ref, v_ref, g_ref, beta_ref), o_ref, tape_ref, (n, hv, h, row, vs) = _program(refs, 6, into, r, BV)
     mul, fma = rounding_ops(form)
+    K = k_ref.shape[-1]
+    C = min(K, k_chunk)
+    cols = [pl.ds(c * C, C) for c in range(K // C)]  # the state tile as K / C tiles [BV, C]
 
-    def vec(ref, t):  # q or k of step t, shaped to broadcast over the tile's rows
-        return ref[n, t, pl.ds(h, 1), :] if row_vectors else ref[n, t, h, :][None, :]
+    def vec(ref, t, ks):  # q or k of step t, shaped to broadcast over the tile's rows
+        return ref[n, t, pl.ds(h, 1), ks] if row_vectors else ref[n, t, h, ks][None, :]
 
-    S = state_ref[n, hv, vs, :].astype(F32)  # [BV, K]
-    qs = [vec(q_ref, t) for t in range(D)]
-    ks = [vec(k_ref, t) for t in range(D)]
-    vv = [v_ref[n, t, hv, vs].astype(F32) for t in range(D)]
-    alphas = [jnp.exp(g_ref[n, t, hv]) for t in range(D)]
-    betas = [beta_ref[n, t, hv] for t in range(D)]
-    kqs = [jnp.sum(ks[t] * qs[t], axis=1) for t in range(D)] if one_pass else None  # [1]
+    def dot(xs, ys):  # sum over K of the elementwise products, chunk by chunk, then one reduction
+        acc = xs[0] * ys[0]
+        for x, y in zip(xs[1:], ys[1:]):
+            acc = acc + x * y
+        return jnp.sum(acc, axis=1)
 
-    for t in range(D):
-        Sd = mul(S, alphas[t])
+    def inputs(t):  # everything step t reads besides the state
+        qs, ks = [vec(q_ref, t, c) for c in cols], [vec(k_ref, t, c) for c in cols]
+        kq = dot(ks, qs) if one_pass else None  # [1]
+        return qs, ks, v_ref[n, t, hv, vs].astype(F32), jnp.exp(g_ref[n, t, hv]), beta_ref[n, t, hv], kq
+
+    def step(t, S, x):
+        qs, ks, v, alpha, beta, kq = x
+        Sd = [mul(c, alpha) for c in S]
         if one_pass:
-            sq = jnp.sum(Sd * qs[t], axis=1)
-        u = betas[t] * (vv[t] - jnp.sum(Sd * ks[t], axis=1))
-        S = fma(ks[t], u[:, None], Sd)
-        o = sq + u * kqs[t] if one_pass else jnp.sum(S * qs[t], axis=1)
+            sq = dot(Sd, qs)
+        u = beta * (v - dot(Sd, ks))
+        S = [fma(kc, u[:, None], c) for kc, c in zip(ks, Sd)]
+        o = sq + u * kq if one_pass else dot(S, qs)
         o_ref[n, t, hv, vs] = o.astype(o_ref.dtype)
         if snapshots:
-            _store_row(tape_ref, row, into, (row, t, hv, vs, slice(None)), S.astype(tape_ref.dtype))
+            for c, tile in zip(cols, S):
+                _store_row(tape_ref, row, into, (row, t, hv, vs, c), tile.astype(tape_ref.dtype), evict=evict)
         else:
             _store_row(tape_ref, row, into, (row, t, hv, vs), u)
+        return S
+
+    S = [plgpu.load(state_ref.at[n, hv, vs, c], eviction_policy=evict).astype(F32) for c in cols]  # [BV, C] each
+    if not loop:  # unrolled, every step's inputs loaded first
+        xs = [inputs(t) for t in range(D)]
+        for t in range(D):
+            S = step(t, S, xs[t])
+        return
+
+    def body(t, carry):  # a loop (compile time grows fast with unrolled steps): prefetch step t + 1's inputs
+        S, x = carry
+        nxt = inputs(jnp.minimum(t + 1, D - 1))
+        return step(t, S, x), nxt
+
+    jax.lax.fori_loop(0, D, body, (S, inputs(0)))
 
 
 def _dot(a, b, *, trans_b=False):
@@ -318,12 +364,13 @@ def _gram_prep(q, k, a, b, A_log, dt_bias, *, scale, Dp: int, interpret: bool):
     )(q, k, a, b, A_log, dt_bias)
 
 
-def _store_row(ref, row, into: bool, idx, value, mask=None):
+def _store_row(ref, row, into: bool, idx, value, mask=None, evict=None):
     def store():
-        if mask is None:
+        if mask is None and evict is None:
             ref[idx] = value
-        else:
-            plgpu.store(ref.at[idx], value, mask=mask)
+        else:  # (interpret mode's store takes no Python ints in ``.at`` indices)
+            at = tuple(jnp.int32(i) if isinstance(i, int) else i for i in idx)
+            plgpu.store(ref.at[at], value, mask=mask, eviction_policy=evict)
 
     if not into:  # rows are the requests themselves
         store()
@@ -353,6 +400,8 @@ def verify(
     cfg = config.fit(V)
     if V % cfg.block_v:
         raise ValueError(f"pallas verify: V={V} must be a multiple of block_v={cfg.block_v}")
+    if K % min(K, cfg.k_chunk):
+        raise ValueError(f"pallas verify: K={K} must be a multiple of k_chunk={cfg.k_chunk} (or at most it)")
     snapshots = record == "snapshots"
     into = tape is not None
     gram = cfg.algorithm == "gram"
@@ -380,7 +429,8 @@ def verify(
     else:
         kernel = functools.partial(
             _kernel, D=D, r=HV // H, BV=cfg.block_v, snapshots=snapshots, form=form, into=into,
-            row_vectors=cfg.row_vectors, one_pass=cfg.one_pass,
+            row_vectors=cfg.row_vectors, one_pass=cfg.one_pass, k_chunk=cfg.k_chunk,
+            loop=D > cfg.unroll, evict=cfg.evict,
         )  # fmt: skip
     outputs, rec = pl.pallas_call(
         kernel,
