@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then (optionally) tuning and benchmarks. Logs go to $OUT.
-# Usage on the device machine: bash scripts/gpu_session.sh [tests] [tune] [bench] [profile]
+# Usage on the device machine: bash scripts/gpu_session.sh [tests] [tune] [bench] [profile] [stalls]
 # Env: TEST_FILES, WORKERS, PYTEST_ARGS, PYTEST_K (a -k expression), TEST_TIMEOUT; TUNE_ARGS (verify/commit), TUNE_SHAPES; BENCH_ARGS, BENCH_TIMEOUT
 set -u
 OUT=${OUT:-/tmp/out}
@@ -28,6 +28,17 @@ for phase in "$@"; do
         --launch-count ${NCU_COUNT:-200} --section SpeedOfLight --section Occupancy --section LaunchStats \
         python3 scripts/profile_kernels.py > "$OUT/ncu.txt" 2>&1
       python3 scripts/ncu_table.py "$OUT/ncu.txt" "$OUT/variants.txt" | tee "$OUT/ncu_table.md" ;;
+    stalls)  # warp stall reasons per launch (scripts/stall_profile.py; STALL_VARIANTS)
+      M=gpu__time_duration.sum,launch__registers_per_thread,launch__occupancy_limit_registers,sm__warps_active.avg.pct_of_peak_sustained_active
+      M=$M,smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__average_warp_latency_per_inst_issued.ratio
+      M=$M,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum
+      for r in barrier dispatch_stall drain imc_miss lg_throttle long_scoreboard math_pipe_throttle membar mio_throttle misc \
+               no_instruction not_selected selected short_scoreboard sleeping tex_throttle wait branch_resolving; do
+        M=$M,smsp__warp_issue_stalled_${r}_per_warp_active.pct
+      done
+      timeout ${PROFILE_TIMEOUT:-200} ncu --clock-control none -k "regex:gdn_verify_(tuples|snapshots)" --metrics "$M" \
+        python3 scripts/stall_profile.py > "$OUT/stalls.txt" 2>&1
+      tail -5 "$OUT/stalls.txt" ;;
     *) echo "unknown phase $phase" ;;
   esac
 done

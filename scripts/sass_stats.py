@@ -19,7 +19,10 @@ Usage::
     PYTHONPATH=src python3.12 scripts/sass_stats.py --triton-python /tmp/tvenv/bin/python \\
         25x4:tuples:16:2 25x4:tuples:8:1 8x16:snapshots:4:1:one_pass
 
-A variant is ``REQUESTSxDRAFTS:RECORD:BLOCK_V:NUM_WARPS[:one_pass][:gram][:kcN]``.
+A variant is ``REQUESTSxDRAFTS:RECORD:BLOCK_V:NUM_WARPS[:one_pass][:gram][:kcN][:unN][:portable]``;
+``k_chunk`` and ``unroll`` default to ``VerifyConfig``'s (the counts in results before the fourth
+session were taken with the whole-K tile, ``kc128``, and all steps unrolled). A loop's body is
+counted once: the bounds of a looped chain (``unroll`` < D) are per loop body, not per launch.
 """
 
 from __future__ import annotations
@@ -85,13 +88,16 @@ def lower(variants, work: Path) -> None:
         cfg_s, record, bv, w = parts[:4]
         one_pass = "one_pass" in parts[4:]
         algorithm = "gram" if "gram" in parts[4:] else "chain"
-        k_chunk = int(next((x[2:] for x in parts[4:] if x.startswith("kc")), 128))
+        k_chunk = int(next((x[2:] for x in parts[4:] if x.startswith("kc")), VerifyConfig.k_chunk))
+        unroll = int(next((x[2:] for x in parts[4:] if x.startswith("un")), VerifyConfig.unroll))
         N, D = map(int, cfg_s.split("x"))
         shape = Shape(N=N, D=D, H=16, HV=32, K=128, V=128)
         x = verify_inputs(0, shape)
-        cfg = VerifyConfig(block_v=int(bv), num_warps=int(w), one_pass=one_pass, algorithm=algorithm, k_chunk=k_chunk)
-        f = lambda x, cfg=cfg, record=record: verify(**x, record=record, scale=128**-0.5, out_dtype=jnp.bfloat16,  # noqa: E731
-                                                      config=cfg, form="ptx", interpret=False)
+        cfg = VerifyConfig(block_v=int(bv), num_warps=int(w), one_pass=one_pass, algorithm=algorithm, k_chunk=k_chunk, unroll=unroll)
+        form = "portable" if "portable" in parts[4:] else "ptx"
+        f = lambda x, cfg=cfg, record=record, form=form: verify(**x, record=record, scale=128**-0.5,  # noqa: E731
+                                                                 out_dtype=jnp.bfloat16, config=cfg, form=form,
+                                                                 interpret=False)
         captured.clear()
         jax.jit(f).trace(x).lower(lowering_platforms=("cuda",))
         name = spec.replace(":", "_")
@@ -109,7 +115,7 @@ def lower(variants, work: Path) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("variants", nargs="+", help="REQUESTSxDRAFTS:RECORD:BLOCK_V:NUM_WARPS[:one_pass][:gram][:kcN]")
+    p.add_argument("variants", nargs="+", help="REQUESTSxDRAFTS:RECORD:BLOCK_V:NUM_WARPS[:one_pass][:gram][:kcN][:unN][:portable]")
     p.add_argument("--triton-python", required=True, help="a Python with triton==3.6.0")
     p.add_argument("--work", type=Path, default=None, help="folder for the IR, PTX, cubins and stats.json")
     p.add_argument("--json", type=Path, default=None, help="also write the table as JSON here")
