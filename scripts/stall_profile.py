@@ -1,9 +1,10 @@
 """Warp stall reasons of a few verify launches, for Nsight Compute (one launch each, after a warm-up).
 
-Run under ncu by ``scripts/gpu_session.sh stalls``, which collects the metrics listed in
-``STALL_METRICS`` (ncu_table-free: ncu prints them per launch) for the kernels named
-``gdn_verify_*``. Variants: ``STALL_VARIANTS`` as ``NxD:RECORD:BLOCK_V:NUM_WARPS:K_CHUNK:UNROLL``
-(comma separated). The launch order goes to ``$OUT/stall_variants.txt``.
+Run under ncu by ``scripts/gpu_session.sh stalls``, which lists the metrics (durations,
+occupancy, issue activity, DRAM and L2 bytes, every warp stall reason) and filters the kernels
+named ``gdn_verify_*``; ncu prints them per launch. Variants: ``STALL_VARIANTS`` as
+``NxD:RECORD:BLOCK_V:NUM_WARPS:K_CHUNK:UNROLL`` (comma separated; the other fields are
+``VerifyConfig``'s defaults). The launch order goes to ``$OUT/stall_variants.txt``.
 """
 
 import os
