@@ -76,7 +76,7 @@ class VerifyConfig:
     (the output's fp32 rounding changes; the tape and the state do not).
     ``evict``: Triton's eviction policy (``"evict_first"``, ``"evict_last"`` or None) for the
     chain's state loads and snapshot stores, each touched once; ``"evict_first"`` keeps the
-    shared q/k rows in L2 (H200: 25 x 4 tuples 35.5 -> 33.3 us, 8 x 16 snapshots -8%).
+    shared q/k rows in L2 (H200: 25 x 4 tuples 35.5 -> 33.3 us, 8 x 16 snapshots -4 to -8%).
     ``algorithm``: ``"chain"`` or ``"gram"`` (module docstring); ``row_vectors``,
     ``one_pass``, ``unroll`` and ``evict`` only apply to the chain.
     """
