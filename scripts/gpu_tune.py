@@ -65,14 +65,15 @@ del big
 
 if "verify" in parts:
     pal = backends.resolve("pallas", "verify")
-    # TUNE_VERIFY: ALGORITHM:BLOCK_V:NUM_WARPS:K_CHUNK[:unN][:one_pass][:noef (evict=None)],... (default: the chain
+    # TUNE_VERIFY: ALGORITHM:BLOCK_V:NUM_WARPS:K_CHUNK[:unN][:one_pass][:noef (evict=None)][:lq (prefetch_q=False)],... (default: the chain
     # launches of the fourth session and the Gram form's best of the third; benchmarks/NOTES.md).
     spec = os.environ.get("TUNE_VERIFY", "chain:8:1:16,chain:16:1:16,chain:8:1:128:un16,gram:32:2:32")
     configs = []
     for a, bv, w, kc, *more in (x.split(":") for x in spec.split(",")):
         unroll = next((int(m[2:]) for m in more if m.startswith("un")), VerifyConfig.unroll)
         configs.append(VerifyConfig(algorithm=a, block_v=int(bv), num_warps=int(w), k_chunk=int(kc), unroll=unroll,
-                                    one_pass="one_pass" in more, evict=None if "noef" in more else "evict_first"))
+                                    one_pass="one_pass" in more, evict=None if "noef" in more else "evict_first",
+                                    prefetch_q="lq" not in more))
     shapes = os.environ.get("TUNE_SHAPES", "25x4,8x16,8x4,8x8").split(",")
     for N, D in [tuple(map(int, x.split("x"))) for x in shapes]:
         shape = Shape(N=N, D=D, H=16, HV=32, K=128, V=128)
@@ -83,7 +84,7 @@ if "verify" in parts:
             for rec in gl.RECORD_MODES:
                 f = jax.jit(lambda x, cfg=cfg, rec=rec: pal.verify(**x, record=rec, scale=128**-0.5, out_dtype=jnp.bfloat16, config=cfg))
                 name = (f"verify {N}x{D} {rec[:5]} {cfg.algorithm} bv{cfg.block_v} w{cfg.num_warps}"
-                        + f" kc{cfg.k_chunk} un{cfg.unroll}" + (" 1pass" if cfg.one_pass else "") + (" ef" if cfg.evict else ""))
+                        + f" kc{cfg.k_chunk} un{cfg.unroll}" + (" 1pass" if cfg.one_pass else "") + (" ef" if cfg.evict else "") + ("" if cfg.prefetch_q else " lq"))
                 try:
                     jax.block_until_ready(f(xs[0]))
                     dev = device_time(multi(f, [(x,) for x in xs]), 2, CALLS)

@@ -34,6 +34,7 @@ CONFIGS = {
     "chain-bv8-w1-kc8-unrolled": VerifyConfig(k_chunk=8, unroll=4),  # every step's inputs loaded first
     "chain-bv4-w1-kc4-unrolled": VerifyConfig(block_v=4, k_chunk=4, unroll=4),
     "chain-bv8-w1-kc8-no-evict": VerifyConfig(k_chunk=8, evict=None),  # the default evicts the state first
+    "chain-bv8-w1-kc8-late-q": VerifyConfig(k_chunk=8, prefetch_q=False),  # each step loads its own q
     "gram-bv8-w1-kc8": VerifyConfig(block_v=8, num_warps=1, k_chunk=8, algorithm="gram"),  # two chunks of K = 16
     "gram-bv16-w1-kc128": VerifyConfig(block_v=16, num_warps=1, k_chunk=128, algorithm="gram"),
 }
@@ -44,6 +45,7 @@ GPU_CONFIGS = {f"gram-bv{bv}-w{w}-kc{kc}": VerifyConfig(block_v=bv, num_warps=w,
 GPU_CONFIGS |= {f"chain-bv{bv}-w{w}-kc{kc}-un{un}": VerifyConfig(block_v=bv, num_warps=w, k_chunk=kc, unroll=un)
                 for bv, w, kc, un in [(8, 1, 16, 4), (16, 2, 16, 0), (4, 1, 16, 4), (8, 1, 128, 4)]}  # fmt: skip
 GPU_CONFIGS["chain-no-evict"] = VerifyConfig(evict=None)
+GPU_CONFIGS["chain-late-q"] = VerifyConfig(prefetch_q=False)
 
 
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())

@@ -77,8 +77,11 @@ class VerifyConfig:
     ``evict``: Triton's eviction policy (``"evict_first"``, ``"evict_last"`` or None) for the
     chain's state loads and snapshot stores, each touched once; ``"evict_first"`` keeps the
     shared q/k rows in L2 (H200: 25 x 4 tuples 35.5 -> 33.3 us, 8 x 16 snapshots -4 to -8%).
+    ``prefetch_q``: in the loop, load step t + 1's q with its k during step t; False loads
+    each step's q in that step (its registers are not held across steps: 114 instead of 126
+    for tuples, 94 instead of 128 for snapshots, ``scripts/sass_stats.py``).
     ``algorithm``: ``"chain"`` or ``"gram"`` (module docstring); ``row_vectors``,
-    ``one_pass``, ``unroll`` and ``evict`` only apply to the chain.
+    ``one_pass``, ``unroll``, ``evict`` and ``prefetch_q`` only apply to the chain.
     """
 
     block_v: int = 8
@@ -90,6 +93,7 @@ class VerifyConfig:
     k_chunk: int = 16
     unroll: int = 0
     evict: str | None = "evict_first"
+    prefetch_q: bool = True
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:
@@ -130,7 +134,7 @@ def gram_steps(D: int) -> int:
 
 
 def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bool, row_vectors: bool, one_pass: bool,
-            k_chunk: int, loop: bool, evict: str | None):  # fmt: skip
+            k_chunk: int, loop: bool, evict: str | None, prefetch_q: bool):  # fmt: skip
     # inputs: state, qn, kn, v, g, beta[, rows, tape buffer (aliased)]; outputs: o, tape
     (state_ref, q_ref, k_ref, v_ref, g_ref, beta_ref), o_ref, tape_ref, (n, hv, h, row, vs) = _program(refs, 6, into, r, BV)
     mul, fma = rounding_ops(form)
@@ -147,13 +151,18 @@ def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bo
             acc = acc + x * y
         return jnp.sum(acc, axis=1)
 
+    late_q = loop and not one_pass and not prefetch_q  # q loaded by its own step: fewer registers
+
     def inputs(t):  # everything step t reads besides the state
-        qs, ks = [vec(q_ref, t, c) for c in cols], [vec(k_ref, t, c) for c in cols]
+        qs = None if late_q else [vec(q_ref, t, c) for c in cols]
+        ks = [vec(k_ref, t, c) for c in cols]
         kq = dot(ks, qs) if one_pass else None  # [1]
         return qs, ks, v_ref[n, t, hv, vs].astype(F32), jnp.exp(g_ref[n, t, hv]), beta_ref[n, t, hv], kq
 
     def step(t, S, x):
         qs, ks, v, alpha, beta, kq = x
+        if late_q:
+            qs = [vec(q_ref, t, c) for c in cols]
         Sd = [mul(c, alpha) for c in S]
         if one_pass:
             sq = dot(Sd, qs)
@@ -430,7 +439,7 @@ def verify(
         kernel = functools.partial(
             _kernel, D=D, r=HV // H, BV=cfg.block_v, snapshots=snapshots, form=form, into=into,
             row_vectors=cfg.row_vectors, one_pass=cfg.one_pass, k_chunk=cfg.k_chunk,
-            loop=D > cfg.unroll, evict=cfg.evict,
+            loop=D > cfg.unroll, evict=cfg.evict, prefetch_q=cfg.prefetch_q,
         )  # fmt: skip
     outputs, rec = pl.pallas_call(
         kernel,
