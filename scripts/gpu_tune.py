@@ -17,12 +17,13 @@ import time
 
 import jax
 import jax.numpy as jnp
+from variants import verify_config
 
 import gdn_lossless_jax as gl
 from benchmarks.devtime import device_time
 from benchmarks.traffic import verify_traffic
 from gdn_lossless_jax import backends
-from gdn_lossless_jax.backends.pallas import CommitConfig, VerifyConfig
+from gdn_lossless_jax.backends.pallas import CommitConfig
 from gdn_lossless_jax.cases import Shape, commit_indices, commit_tapes, verify_inputs
 
 CALLS, COPIES = 16, 4
@@ -65,15 +66,11 @@ del big
 
 if "verify" in parts:
     pal = backends.resolve("pallas", "verify")
-    # TUNE_VERIFY: ALGORITHM:BLOCK_V:NUM_WARPS:K_CHUNK[:unN][:one_pass][:noef (evict=None)][:lq (prefetch_q=False)],... (default: the chain
-    # launches of the fourth session and the Gram form's best of the third; benchmarks/NOTES.md).
+    # TUNE_VERIFY: ALGORITHM:BLOCK_V:NUM_WARPS:K_CHUNK[:TAG...],... with the tags of scripts/variants.py (default:
+    # the chain launches of the fourth session and the Gram form's best of the third; benchmarks/NOTES.md).
     spec = os.environ.get("TUNE_VERIFY", "chain:8:1:16,chain:16:1:16,chain:8:1:128:un16,gram:32:2:32")
-    configs = []
-    for a, bv, w, kc, *more in (x.split(":") for x in spec.split(",")):
-        unroll = next((int(m[2:]) for m in more if m.startswith("un")), VerifyConfig.unroll)
-        configs.append(VerifyConfig(algorithm=a, block_v=int(bv), num_warps=int(w), k_chunk=int(kc), unroll=unroll,
-                                    one_pass="one_pass" in more, evict=None if "noef" in more else "evict_first",
-                                    prefetch_q="lq" not in more))
+    configs = [verify_config(more, algorithm=a, block_v=int(bv), num_warps=int(w), k_chunk=int(kc))
+               for a, bv, w, kc, *more in (x.split(":") for x in spec.split(","))]
     shapes = os.environ.get("TUNE_SHAPES", "25x4,8x16,8x4,8x8").split(",")
     for N, D in [tuple(map(int, x.split("x"))) for x in shapes]:
         shape = Shape(N=N, D=D, H=16, HV=32, K=128, V=128)

@@ -19,7 +19,8 @@ Usage::
     PYTHONPATH=src python3.12 scripts/sass_stats.py --triton-python /tmp/tvenv/bin/python \\
         25x4:tuples:16:2 25x4:tuples:8:1 8x16:snapshots:4:1:one_pass
 
-A variant is ``REQUESTSxDRAFTS:RECORD:BLOCK_V:NUM_WARPS[:one_pass][:gram][:kcN][:unN][:portable]``;
+A variant is ``REQUESTSxDRAFTS:RECORD:BLOCK_V:NUM_WARPS[:TAG...]``, with the tags of
+``scripts/variants.py`` (``gram``, ``one_pass``, ``kcN``, ``unN``, ``noef``, ``lq``) and ``portable``;
 ``k_chunk`` and ``unroll`` default to ``VerifyConfig``'s (the counts in results before the fourth
 session were taken with the whole-K tile, ``kc128``, and all steps unrolled). A loop's body is
 counted once: the bounds of a looped chain (``unroll`` < D) are per loop body, not per launch.
@@ -68,8 +69,9 @@ def lower(variants, work: Path) -> None:
     import jax.numpy as jnp
     from jax._src.pallas.triton import lowering
     from jax._src.pallas.triton import pallas_call_registration as reg
+    from variants import verify_config
 
-    from gdn_lossless_jax.backends.pallas.verify import VerifyConfig, verify
+    from gdn_lossless_jax.backends.pallas.verify import verify
     from gdn_lossless_jax.cases import Shape, verify_inputs
 
     reg.gpu_info_lib.get_gpu_info = lambda: types.SimpleNamespace(compute_capability=90)  # an H200, stubbed
@@ -86,14 +88,10 @@ def lower(variants, work: Path) -> None:
     for spec in variants:
         parts = spec.split(":")
         cfg_s, record, bv, w = parts[:4]
-        one_pass = "one_pass" in parts[4:]
-        algorithm = "gram" if "gram" in parts[4:] else "chain"
-        k_chunk = int(next((x[2:] for x in parts[4:] if x.startswith("kc")), VerifyConfig.k_chunk))
-        unroll = int(next((x[2:] for x in parts[4:] if x.startswith("un")), VerifyConfig.unroll))
         N, D = map(int, cfg_s.split("x"))
         shape = Shape(N=N, D=D, H=16, HV=32, K=128, V=128)
         x = verify_inputs(0, shape)
-        cfg = VerifyConfig(block_v=int(bv), num_warps=int(w), one_pass=one_pass, algorithm=algorithm, k_chunk=k_chunk, unroll=unroll)
+        cfg = verify_config(parts[4:], block_v=int(bv), num_warps=int(w))
         form = "portable" if "portable" in parts[4:] else "ptx"
         f = lambda x, cfg=cfg, record=record, form=form: verify(**x, record=record, scale=128**-0.5,  # noqa: E731
                                                                  out_dtype=jnp.bfloat16, config=cfg, form=form,
@@ -107,15 +105,16 @@ def lower(variants, work: Path) -> None:
             (work / f"{name}_prep.ttir").write_text(captured[0])
             from gdn_lossless_jax.backends.pallas.verify import gram_prep_warps, gram_steps
 
-            programs = N * (shape.HV if algorithm == "gram" else D)
-            pw = gram_prep_warps(gram_steps(D)) if algorithm == "gram" else 2
+            gram = cfg.algorithm == "gram"
+            programs = N * (shape.HV if gram else D)
+            pw = gram_prep_warps(gram_steps(D)) if gram else 2
             index.append(dict(name=f"{name}_prep", spec=f"{spec}[prep]", num_warps=pw, warps=programs * pw))
     (work / "index.json").write_text(json.dumps(index))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("variants", nargs="+", help="REQUESTSxDRAFTS:RECORD:BLOCK_V:NUM_WARPS[:one_pass][:gram][:kcN][:unN][:portable]")
+    p.add_argument("variants", nargs="+", help="REQUESTSxDRAFTS:RECORD:BLOCK_V:NUM_WARPS[:TAG...] (tags: scripts/variants.py, portable)")
     p.add_argument("--triton-python", required=True, help="a Python with triton==3.6.0")
     p.add_argument("--work", type=Path, default=None, help="folder for the IR, PTX, cubins and stats.json")
     p.add_argument("--json", type=Path, default=None, help="also write the table as JSON here")

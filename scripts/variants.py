@@ -1,0 +1,24 @@
+"""Launch variants named by tags, shared by the tuning and profiling scripts.
+
+A tag list adds to or overrides fixed fields of :class:`VerifyConfig`: ``gram`` (the Gram
+form), ``one_pass``, ``kcN`` (``k_chunk=N``), ``unN`` (``unroll=N``), ``noef``
+(``evict=None``), ``lq`` (``prefetch_q=False``); other tags are ignored (a script's own,
+such as ``portable``). Fields not given keep ``VerifyConfig``'s defaults.
+"""
+
+
+def verify_config(tags, **fields):
+    from gdn_lossless_jax.backends.pallas import VerifyConfig
+
+    for tag in tags:
+        if tag == "gram":
+            fields["algorithm"] = "gram"
+        elif tag == "one_pass":
+            fields["one_pass"] = True
+        elif tag == "noef":
+            fields["evict"] = None
+        elif tag == "lq":
+            fields["prefetch_q"] = False
+        elif tag[:2] in ("kc", "un") and tag[2:].isdigit():
+            fields["k_chunk" if tag[:2] == "kc" else "unroll"] = int(tag[2:])
+    return VerifyConfig(**fields)
