@@ -48,7 +48,7 @@ bins = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin
 out = []
 for v in json.load(open(os.path.join(work, "index.json"))):
     p = os.path.join(work, v["name"] + ".ttir")
-    k = triton.compile(p, target=GPUTarget("cuda", 90, 32), options={"num_warps": v["num_warps"], "num_stages": 1})
+    k = triton.compile(p, target=GPUTarget("cuda", 90, 32), options={"num_warps": v["num_warps"], "num_stages": v.get("num_stages", 1)})
     open(p + ".ptx", "w").write(k.asm["ptx"])
     open(p + ".cubin", "wb").write(k.asm["cubin"])
     info = subprocess.run([os.path.join(bins, "ptxas"), "-v", "-arch=sm_90a", p + ".ptx", "-o", p + ".ptxas.cubin"],
@@ -100,13 +100,14 @@ def lower(variants, work: Path) -> None:
         jax.jit(f).trace(x).lower(lowering_platforms=("cuda",))
         name = spec.replace(":", "_")
         (work / f"{name}.ttir").write_text(captured[-1])  # the verify kernel is lowered last
-        index.append(dict(name=name, spec=spec, num_warps=int(w), warps=N * shape.HV * (shape.V // int(bv)) * int(w)))
-        if len(captured) > 1:  # the prologue kernel: grid (N, D) for the chain, (N, HV) for the Gram form
+        index.append(dict(name=name, spec=spec, num_warps=int(w), num_stages=cfg.num_stages,
+                          warps=N * shape.HV * (shape.V // int(bv)) * int(w)))
+        if len(captured) > 1:  # the prologue kernel: grid (N, D) for the chain, (N, H) for the Gram form
             (work / f"{name}_prep.ttir").write_text(captured[0])
             from gdn_lossless_jax.backends.pallas.verify import gram_prep_warps, gram_steps
 
             gram = cfg.algorithm == "gram"
-            programs = N * (shape.HV if gram else D)
+            programs = N * (shape.H if gram else D)
             pw = gram_prep_warps(gram_steps(D)) if gram else 2
             index.append(dict(name=f"{name}_prep", spec=f"{spec}[prep]", num_warps=pw, warps=programs * pw))
     (work / "index.json").write_text(json.dumps(index))

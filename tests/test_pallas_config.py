@@ -41,11 +41,12 @@ CONFIGS = {
 # The launches the GPU sweep (scripts/gpu_tune.py) tries, at K = V = 128: on a GPU the launch,
 # not only the algorithm, sets the low bits (on the CPU they would repeat the cases above).
 GPU_CONFIGS = {f"gram-bv{bv}-w{w}-kc{kc}": VerifyConfig(block_v=bv, num_warps=w, k_chunk=kc, algorithm="gram")
-               for bv, w, kc in [(16, 1, 32), (16, 1, 128), (16, 2, 32), (32, 2, 32), (32, 4, 32), (64, 4, 32)]}  # fmt: skip
+               for bv, w, kc in [(8, 1, 16), (16, 1, 16), (4, 1, 16), (16, 2, 32), (32, 4, 16)]}  # fmt: skip
 GPU_CONFIGS |= {f"chain-bv{bv}-w{w}-kc{kc}-un{un}": VerifyConfig(block_v=bv, num_warps=w, k_chunk=kc, unroll=un)
                 for bv, w, kc, un in [(8, 1, 16, 4), (16, 2, 16, 0), (4, 1, 16, 4), (8, 1, 128, 4)]}  # fmt: skip
 GPU_CONFIGS["chain-no-evict"] = VerifyConfig(evict=None)
 GPU_CONFIGS["chain-late-q"] = VerifyConfig(prefetch_q=False)
+GPU_CONFIGS["chain-bv32-w4"] = VerifyConfig(block_v=32, num_warps=4)
 
 
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())

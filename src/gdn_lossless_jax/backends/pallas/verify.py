@@ -14,15 +14,16 @@ holding the ``[BV, K]`` fp32 state tile in registers. Two algorithms, chosen by
   one reduction over K, one pinned fma, one output reduction, and the step's store (``u``,
   or the snapshot). Each reduction over K sums the chunks' products elementwise, then ends
   in a short tree of warp shuffles inside the serial chain.
-- ``"gram"``: no reduction over K inside the chain. With ``G[t, s] = a_{s+1} ... a_t`` and
+- ``"gram"``: no reduction over K inside a chain. With ``G[t, s] = a_{s+1} ... a_t`` and
   ``P_t = a_1 ... a_t``, the state after step t is ``P_t S0 + sum_{s<=t} G[t, s] u_s k_s^T``,
-  so ``A u = beta (v - P (S0 k))`` with ``A = I + strictly_lower(beta G (k k^T))`` and
-  ``o_t = P_t (S0 q_t) + sum_{s<=t} G[t, s] (q_t . k_s) u_s`` (see ``_gram_kernel``): two
-  fp32 products of the untouched state against all D keys and queries (in-thread FMA
-  reductions), and per (request, v-head) the ``[D, D]`` matrices, made by its own prologue
-  kernel (unit-triangular inverse by recursive doubling). ``u`` and ``o`` differ from the
-  chain's in their low bits; the tape stays exact because the snapshot mode builds its
-  states from the same ``u`` with the pinned rule, step by step.
+  so ``u_t = beta_t (v_t - P_t (S0 k_t)) - sum_{s<t} beta_t G[t, s] (k_t . k_s) u_s`` and
+  ``o_t = P_t (S0 q_t) + sum_{s<=t} G[t, s] (q_t . k_s) u_s`` (see ``_gram_kernel``): the
+  products of the untouched state against all D keys and queries are independent of each
+  other (chunked like the chain's, no step waits on another's reduction), and per row the
+  recurrence is a few scalar multiply-adds, with the ``[D, D]`` coefficients made once per
+  (request, q/k head) by its own prologue kernel. ``u`` and ``o`` differ from the chain's in
+  their low bits; the tape stays exact because the snapshot mode builds its states from the
+  same ``u`` with the pinned rule, step by step.
 
 The default launch is the chain with 8 rows and one warp per program, its state tile held as
 ``[8, 16]`` chunks (``VerifyConfig.k_chunk``) and its steps run as a loop: on the H200 the fastest
@@ -62,8 +63,8 @@ class VerifyConfig:
     once. Triton lays a ``[8, 16]`` fp32 tile out with 8 lanes across rows and 4 across
     columns, so a reduction costs 2 shuffle levels for one row per lane, where a whole
     ``[8, 128]`` row (32 lanes across K) costs 5 levels for each of 8 rows per lane: 24
-    shuffles per thread at 25 x 4 instead of 320 (``scripts/sass_stats.py``). In the Gram
-    form, the products over K run in chunks of this many columns.
+    shuffles per thread at 25 x 4 instead of 320 (``scripts/sass_stats.py``). The Gram form's
+    products use the same chunks.
     ``unroll``: the chain unrolls its D steps (every step's inputs loaded first) up to this
     D and runs them as a loop above it (step t + 1's inputs prefetched during step t). The
     loop is the default: on the H200 it was as fast or faster at every D (31.9 against
@@ -81,7 +82,8 @@ class VerifyConfig:
     each step's q in that step (its registers are not held across steps: 114 instead of 126
     for tuples, 94 instead of 128 for snapshots, ``scripts/sass_stats.py``).
     ``algorithm``: ``"chain"`` or ``"gram"`` (module docstring); ``row_vectors``,
-    ``one_pass``, ``unroll``, ``evict`` and ``prefetch_q`` only apply to the chain.
+    ``one_pass``, ``unroll`` and ``prefetch_q`` only apply to the chain (the Gram form always
+    runs loops: unrolled, its steps took Triton 2-3 min to compile at D = 16).
     """
 
     block_v: int = 8
@@ -133,23 +135,31 @@ def gram_steps(D: int) -> int:
     return max(2, pl.next_power_of_2(D))
 
 
+def _chunks(K: int, k_chunk: int):
+    """The column slices that hold a ``[BV, K]`` state tile as ``K / C`` tiles ``[BV, C]``."""
+    C = min(K, k_chunk)
+    return [pl.ds(c * C, C) for c in range(K // C)]
+
+
+def _chunk_dot(xs, ys):
+    """Sum over K of the elementwise products of two chunked tiles (lists of ``[BV, C]`` and
+    ``[1, C]``): chunk by chunk in registers, then one reduction (a short shuffle tree)."""
+    acc = xs[0] * ys[0]
+    for x, y in zip(xs[1:], ys[1:]):
+        acc = acc + x * y
+    return jnp.sum(acc, axis=1)
+
+
 def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bool, row_vectors: bool, one_pass: bool,
             k_chunk: int, loop: bool, evict: str | None, prefetch_q: bool):  # fmt: skip
     # inputs: state, qn, kn, v, g, beta[, rows, tape buffer (aliased)]; outputs: o, tape
     (state_ref, q_ref, k_ref, v_ref, g_ref, beta_ref), o_ref, tape_ref, (n, hv, h, row, vs) = _program(refs, 6, into, r, BV)
     mul, fma = rounding_ops(form)
-    K = k_ref.shape[-1]
-    C = min(K, k_chunk)
-    cols = [pl.ds(c * C, C) for c in range(K // C)]  # the state tile as K / C tiles [BV, C]
+    cols = _chunks(k_ref.shape[-1], k_chunk)
+    dot = _chunk_dot
 
     def vec(ref, t, ks):  # q or k of step t, shaped to broadcast over the tile's rows
         return ref[n, t, pl.ds(h, 1), ks] if row_vectors else ref[n, t, h, ks][None, :]
-
-    def dot(xs, ys):  # sum over K of the elementwise products, chunk by chunk, then one reduction
-        acc = xs[0] * ys[0]
-        for x, y in zip(xs[1:], ys[1:]):
-            acc = acc + x * y
-        return jnp.sum(acc, axis=1)
 
     late_q = loop and not one_pass and not prefetch_q  # q loaded by its own step: fewer registers
 
@@ -192,37 +202,6 @@ def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bo
     jax.lax.fori_loop(0, D, body, (S, inputs(0)))
 
 
-def _dot(a, b, *, trans_b=False):
-    """``a @ b`` (``a @ b.T`` with ``trans_b``) in fp32, fp32 accumulation."""
-    return jax.lax.dot_general(a, b, (((1,), (1 if trans_b else 0,)), ((), ())), precision=HIGHEST)
-
-
-def _unit_lower_inverse(L, Dp: int):
-    """``(I + L)^-1`` for a strictly lower-triangular ``[Dp, Dp]`` ``L``, by recursive doubling.
-
-    With ``B`` the inverse of the block diagonal of ``I + L`` (blocks of ``size``) and ``M``
-    the part of ``L`` that joins pairs of blocks, ``(D + M)^-1 = B - B M B`` because
-    ``M B M = 0``; log2(Dp) levels, two small products each (the standard recursive
-    triangular inverse: as stable as forward substitution).
-    """
-    t = jax.lax.broadcasted_iota(jnp.int32, (Dp, Dp), 0)
-    s = jax.lax.broadcasted_iota(jnp.int32, (Dp, Dp), 1)
-    B = jnp.where(t == s, 1.0, 0.0).astype(F32)
-    size = 1
-    while size < Dp:
-        M = jnp.where((t // (2 * size) == s // (2 * size)) & (t // size != s // size), L, 0.0)
-        B = B - _dot(B, _dot(M, B))
-        size *= 2
-    return B
-
-
-def _row(x, t: int):
-    """Row ``t`` of a ``[Dp, BV]`` fp32 tile, bit for bit (an integer sum of one value and zeros)."""
-    rows = jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
-    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
-    return jax.lax.bitcast_convert_type(jnp.sum(jnp.where(rows == t, bits, 0), axis=0), F32)
-
-
 def _prep_kernel(q_ref, k_ref, a_ref, b_ref, A_log_ref, dt_bias_ref, qn_ref, kn_ref, g_ref, beta_ref,
                  *, H: int, HV: int, scale: float):  # fmt: skip
     """Per (request, step): the q/k l2 norms of all heads and the gates of all v-heads.
@@ -263,18 +242,23 @@ def _prep(q, k, a, b, A_log, dt_bias, *, scale, interpret: bool):
     )(q, k, a, b, A_log, dt_bias)
 
 
-def _gram_prep_kernel(q_ref, k_ref, a_ref, b_ref, A_log_ref, dt_bias_ref, qn_ref, kn_ref, g_ref, Mu_ref, Co_ref, P_ref,
-                      *, D: int, Dp: int, r: int, scale: float):  # fmt: skip
-    """Per (request, v-head): the norms of its q/k head, its gates and its ``[Dp, Dp]`` matrices.
+def _dot(a, b, *, trans_b=False):
+    """``a @ b`` (``a @ b.T`` with ``trans_b``) in fp32, fp32 accumulation."""
+    return jax.lax.dot_general(a, b, (((1,), (1 if trans_b else 0,)), ((), ())), precision=HIGHEST)
 
-    Replaces ``reference.prepare`` for the Gram form: ``qn``, ``kn`` and ``g`` are its outputs
-    (``kn`` and ``g`` are the tape's; the first v-head of each q/k head writes qn and kn),
-    with the same formulas; ``Mu = A^-1 diag(beta)``, ``Co`` and ``P`` feed
-    :func:`_gram_kernel`. One program per v-head: the chain of small products is latency,
-    so more programs, not fewer, finish sooner.
+
+def _gram_prep_kernel(q_ref, k_ref, a_ref, b_ref, A_log_ref, dt_bias_ref, qn_ref, kn_ref, g_ref, W_ref, C_ref, P_ref,
+                      beta_ref, *, D: int, Dp: int, r: int, scale: float):  # fmt: skip
+    """Per (request, q/k head): the norms of its D queries and keys, and for each of its r
+    v-heads the gates and the coefficients of :func:`_gram_kernel`'s recurrence.
+
+    ``qn``, ``kn`` and ``g`` are ``reference.prepare``'s (``kn`` and ``g`` are the tape's).
+    With ``G[t, s] = exp(g_{s+1} + ... + g_t)`` (each exponent a sum of terms of one sign: a
+    product with a 0/1 mask, no difference of cumulative sums, which would cancel under strong
+    decays): ``W[t, s] = beta_t G[t, s] (k_t . k_s)`` for s < t, ``C[t, s] = G[t, s] (q_t . k_s)``
+    for s <= t, ``P_t = exp(g_0 + ... + g_t)``, ``beta_t``; steps >= D are zero.
     """
-    n, hv = pl.program_id(0), pl.program_id(1)
-    h = hv // r
+    n, h = pl.program_id(0), pl.program_id(1)
     steps = pl.ds(0, Dp)
     K = k_ref.shape[-1]
     rows = jax.lax.broadcasted_iota(jnp.int32, (Dp, K), 0) < D
@@ -283,94 +267,115 @@ def _gram_prep_kernel(q_ref, k_ref, a_ref, b_ref, A_log_ref, dt_bias_ref, qn_ref
         return _unit_rows(plgpu.load(ref.at[n, steps, h, :], mask=rows, other=0.0).astype(F32))
 
     qn, kn = unit(q_ref) * jnp.asarray(scale, F32), unit(k_ref)
-
-    @pl.when(hv % r == 0)
-    def _():
-        plgpu.store(qn_ref.at[n, steps, h, :], qn, mask=rows)
-        plgpu.store(kn_ref.at[n, steps, h, :], kn, mask=rows)
-
+    plgpu.store(qn_ref.at[n, steps, h, :], qn, mask=rows)
+    plgpu.store(kn_ref.at[n, steps, h, :], kn, mask=rows)
     KK = _dot(kn, kn, trans_b=True)  # k_t . k_s
     QK = _dot(qn, kn, trans_b=True)  # q_t . k_s
     t_ = jax.lax.broadcasted_iota(jnp.int32, (Dp, Dp), 0)
     s_ = jax.lax.broadcasted_iota(jnp.int32, (Dp, Dp), 1)
     live = jax.lax.broadcasted_iota(jnp.int32, (Dp,), 0) < D
-    a = plgpu.load(a_ref.at[n, steps, hv], mask=live, other=0.0)
-    b = plgpu.load(b_ref.at[n, steps, hv], mask=live, other=0.0)
-    g, beta = gates(a, b, A_log_ref[hv], dt_bias_ref[hv])
-    g = jnp.where(live, g, 0.0)
-    plgpu.store(g_ref.at[n, steps, hv], g, mask=live)
-    # G[t, s] = exp(g_{s+1} + ... + g_t): each exponent a sum of terms of one sign (a product
-    # with 0/1 masks; no difference of cumulative sums, which cancels under strong decays).
-    G = jnp.exp(_dot(jnp.where(s_ <= t_, g[None, :], 0.0), jnp.where(t_ > s_, 1.0, 0.0)))
-    G = jnp.where((s_ <= t_) & (t_ < D), G, 0.0)
-    P = jnp.where(live, jnp.exp(jnp.sum(jnp.where(s_ <= t_, g[None, :], 0.0), axis=1)), 0.0)
-    Ainv = _unit_lower_inverse(jnp.where(s_ < t_, beta[:, None] * (G * KK), 0.0), Dp)
-    Mu_ref[n, hv, :, :] = Ainv * beta[None, :]
-    Co_ref[n, hv, :, :] = jnp.where(s_ <= t_, G * QK, 0.0)
-    P_ref[n, hv, :] = P
+    for i in range(r):  # the v-heads of this q/k head
+        hv = h * r + i
+        a = plgpu.load(a_ref.at[n, steps, hv], mask=live, other=0.0)
+        b = plgpu.load(b_ref.at[n, steps, hv], mask=live, other=0.0)
+        g, beta = gates(a, b, A_log_ref[hv], dt_bias_ref[hv])
+        g, beta = jnp.where(live, g, 0.0), jnp.where(live, beta, 0.0)
+        plgpu.store(g_ref.at[n, steps, hv], g, mask=live)
+        upto = jnp.where(s_ <= t_, g[None, :], 0.0)  # [t, j]: g_j for j <= t
+        G = jnp.exp(_dot(upto, jnp.where(t_ > s_, 1.0, 0.0)))  # [t, s]: exp(sum of g_j for s < j <= t)
+        W_ref[n, hv, :, :] = jnp.where(s_ < t_, beta[:, None] * (G * KK), 0.0)
+        C_ref[n, hv, :, :] = jnp.where((s_ <= t_) & (t_ < D), G * QK, 0.0)
+        P_ref[n, hv, :] = jnp.where(live, jnp.exp(jnp.sum(upto, axis=1)), 0.0)
+        beta_ref[n, hv, :] = beta
 
 
-def _gram_kernel(*refs, D: int, Dp: int, r: int, BV: int, snapshots: bool, form: str, into: bool, interpret: bool,
-                 k_chunk: int):
+def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bool, k_chunk: int,
+                 evict: str | None, interpret: bool):  # fmt: skip
     """The Gram form (module docstring) for one (request, v-head, V tile).
 
-    ``u = Mu (v - P (S0 k))`` and ``o = P (S0 q) + Co u``, in ``[Dp, BV]`` tiles (steps by
-    rows), with ``Mu``, ``Co``, ``P`` from :func:`_gram_prep_kernel`.
+    Products of the untouched state against every step's key and query, ``xk_t = S0 k_t`` and
+    ``xq_t = S0 q_t`` (independent of each other: no serial chain through memory or
+    reductions), then per row
+    ``u_t = beta_t (v_t - P_t xk_t) - sum_{s<t} W[t, s] u_s`` and
+    ``o_t = P_t xq_t + sum_{s<=t} C[t, s] u_s``, with the coefficients from
+    :func:`_gram_prep_kernel`. The snapshot mode then builds the states from the same ``u``
+    with the pinned rule, step by step.
     """
-    # inputs: state, qn, kn, v, g, Mu, Co, P[, rows, tape buffer (aliased)]; outputs: o, tape
-    (state_ref, q_ref, k_ref, v_ref, g_ref, Mu_ref, Co_ref, P_ref), o_ref, tape_ref, (n, hv, h, row, vs) = _program(
-        refs, 8, into, r, BV)  # fmt: skip
+    # inputs: state, qn, kn, v, g, W, C, P, beta[, rows, tape buffer (aliased)]; outputs: o, tape
+    (state_ref, q_ref, k_ref, v_ref, g_ref, W_ref, C_ref, P_ref, beta_ref), o_ref, tape_ref, (n, hv, h, row, vs) = (
+        _program(refs, 9, into, r, BV))  # fmt: skip
     mul, fma = rounding_ops(form)
-    steps = pl.ds(0, Dp)  # padded to a power of 2; steps >= D are masked (loads give 0, stores skip)
+    cols = _chunks(k_ref.shape[-1], k_chunk)
 
-    def live(shape):
-        return jax.lax.broadcasted_iota(jnp.int32, shape, 0) < D
+    def vecs(ref, t):  # q or k of step t, as [1, C] rows of the chunks
+        return [ref[n, t, pl.ds(h, 1), c] for c in cols]
 
-    K = k_ref.shape[-1]
-    KC = min(K, k_chunk)  # the products over K in chunks: fewer operand registers per thread
-    # Every load first (one round of memory latency), then the products.
-    vT = plgpu.load(v_ref.at[n, steps, hv, vs], mask=live((Dp, BV)), other=0.0).astype(F32)  # [Dp, BV]
-    P = P_ref[n, hv, :][:, None]  # [Dp, 1]
-    Mu, Co = Mu_ref[n, hv, :, :], Co_ref[n, hv, :, :]
-    chunks = [
-        (state_ref[n, hv, vs, pl.ds(c * KC, KC)].astype(F32),  # [BV, KC]
-         plgpu.load(k_ref.at[n, steps, h, pl.ds(c * KC, KC)], mask=live((Dp, KC)), other=0.0),
-         plgpu.load(q_ref.at[n, steps, h, pl.ds(c * KC, KC)], mask=live((Dp, KC)), other=0.0))
-        for c in range(K // KC)
-    ]  # fmt: skip
-    XkT = sum(_dot(kc, s0, trans_b=True) for s0, kc, _ in chunks)  # [Dp, BV]: S0 k_t
-    XqT = sum(_dot(qc, s0, trans_b=True) for s0, _, qc in chunks)  # S0 q_t
-    uT = _dot(Mu, vT - P * XkT)  # [Dp, BV]
-    oT = P * XqT + _dot(Co, uT)
-    plgpu.store(o_ref.at[n, steps, hv, vs], oT.astype(o_ref.dtype), mask=live((Dp, BV)))
-    if not snapshots:
-        _store_row(tape_ref, row, into, (row, steps, hv, vs), uT, mask=live((Dp, BV)))
-        return
-    S = state_ref[n, hv, vs, :].astype(F32)
-    for t in range(D):  # the states, from the same u, with the pinned rule
-        S = fma(k_ref[n, t, pl.ds(h, 1), :], _row(uT, t)[:, None], mul(S, jnp.exp(g_ref[n, t, hv])))
+    S0 = [plgpu.load(state_ref.at[n, hv, vs, c], eviction_policy=evict).astype(F32) for c in cols]  # [BV, C] each
+
+    def state(t, S, u):  # step t's state, from the same u, with the pinned rule, and its store
+        alpha = jnp.exp(g_ref[n, t, hv])
+        S = [fma(kc, u[:, None], mul(c, alpha)) for kc, c in zip(vecs(k_ref, t), S)]
         if interpret:  # XLA:CPU would fuse the whole elementwise chain of integer fmas (compiles for minutes)
             S = jax.lax.optimization_barrier(S)
-        _store_row(tape_ref, row, into, (row, t, hv, vs, slice(None)), S.astype(tape_ref.dtype))
+        for c, tile in zip(cols, S):
+            _store_row(tape_ref, row, into, (row, t, hv, vs, c), tile.astype(tape_ref.dtype), evict=evict)
+        return S
 
+    # Loops (Triton unrolls short ones itself). The steps' products (step t + 1's q and k loaded during step t) go into columns
+    # of [BV, Dp] tiles; the recurrence reads them back (a sum of one value and zeros) and
+    # keeps its u in such a tile as bit patterns (read back by an integer sum: exact, -0.0 included).
+    Dp = gram_steps(D)
+    col = jax.lax.broadcasted_iota(jnp.int32, (BV, Dp), 1)
+    zero = jnp.zeros((BV, Dp), F32)
 
-def gram_prep_warps(Dp: int) -> int:
-    return 4 if Dp >= 16 else 2  # two [Dp, K] tiles per program: at Dp = 16, 2 warps spill (scripts/sass_stats.py)
+    def pick(X, t):
+        return jnp.sum(jnp.where(col == t, X, 0), axis=1)
+
+    def products(t, carry):
+        XK, XQ, (ks, qs) = carry
+        nxt = jnp.minimum(t + 1, D - 1)
+        nxt = vecs(k_ref, nxt), vecs(q_ref, nxt)  # loaded first: in flight during this step's products
+        XK = jnp.where(col == t, _chunk_dot(S0, ks)[:, None], XK)
+        XQ = jnp.where(col == t, _chunk_dot(S0, qs)[:, None], XQ)
+        return XK, XQ, nxt
+
+    XK, XQ, _ = jax.lax.fori_loop(0, D, products, (zero, zero, (vecs(k_ref, 0), vecs(q_ref, 0))))
+
+    def recurrence(t, bits):  # step t's u and o
+        U = jax.lax.bitcast_convert_type(bits, F32)  # columns >= t are 0; so are W[t, s >= t], C[t, s > t]
+        P = P_ref[n, hv, t]
+        u = beta_ref[n, hv, t] * (v_ref[n, t, hv, vs].astype(F32) - P * pick(XK, t))
+        u = u - jnp.sum(W_ref[n, hv, t, :][None, :] * U, axis=1)
+        U = jnp.where(col == t, u[:, None], U)
+        o = P * pick(XQ, t) + jnp.sum(C_ref[n, hv, t, :][None, :] * U, axis=1)
+        o_ref[n, t, hv, vs] = o.astype(o_ref.dtype)
+        if not snapshots:
+            _store_row(tape_ref, row, into, (row, t, hv, vs), u)
+        return jnp.where(col == t, jax.lax.bitcast_convert_type(u, jnp.int32)[:, None], bits)
+
+    bits = jax.lax.fori_loop(0, D, recurrence, jnp.zeros((BV, Dp), jnp.int32))
+    if snapshots:
+        jax.lax.fori_loop(0, D, lambda t, S: state(t, S, jax.lax.bitcast_convert_type(pick(bits, t), F32)), S0)
 
 
 def _gram_prep(q, k, a, b, A_log, dt_bias, *, scale, Dp: int, interpret: bool):
+    """``(qn, kn, g, W, C, P, beta)`` for the Gram form, in one launch (grid ``(N, H)``)."""
     N, D, H, K = q.shape
     HV = a.shape[-1]
     kernel = functools.partial(_gram_prep_kernel, D=D, Dp=Dp, r=HV // H, scale=scale)
     return pl.pallas_call(
         kernel,
         out_shape=[jax.ShapeDtypeStruct((N, D, H, K), F32)] * 2 + [jax.ShapeDtypeStruct((N, D, HV), F32)]
-        + [jax.ShapeDtypeStruct((N, HV, Dp, Dp), F32)] * 2 + [jax.ShapeDtypeStruct((N, HV, Dp), F32)],
-        grid=(N, HV),
+        + [jax.ShapeDtypeStruct((N, HV, Dp, Dp), F32)] * 2 + [jax.ShapeDtypeStruct((N, HV, Dp), F32)] * 2,
+        grid=(N, H),
         compiler_params=plgpu.CompilerParams(num_warps=gram_prep_warps(Dp), num_stages=1),
         interpret=interpret,
         name="gdn_verify_gram_prep",
     )(q, k, a, b, A_log, dt_bias)
+
+
+def gram_prep_warps(Dp: int) -> int:
+    return 4 if Dp >= 16 else 2  # two [Dp, K] tiles per program: at Dp = 16, 2 warps spill (scripts/sass_stats.py)
 
 
 def _store_row(ref, row, into: bool, idx, value, mask=None, evict=None):
@@ -415,9 +420,9 @@ def verify(
     into = tape is not None
     gram = cfg.algorithm == "gram"
     if gram:
-        Dp = gram_steps(D)
-        qn, kn, g, Mu, Co, P = _gram_prep(q, k, a, b, A_log, dt_bias, scale=scale, Dp=Dp, interpret=interpret)
-        inputs = [state0, qn, kn, v, g, Mu, Co, P]
+        qn, kn, g, W, C, P, beta = _gram_prep(q, k, a, b, A_log, dt_bias, scale=scale, Dp=gram_steps(D),
+                                              interpret=interpret)  # fmt: skip
+        inputs = [state0, qn, kn, v, g, W, C, P, beta]
     else:
         qn, kn, g, beta = _prep(q, k, a, b, A_log, dt_bias, scale=scale, interpret=interpret)
         inputs = [state0, qn, kn, v, g, beta]
@@ -433,8 +438,8 @@ def verify(
     else:
         out_shape.append(jax.ShapeDtypeStruct((N, D, HV, V), F32))
     if gram:
-        kernel = functools.partial(_gram_kernel, D=D, Dp=Dp, r=HV // H, BV=cfg.block_v, snapshots=snapshots, form=form,
-                                   into=into, interpret=interpret, k_chunk=cfg.k_chunk)  # fmt: skip
+        kernel = functools.partial(_gram_kernel, D=D, r=HV // H, BV=cfg.block_v, snapshots=snapshots, form=form,
+                                   into=into, k_chunk=cfg.k_chunk, evict=cfg.evict, interpret=interpret)  # fmt: skip
     else:
         kernel = functools.partial(
             _kernel, D=D, r=HV // H, BV=cfg.block_v, snapshots=snapshots, form=form, into=into,
