@@ -67,8 +67,8 @@ del big
 if "verify" in parts:
     pal = backends.resolve("pallas", "verify")
     # TUNE_VERIFY: ALGORITHM:BLOCK_V:NUM_WARPS:K_CHUNK[:TAG...],... with the tags of scripts/variants.py (default:
-    # the chain launches of the fourth session and the Gram form's best of the third; benchmarks/NOTES.md).
-    spec = os.environ.get("TUNE_VERIFY", "chain:8:1:16,chain:16:1:16,chain:8:1:128:un16,gram:32:2:32")
+    # the chain's and the Gram form's best launches of the fifth session; benchmarks/NOTES.md).
+    spec = os.environ.get("TUNE_VERIFY", "chain:8:1:16,chain:16:1:16,gram:8:1:16,gram:16:1:16")
     configs = [verify_config(more, algorithm=a, block_v=int(bv), num_warps=int(w), k_chunk=int(kc))
                for a, bv, w, kc, *more in (x.split(":") for x in spec.split(","))]
     shapes = os.environ.get("TUNE_SHAPES", "25x4,8x16,8x4,8x8").split(",")
