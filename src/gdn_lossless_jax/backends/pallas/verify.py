@@ -150,13 +150,23 @@ def _chunk_dot(xs, ys):
     return jnp.sum(acc, axis=1)
 
 
+def _load_state(state_ref, n, hv, vs, cols, evict):
+    """The program's state tile, as fp32 ``[BV, C]`` chunks (read once: ``evict``)."""
+    return [plgpu.load(state_ref.at[n, hv, vs, c], eviction_policy=evict).astype(F32) for c in cols]
+
+
+def _store_state(tape_ref, row, into: bool, t, hv, vs, cols, S, evict):
+    """Step ``t``'s state (its chunks ``S``) into the snapshot tape."""
+    for c, tile in zip(cols, S):
+        _store_row(tape_ref, row, into, (row, t, hv, vs, c), tile.astype(tape_ref.dtype), evict=evict)
+
+
 def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bool, row_vectors: bool, one_pass: bool,
             k_chunk: int, loop: bool, evict: str | None, prefetch_q: bool):  # fmt: skip
     # inputs: state, qn, kn, v, g, beta[, rows, tape buffer (aliased)]; outputs: o, tape
     (state_ref, q_ref, k_ref, v_ref, g_ref, beta_ref), o_ref, tape_ref, (n, hv, h, row, vs) = _program(refs, 6, into, r, BV)
     mul, fma = rounding_ops(form)
     cols = _chunks(k_ref.shape[-1], k_chunk)
-    dot = _chunk_dot
 
     def vec(ref, t, ks):  # q or k of step t, shaped to broadcast over the tile's rows
         return ref[n, t, pl.ds(h, 1), ks] if row_vectors else ref[n, t, h, ks][None, :]
@@ -166,7 +176,7 @@ def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bo
     def inputs(t):  # everything step t reads besides the state
         qs = None if late_q else [vec(q_ref, t, c) for c in cols]
         ks = [vec(k_ref, t, c) for c in cols]
-        kq = dot(ks, qs) if one_pass else None  # [1]
+        kq = _chunk_dot(ks, qs) if one_pass else None  # [1]
         return qs, ks, v_ref[n, t, hv, vs].astype(F32), jnp.exp(g_ref[n, t, hv]), beta_ref[n, t, hv], kq
 
     def step(t, S, x):
@@ -175,19 +185,18 @@ def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bo
             qs = [vec(q_ref, t, c) for c in cols]
         Sd = [mul(c, alpha) for c in S]
         if one_pass:
-            sq = dot(Sd, qs)
-        u = beta * (v - dot(Sd, ks))
+            sq = _chunk_dot(Sd, qs)
+        u = beta * (v - _chunk_dot(Sd, ks))
         S = [fma(kc, u[:, None], c) for kc, c in zip(ks, Sd)]
-        o = sq + u * kq if one_pass else dot(S, qs)
+        o = sq + u * kq if one_pass else _chunk_dot(S, qs)
         o_ref[n, t, hv, vs] = o.astype(o_ref.dtype)
         if snapshots:
-            for c, tile in zip(cols, S):
-                _store_row(tape_ref, row, into, (row, t, hv, vs, c), tile.astype(tape_ref.dtype), evict=evict)
+            _store_state(tape_ref, row, into, t, hv, vs, cols, S, evict)
         else:
             _store_row(tape_ref, row, into, (row, t, hv, vs), u)
         return S
 
-    S = [plgpu.load(state_ref.at[n, hv, vs, c], eviction_policy=evict).astype(F32) for c in cols]  # [BV, C] each
+    S = _load_state(state_ref, n, hv, vs, cols, evict)
     if not loop:  # unrolled, every step's inputs loaded first
         xs = [inputs(t) for t in range(D)]
         for t in range(D):
@@ -310,15 +319,14 @@ def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, int
     def vecs(ref, t):  # q or k of step t, as [1, C] rows of the chunks
         return [ref[n, t, pl.ds(h, 1), c] for c in cols]
 
-    S0 = [plgpu.load(state_ref.at[n, hv, vs, c], eviction_policy=evict).astype(F32) for c in cols]  # [BV, C] each
+    S0 = _load_state(state_ref, n, hv, vs, cols, evict)
 
     def state(t, S, u):  # step t's state, from the same u, with the pinned rule, and its store
         alpha = jnp.exp(g_ref[n, t, hv])
         S = [fma(kc, u[:, None], mul(c, alpha)) for kc, c in zip(vecs(k_ref, t), S)]
         if interpret:  # XLA:CPU would fuse the whole elementwise chain of integer fmas (compiles for minutes)
             S = jax.lax.optimization_barrier(S)
-        for c, tile in zip(cols, S):
-            _store_row(tape_ref, row, into, (row, t, hv, vs, c), tile.astype(tape_ref.dtype), evict=evict)
+        _store_state(tape_ref, row, into, t, hv, vs, cols, S, evict)
         return S
 
     # Loops (Triton unrolls short ones itself). The steps' products (step t + 1's q and k loaded during step t) go into columns
@@ -378,13 +386,13 @@ def gram_prep_warps(Dp: int) -> int:
     return 4 if Dp >= 16 else 2  # two [Dp, K] tiles per program: at Dp = 16, 2 warps spill (scripts/sass_stats.py)
 
 
-def _store_row(ref, row, into: bool, idx, value, mask=None, evict=None):
+def _store_row(ref, row, into: bool, idx, value, evict=None):
     def store():
-        if mask is None and evict is None:
+        if evict is None:
             ref[idx] = value
         else:  # (interpret mode's store takes no Python ints in ``.at`` indices)
             at = tuple(jnp.int32(i) if isinstance(i, int) else i for i in idx)
-            plgpu.store(ref.at[at], value, mask=mask, eviction_policy=evict)
+            plgpu.store(ref.at[at], value, eviction_policy=evict)
 
     if not into:  # rows are the requests themselves
         store()
