@@ -2,7 +2,7 @@
 # One device call: GPU tests, then (optionally) tuning and benchmarks. Logs go to $OUT.
 # Usage on the device machine: bash scripts/gpu_session.sh [tests] [tune] [bench] [profile] [stalls]
 # Env: TEST_FILES, WORKERS, PYTEST_ARGS, PYTEST_K (a -k expression), TEST_TIMEOUT; TUNE_ARGS (verify/commit), TUNE_SHAPES,
-# TUNE_VERIFY (scripts/gpu_tune.py), TUNE_TIMEOUT; BENCH_ARGS, BENCH_TIMEOUT; PROFILE_TIMEOUT, NCU_SKIP, NCU_COUNT, STALL_VARIANTS
+# TUNE_VERIFY and TUNE_COMMIT (scripts/gpu_tune.py), TUNE_TIMEOUT; BENCH_ARGS, BENCH_TIMEOUT; PROFILE_TIMEOUT, NCU_SKIP, NCU_COUNT, STALL_VARIANTS
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"

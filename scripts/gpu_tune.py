@@ -9,7 +9,6 @@ benchmark (``python -m benchmarks.run``) gives the results.
 Usage: python3 scripts/gpu_tune.py [verify] [commit]   (default: both)
 """
 
-import itertools
 import json
 import os
 import sys
@@ -81,7 +80,7 @@ if "verify" in parts:
             for rec in gl.RECORD_MODES:
                 f = jax.jit(lambda x, cfg=cfg, rec=rec: pal.verify(**x, record=rec, scale=128**-0.5, out_dtype=jnp.bfloat16, config=cfg))
                 name = (f"verify {N}x{D} {rec[:5]} {cfg.algorithm} bv{cfg.block_v} w{cfg.num_warps}"
-                        + f" kc{cfg.k_chunk} un{cfg.unroll}" + (" 1pass" if cfg.one_pass else "") + (" ef" if cfg.evict else "") + ("" if cfg.prefetch_q else " lq"))
+                        + f" kc{cfg.k_chunk} un{cfg.unroll}" + (" 1pass" if cfg.one_pass else "") + (" ef" if cfg.evict else "") + ("" if cfg.prefetch_q else " lq") + (" mma" if cfg.products == "mma" else ""))
                 try:
                     jax.block_until_ready(f(xs[0]))
                     dev = device_time(multi(f, [(x,) for x in xs]), 2, CALLS)
@@ -90,21 +89,33 @@ if "verify" in parts:
                     continue
                 floor = floor_t if rec == "tuples" else floor_s
                 record(name, dev, kind="verify", N=N, D=D, record=rec, block_v=cfg.block_v, num_warps=cfg.num_warps,
-                       one_pass=cfg.one_pass, algorithm=cfg.algorithm, k_chunk=cfg.k_chunk, unroll=cfg.unroll, floor_us=floor, x_floor=dev["us_per_call"] / floor)
+                       one_pass=cfg.one_pass, algorithm=cfg.algorithm, products=cfg.products, k_chunk=cfg.k_chunk, unroll=cfg.unroll, floor_us=floor, x_floor=dev["us_per_call"] / floor)
         del xs
     json.dump(rows, open(os.path.join(out_dir, "tune.json"), "w"), indent=1)
 
 if "commit" in parts:
-    pal = backends.resolve("pallas", "commit")
+    # TUNE_COMMIT: BACKEND:BLOCK_V:NUM_WARPS[:ef],... (ef: the replay's pool states loaded and stored evict_first;
+    # without it, Triton's default eviction, the default of both backends' CommitConfig)
+    cspec = os.environ.get("TUNE_COMMIT", "pallas:32:8,pallas:32:8:ef,pallas:64:8,pallas:16:8,pallas:32:4,pallas:16:4,"
+                                          "triton:32:4,triton:32:4:ef,triton:64:8,triton:16:4,triton:32:8")
     L, N, D = 30, 25, 4
     S = 2 * N + 8
     pool0, tup, snp = commit_tapes(0, Shape(N=N, D=D, H=16, HV=32, K=128, V=128), layers=L, slots_in_pool=S)
     pool = [pool0]
     idx = commit_indices(0, N=N, D=D, slots_in_pool=S, track_fraction=0.25).as_args()
-    ccfgs = [CommitConfig(block_v=bv, num_warps=w) for bv, w in itertools.product([16, 32, 64], [2, 4, 8])]
+    ccfgs = []
+    for b, bv, w, *more in (x.split(":") for x in cspec.split(",")):
+        try:
+            mod = backends.resolve(b, "commit")
+        except Exception as e:  # noqa: BLE001  (triton without jax-triton)
+            log(f"commit {b}: unavailable ({e})")
+            continue
+        Config = CommitConfig if b == "pallas" else mod.CommitConfig
+        evict = "evict_first" if "ef" in more else (None if b == "pallas" else "")
+        ccfgs.append((b, mod, Config(block_v=int(bv), num_warps=int(w), evict=evict)))
     for name, tape in (("replay", tup), ("scatter", snp)):
-        for cfg in ccfgs:
-            f = jax.jit(lambda pool, tape, cfg=cfg: pal.commit(pool, tape, *idx, config=cfg), donate_argnums=0)
+        for b, mod, cfg in ccfgs:
+            f = jax.jit(lambda pool, tape, cfg=cfg, mod=mod: mod.commit(pool, tape, *idx, config=cfg), donate_argnums=0)
 
             def run(f=f, tape=tape):
                 pool[0] = f(pool[0], tape)
@@ -112,8 +123,8 @@ if "commit" in parts:
 
             run()
             dev = device_time(run, 6, 1)
-            record(f"commit {name} 30L 25x4 bv{cfg.block_v} w{cfg.num_warps}", dev, kind="commit", op=name,
-                   block_v=cfg.block_v, num_warps=cfg.num_warps)
+            record(f"commit {b} {name} 30L 25x4 bv{cfg.block_v} w{cfg.num_warps}" + (" ef" if cfg.evict else ""), dev,
+                   kind="commit", backend=b, op=name, block_v=cfg.block_v, num_warps=cfg.num_warps, evict=cfg.evict)
     json.dump(rows, open(os.path.join(out_dir, "tune.json"), "w"), indent=1)
 
 log("done")

@@ -20,7 +20,7 @@ Usage::
         25x4:tuples:16:2 25x4:tuples:8:1 8x16:snapshots:4:1:one_pass
 
 A variant is ``REQUESTSxDRAFTS:RECORD:BLOCK_V:NUM_WARPS[:TAG...]``, with the tags of
-``scripts/variants.py`` (``gram``, ``one_pass``, ``kcN``, ``unN``, ``nsN``, ``noef``, ``lq``) and ``portable``;
+``scripts/variants.py`` (``gram``, ``one_pass``, ``kcN``, ``unN``, ``nsN``, ``noef``, ``lq``, ``mma``) and ``portable``;
 ``k_chunk`` and ``unroll`` default to ``VerifyConfig``'s (the counts in results before the fourth
 session were taken with the whole-K tile, ``kc128``, and all steps unrolled). A loop's body is
 counted once: the bounds of a looped chain (``unroll`` < D) are per loop body, not per launch.
@@ -108,7 +108,7 @@ def lower(variants, work: Path) -> None:
 
             gram = cfg.algorithm == "gram"
             programs = N * (shape.H if gram else D)
-            pw = gram_prep_warps(gram_steps(D)) if gram else 2
+            pw = gram_prep_warps(gram_steps(D, cfg.products)) if gram else 2
             index.append(dict(name=f"{name}_prep", spec=f"{spec}[prep]", num_warps=pw, warps=programs * pw))
     (work / "index.json").write_text(json.dumps(index))
 

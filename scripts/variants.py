@@ -2,7 +2,7 @@
 
 A tag list adds to or overrides fixed fields of :class:`VerifyConfig`: ``gram`` (the Gram
 form), ``one_pass``, ``kcN`` (``k_chunk=N``), ``unN`` (``unroll=N``), ``nsN`` (``num_stages=N``), ``noef``
-(``evict=None``), ``lq`` (``prefetch_q=False``); other tags are ignored (a script's own,
+(``evict=None``), ``lq`` (``prefetch_q=False``), ``mma`` (``products="mma"``); other tags are ignored (a script's own,
 such as ``portable``). Fields not given keep ``VerifyConfig``'s defaults.
 """
 
@@ -19,6 +19,8 @@ def verify_config(tags, **fields):
             fields["evict"] = None
         elif tag == "lq":
             fields["prefetch_q"] = False
+        elif tag == "mma":
+            fields["products"] = "mma"
         elif tag[:2] in ("kc", "un", "ns") and tag[2:].isdigit():
             fields[{"kc": "k_chunk", "un": "unroll", "ns": "num_stages"}[tag[:2]]] = int(tag[2:])
     return VerifyConfig(**fields)

@@ -12,9 +12,9 @@ import pytest
 
 import gdn_lossless_jax as gl
 from conftest import requires_gpu
-from equivalence import naive_replays
+from equivalence import make_case, naive_replays
 from gdn_lossless_jax import backends
-from gdn_lossless_jax.backends.pallas import VerifyConfig
+from gdn_lossless_jax.backends.pallas import CommitConfig, VerifyConfig
 from gdn_lossless_jax.cases import Shape, verify_inputs
 from gdn_lossless_jax.testing import assert_bitwise_differs, assert_bitwise_equal
 
@@ -37,6 +37,7 @@ CONFIGS = {
     "chain-bv8-w1-kc8-late-q": VerifyConfig(k_chunk=8, prefetch_q=False),  # each step loads its own q
     "gram-bv8-w1-kc8": VerifyConfig(block_v=8, num_warps=1, k_chunk=8, algorithm="gram"),  # two chunks of K = 16
     "gram-bv16-w1-kc128": VerifyConfig(block_v=16, num_warps=1, k_chunk=128, algorithm="gram"),
+    "gram-bv16-w1-mma": VerifyConfig(block_v=16, algorithm="gram", products="mma"),  # TF32x3 on a GPU
 }
 # The launches the GPU sweep (scripts/gpu_tune.py) tries, at K = V = 128: on a GPU the launch,
 # not only the algorithm, sets the low bits (on the CPU they would repeat the cases above).
@@ -44,6 +45,8 @@ GPU_CONFIGS = {f"gram-bv{bv}-w{w}-kc{kc}": VerifyConfig(block_v=bv, num_warps=w,
                for bv, w, kc in [(8, 1, 16), (16, 1, 16), (4, 1, 16), (16, 2, 32), (32, 4, 16)]}  # fmt: skip
 GPU_CONFIGS |= {f"chain-bv{bv}-w{w}-kc{kc}-un{un}": VerifyConfig(block_v=bv, num_warps=w, k_chunk=kc, unroll=un)
                 for bv, w, kc, un in [(8, 1, 16, 4), (16, 2, 16, 0), (4, 1, 16, 4), (8, 1, 128, 4)]}  # fmt: skip
+GPU_CONFIGS |= {f"gram-bv{bv}-w{w}-mma": VerifyConfig(block_v=bv, num_warps=w, algorithm="gram", products="mma")
+                for bv, w in [(16, 1), (32, 2), (64, 4)]}  # fmt: skip
 GPU_CONFIGS["chain-no-evict"] = VerifyConfig(evict=None)
 GPU_CONFIGS["chain-late-q"] = VerifyConfig(prefetch_q=False)
 GPU_CONFIGS["chain-bv32-w4"] = VerifyConfig(block_v=32, num_warps=4)
@@ -80,7 +83,9 @@ def _check_config(config, seed, shape):
 
 @pytest.mark.parametrize(("kwargs", "names"), [(dict(algorithm="scan"), "algorithm"), (dict(block_v=12), "block_v"),
                                                (dict(num_warps=3), "num_warps"), (dict(k_chunk=0), "k_chunk"),
-                                               ({"unroll": -1}, "unroll"), ({"evict": "first"}, "evict")])  # fmt: skip
+                                               ({"unroll": -1}, "unroll"), ({"evict": "first"}, "evict"),
+                                               ({"products": "tf32"}, "products"),
+                                               ({"products": "mma"}, "products")])  # fmt: skip
 def test_bad_config_names_the_field(kwargs, names):
     with pytest.raises(ValueError, match=names):
         VerifyConfig(**kwargs)
@@ -106,3 +111,17 @@ def test_head_counts_that_are_not_powers_of_two(seed):
         _check_config(config, seed, shape)
         got = np.asarray(_verify(x, "tuples", config)[0])
         assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max(), config
+
+
+@pytest.mark.parametrize("evict", [None, "evict_first"])
+def test_commit_config_keeps_the_commit_exact(evict, seed):
+    """The replay's eviction hint (and its prefetch of the next step) changes no bit: the tuple
+    commit equals the snapshot commit of the same verify, with every masking rule exercised.
+    Control: the naive replay form of the same commit differs."""
+    case = make_case("pallas", seed, Shape(N=3, D=3, H=2, HV=4, K=16, V=16), state_dtype=jnp.float32, kind="normal")
+    commit = backends.resolve("pallas", "commit").commit
+    args = case.idx.as_args()
+    cfg = CommitConfig(block_v=8, num_warps=1, evict=evict)
+    by_tuples = commit(case.pool, case.tuples, *args, config=cfg)
+    assert_bitwise_equal(commit(case.pool, case.snapshots, *args), by_tuples, "tuple commit vs snapshot commit")
+    assert_bitwise_differs(by_tuples, commit(case.pool, case.tuples, *args, config=cfg, form="naive"), "naive replay")

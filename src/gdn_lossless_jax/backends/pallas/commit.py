@@ -2,7 +2,7 @@
 
 Tuple tape: grid ``(N, L * HV, V // BV)``. A program loads the pre-verify state tile of
 its request's slot once, walks the chain up to ``max(step, track_step)`` with the rule
-``fma(k, u, rn(S * exp(g)))``, and stores the track state when the chain reaches the track
+``fma(k, u, rn(S * exp(g)))`` (step t + 1's k, u and g loaded during step t), and stores the track state when the chain reaches the track
 step and the accepted state when it reaches the accepted step. Both come from the
 pre-verify state held in registers, so writing the accepted state in place cannot corrupt
 the track state (the seed's ordering bug cannot happen by construction).
@@ -35,6 +35,9 @@ class CommitConfig:
     block_v: int = 32
     num_warps: int = 8  # the H200 sweep: 925 us against 971 with 4 warps (benchmarks/NOTES.md)
     num_stages: int = 1
+    # Eviction policy of the replay's pool loads and stores: None (Triton's default). On the H200
+    # "evict_first" made the 30-layer replay slower, 947 against 922 us (benchmarks/NOTES.md).
+    evict: str | None = None
 
     def fit(self, V: int) -> "CommitConfig":
         return dataclasses.replace(self, block_v=min(self.block_v, V))
@@ -50,7 +53,9 @@ def _request(idx_refs, n, S: int, R: int, D: int):
     return slot, step, tslot, tstep, row, accept, track
 
 
-def _tuples_kernel(*refs, HV: int, r: int, BV: int, form: str):
+def _tuples_kernel(*refs, HV: int, r: int, BV: int, form: str, evict: str | None):
+    from jax.experimental.pallas import triton as plgpu
+
     idx_refs = refs[:5]
     u_ref, k_ref, g_ref = refs[5:8]
     pool_out = refs[-1]
@@ -63,28 +68,33 @@ def _tuples_kernel(*refs, HV: int, r: int, BV: int, form: str):
     slot, step, tslot, tstep, row, accept, track = _request(idx_refs, n, S, R, D)
     update = replay_update(form)
 
+    def inputs(t):  # step t's tape: k as a [1, K] row of the tile's layout, u, the decay
+        return k_ref[l, row, t, pl.ds(h, 1), :], u_ref[l, row, t, hv, vs], jnp.exp(g_ref[l, row, t, hv])
+
+    def store(at, S):  # pool states are touched once: evicted first (keeps the tape in L2)
+        plgpu.store(pool_out.at[l, at, hv, vs, :], S.astype(pool_out.dtype), eviction_policy=evict)
+
     @pl.when(accept | track)
     def _():
         last = jnp.maximum(jnp.where(accept, step, -1), jnp.where(track, tstep, -1))
-        S0 = pool_out[l, slot, hv, vs, :].astype(F32)
+        S0 = plgpu.load(pool_out.at[l, slot, hv, vs, :], eviction_policy=evict).astype(F32)
 
-        def body(t, S):
-            k = k_ref[l, row, t, h, :]
-            u = u_ref[l, row, t, hv, vs]
-            alpha = jnp.exp(g_ref[l, row, t, hv])
+        def body(t, carry):
+            S, (k, u, alpha) = carry
+            nxt = inputs(jnp.minimum(t + 1, last))  # in flight during this step
             S = update(S, alpha, k, u)
 
             @pl.when(track & (t == tstep))
             def _():
-                pool_out[l, tslot, hv, vs, :] = S.astype(pool_out.dtype)
+                store(tslot, S)
 
             @pl.when(accept & (t == step))
             def _():
-                pool_out[l, slot, hv, vs, :] = S.astype(pool_out.dtype)
+                store(slot, S)
 
-            return S
+            return S, nxt
 
-        lax.fori_loop(0, last + 1, body, S0)
+        lax.fori_loop(0, last + 1, body, (S0, inputs(0)))
 
 
 def _snapshots_kernel(*refs, HV: int, BV: int):
@@ -127,7 +137,7 @@ def _launch(kernel, pool, tape_leaves, idx, cfg: CommitConfig, interpret: bool, 
 def commit_tuples(pool, u, k, g, slots, steps, track_slots, track_steps, rows, *, config=CommitConfig(), form, interpret):
     HV, V = pool.shape[2], pool.shape[3]
     cfg = config.fit(V)
-    kernel = functools.partial(_tuples_kernel, HV=HV, r=HV // k.shape[3], BV=cfg.block_v, form=form)
+    kernel = functools.partial(_tuples_kernel, HV=HV, r=HV // k.shape[3], BV=cfg.block_v, form=form, evict=cfg.evict)
     idx = (slots, steps, track_slots, track_steps, rows)
     return _launch(kernel, pool, (u, k, g), idx, cfg, interpret, "gdn_commit_replay")
 

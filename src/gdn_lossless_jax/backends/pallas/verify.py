@@ -51,6 +51,8 @@ __all__ = ["VerifyConfig", "verify", "ALGORITHMS"]
 
 F32 = jnp.float32
 ALGORITHMS = ("chain", "gram")
+PRODUCTS = ("fma", "mma")
+MMA_MIN = 16  # Triton's smallest tl.dot tile side
 HIGHEST = jax.lax.Precision.HIGHEST  # fp32 products in fp32 (the default would be TF32 on a GPU)
 
 
@@ -81,6 +83,12 @@ class VerifyConfig:
     ``prefetch_q``: in the loop, load step t + 1's q with its k during step t; False loads
     each step's q in that step (its registers are not held across steps: 114 instead of 126
     for tuples, 94 instead of 128 for snapshots, ``scripts/sass_stats.py``).
+    ``products``: how the Gram form computes ``S0 k_t`` and ``S0 q_t``: ``"fma"`` as the
+    chain's chunked dots, step by step; ``"mma"`` as two matrix products on the tensor cores,
+    ``[BV, K] x [K, Dp]`` for all steps at once, with Triton's TF32x3 (three TF32 products of
+    split operands, fp32 accumulation: about fp32's accuracy; ``block_v`` >= 16 and at least
+    16 steps, padded). The tape stays exact either way (the states are built from the ``u``
+    the products give); only ``u`` and ``o``'s low bits change.
     ``algorithm``: ``"chain"`` or ``"gram"`` (module docstring); ``row_vectors``,
     ``one_pass``, ``unroll`` and ``prefetch_q`` only apply to the chain (the Gram form always
     runs loops: unrolled, its steps took Triton 2-3 min to compile at D = 16).
@@ -96,10 +104,15 @@ class VerifyConfig:
     unroll: int = 0
     evict: str | None = "evict_first"
     prefetch_q: bool = True
+    products: str = "fma"
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"VerifyConfig: algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
+        if self.products not in PRODUCTS:
+            raise ValueError(f"VerifyConfig: products must be one of {PRODUCTS}, got {self.products!r}")
+        if self.products == "mma" and self.algorithm != "gram":
+            raise ValueError(f"VerifyConfig: products='mma' needs algorithm='gram', got {self.algorithm!r}")
         if self.evict not in (None, "evict_first", "evict_last"):
             raise ValueError(f"VerifyConfig: evict must be None, 'evict_first' or 'evict_last', got {self.evict!r}")
         if self.unroll < 0:
@@ -130,9 +143,10 @@ def _unit_rows(x):
     return x / jnp.sqrt(jnp.sum(x * x, axis=1)[:, None] + L2NORM_EPS)
 
 
-def gram_steps(D: int) -> int:
-    """The Gram form's step axis: D padded to a power of 2 (Triton tiles), at least 2."""
-    return max(2, pl.next_power_of_2(D))
+def gram_steps(D: int, products: str = "fma") -> int:
+    """The Gram form's step axis: D padded to a power of 2 (Triton tiles), at least 2 (at
+    least 16 for ``products="mma"``: a side of a ``tl.dot`` tile)."""
+    return max(MMA_MIN if products == "mma" else 2, pl.next_power_of_2(D))
 
 
 def _chunks(K: int, k_chunk: int):
@@ -299,7 +313,7 @@ def _gram_prep_kernel(q_ref, k_ref, a_ref, b_ref, A_log_ref, dt_bias_ref, qn_ref
 
 
 def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bool, k_chunk: int,
-                 evict: str | None, interpret: bool):  # fmt: skip
+                 evict: str | None, interpret: bool, mma: bool):  # fmt: skip
     """The Gram form (module docstring) for one (request, v-head, V tile).
 
     Products of the untouched state against every step's key and query, ``xk_t = S0 k_t`` and
@@ -308,7 +322,9 @@ def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, int
     ``u_t = beta_t (v_t - P_t xk_t) - sum_{s<t} W[t, s] u_s`` and
     ``o_t = P_t xq_t + sum_{s<=t} C[t, s] u_s``, with the coefficients from
     :func:`_gram_prep_kernel`. The snapshot mode then builds the states from the same ``u``
-    with the pinned rule, step by step.
+    with the pinned rule, step by step. With ``mma`` the products are two ``tl.dot`` of the
+    whole ``[BV, K]`` tile against the ``[Dp, K]`` keys and queries (TF32x3; fp32 products
+    in interpret mode, where XLA:CPU has no TF32).
     """
     # inputs: state, qn, kn, v, g, W, C, P, beta[, rows, tape buffer (aliased)]; outputs: o, tape
     (state_ref, q_ref, k_ref, v_ref, g_ref, W_ref, C_ref, P_ref, beta_ref), o_ref, tape_ref, (n, hv, h, row, vs) = (
@@ -319,7 +335,7 @@ def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, int
     def vecs(ref, t):  # q or k of step t, as [1, C] rows of the chunks
         return [ref[n, t, pl.ds(h, 1), c] for c in cols]
 
-    S0 = _load_state(state_ref, n, hv, vs, cols, evict)
+    S0 = _load_state(state_ref, n, hv, vs, cols, evict) if snapshots or not mma else None
 
     def state(t, S, u):  # step t's state, from the same u, with the pinned rule, and its store
         alpha = jnp.exp(g_ref[n, t, hv])
@@ -332,7 +348,7 @@ def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, int
     # Loops (Triton unrolls short ones itself). The steps' products (step t + 1's q and k loaded during step t) go into columns
     # of [BV, Dp] tiles; the recurrence reads them back (a sum of one value and zeros) and
     # keeps its u in such a tile as bit patterns (read back by an integer sum: exact, -0.0 included).
-    Dp = gram_steps(D)
+    Dp = gram_steps(D, "mma" if mma else "fma")
     col = jax.lax.broadcasted_iota(jnp.int32, (BV, Dp), 1)
     zero = jnp.zeros((BV, Dp), F32)
 
@@ -347,7 +363,18 @@ def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, int
         XQ = jnp.where(col == t, _chunk_dot(S0, qs)[:, None], XQ)
         return XK, XQ, nxt
 
-    XK, XQ, _ = jax.lax.fori_loop(0, D, products, (zero, zero, (vecs(k_ref, 0), vecs(q_ref, 0))))
+    if mma:  # all steps at once: [BV, K] x [K, Dp] on the tensor cores (rows >= D are zeros)
+        K = k_ref.shape[-1]
+        live = jax.lax.broadcasted_iota(jnp.int32, (Dp, K), 0) < D
+        tile = plgpu.load(state_ref.at[n, hv, vs, :], eviction_policy=evict).astype(F32)
+        prec = HIGHEST if interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+        XK, XQ = (
+            jax.lax.dot_general(tile, plgpu.load(ref.at[n, pl.ds(0, Dp), h, :], mask=live, other=0.0),
+                                (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=F32)
+            for ref in (k_ref, q_ref)
+        )  # fmt: skip
+    else:
+        XK, XQ, _ = jax.lax.fori_loop(0, D, products, (zero, zero, (vecs(k_ref, 0), vecs(q_ref, 0))))
 
     def recurrence(t, bits):  # step t's u and o
         U = jax.lax.bitcast_convert_type(bits, F32)  # columns >= t are 0; so are W[t, s >= t], C[t, s > t]
@@ -428,8 +455,10 @@ def verify(
     into = tape is not None
     gram = cfg.algorithm == "gram"
     if gram:
-        qn, kn, g, W, C, P, beta = _gram_prep(q, k, a, b, A_log, dt_bias, scale=scale, Dp=gram_steps(D),
-                                              interpret=interpret)  # fmt: skip
+        if cfg.products == "mma" and cfg.block_v < MMA_MIN:
+            raise ValueError(f"pallas verify: products='mma' needs block_v >= {MMA_MIN} (V={V}), got {cfg.block_v}")
+        qn, kn, g, W, C, P, beta = _gram_prep(q, k, a, b, A_log, dt_bias, scale=scale,
+                                              Dp=gram_steps(D, cfg.products), interpret=interpret)  # fmt: skip
         inputs = [state0, qn, kn, v, g, W, C, P, beta]
     else:
         qn, kn, g, beta = _prep(q, k, a, b, A_log, dt_bias, scale=scale, interpret=interpret)
@@ -447,7 +476,8 @@ def verify(
         out_shape.append(jax.ShapeDtypeStruct((N, D, HV, V), F32))
     if gram:
         kernel = functools.partial(_gram_kernel, D=D, r=HV // H, BV=cfg.block_v, snapshots=snapshots, form=form,
-                                   into=into, k_chunk=cfg.k_chunk, evict=cfg.evict, interpret=interpret)  # fmt: skip
+                                   into=into, k_chunk=cfg.k_chunk, evict=cfg.evict, interpret=interpret,
+                                   mma=cfg.products == "mma")  # fmt: skip
     else:
         kernel = functools.partial(
             _kernel, D=D, r=HV // H, BV=cfg.block_v, snapshots=snapshots, form=form, into=into,

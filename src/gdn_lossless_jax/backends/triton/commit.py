@@ -72,6 +72,9 @@ class CommitConfig:
       block_v, num_warps, num_stages: the tuple (replay) kernel's V tile and launch.
       block: elements per program of the snapshot gather-scatter.
       copy_warps: num_warps of the gather-scatter.
+      evict: Triton's eviction policy for the replay's pool loads and stores (``""``,
+        Triton's default; on the H200 ``"evict_first"`` was not faster: 898 against 892 us
+        for 30 layers at 25 x 4, benchmarks/NOTES.md).
     """
 
     block_v: int = 32
@@ -79,6 +82,7 @@ class CommitConfig:
     num_stages: int = 2
     block: int = 2048
     copy_warps: int = 4
+    evict: str = ""
 
 
 @jit
@@ -124,6 +128,7 @@ def commit_tuples_kernel(
     NV: tl.constexpr,
     INTERPRET: tl.constexpr,
     FORM: tl.constexpr = 0,  # _FORM_CODE: 0 the rule; 1 and 2 controls
+    EVICT: tl.constexpr = "",  # the pool loads' and stores' eviction policy
 ):
     pid = tl.program_id(0)
     i_v = pid % NV
@@ -147,7 +152,7 @@ def commit_tuples_kernel(
     dst_track = out_ptr + ((layer * S + track_slot) * HV + hv) * V * K + tile
     tape_row = layer * R + row  # int64
 
-    state = _to_f32(tl.load(src, mask=m_vk, other=0.0), INTERPRET)  # [BV, BK], read before any write
+    state = _to_f32(tl.load(src, mask=m_vk, other=0.0, eviction_policy=EVICT), INTERPRET)  # read before any write
     for t in range(last + 1):
         g = tl.load(g_ptr + (tape_row * D + t) * HV + hv)
         k = tl.load(k_ptr + ((tape_row * D + t) * H + h) * K + offs_k, mask=m_k, other=0.0)
@@ -162,8 +167,8 @@ def commit_tuples_kernel(
             ku = tl.broadcast_to(k[None, :], (BV, BK)) * tl.broadcast_to(u[:, None], (BV, BK))
             state = _fma(state, tl.broadcast_to(alpha, (BV, BK)), ku, INTERPRET)
         value = _from_f32(state, out_ptr.dtype.element_ty, INTERPRET)
-        tl.store(dst_track, value, mask=m_vk & (track & (t == track_step)))
-        tl.store(dst_accept, value, mask=m_vk & (accept & (t == step)))
+        tl.store(dst_track, value, mask=m_vk & (track & (t == track_step)), eviction_policy=EVICT)
+        tl.store(dst_accept, value, mask=m_vk & (accept & (t == step)), eviction_policy=EVICT)
 
 
 @jit
@@ -272,6 +277,7 @@ def _commit_tuples(pool, u, k, g, slots, steps, track_slots, track_steps, rows, 
         **sizes,
         INTERPRET=False,
         FORM=_FORM_CODE[form],
+        EVICT=config.evict,
     )  # fmt: skip
 
 
