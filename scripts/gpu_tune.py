@@ -94,10 +94,10 @@ if "verify" in parts:
     json.dump(rows, open(os.path.join(out_dir, "tune.json"), "w"), indent=1)
 
 if "commit" in parts:
-    # TUNE_COMMIT: BACKEND:BLOCK_V:NUM_WARPS[:ef],... (ef: the replay's pool states loaded and stored evict_first;
-    # without it, Triton's default eviction, the default of both backends' CommitConfig)
-    cspec = os.environ.get("TUNE_COMMIT", "pallas:32:8,pallas:32:8:ef,pallas:64:8,pallas:16:8,pallas:32:4,pallas:16:4,"
-                                          "triton:32:4,triton:32:4:ef,triton:64:8,triton:16:4,triton:32:8")
+    # TUNE_COMMIT: BACKEND:BLOCK_V:NUM_WARPS[:ef][:nsN],... (ef: the replay's pool states loaded and stored
+    # evict_first; without it, Triton's default eviction, the default of both backends' CommitConfig; nsN: num_stages)
+    cspec = os.environ.get("TUNE_COMMIT", "pallas:32:8,pallas:32:8:ef,pallas:16:8,pallas:8:1,"
+                                          "triton:32:2,triton:32:2:ef,triton:32:4,triton:64:2")
     L, N, D = 30, 25, 4
     S = 2 * N + 8
     pool0, tup, snp = commit_tapes(0, Shape(N=N, D=D, H=16, HV=32, K=128, V=128), layers=L, slots_in_pool=S)
@@ -112,7 +112,8 @@ if "commit" in parts:
             continue
         Config = CommitConfig if b == "pallas" else mod.CommitConfig
         evict = "evict_first" if "ef" in more else (None if b == "pallas" else "")
-        ccfgs.append((b, mod, Config(block_v=int(bv), num_warps=int(w), evict=evict)))
+        stages = {"num_stages": int(x[2:]) for x in more if x[:2] == "ns" and x[2:].isdigit()}
+        ccfgs.append((b, mod, Config(block_v=int(bv), num_warps=int(w), evict=evict, **stages)))
     for name, tape in (("replay", tup), ("scatter", snp)):
         for b, mod, cfg in ccfgs:
             f = jax.jit(lambda pool, tape, cfg=cfg, mod=mod: mod.commit(pool, tape, *idx, config=cfg), donate_argnums=0)
@@ -123,8 +124,9 @@ if "commit" in parts:
 
             run()
             dev = device_time(run, 6, 1)
-            record(f"commit {b} {name} 30L 25x4 bv{cfg.block_v} w{cfg.num_warps}" + (" ef" if cfg.evict else ""), dev,
-                   kind="commit", backend=b, op=name, block_v=cfg.block_v, num_warps=cfg.num_warps, evict=cfg.evict)
+            record(f"commit {b} {name} 30L 25x4 bv{cfg.block_v} w{cfg.num_warps} ns{cfg.num_stages}"
+                   + (" ef" if cfg.evict else ""), dev, kind="commit", backend=b, op=name, block_v=cfg.block_v,
+                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, evict=cfg.evict)
     json.dump(rows, open(os.path.join(out_dir, "tune.json"), "w"), indent=1)
 
 log("done")
