@@ -108,7 +108,7 @@ def lower(variants, work: Path) -> None:
 
             gram = cfg.algorithm == "gram"
             programs = N * (shape.H if gram else D)
-            pw = gram_prep_warps(gram_steps(D, cfg.products)) if gram else 2
+            pw = gram_prep_warps(gram_steps(D)) if gram else 2
             index.append(dict(name=f"{name}_prep", spec=f"{spec}[prep]", num_warps=pw, warps=programs * pw))
     (work / "index.json").write_text(json.dumps(index))
 

@@ -45,8 +45,9 @@ GPU_CONFIGS = {f"gram-bv{bv}-w{w}-kc{kc}": VerifyConfig(block_v=bv, num_warps=w,
                for bv, w, kc in [(8, 1, 16), (16, 1, 16), (4, 1, 16), (16, 2, 32), (32, 4, 16)]}  # fmt: skip
 GPU_CONFIGS |= {f"chain-bv{bv}-w{w}-kc{kc}-un{un}": VerifyConfig(block_v=bv, num_warps=w, k_chunk=kc, unroll=un)
                 for bv, w, kc, un in [(8, 1, 16, 4), (16, 2, 16, 0), (4, 1, 16, 4), (8, 1, 128, 4)]}  # fmt: skip
-GPU_CONFIGS |= {f"gram-bv{bv}-w{w}-mma": VerifyConfig(block_v=bv, num_warps=w, algorithm="gram", products="mma")
-                for bv, w in [(16, 1), (32, 2), (64, 4)]}  # fmt: skip
+GPU_CONFIGS |= {f"gram-bv{bv}-w{w}-kc{kc}-mma": VerifyConfig(block_v=bv, num_warps=w, k_chunk=kc, algorithm="gram",
+                                                                products="mma")
+                for bv, w, kc in [(16, 1, 32), (16, 1, 16), (32, 2, 32), (64, 4, 128)]}  # fmt: skip
 GPU_CONFIGS["chain-no-evict"] = VerifyConfig(evict=None)
 GPU_CONFIGS["chain-late-q"] = VerifyConfig(prefetch_q=False)
 GPU_CONFIGS["chain-bv32-w4"] = VerifyConfig(block_v=32, num_warps=4)

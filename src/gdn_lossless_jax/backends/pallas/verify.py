@@ -335,7 +335,9 @@ def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, int
     def vecs(ref, t):  # q or k of step t, as [1, C] rows of the chunks
         return [ref[n, t, pl.ds(h, 1), c] for c in cols]
 
-    S0 = _load_state(state_ref, n, hv, vs, cols, evict) if snapshots or not mma else None
+    # With mma the products read the state chunk by chunk; the snapshot mode reads it again for
+    # its states after the recurrence (an L2 hit, not held in registers across the products).
+    S0 = None if mma else _load_state(state_ref, n, hv, vs, cols, evict)
 
     def state(t, S, u):  # step t's state, from the same u, with the pinned rule, and its store
         alpha = jnp.exp(g_ref[n, t, hv])
@@ -348,12 +350,13 @@ def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, int
     # Loops (Triton unrolls short ones itself). The steps' products (step t + 1's q and k loaded during step t) go into columns
     # of [BV, Dp] tiles; the recurrence reads them back (a sum of one value and zeros) and
     # keeps its u in such a tile as bit patterns (read back by an integer sum: exact, -0.0 included).
-    Dp = gram_steps(D, "mma" if mma else "fma")
+    Dp = gram_steps(D)
     col = jax.lax.broadcasted_iota(jnp.int32, (BV, Dp), 1)
     zero = jnp.zeros((BV, Dp), F32)
 
-    def pick(X, t):
-        return jnp.sum(jnp.where(col == t, X, 0), axis=1)
+    def pick(X, t):  # column t of a [BV, Dp] tile (or of the products' [BV, Dm] with mma)
+        c = col if X.shape[1] == Dp else jax.lax.broadcasted_iota(jnp.int32, X.shape, 1)
+        return jnp.sum(jnp.where(c == t, X, 0), axis=1)
 
     def products(t, carry):
         XK, XQ, (ks, qs) = carry
@@ -363,16 +366,19 @@ def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, int
         XQ = jnp.where(col == t, _chunk_dot(S0, qs)[:, None], XQ)
         return XK, XQ, nxt
 
-    if mma:  # all steps at once: [BV, K] x [K, Dp] on the tensor cores (rows >= D are zeros)
-        K = k_ref.shape[-1]
-        live = jax.lax.broadcasted_iota(jnp.int32, (Dp, K), 0) < D
-        tile = plgpu.load(state_ref.at[n, hv, vs, :], eviction_policy=evict).astype(F32)
+    if mma:  # all steps at once, [BV, C] x [C, Dm] per chunk of K on the tensor cores (rows >= D are zeros)
+        Dm = gram_steps(D, "mma")
         prec = HIGHEST if interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
-        XK, XQ = (
-            jax.lax.dot_general(tile, plgpu.load(ref.at[n, pl.ds(0, Dp), h, :], mask=live, other=0.0),
-                                (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=F32)
-            for ref in (k_ref, q_ref)
-        )  # fmt: skip
+        XK = XQ = None
+        for c in _chunks(k_ref.shape[-1], max(MMA_MIN, k_chunk)):
+            live = jax.lax.broadcasted_iota(jnp.int32, (Dm, c.size), 0) < D
+            tile = plgpu.load(state_ref.at[n, hv, vs, c], eviction_policy=None if snapshots else evict).astype(F32)
+            xk, xq = (
+                jax.lax.dot_general(tile, plgpu.load(ref.at[n, pl.ds(0, Dm), h, c], mask=live, other=0.0),
+                                    (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=F32)
+                for ref in (k_ref, q_ref)
+            )  # fmt: skip
+            XK, XQ = (xk, xq) if XK is None else (XK + xk, XQ + xq)
     else:
         XK, XQ, _ = jax.lax.fori_loop(0, D, products, (zero, zero, (vecs(k_ref, 0), vecs(q_ref, 0))))
 
@@ -390,6 +396,7 @@ def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, int
 
     bits = jax.lax.fori_loop(0, D, recurrence, jnp.zeros((BV, Dp), jnp.int32))
     if snapshots:
+        S0 = _load_state(state_ref, n, hv, vs, cols, evict) if mma else S0
         jax.lax.fori_loop(0, D, lambda t, S: state(t, S, jax.lax.bitcast_convert_type(pick(bits, t), F32)), S0)
 
 
@@ -457,8 +464,8 @@ def verify(
     if gram:
         if cfg.products == "mma" and cfg.block_v < MMA_MIN:
             raise ValueError(f"pallas verify: products='mma' needs block_v >= {MMA_MIN} (V={V}), got {cfg.block_v}")
-        qn, kn, g, W, C, P, beta = _gram_prep(q, k, a, b, A_log, dt_bias, scale=scale,
-                                              Dp=gram_steps(D, cfg.products), interpret=interpret)  # fmt: skip
+        qn, kn, g, W, C, P, beta = _gram_prep(q, k, a, b, A_log, dt_bias, scale=scale, Dp=gram_steps(D),
+                                              interpret=interpret)  # fmt: skip
         inputs = [state0, qn, kn, v, g, W, C, P, beta]
     else:
         qn, kn, g, beta = _prep(q, k, a, b, A_log, dt_bias, scale=scale, interpret=interpret)
