@@ -23,7 +23,8 @@ holding the ``[BV, K]`` fp32 state tile in registers. Two algorithms, chosen by
   recurrence is a few scalar multiply-adds, with the ``[D, D]`` coefficients made once per
   (request, q/k head) by its own prologue kernel. ``u`` and ``o`` differ from the chain's in
   their low bits; the tape stays exact because the snapshot mode builds its states from the
-  same ``u`` with the pinned rule, step by step.
+  same ``u`` with the pinned rule, step by step. ``VerifyConfig.products="mma"`` computes
+  those products on the tensor cores.
 
 The default launch is the chain with 8 rows and one warp per program, its state tile held as
 ``[8, 16]`` chunks (``VerifyConfig.k_chunk``) and its steps run as a loop: on the H200 the fastest
@@ -84,11 +85,15 @@ class VerifyConfig:
     each step's q in that step (its registers are not held across steps: 114 instead of 126
     for tuples, 94 instead of 128 for snapshots, ``scripts/sass_stats.py``).
     ``products``: how the Gram form computes ``S0 k_t`` and ``S0 q_t``: ``"fma"`` as the
-    chain's chunked dots, step by step; ``"mma"`` as two matrix products on the tensor cores,
-    ``[BV, K] x [K, Dp]`` for all steps at once, with Triton's TF32x3 (three TF32 products of
-    split operands, fp32 accumulation: about fp32's accuracy; ``block_v`` >= 16 and at least
-    16 steps, padded). The tape stays exact either way (the states are built from the ``u``
-    the products give); only ``u`` and ``o``'s low bits change.
+    chain's chunked dots, step by step; ``"mma"`` as matrix products on the tensor cores,
+    ``[BV, C] x [C, 16+]`` per chunk of K (``C = max(16, k_chunk)``) for all steps at once,
+    with Triton's TF32x3 (three TF32 products of split operands, fp32 accumulation: about
+    fp32's accuracy; ``block_v`` >= 16; the step axis padded to 16). The tape stays exact
+    either way (the states are built from the ``u`` the products give); only ``u`` and
+    ``o``'s low bits change. On the H200 ``algorithm="gram", products="mma", block_v=64,
+    num_warps=4, k_chunk=32`` is the fastest tuple verify at D = 16 (8 x 16: 22.1 + 6.0 us
+    against the chain's 30.6 + 3.3) but its snapshot verify is 40% slower than the chain's,
+    and at D = 4 it is slower in both modes (``benchmarks/NOTES.md``).
     ``algorithm``: ``"chain"`` or ``"gram"`` (module docstring); ``row_vectors``,
     ``one_pass``, ``unroll`` and ``prefetch_q`` only apply to the chain (the Gram form always
     runs loops: unrolled, its steps took Triton 2-3 min to compile at D = 16).
