@@ -71,8 +71,11 @@ def _tuples_kernel(*refs, HV: int, r: int, BV: int, form: str, evict: str | None
     def inputs(t):  # step t's tape: k as a [1, K] row of the tile's layout, u, the decay
         return k_ref[l, row, t, pl.ds(h, 1), :], u_ref[l, row, t, hv, vs], jnp.exp(g_ref[l, row, t, hv])
 
-    def store(at, S):  # pool states are touched once: evicted first (keeps the tape in L2)
-        plgpu.store(pool_out.at[l, at, hv, vs, :], S.astype(pool_out.dtype), eviction_policy=evict)
+    def store(at, S):
+        if evict is None:
+            pool_out[l, at, hv, vs, :] = S.astype(pool_out.dtype)
+        else:
+            plgpu.store(pool_out.at[l, at, hv, vs, :], S.astype(pool_out.dtype), eviction_policy=evict)
 
     @pl.when(accept | track)
     def _():
