@@ -112,8 +112,9 @@ if "commit" in parts:
             continue
         Config = CommitConfig if b == "pallas" else mod.CommitConfig
         evict = "evict_first" if "ef" in more else (None if b == "pallas" else "")
-        stages = {"num_stages": int(x[2:]) for x in more if x[:2] == "ns" and x[2:].isdigit()}
-        ccfgs.append((b, mod, Config(block_v=int(bv), num_warps=int(w), evict=evict, **stages)))
+        stages = [int(x[2:]) for x in more if x[:2] == "ns" and x[2:].isdigit()]
+        extra = {"num_stages": stages[-1]} if stages else {}
+        ccfgs.append((b, mod, Config(block_v=int(bv), num_warps=int(w), evict=evict, **extra)))
     for name, tape in (("replay", tup), ("scatter", snp)):
         for b, mod, cfg in ccfgs:
             f = jax.jit(lambda pool, tape, cfg=cfg, mod=mod: mod.commit(pool, tape, *idx, config=cfg), donate_argnums=0)

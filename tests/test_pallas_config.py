@@ -99,6 +99,16 @@ def test_k_not_a_multiple_of_k_chunk_is_refused(seed):
         _verify(x, "tuples", VerifyConfig(k_chunk=16))
 
 
+@pytest.mark.parametrize(("K", "V", "k_chunk"), [(16, 8, 16), (8, 16, 16), (24, 16, 8)])
+def test_mma_products_refuse_tiles_a_dot_cannot_take(K, V, k_chunk, seed):
+    """products='mma' needs tl.dot tiles of side >= 16 that cover K: V = 8 rows, K = 8, and
+    K = 24 (chunks of 8 for the state, but of 16 for the products: 8 columns would be
+    dropped) are refused, naming the fields."""
+    x = verify_inputs(seed, Shape(N=1, D=2, H=1, HV=1, K=K, V=V), kind="normal")
+    with pytest.raises(ValueError, match="products='mma'.*block_v.*k_chunk"):
+        _verify(x, "tuples", VerifyConfig(algorithm="gram", products="mma", block_v=16, k_chunk=k_chunk))
+
+
 def test_head_counts_that_are_not_powers_of_two(seed):
     """H = 3, HV = 6: the prologue kernels pad the heads to powers of 2 (Triton's tiles must
     be) and mask them. The tape checks, and outputs within fp32 rounding of the reference's

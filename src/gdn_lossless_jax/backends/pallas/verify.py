@@ -327,9 +327,9 @@ def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, int
     ``u_t = beta_t (v_t - P_t xk_t) - sum_{s<t} W[t, s] u_s`` and
     ``o_t = P_t xq_t + sum_{s<=t} C[t, s] u_s``, with the coefficients from
     :func:`_gram_prep_kernel`. The snapshot mode then builds the states from the same ``u``
-    with the pinned rule, step by step. With ``mma`` the products are two ``tl.dot`` of the
-    whole ``[BV, K]`` tile against the ``[Dp, K]`` keys and queries (TF32x3; fp32 products
-    in interpret mode, where XLA:CPU has no TF32).
+    with the pinned rule, step by step. With ``mma`` the products are ``tl.dot`` of the state
+    tile against the keys and queries of all steps, chunk by chunk of K, summed (TF32x3; fp32
+    products in interpret mode, where XLA:CPU has no TF32).
     """
     # inputs: state, qn, kn, v, g, W, C, P, beta[, rows, tape buffer (aliased)]; outputs: o, tape
     (state_ref, q_ref, k_ref, v_ref, g_ref, W_ref, C_ref, P_ref, beta_ref), o_ref, tape_ref, (n, hv, h, row, vs) = (
@@ -467,8 +467,11 @@ def verify(
     into = tape is not None
     gram = cfg.algorithm == "gram"
     if gram:
-        if cfg.products == "mma" and cfg.block_v < MMA_MIN:
-            raise ValueError(f"pallas verify: products='mma' needs block_v >= {MMA_MIN} (V={V}), got {cfg.block_v}")
+        if cfg.products == "mma":  # every side of a tl.dot tile is >= 16; the chunks must cover K
+            C = min(K, max(MMA_MIN, cfg.k_chunk))
+            if cfg.block_v < MMA_MIN or K < MMA_MIN or K % C:
+                raise ValueError(f"pallas verify: products='mma' needs block_v >= {MMA_MIN} (got {cfg.block_v}, V={V}) "
+                                 f"and K >= {MMA_MIN} a multiple of max({MMA_MIN}, k_chunk) (got K={K}, k_chunk={cfg.k_chunk})")  # fmt: skip
         qn, kn, g, W, C, P, beta = _gram_prep(q, k, a, b, A_log, dt_bias, scale=scale, Dp=gram_steps(D),
                                               interpret=interpret)  # fmt: skip
         inputs = [state0, qn, kn, v, g, W, C, P, beta]
