@@ -22,7 +22,6 @@ import gdn_lossless_jax as gl
 from benchmarks.devtime import device_time
 from benchmarks.traffic import verify_traffic
 from gdn_lossless_jax import backends
-from gdn_lossless_jax.backends.pallas import CommitConfig
 from gdn_lossless_jax.cases import Shape, commit_indices, commit_tapes, verify_inputs
 
 CALLS, COPIES = 16, 4
@@ -110,11 +109,9 @@ if "commit" in parts:
         except Exception as e:  # noqa: BLE001  (triton without jax-triton)
             log(f"commit {b}: unavailable ({e})")
             continue
-        Config = CommitConfig if b == "pallas" else mod.CommitConfig
-        evict = "evict_first" if "ef" in more else (None if b == "pallas" else "")
         stages = [int(x[2:]) for x in more if x[:2] == "ns" and x[2:].isdigit()]
-        extra = {"num_stages": stages[-1]} if stages else {}
-        ccfgs.append((b, mod, Config(block_v=int(bv), num_warps=int(w), evict=evict, **extra)))
+        extra = ({"num_stages": stages[-1]} if stages else {}) | ({"evict": "evict_first"} if "ef" in more else {})
+        ccfgs.append((b, mod, mod.CommitConfig(block_v=int(bv), num_warps=int(w), **extra)))
     for name, tape in (("replay", tup), ("scatter", snp)):
         for b, mod, cfg in ccfgs:
             f = jax.jit(lambda pool, tape, cfg=cfg, mod=mod: mod.commit(pool, tape, *idx, config=cfg), donate_argnums=0)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from ._refs import store
 from .rounding import replay_update
 
 __all__ = ["CommitConfig", "commit_tuples", "commit_snapshots"]
@@ -72,11 +73,8 @@ def _tuples_kernel(*refs, HV: int, r: int, BV: int, form: str, evict: str | None
     def inputs(t):  # step t's tape: k as a [1, K] row of the tile's layout, u, the decay
         return k_ref[l, row, t, pl.ds(h, 1), :], u_ref[l, row, t, hv, vs], jnp.exp(g_ref[l, row, t, hv])
 
-    def store(at, S):
-        if evict is None:
-            pool_out[l, at, hv, vs, :] = S.astype(pool_out.dtype)
-        else:
-            plgpu.store(pool_out.at[l, at, hv, vs, :], S.astype(pool_out.dtype), eviction_policy=evict)
+    def store_state(at, S):
+        store(pool_out, (l, at, hv, vs, slice(None)), S.astype(pool_out.dtype), evict)
 
     @pl.when(accept | track)
     def _():
@@ -90,11 +88,11 @@ def _tuples_kernel(*refs, HV: int, r: int, BV: int, form: str, evict: str | None
 
             @pl.when(track & (t == tstep))
             def _():
-                store(tslot, S)
+                store_state(tslot, S)
 
             @pl.when(accept & (t == step))
             def _():
-                store(slot, S)
+                store_state(slot, S)
 
             return S, nxt
 

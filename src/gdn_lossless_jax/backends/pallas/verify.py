@@ -46,6 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ...reference import L2NORM_EPS, gates
+from ._refs import store
 from .rounding import ops as rounding_ops
 
 __all__ = ["VerifyConfig", "verify", "ALGORITHMS"]
@@ -318,7 +319,7 @@ def _gram_prep_kernel(q_ref, k_ref, a_ref, b_ref, A_log_ref, dt_bias_ref, qn_ref
 
 
 def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bool, k_chunk: int,
-                 evict: str | None, interpret: bool, mma: bool):  # fmt: skip
+                 evict: str | None, interpret: bool, mma_chunk: int | None):  # fmt: skip
     """The Gram form (module docstring) for one (request, v-head, V tile).
 
     Products of the untouched state against every step's key and query, ``xk_t = S0 k_t`` and
@@ -327,9 +328,10 @@ def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, int
     ``u_t = beta_t (v_t - P_t xk_t) - sum_{s<t} W[t, s] u_s`` and
     ``o_t = P_t xq_t + sum_{s<=t} C[t, s] u_s``, with the coefficients from
     :func:`_gram_prep_kernel`. The snapshot mode then builds the states from the same ``u``
-    with the pinned rule, step by step. With ``mma`` the products are ``tl.dot`` of the state
-    tile against the keys and queries of all steps, chunk by chunk of K, summed (TF32x3; fp32
-    products in interpret mode, where XLA:CPU has no TF32).
+    with the pinned rule, step by step. With ``mma_chunk`` (``products="mma"``) the products
+    are ``tl.dot`` of the state tile against the keys and queries of all steps, chunk by chunk
+    of K (``mma_chunk`` columns), summed (TF32x3; fp32 products in interpret mode, where
+    XLA:CPU has no TF32).
     """
     # inputs: state, qn, kn, v, g, W, C, P, beta[, rows, tape buffer (aliased)]; outputs: o, tape
     (state_ref, q_ref, k_ref, v_ref, g_ref, W_ref, C_ref, P_ref, beta_ref), o_ref, tape_ref, (n, hv, h, row, vs) = (
@@ -342,6 +344,7 @@ def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, int
 
     # With mma the products read the state chunk by chunk; the snapshot mode reads it again for
     # its states after the recurrence (an L2 hit, not held in registers across the products).
+    mma = mma_chunk is not None
     S0 = None if mma else _load_state(state_ref, n, hv, vs, cols, evict)
 
     def state(t, S, u):  # step t's state, from the same u, with the pinned rule, and its store
@@ -375,7 +378,7 @@ def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, int
         Dm = gram_steps(D, "mma")
         prec = HIGHEST if interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
         XK = XQ = None
-        for c in _chunks(k_ref.shape[-1], max(MMA_MIN, k_chunk)):
+        for c in _chunks(k_ref.shape[-1], mma_chunk):
             live = jax.lax.broadcasted_iota(jnp.int32, (Dm, c.size), 0) < D
             tile = plgpu.load(state_ref.at[n, hv, vs, c], eviction_policy=None if snapshots else evict).astype(F32)
             xk, xq = (
@@ -426,20 +429,13 @@ def gram_prep_warps(Dp: int) -> int:
 
 
 def _store_row(ref, row, into: bool, idx, value, evict=None):
-    def store():
-        if evict is None:
-            ref[idx] = value
-        else:  # (interpret mode's store takes no Python ints in ``.at`` indices)
-            at = tuple(jnp.int32(i) if isinstance(i, int) else i for i in idx)
-            plgpu.store(ref.at[at], value, eviction_policy=evict)
-
     if not into:  # rows are the requests themselves
-        store()
+        store(ref, idx, value, evict)
         return
 
     @pl.when((row >= 0) & (row < ref.shape[0]))  # out-of-range rows write nothing
     def _():
-        store()
+        store(ref, idx, value, evict)
 
 
 @functools.partial(jax.jit, static_argnames=("record", "scale", "out_dtype", "config", "form", "interpret"))
@@ -467,11 +463,11 @@ def verify(
     into = tape is not None
     gram = cfg.algorithm == "gram"
     if gram:
-        if cfg.products == "mma":  # every side of a tl.dot tile is >= 16; the chunks must cover K
-            C = min(K, max(MMA_MIN, cfg.k_chunk))
-            if cfg.block_v < MMA_MIN or K < MMA_MIN or K % C:
-                raise ValueError(f"pallas verify: products='mma' needs block_v >= {MMA_MIN} (got {cfg.block_v}, V={V}) "
-                                 f"and K >= {MMA_MIN} a multiple of max({MMA_MIN}, k_chunk) (got K={K}, k_chunk={cfg.k_chunk})")  # fmt: skip
+        mma_chunk = max(MMA_MIN, cfg.k_chunk) if cfg.products == "mma" else None
+        # every side of a tl.dot tile is >= 16; the chunks must cover K
+        if mma_chunk is not None and (cfg.block_v < MMA_MIN or K < MMA_MIN or K % min(K, mma_chunk)):
+            raise ValueError(f"pallas verify: products='mma' needs block_v >= {MMA_MIN} (got {cfg.block_v}, V={V}) "
+                             f"and K >= {MMA_MIN} a multiple of max({MMA_MIN}, k_chunk) (got K={K}, k_chunk={cfg.k_chunk})")  # fmt: skip
         qn, kn, g, W, C, P, beta = _gram_prep(q, k, a, b, A_log, dt_bias, scale=scale, Dp=gram_steps(D),
                                               interpret=interpret)  # fmt: skip
         inputs = [state0, qn, kn, v, g, W, C, P, beta]
@@ -492,7 +488,7 @@ def verify(
     if gram:
         kernel = functools.partial(_gram_kernel, D=D, r=HV // H, BV=cfg.block_v, snapshots=snapshots, form=form,
                                    into=into, k_chunk=cfg.k_chunk, evict=cfg.evict, interpret=interpret,
-                                   mma=cfg.products == "mma")  # fmt: skip
+                                   mma_chunk=mma_chunk)  # fmt: skip
     else:
         kernel = functools.partial(
             _kernel, D=D, r=HV // H, BV=cfg.block_v, snapshots=snapshots, form=form, into=into,
