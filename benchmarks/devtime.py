@@ -22,13 +22,17 @@ __all__ = ["trace_kernels", "device_time"]
 # launch statistics): only the per-stream lines list each kernel once.
 _STREAM_PREFIX = "Stream"
 _HOST_COPIES = ("H2D", "D2H", "HtoD", "DtoH")
+_DETAILS = "kernel_details"
 
 
-def trace_kernels(run: Callable[[], None], invocations: int) -> dict[str, list[float]] | None:
+def trace_kernels(run: Callable[[], None], invocations: int, details: dict[str, str] | None = None,
+                  ) -> dict[str, list[float]] | None:
     """Run ``run`` ``invocations`` times under the profiler; kernel name -> durations in us.
 
     ``run`` must block until the device is done. Returns None when the trace holds no GPU
-    kernel (a CPU backend)."""
+    kernel (a CPU backend). ``details``, when given, receives each kernel's launch details as
+    the tracer records them (``kernel_details``: registers per thread, shared memory, grid,
+    block, occupancy)."""
     import jax
 
     with tempfile.TemporaryDirectory() as d:
@@ -53,6 +57,8 @@ def trace_kernels(run: Callable[[], None], invocations: int) -> dict[str, list[f
                 if any(x in ev.name for x in _HOST_COPIES):  # device-to-device copies count
                     continue
                 out[ev.name].append(ev.duration_ns / 1e3)
+                if details is not None and ev.name not in details:
+                    details[ev.name] = next((str(v) for k, v in ev.stats if k == _DETAILS), "")
     return dict(out) or None
 
 
@@ -60,7 +66,8 @@ def device_time(run: Callable[[], None], invocations: int, calls: int) -> dict |
     """Device time per call of ``run`` (which makes ``calls`` calls of the work), and the
     kernels that make it up (count per call, median and p10/p90 of one launch, total per
     call), largest first."""
-    kernels = trace_kernels(run, invocations)
+    details: dict[str, str] = {}
+    kernels = trace_kernels(run, invocations, details)
     if kernels is None:
         return None
     n = invocations * calls
@@ -74,6 +81,7 @@ def device_time(run: Callable[[], None], invocations: int, calls: int) -> dict |
             "p10_us": float(np.percentile(d, 10)),
             "p90_us": float(np.percentile(d, 90)),
             "us_per_call": float(d.sum() / n),
+            "details": " ".join(details.get(name, "").split()),
         })  # fmt: skip
     per_kernel.sort(key=lambda k: -k["us_per_call"])
     return {"us_per_call": float(sum(k["us_per_call"] for k in per_kernel)), "invocations": invocations,

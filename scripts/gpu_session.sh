@@ -2,7 +2,9 @@
 # One device call: GPU tests, then (optionally) tuning and benchmarks. Logs go to $OUT.
 # Usage on the device machine: bash scripts/gpu_session.sh [tests] [tune] [bench] [profile] [stalls]
 # Env: TEST_FILES, WORKERS, PYTEST_ARGS, PYTEST_K (a -k expression), TEST_TIMEOUT; TUNE_ARGS (verify/commit), TUNE_SHAPES,
-# TUNE_VERIFY and TUNE_COMMIT (scripts/gpu_tune.py), TUNE_TIMEOUT; BENCH_ARGS, BENCH_TIMEOUT; PROFILE_TIMEOUT, NCU_SKIP, NCU_COUNT, STALL_VARIANTS
+# TUNE_VERIFY and TUNE_COMMIT (scripts/gpu_tune.py), TUNE_TIMEOUT; BENCH_ARGS, BENCH_TIMEOUT; PROFILE_TIMEOUT, NCU_SKIP, NCU_COUNT, STALL_VARIANTS;
+# PATTERN_SHAPES, PATTERN_TILES (scripts/pattern_floor.py); REG_LIMITS (regsweep: the verify tune once per ptxas register limit,
+# "none" for XLA's default, through XLA_FLAGS=--xla_gpu_asm_extra_flags=-maxrregcount=N; one process each)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -23,6 +25,14 @@ for phase in "$@"; do
         ${TEST_FILES:-tests/test_equivalence.py tests/test_gpu.py tests/test_triton_backend.py tests/test_pallas_config.py} ${PYTEST_ARGS:-} ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -25 ;;
     tune) timeout ${TUNE_TIMEOUT:-300} python3 scripts/gpu_tune.py ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | tail -60 ;;
+    pattern) timeout ${PATTERN_TIMEOUT:-150} python3 scripts/pattern_floor.py ${PATTERN_SHAPES:-} 2>&1 | tee "$OUT/pattern_floor.log" | tail -30 ;;
+    regsweep)
+      for lim in ${REG_LIMITS:-none 96 80 64}; do
+        mkdir -p "$OUT/reg-$lim"
+        flags=${XLA_FLAGS:-}; [ "$lim" != none ] && flags="$flags --xla_gpu_asm_extra_flags=-maxrregcount=$lim"
+        XLA_FLAGS="$flags" OUT="$OUT/reg-$lim" timeout ${TUNE_TIMEOUT:-150} python3 scripts/gpu_tune.py verify 2>&1 \
+          | tee "$OUT/reg-$lim/tune.log" | grep -v "^\s*$" | tail -12
+      done ;;
     bench) timeout ${BENCH_TIMEOUT:-400} python3 -m benchmarks.run --mode h200 --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
     profile)
       timeout ${PROFILE_TIMEOUT:-150} ncu --clock-control none -k "regex:gdn_|_kernel" --launch-skip ${NCU_SKIP:-0} \

@@ -11,6 +11,7 @@ Usage: python3 scripts/gpu_tune.py [verify] [commit]   (default: both)
 
 import json
 import os
+import re
 import sys
 import time
 
@@ -40,9 +41,10 @@ def record(name, dev, **extra):
     row = dict(variant=name, device_us=dev["us_per_call"], kernels=ks, **extra)
     rows.append(row)
     main = ks[0]
+    regs = re.search(r"regs:(\d+)", main.get("details", ""))
     log(f"{name:<48} {dev['us_per_call']:8.1f} us/call  main {main['name'][:28]:<28} {main['median_us']:7.1f} "
         f"[{main['p10_us']:.1f}, {main['p90_us']:.1f}] x{main['launches_per_call']:.2g}  others "
-        f"{dev['us_per_call'] - main['us_per_call']:.1f} us")
+        f"{dev['us_per_call'] - main['us_per_call']:.1f} us" + (f"  regs {regs.group(1)}" if regs else ""))
 
 
 def multi(f, arg_sets):

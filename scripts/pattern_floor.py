@@ -1,0 +1,137 @@
+"""The byte patterns of verify, with no arithmetic: what the memory system gives them on this GPU.
+
+The byte floors of the benchmark divide bytes by a device-to-device copy rate (one read and one
+write per byte pair). Verify's patterns are not a copy: a tuple verify reads the state and
+writes almost nothing; a snapshot verify reads it once and writes it D times. This times, on
+the device (profiler trace, ``benchmarks/devtime.py``), kernels that move exactly those bytes
+and compute nothing:
+
+- ``xla read``: ``state.sum(-1)`` (XLA's reduction: the state read once);
+- ``xla 1r+Dw``: the state broadcast to ``[N, D, HV, V, K]`` (read once, written D times);
+- ``pallas read`` / ``pallas 1r+Dw``: Pallas kernels on the verify's own grid ``(N, HV, V / BV)``
+  and launch (BV rows, one warp; ``BV:WARPS`` from ``PATTERN_TILES``), loading each program's
+  ``[BV, K]`` tile once and storing its row sums (read) or the tile D times (1r+Dw).
+
+Each pattern's time over the copy floor of its bytes says how close to the copy rate that
+pattern can get at all; a verify kernel's time over its pattern's time is what its own
+arithmetic and latency cost. Usage (GPU)::
+
+    python3 scripts/pattern_floor.py [25x4,8x4,8x8,8x16]
+
+Writes ``$OUT/pattern_floor.json``. On a CPU it runs the Pallas kernels in interpret mode on a
+small shape and checks their outputs (no timings).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from benchmarks.devtime import device_time
+
+CALLS, COPIES = 16, 4
+T0 = time.perf_counter()
+
+
+def log(msg):
+    print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
+
+
+def _read_kernel(s_ref, o_ref):
+    o_ref[...] = jnp.sum(plgpu.load(s_ref, eviction_policy="evict_first"), axis=-1)
+
+
+def _write_kernel(s_ref, o_ref, *, D):
+    x = plgpu.load(s_ref, eviction_policy="evict_first")
+    for t in range(D):
+        o_ref[t] = x
+
+
+def pallas_pattern(state, D: int, write: bool, BV: int, warps: int, interpret: bool = False):
+    N, HV, V, K = state.shape
+    grid = (N, HV, V // BV)
+    in_spec = pl.BlockSpec((None, None, BV, K), lambda n, h, j: (n, h, j, 0))
+    if write:
+        kernel = functools.partial(_write_kernel, D=D)
+        out_shape = jax.ShapeDtypeStruct((N, D, HV, V, K), state.dtype)
+        out_spec = pl.BlockSpec((None, D, None, BV, K), lambda n, h, j: (n, 0, h, j, 0))
+    else:
+        kernel = _read_kernel
+        out_shape = jax.ShapeDtypeStruct((N, HV, V), state.dtype)
+        out_spec = pl.BlockSpec((None, None, BV), lambda n, h, j: (n, h, j))
+    return pl.pallas_call(
+        kernel, out_shape=out_shape, grid=grid, in_specs=[in_spec], out_specs=out_spec,
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1), interpret=interpret,
+        name="pattern_" + ("1r_Dw" if write else "read"),
+    )(state)  # fmt: skip
+
+
+def xla_pattern(state, D: int, write: bool):
+    if write:
+        N, HV, V, K = state.shape
+        return jnp.broadcast_to(state[:, None], (N, D, HV, V, K))
+    return jnp.sum(state, axis=-1)
+
+
+def main(argv) -> int:
+    shapes = (argv[0] if argv else "25x4,8x4,8x8,8x16").split(",")
+    tiles = [tuple(map(int, x.split(":"))) for x in os.environ.get("PATTERN_TILES", "8:1,32:4").split(",")]
+    gpu = jax.default_backend() == "gpu"
+    if not gpu:  # a smoke check of the kernels' logic
+        s = jnp.asarray(np.random.default_rng(0).standard_normal((2, 4, 16, 32)), jnp.float32)
+        for BV, w in tiles:
+            BV = min(BV, 16)
+            np.testing.assert_array_equal(pallas_pattern(s, 3, True, BV, w, interpret=True), xla_pattern(s, 3, True))
+            np.testing.assert_allclose(pallas_pattern(s, 3, False, BV, w, interpret=True), xla_pattern(s, 3, False), rtol=1e-5, atol=1e-5)
+        log("CPU: pattern kernels agree with XLA (interpret mode); no timings without a GPU")
+        return 0
+
+    big = jnp.ones((512 * 2**20,), jnp.float32)  # 2 GiB
+    cp = jax.jit(lambda x: x * 2)
+    jax.block_until_ready(cp(big))
+    dev = device_time(lambda: jax.block_until_ready(cp(big)), 8, 1)
+    rate = 2 * big.nbytes / (dev["us_per_call"] * 1e-6)
+    log(f"copy 2 GiB: {dev['us_per_call']:.1f} us, rate {rate / 1e9:.0f} GB/s")
+    rows = [dict(pattern="copy 2 GiB", device_us=dev["us_per_call"], rate_gbps=rate / 1e9)]
+    del big
+    for N, D in [tuple(map(int, x.split("x"))) for x in shapes]:
+        rng = np.random.default_rng(N * 100 + D)
+        states = [jnp.asarray(rng.standard_normal((N, 32, 128, 128), np.float32)) for _ in range(COPIES)]
+        nbytes = states[0].nbytes
+        variants = [(f"xla {w}", jax.jit(functools.partial(xla_pattern, D=D, write=w == "1r+Dw"))) for w in ("read", "1r+Dw")]
+        for BV, warps in tiles:
+            for w in ("read", "1r+Dw"):
+                f = jax.jit(functools.partial(pallas_pattern, D=D, write=w == "1r+Dw", BV=BV, warps=warps))
+                variants.append((f"pallas {w} bv{BV} w{warps}", f))
+        for name, f in variants:
+            moved = nbytes * (1 + D if "Dw" in name else 1)
+
+            def run(f=f):
+                jax.block_until_ready([f(states[i % COPIES]) for i in range(CALLS)])
+
+            run()
+            dev = device_time(run, 2, CALLS)
+            us = dev["us_per_call"]
+            floor = moved / rate * 1e6
+            main_k = dev["kernels"][0]
+            rows.append(dict(pattern=name, N=N, D=D, device_us=us, bytes=moved, floor_us=floor, x_floor=us / floor,
+                             achieved_gbps=moved / us / 1e3, details=main_k.get("details", "")))  # fmt: skip
+            log(f"{N}x{D} {name:<26} {us:8.1f} us  {moved / 1e6:7.1f} MB  {moved / us / 1e3:6.0f} GB/s  "
+                f"x{us / floor:.3f} copy floor  {main_k.get('details', '')[:60]}")
+        del states
+    out = os.environ.get("OUT", "/tmp")
+    json.dump(rows, open(os.path.join(out, "pattern_floor.json"), "w"), indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
