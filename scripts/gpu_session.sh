@@ -3,7 +3,7 @@
 # Usage on the device machine: bash scripts/gpu_session.sh [tests] [tune] [bench] [profile] [stalls]
 # Env: TEST_FILES, WORKERS, PYTEST_ARGS, PYTEST_K (a -k expression), TEST_TIMEOUT; TUNE_ARGS (verify/commit), TUNE_SHAPES,
 # TUNE_VERIFY and TUNE_COMMIT (scripts/gpu_tune.py), TUNE_TIMEOUT; BENCH_ARGS, BENCH_TIMEOUT; PROFILE_TIMEOUT, NCU_SKIP, NCU_COUNT, STALL_VARIANTS;
-# PATTERN_SHAPES, PATTERN_TILES (scripts/pattern_floor.py); REG_LIMITS (regsweep: the verify tune once per ptxas register limit,
+# PATTERN_SHAPES, PATTERN_TILES (scripts/pattern_floor.py); UPSTREAM_VARIANTS, UPSTREAM_MAXNREG (scripts/upstream_regs.py); REG_LIMITS (regsweep: the verify tune once per ptxas register limit,
 # "none" for XLA's default, through XLA_FLAGS=--xla_gpu_asm_extra_flags=-maxrregcount=N; one process each)
 set -u
 OUT=${OUT:-/tmp/out}
@@ -26,6 +26,8 @@ for phase in "$@"; do
         | tee "$OUT/gpu_tests.log" | tail -25 ;;
     tune) timeout ${TUNE_TIMEOUT:-300} python3 scripts/gpu_tune.py ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | tail -60 ;;
     pattern) timeout ${PATTERN_TIMEOUT:-150} python3 scripts/pattern_floor.py ${PATTERN_SHAPES:-} 2>&1 | tee "$OUT/pattern_floor.log" | tail -30 ;;
+    upstream) timeout ${UPSTREAM_TIMEOUT:-240} python3 scripts/upstream_regs.py ${UPSTREAM_VARIANTS:-25x4:tuples:8:1 25x4:snapshots:8:1} \
+        --maxnreg ${UPSTREAM_MAXNREG:-0,96,80,64} 2>&1 | tee "$OUT/upstream_regs.log" | tail -30 ;;
     regsweep)
       for lim in ${REG_LIMITS:-none 96 80 64}; do
         mkdir -p "$OUT/reg-$lim"

@@ -81,7 +81,7 @@ if "verify" in parts:
             for rec in gl.RECORD_MODES:
                 f = jax.jit(lambda x, cfg=cfg, rec=rec: pal.verify(**x, record=rec, scale=128**-0.5, out_dtype=jnp.bfloat16, config=cfg))
                 name = (f"verify {N}x{D} {rec[:5]} {cfg.algorithm} bv{cfg.block_v} w{cfg.num_warps}"
-                        + f" kc{cfg.k_chunk} un{cfg.unroll}" + (" 1pass" if cfg.one_pass else "") + (" ef" if cfg.evict else "") + ("" if cfg.prefetch_q else " lq") + (" mma" if cfg.products == "mma" else ""))
+                        + f" kc{cfg.k_chunk} un{cfg.unroll}" + (" 1pass" if cfg.one_pass else "") + (" ef" if cfg.evict else "") + ("" if cfg.prefetch_q else " lq") + (" mma" if cfg.products == "mma" else "") + (f" ph{cfg.prep_heads}" if cfg.prep_heads else ""))
                 try:
                     jax.block_until_ready(f(xs[0]))
                     dev = device_time(multi(f, [(x,) for x in xs]), 2, CALLS)

@@ -82,6 +82,43 @@ def xla_pattern(state, D: int, write: bool):
     return jnp.sum(state, axis=-1)
 
 
+def copy_rate() -> float:
+    """Bytes per second of XLA's ``x * 2`` over 2 GiB (one read and one write per element)."""
+    big = jnp.ones((512 * 2**20,), jnp.float32)
+    cp = jax.jit(lambda x: x * 2)
+    jax.block_until_ready(cp(big))
+    dev = device_time(lambda: jax.block_until_ready(cp(big)), 8, 1)
+    rate = 2 * big.nbytes / (dev["us_per_call"] * 1e-6)
+    log(f"copy 2 GiB: {dev['us_per_call']:.1f} us, rate {rate / 1e9:.0f} GB/s")
+    return rate
+
+
+def time_patterns(N: int, D: int, tiles, rate: float) -> list[dict]:
+    """Every pattern at N requests and D drafts, on ``COPIES`` states in turn (no state stays in L2)."""
+    rng = np.random.default_rng(N * 100 + D)
+    states = [jnp.asarray(rng.standard_normal((N, 32, 128, 128), np.float32)) for _ in range(COPIES)]
+    variants = [(f"xla {w}", jax.jit(functools.partial(xla_pattern, D=D, write=w == "1r+Dw"))) for w in ("read", "1r+Dw")]
+    for BV, warps in tiles:
+        for w in ("read", "1r+Dw"):
+            f = jax.jit(functools.partial(pallas_pattern, D=D, write=w == "1r+Dw", BV=BV, warps=warps))
+            variants.append((f"pallas {w} bv{BV} w{warps}", f))
+    rows = []
+    for name, f in variants:
+        moved = states[0].nbytes * (1 + D if "Dw" in name else 1)
+
+        def run(f=f):
+            jax.block_until_ready([f(states[i % COPIES]) for i in range(CALLS)])
+
+        run()
+        dev = device_time(run, 2, CALLS)
+        us, floor, details = dev["us_per_call"], moved / rate * 1e6, dev["kernels"][0].get("details", "")
+        rows.append({"pattern": name, "N": N, "D": D, "device_us": us, "bytes": moved, "floor_us": floor,
+                     "x_floor": us / floor, "achieved_gbps": moved / us / 1e3, "details": details})  # fmt: skip
+        log(f"{N}x{D} {name:<26} {us:8.1f} us  {moved / 1e6:7.1f} MB  {moved / us / 1e3:6.0f} GB/s  "
+            f"x{us / floor:.3f} copy floor  {details[:60]}")
+    return rows
+
+
 def main(argv) -> int:
     shapes = (argv[0] if argv else "25x4,8x4,8x8,8x16").split(",")
     tiles = [tuple(map(int, x.split(":"))) for x in os.environ.get("PATTERN_TILES", "8:1,32:4").split(",")]
@@ -95,41 +132,13 @@ def main(argv) -> int:
         log("CPU: pattern kernels agree with XLA (interpret mode); no timings without a GPU")
         return 0
 
-    big = jnp.ones((512 * 2**20,), jnp.float32)  # 2 GiB
-    cp = jax.jit(lambda x: x * 2)
-    jax.block_until_ready(cp(big))
-    dev = device_time(lambda: jax.block_until_ready(cp(big)), 8, 1)
-    rate = 2 * big.nbytes / (dev["us_per_call"] * 1e-6)
-    log(f"copy 2 GiB: {dev['us_per_call']:.1f} us, rate {rate / 1e9:.0f} GB/s")
-    rows = [dict(pattern="copy 2 GiB", device_us=dev["us_per_call"], rate_gbps=rate / 1e9)]
-    del big
+    rate = copy_rate()
+    rows = [{"pattern": "copy 2 GiB", "rate_gbps": rate / 1e9}]
     for N, D in [tuple(map(int, x.split("x"))) for x in shapes]:
-        rng = np.random.default_rng(N * 100 + D)
-        states = [jnp.asarray(rng.standard_normal((N, 32, 128, 128), np.float32)) for _ in range(COPIES)]
-        nbytes = states[0].nbytes
-        variants = [(f"xla {w}", jax.jit(functools.partial(xla_pattern, D=D, write=w == "1r+Dw"))) for w in ("read", "1r+Dw")]
-        for BV, warps in tiles:
-            for w in ("read", "1r+Dw"):
-                f = jax.jit(functools.partial(pallas_pattern, D=D, write=w == "1r+Dw", BV=BV, warps=warps))
-                variants.append((f"pallas {w} bv{BV} w{warps}", f))
-        for name, f in variants:
-            moved = nbytes * (1 + D if "Dw" in name else 1)
-
-            def run(f=f):
-                jax.block_until_ready([f(states[i % COPIES]) for i in range(CALLS)])
-
-            run()
-            dev = device_time(run, 2, CALLS)
-            us = dev["us_per_call"]
-            floor = moved / rate * 1e6
-            main_k = dev["kernels"][0]
-            rows.append(dict(pattern=name, N=N, D=D, device_us=us, bytes=moved, floor_us=floor, x_floor=us / floor,
-                             achieved_gbps=moved / us / 1e3, details=main_k.get("details", "")))  # fmt: skip
-            log(f"{N}x{D} {name:<26} {us:8.1f} us  {moved / 1e6:7.1f} MB  {moved / us / 1e3:6.0f} GB/s  "
-                f"x{us / floor:.3f} copy floor  {main_k.get('details', '')[:60]}")
-        del states
+        rows += time_patterns(N, D, tiles, rate)
     out = os.environ.get("OUT", "/tmp")
-    json.dump(rows, open(os.path.join(out, "pattern_floor.json"), "w"), indent=1)
+    with open(os.path.join(out, "pattern_floor.json"), "w") as fh:
+        json.dump(rows, fh, indent=1)
     return 0
 
 

@@ -35,6 +35,7 @@ CONFIGS = {
     "chain-bv4-w1-kc4-unrolled": VerifyConfig(block_v=4, k_chunk=4, unroll=4),
     "chain-bv8-w1-kc8-no-evict": VerifyConfig(k_chunk=8, evict=None),  # the default evicts the state first
     "chain-bv8-w1-kc8-late-q": VerifyConfig(k_chunk=8, prefetch_q=False),  # each step loads its own q
+    "chain-bv8-w1-kc8-prep1": VerifyConfig(k_chunk=8, prep_heads=1),  # a prologue program per q/k head
     "gram-bv8-w1-kc8": VerifyConfig(block_v=8, num_warps=1, k_chunk=8, algorithm="gram"),  # two chunks of K = 16
     "gram-bv16-w1-kc128": VerifyConfig(block_v=16, num_warps=1, k_chunk=128, algorithm="gram"),
     "gram-bv16-w1-mma": VerifyConfig(block_v=16, algorithm="gram", products="mma"),  # TF32x3 on a GPU
@@ -51,6 +52,7 @@ GPU_CONFIGS |= {f"gram-bv{bv}-w{w}-kc{kc}-mma": VerifyConfig(block_v=bv, num_war
 GPU_CONFIGS["chain-no-evict"] = VerifyConfig(evict=None)
 GPU_CONFIGS["chain-late-q"] = VerifyConfig(prefetch_q=False)
 GPU_CONFIGS["chain-bv32-w4"] = VerifyConfig(block_v=32, num_warps=4)
+GPU_CONFIGS |= {f"chain-prep{h}": VerifyConfig(prep_heads=h) for h in (1, 2)}
 
 
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
@@ -85,7 +87,7 @@ def _check_config(config, seed, shape):
 @pytest.mark.parametrize(("kwargs", "names"), [(dict(algorithm="scan"), "algorithm"), (dict(block_v=12), "block_v"),
                                                (dict(num_warps=3), "num_warps"), (dict(k_chunk=0), "k_chunk"),
                                                ({"unroll": -1}, "unroll"), ({"evict": "first"}, "evict"),
-                                               ({"products": "tf32"}, "products"),
+                                               ({"products": "tf32"}, "products"), ({"prep_heads": 3}, "prep_heads"),
                                                ({"products": "mma"}, "products")])  # fmt: skip
 def test_bad_config_names_the_field(kwargs, names):
     with pytest.raises(ValueError, match=names):
@@ -110,7 +112,7 @@ def test_mma_products_refuse_tiles_a_dot_cannot_take(K, V, k_chunk, seed):
 
 
 def test_head_counts_that_are_not_powers_of_two(seed):
-    """H = 3, HV = 6: the prologue kernels pad the heads to powers of 2 (Triton's tiles must
+    """H = 3, HV = 6: the prologue kernels pad the heads (all of them, or groups of 2) to powers of 2 (Triton's tiles must
     be) and mask them. The tape checks, and outputs within fp32 rounding of the reference's
     (a mask that drops real heads gives O(1) errors: tried, the test fails). On the CPU an
     unmasked access past the array is dropped, so only a GPU run sees that kind of mistake.
@@ -118,7 +120,7 @@ def test_head_counts_that_are_not_powers_of_two(seed):
     shape = Shape(N=2, D=3, H=3, HV=6, K=16, V=16)
     x = verify_inputs(seed, shape, kind="normal")
     ref = np.asarray(gl.verify(**x, backend="reference", out_dtype=jnp.float32)[0])
-    for config in (VerifyConfig(), VerifyConfig(block_v=8, num_warps=1, algorithm="gram")):
+    for config in (VerifyConfig(), VerifyConfig(prep_heads=2), VerifyConfig(block_v=8, num_warps=1, algorithm="gram")):
         _check_config(config, seed, shape)
         got = np.asarray(_verify(x, "tuples", config)[0])
         assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max(), config

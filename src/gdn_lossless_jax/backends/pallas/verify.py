@@ -95,6 +95,8 @@ class VerifyConfig:
     num_warps=4, k_chunk=32`` is the fastest tuple verify at D = 16 (8 x 16: 22.1 + 6.0 us
     against the chain's 30.6 + 3.3) but its snapshot verify is 40% slower than the chain's,
     and at D = 4 it is slower in both modes (``benchmarks/NOTES.md``).
+    ``prep_heads``: q/k heads per program of the chain's prologue kernel (grid
+    ``(N, D, H / prep_heads)``; 0: all heads in one program per request and step).
     ``algorithm``: ``"chain"`` or ``"gram"`` (module docstring); ``row_vectors``,
     ``one_pass``, ``unroll`` and ``prefetch_q`` only apply to the chain (the Gram form always
     runs loops: unrolled, its steps took Triton 2-3 min to compile at D = 16).
@@ -111,6 +113,7 @@ class VerifyConfig:
     evict: str | None = "evict_first"
     prefetch_q: bool = True
     products: str = "fma"
+    prep_heads: int = 0
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:
@@ -121,6 +124,8 @@ class VerifyConfig:
             raise ValueError(f"VerifyConfig: products='mma' needs algorithm='gram', got {self.algorithm!r}")
         if self.evict not in (None, "evict_first", "evict_last"):
             raise ValueError(f"VerifyConfig: evict must be None, 'evict_first' or 'evict_last', got {self.evict!r}")
+        if self.prep_heads < 0 or self.prep_heads & (self.prep_heads - 1):
+            raise ValueError(f"VerifyConfig: prep_heads must be 0 or a power of 2, got {self.prep_heads}")
         if self.unroll < 0:
             raise ValueError(f"VerifyConfig: unroll must be >= 0, got {self.unroll}")
         for name in ("block_v", "num_warps", "k_chunk"):
@@ -232,22 +237,25 @@ def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bo
 
 
 def _prep_kernel(q_ref, k_ref, a_ref, b_ref, A_log_ref, dt_bias_ref, qn_ref, kn_ref, g_ref, beta_ref,
-                 *, H: int, HV: int, scale: float):  # fmt: skip
-    """Per (request, step): the q/k l2 norms of all heads and the gates of all v-heads.
+                 *, H: int, HV: int, hb: int, scale: float):  # fmt: skip
+    """Per (request, step, group of ``hb`` q/k heads): the q/k l2 norms of those heads and the
+    gates of their v-heads.
 
     ``reference.prepare``'s formulas in one small kernel (XLA made six kernels of them, ~10 us
     on the H200). Heads are padded to powers of 2 and masked.
     """
-    n, t = pl.program_id(0), pl.program_id(1)
-    Hp, HVp = pl.next_power_of_2(H), pl.next_power_of_2(HV)
+    n, t, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    r = HV // H
     K = k_ref.shape[-1]
-    heads = jax.lax.broadcasted_iota(jnp.int32, (Hp, K), 0) < H
+    heads = j * hb + jax.lax.broadcasted_iota(jnp.int32, (hb, K), 0) < H
     for src, dst, mult in ((q_ref, qn_ref, scale), (k_ref, kn_ref, None)):
-        x = plgpu.load(src.at[n, t, pl.ds(0, Hp), :], mask=heads, other=0.0).astype(F32)  # [Hp, K]
+        x = plgpu.load(src.at[n, t, pl.ds(j * hb, hb), :], mask=heads, other=0.0).astype(F32)  # [hb, K]
         y = _unit_rows(x)
-        plgpu.store(dst.at[n, t, pl.ds(0, Hp), :], y if mult is None else y * jnp.asarray(mult, F32), mask=heads)
-    vheads = jax.lax.broadcasted_iota(jnp.int32, (HVp,), 0) < HV
-    hvs = pl.ds(0, HVp)
+        plgpu.store(dst.at[n, t, pl.ds(j * hb, hb), :], y if mult is None else y * jnp.asarray(mult, F32), mask=heads)
+    hvb = pl.next_power_of_2(hb * r)  # the group's v-heads, padded
+    off = jax.lax.broadcasted_iota(jnp.int32, (hvb,), 0)
+    vheads = (off < hb * r) & (j * hb * r + off < HV)
+    hvs = pl.ds(j * hb * r, hvb)
 
     def load(ref, *idx):
         return plgpu.load(ref.at[(*idx, hvs)], mask=vheads, other=0.0)
@@ -257,15 +265,17 @@ def _prep_kernel(q_ref, k_ref, a_ref, b_ref, A_log_ref, dt_bias_ref, qn_ref, kn_
     plgpu.store(beta_ref.at[n, t, hvs], beta, mask=vheads)
 
 
-def _prep(q, k, a, b, A_log, dt_bias, *, scale, interpret: bool):
-    """``(qn, kn, g, beta)`` as ``reference.prepare`` computes them, in one launch (grid ``(N, D)``)."""
+def _prep(q, k, a, b, A_log, dt_bias, *, scale, interpret: bool, heads: int = 0):
+    """``(qn, kn, g, beta)`` as ``reference.prepare`` computes them, in one launch: grid
+    ``(N, D, H / heads)``, ``heads`` q/k heads per program (0: all of them)."""
     N, D, H, K = q.shape
     HV = a.shape[-1]
+    hb = min(pl.next_power_of_2(heads or H), pl.next_power_of_2(H))
     return pl.pallas_call(
-        functools.partial(_prep_kernel, H=H, HV=HV, scale=scale),
+        functools.partial(_prep_kernel, H=H, HV=HV, hb=hb, scale=scale),
         out_shape=[jax.ShapeDtypeStruct((N, D, H, K), F32)] * 2 + [jax.ShapeDtypeStruct((N, D, HV), F32)] * 2,
-        grid=(N, D),
-        compiler_params=plgpu.CompilerParams(num_warps=2, num_stages=1),
+        grid=(N, D, pl.cdiv(H, hb)),
+        compiler_params=plgpu.CompilerParams(num_warps=2 if hb > 1 else 1, num_stages=1),
         interpret=interpret,
         name="gdn_verify_prep",
     )(q, k, a, b, A_log, dt_bias)
@@ -472,7 +482,7 @@ def verify(
                                               interpret=interpret)  # fmt: skip
         inputs = [state0, qn, kn, v, g, W, C, P, beta]
     else:
-        qn, kn, g, beta = _prep(q, k, a, b, A_log, dt_bias, scale=scale, interpret=interpret)
+        qn, kn, g, beta = _prep(q, k, a, b, A_log, dt_bias, scale=scale, interpret=interpret, heads=cfg.prep_heads)
         inputs = [state0, qn, kn, v, g, beta]
     out_shape = [jax.ShapeDtypeStruct((N, D, HV, V), out_dtype)]
     aliases = {}
