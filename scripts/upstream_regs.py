@@ -85,7 +85,7 @@ def time_variant(spec: str, ttir: Path, limits) -> list[dict]:
     # the kernel's own inputs: the prologue's outputs, as the Pallas call made them
     ins = []
     for x in xs:
-        qn, kn, g, beta = pallas_prep(x["q"], x["k"], x["a"], x["b"], x["A_log"], x["dt_bias"], scale=128**-0.5,
+        qn, kn, g, beta = pallas_prep(x["q"], x["k"], x["a"], x["b"], x["A_log"], x["dt_bias"], scale=128**-0.5, heads=cfg.prep_heads,
                                    interpret=False)  # fmt: skip
         ins.append([torch.from_dlpack(a) for a in (x["state0"], qn, kn, x["v"], g, beta)])
     rec_shape = (N, D, 32, 128, 128) if record == "snapshots" else (N, D, 32, 128)

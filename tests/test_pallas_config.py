@@ -36,6 +36,8 @@ CONFIGS = {
     "chain-bv8-w1-kc8-no-evict": VerifyConfig(k_chunk=8, evict=None),  # the default evicts the state first
     "chain-bv8-w1-kc8-late-q": VerifyConfig(k_chunk=8, prefetch_q=False),  # each step loads its own q
     "chain-bv8-w1-kc8-prep1": VerifyConfig(k_chunk=8, prep_heads=1),  # a prologue program per q/k head
+    "chain-bv8-w1-kc8-tiles-first": VerifyConfig(k_chunk=8, tiles_first=True),  # grid (V tiles, HV, N)
+    "gram-bv8-w1-kc8-tiles-first": VerifyConfig(k_chunk=8, algorithm="gram", tiles_first=True),
     "gram-bv8-w1-kc8": VerifyConfig(block_v=8, num_warps=1, k_chunk=8, algorithm="gram"),  # two chunks of K = 16
     "gram-bv16-w1-kc128": VerifyConfig(block_v=16, num_warps=1, k_chunk=128, algorithm="gram"),
     "gram-bv16-w1-mma": VerifyConfig(block_v=16, algorithm="gram", products="mma"),  # TF32x3 on a GPU
@@ -53,6 +55,7 @@ GPU_CONFIGS["chain-no-evict"] = VerifyConfig(evict=None)
 GPU_CONFIGS["chain-late-q"] = VerifyConfig(prefetch_q=False)
 GPU_CONFIGS["chain-bv32-w4"] = VerifyConfig(block_v=32, num_warps=4)
 GPU_CONFIGS |= {f"chain-prep{h}": VerifyConfig(prep_heads=h) for h in (1, 2)}
+GPU_CONFIGS["chain-tiles-first"] = VerifyConfig(tiles_first=True)
 
 
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
@@ -126,15 +129,16 @@ def test_head_counts_that_are_not_powers_of_two(seed):
         assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max(), config
 
 
-@pytest.mark.parametrize("evict", [None, "evict_first"])
-def test_commit_config_keeps_the_commit_exact(evict, seed):
-    """The replay's eviction hint (and its prefetch of the next step) changes no bit: the tuple
-    commit equals the snapshot commit of the same verify, with every masking rule exercised.
-    Control: the naive replay form of the same commit differs."""
+@pytest.mark.parametrize(("evict", "tiles_first"), [(None, False), ("evict_first", False), (None, True)])
+def test_commit_config_keeps_the_commit_exact(evict, tiles_first, seed):
+    """The replay's eviction hint, its prefetch of the next step and the grid's order change no
+    bit: the tuple commit equals the snapshot commit of the same verify, with every masking rule
+    exercised. Control: the naive replay form of the same commit differs."""
     case = make_case("pallas", seed, Shape(N=3, D=3, H=2, HV=4, K=16, V=16), state_dtype=jnp.float32, kind="normal")
     commit = backends.resolve("pallas", "commit").commit
     args = case.idx.as_args()
-    cfg = CommitConfig(block_v=8, num_warps=1, evict=evict)
+    cfg = CommitConfig(block_v=8, num_warps=1, evict=evict, tiles_first=tiles_first)
     by_tuples = commit(case.pool, case.tuples, *args, config=cfg)
-    assert_bitwise_equal(commit(case.pool, case.snapshots, *args), by_tuples, "tuple commit vs snapshot commit")
+    by_snapshots = commit(case.pool, case.snapshots, *args, config=cfg)
+    assert_bitwise_equal(by_snapshots, by_tuples, "tuple commit vs snapshot commit")
     assert_bitwise_differs(by_tuples, commit(case.pool, case.tuples, *args, config=cfg, form="naive"), "naive replay")

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ._refs import store
+from ._refs import grid, program_ids, store
 from .rounding import replay_update
 
 __all__ = ["CommitConfig", "commit_tuples", "commit_snapshots"]
@@ -40,6 +40,9 @@ class CommitConfig:
     # Eviction policy of the replay's pool loads and stores: None (Triton's default). On the H200
     # "evict_first" made the 30-layer replay slower, 947 against 922 us (benchmarks/NOTES.md).
     evict: str | None = None
+    # The grid (V // block_v, L * HV, N) instead of (N, L * HV, V // block_v): consecutive
+    # programs walk one state's contiguous tiles rather than the requests' slots.
+    tiles_first: bool = False
 
     def fit(self, V: int) -> "CommitConfig":
         return dataclasses.replace(self, block_v=min(self.block_v, V))
@@ -55,7 +58,7 @@ def _request(idx_refs, n, S: int, R: int, D: int):
     return slot, step, tslot, tstep, row, accept, track
 
 
-def _tuples_kernel(*refs, HV: int, r: int, BV: int, form: str, evict: str | None):
+def _tuples_kernel(*refs, HV: int, r: int, BV: int, form: str, evict: str | None, tiles_first: bool):
     from jax.experimental.pallas import triton as plgpu
 
     idx_refs = refs[:5]
@@ -63,7 +66,7 @@ def _tuples_kernel(*refs, HV: int, r: int, BV: int, form: str, evict: str | None
     pool_out = refs[-1]
     L, S = pool_out.shape[0], pool_out.shape[1]
     R, D = u_ref.shape[1], u_ref.shape[2]
-    n, lh, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    n, lh, j = program_ids(tiles_first)
     l, hv = lh // HV, lh % HV
     h = hv // r
     vs = pl.ds(j * BV, BV)
@@ -99,12 +102,12 @@ def _tuples_kernel(*refs, HV: int, r: int, BV: int, form: str, evict: str | None
         lax.fori_loop(0, last + 1, body, (S0, inputs(0)))
 
 
-def _snapshots_kernel(*refs, HV: int, BV: int):
+def _snapshots_kernel(*refs, HV: int, BV: int, tiles_first: bool):
     idx_refs = refs[:5]
     snap_ref = refs[5]
     pool_out = refs[-1]
     S, R, D = pool_out.shape[1], snap_ref.shape[1], snap_ref.shape[2]
-    n, lh, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    n, lh, j = program_ids(tiles_first)
     l, hv = lh // HV, lh % HV
     vs = pl.ds(j * BV, BV)
     slot, step, tslot, tstep, row, accept, track = _request(idx_refs, n, S, R, D)
@@ -127,7 +130,7 @@ def _launch(kernel, pool, tape_leaves, idx, cfg: CommitConfig, interpret: bool, 
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
-        grid=(N, L * HV, V // cfg.block_v),
+        grid=grid(N, L * HV, V // cfg.block_v, cfg.tiles_first),
         input_output_aliases={len(inputs) - 1: 0},
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
@@ -139,7 +142,8 @@ def _launch(kernel, pool, tape_leaves, idx, cfg: CommitConfig, interpret: bool, 
 def commit_tuples(pool, u, k, g, slots, steps, track_slots, track_steps, rows, *, config=CommitConfig(), form, interpret):
     HV, V = pool.shape[2], pool.shape[3]
     cfg = config.fit(V)
-    kernel = functools.partial(_tuples_kernel, HV=HV, r=HV // k.shape[3], BV=cfg.block_v, form=form, evict=cfg.evict)
+    kernel = functools.partial(_tuples_kernel, HV=HV, r=HV // k.shape[3], BV=cfg.block_v, form=form, evict=cfg.evict,
+                               tiles_first=cfg.tiles_first)  # fmt: skip
     idx = (slots, steps, track_slots, track_steps, rows)
     return _launch(kernel, pool, (u, k, g), idx, cfg, interpret, "gdn_commit_replay")
 
@@ -148,6 +152,6 @@ def commit_tuples(pool, u, k, g, slots, steps, track_slots, track_steps, rows, *
 def commit_snapshots(pool, states, slots, steps, track_slots, track_steps, rows, *, config=CommitConfig(), interpret):
     HV, V = pool.shape[2], pool.shape[3]
     cfg = config.fit(V)
-    kernel = functools.partial(_snapshots_kernel, HV=HV, BV=cfg.block_v)
+    kernel = functools.partial(_snapshots_kernel, HV=HV, BV=cfg.block_v, tiles_first=cfg.tiles_first)
     idx = (slots, steps, track_slots, track_steps, rows)
     return _launch(kernel, pool, (states,), idx, cfg, interpret, "gdn_commit_scatter")

@@ -46,7 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ...reference import L2NORM_EPS, gates
-from ._refs import store
+from ._refs import grid, program_ids, store
 from .rounding import ops as rounding_ops
 
 __all__ = ["VerifyConfig", "verify", "ALGORITHMS"]
@@ -96,7 +96,13 @@ class VerifyConfig:
     against the chain's 30.6 + 3.3) but its snapshot verify is 40% slower than the chain's,
     and at D = 4 it is slower in both modes (``benchmarks/NOTES.md``).
     ``prep_heads``: q/k heads per program of the chain's prologue kernel (grid
-    ``(N, D, H / prep_heads)``; 0: all heads in one program per request and step).
+    ``(N, D, H / prep_heads)``; 0: all heads in one program per request and step). The
+    prologue is one program's latency long; with 2 heads per program it took 2.3 against 3.1 us
+    at 25 x 4 (tuples) on the H200, 2.7 against 3.7 (snapshots), 1.9 against 2.5 at 8 x 4
+    (1 and 4 heads: between the two).
+    ``tiles_first``: the grid ``(V // block_v, HV, N)`` instead of ``(N, HV, V // block_v)``
+    (programs are scheduled first axis fastest: consecutive programs then read one state's
+    contiguous tiles and write its snapshots next to each other).
     ``algorithm``: ``"chain"`` or ``"gram"`` (module docstring); ``row_vectors``,
     ``one_pass``, ``unroll`` and ``prefetch_q`` only apply to the chain (the Gram form always
     runs loops: unrolled, its steps took Triton 2-3 min to compile at D = 16).
@@ -113,7 +119,8 @@ class VerifyConfig:
     evict: str | None = "evict_first"
     prefetch_q: bool = True
     products: str = "fma"
-    prep_heads: int = 0
+    prep_heads: int = 2
+    tiles_first: bool = False
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:
@@ -137,14 +144,14 @@ class VerifyConfig:
         return dataclasses.replace(self, block_v=min(self.block_v, V))
 
 
-def _program(refs, n_inputs: int, into: bool, r: int, BV: int):
+def _program(refs, n_inputs: int, into: bool, r: int, BV: int, tiles_first: bool):
     """What both verify kernels read first: their input refs, the two output refs, and the
     program's request ``n``, v-head ``hv``, q/k head ``h``, tape row and V tile ``vs``.
 
     ``refs`` is ``inputs[, rows, tape buffer (aliased)], o, tape``; the tape row is ``rows[n]``
     when the tape goes into a larger buffer, else ``n``.
     """
-    n, hv, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    n, hv, j = program_ids(tiles_first)
     row = refs[n_inputs][n] if into else n
     return refs[:n_inputs], refs[-2], refs[-1], (n, hv, hv // r, row, pl.ds(j * BV, BV))
 
@@ -187,9 +194,9 @@ def _store_state(tape_ref, row, into: bool, t, hv, vs, cols, S, evict):
 
 
 def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bool, row_vectors: bool, one_pass: bool,
-            k_chunk: int, loop: bool, evict: str | None, prefetch_q: bool):  # fmt: skip
+            k_chunk: int, loop: bool, evict: str | None, prefetch_q: bool, tiles_first: bool):  # fmt: skip
     # inputs: state, qn, kn, v, g, beta[, rows, tape buffer (aliased)]; outputs: o, tape
-    (state_ref, q_ref, k_ref, v_ref, g_ref, beta_ref), o_ref, tape_ref, (n, hv, h, row, vs) = _program(refs, 6, into, r, BV)
+    (state_ref, q_ref, k_ref, v_ref, g_ref, beta_ref), o_ref, tape_ref, (n, hv, h, row, vs) = _program(refs, 6, into, r, BV, tiles_first)
     mul, fma = rounding_ops(form)
     cols = _chunks(k_ref.shape[-1], k_chunk)
 
@@ -329,7 +336,7 @@ def _gram_prep_kernel(q_ref, k_ref, a_ref, b_ref, A_log_ref, dt_bias_ref, qn_ref
 
 
 def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bool, k_chunk: int,
-                 evict: str | None, interpret: bool, mma_chunk: int | None):  # fmt: skip
+                 evict: str | None, interpret: bool, mma_chunk: int | None, tiles_first: bool):  # fmt: skip
     """The Gram form (module docstring) for one (request, v-head, V tile).
 
     Products of the untouched state against every step's key and query, ``xk_t = S0 k_t`` and
@@ -345,7 +352,7 @@ def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, int
     """
     # inputs: state, qn, kn, v, g, W, C, P, beta[, rows, tape buffer (aliased)]; outputs: o, tape
     (state_ref, q_ref, k_ref, v_ref, g_ref, W_ref, C_ref, P_ref, beta_ref), o_ref, tape_ref, (n, hv, h, row, vs) = (
-        _program(refs, 9, into, r, BV))  # fmt: skip
+        _program(refs, 9, into, r, BV, tiles_first))  # fmt: skip
     mul, fma = rounding_ops(form)
     cols = _chunks(k_ref.shape[-1], k_chunk)
 
@@ -498,17 +505,17 @@ def verify(
     if gram:
         kernel = functools.partial(_gram_kernel, D=D, r=HV // H, BV=cfg.block_v, snapshots=snapshots, form=form,
                                    into=into, k_chunk=cfg.k_chunk, evict=cfg.evict, interpret=interpret,
-                                   mma_chunk=mma_chunk)  # fmt: skip
+                                   mma_chunk=mma_chunk, tiles_first=cfg.tiles_first)  # fmt: skip
     else:
         kernel = functools.partial(
             _kernel, D=D, r=HV // H, BV=cfg.block_v, snapshots=snapshots, form=form, into=into,
             row_vectors=cfg.row_vectors, one_pass=cfg.one_pass, k_chunk=cfg.k_chunk,
-            loop=D > cfg.unroll, evict=cfg.evict, prefetch_q=cfg.prefetch_q,
+            loop=D > cfg.unroll, evict=cfg.evict, prefetch_q=cfg.prefetch_q, tiles_first=cfg.tiles_first,
         )  # fmt: skip
     outputs, rec = pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(N, HV, V // cfg.block_v),
+        grid=grid(N, HV, V // cfg.block_v, cfg.tiles_first),
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
