@@ -9,7 +9,8 @@ and compute nothing:
 - ``xla read``: ``state.sum(-1)`` (XLA's reduction: the state read once);
 - ``xla 1r+Dw``: the state broadcast to ``[N, D, HV, V, K]`` (read once, written D times);
 - ``pallas read`` / ``pallas 1r+Dw``: Pallas kernels on the verify's own grid ``(N, HV, V / BV)``
-  and launch (BV rows, one warp; ``BV:WARPS`` from ``PATTERN_TILES``), loading each program's
+  and launch (BV rows, one warp; ``BV:WARPS[:tf]`` from ``PATTERN_TILES``, ``tf``: the grid with the V
+  tiles first, as the snapshot verify launches it), loading each program's
   ``[BV, K]`` tile once and storing its row sums (read) or the tile D times (1r+Dw).
 
 Each pattern's time over the copy floor of its bytes says how close to the copy rate that
@@ -56,18 +57,22 @@ def _write_kernel(s_ref, o_ref, *, D):
         o_ref[t] = x
 
 
-def pallas_pattern(state, D: int, write: bool, BV: int, warps: int, interpret: bool = False):
+def pallas_pattern(state, D: int, write: bool, BV: int, warps: int, tiles_first: bool = False, interpret: bool = False):
     N, HV, V, K = state.shape
-    grid = (N, HV, V // BV)
-    in_spec = pl.BlockSpec((None, None, BV, K), lambda n, h, j: (n, h, j, 0))
+    grid = (V // BV, HV, N) if tiles_first else (N, HV, V // BV)
+
+    def ids(f):  # index maps in (n, h, j) whatever the grid's order
+        return (lambda j, h, n: f(n, h, j)) if tiles_first else f
+
+    in_spec = pl.BlockSpec((None, None, BV, K), ids(lambda n, h, j: (n, h, j, 0)))
     if write:
         kernel = functools.partial(_write_kernel, D=D)
         out_shape = jax.ShapeDtypeStruct((N, D, HV, V, K), state.dtype)
-        out_spec = pl.BlockSpec((None, D, None, BV, K), lambda n, h, j: (n, 0, h, j, 0))
+        out_spec = pl.BlockSpec((None, D, None, BV, K), ids(lambda n, h, j: (n, 0, h, j, 0)))
     else:
         kernel = _read_kernel
         out_shape = jax.ShapeDtypeStruct((N, HV, V), state.dtype)
-        out_spec = pl.BlockSpec((None, None, BV), lambda n, h, j: (n, h, j))
+        out_spec = pl.BlockSpec((None, None, BV), ids(lambda n, h, j: (n, h, j)))
     return pl.pallas_call(
         kernel, out_shape=out_shape, grid=grid, in_specs=[in_spec], out_specs=out_spec,
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1), interpret=interpret,
@@ -98,10 +103,10 @@ def time_patterns(N: int, D: int, tiles, rate: float) -> list[dict]:
     rng = np.random.default_rng(N * 100 + D)
     states = [jnp.asarray(rng.standard_normal((N, 32, 128, 128), np.float32)) for _ in range(COPIES)]
     variants = [(f"xla {w}", jax.jit(functools.partial(xla_pattern, D=D, write=w == "1r+Dw"))) for w in ("read", "1r+Dw")]
-    for BV, warps in tiles:
+    for BV, warps, tf in tiles:
         for w in ("read", "1r+Dw"):
-            f = jax.jit(functools.partial(pallas_pattern, D=D, write=w == "1r+Dw", BV=BV, warps=warps))
-            variants.append((f"pallas {w} bv{BV} w{warps}", f))
+            f = jax.jit(functools.partial(pallas_pattern, D=D, write=w == "1r+Dw", BV=BV, warps=warps, tiles_first=tf))
+            variants.append((f"pallas {w} bv{BV} w{warps}" + (" tf" if tf else ""), f))
     rows = []
     for name, f in variants:
         moved = states[0].nbytes * (1 + D if "Dw" in name else 1)
@@ -121,14 +126,16 @@ def time_patterns(N: int, D: int, tiles, rate: float) -> list[dict]:
 
 def main(argv) -> int:
     shapes = (argv[0] if argv else "25x4,8x4,8x8,8x16").split(",")
-    tiles = [tuple(map(int, x.split(":"))) for x in os.environ.get("PATTERN_TILES", "8:1,32:4").split(",")]
+    tiles = [(int(x.split(":")[0]), int(x.split(":")[1]), x.endswith(":tf"))
+             for x in os.environ.get("PATTERN_TILES", "8:1,8:1:tf,32:4").split(",")]
     gpu = jax.default_backend() == "gpu"
     if not gpu:  # a smoke check of the kernels' logic
         s = jnp.asarray(np.random.default_rng(0).standard_normal((2, 4, 16, 32)), jnp.float32)
-        for BV, w in tiles:
+        for BV, w, tf in tiles:
             BV = min(BV, 16)
-            np.testing.assert_array_equal(pallas_pattern(s, 3, True, BV, w, interpret=True), xla_pattern(s, 3, True))
-            np.testing.assert_allclose(pallas_pattern(s, 3, False, BV, w, interpret=True), xla_pattern(s, 3, False), rtol=1e-5, atol=1e-5)
+            np.testing.assert_array_equal(pallas_pattern(s, 3, True, BV, w, tf, interpret=True), xla_pattern(s, 3, True))
+            np.testing.assert_allclose(pallas_pattern(s, 3, False, BV, w, tf, interpret=True), xla_pattern(s, 3, False),
+                                       rtol=1e-5, atol=1e-5)
         log("CPU: pattern kernels agree with XLA (interpret mode); no timings without a GPU")
         return 0
 

@@ -2,7 +2,7 @@
 
 A tag list adds to or overrides fixed fields of :class:`VerifyConfig`: ``gram`` (the Gram
 form), ``one_pass``, ``kcN`` (``k_chunk=N``), ``unN`` (``unroll=N``), ``nsN`` (``num_stages=N``), ``phN`` (``prep_heads=N``), ``noef``
-(``evict=None``), ``lq`` (``prefetch_q=False``), ``mma`` (``products="mma"``), ``tf`` (``tiles_first=True``); other tags are ignored (a script's own,
+(``evict=None``), ``lq`` (``prefetch_q=False``), ``mma`` (``products="mma"``), ``tf`` / ``rf`` (``tiles_first=True`` / ``False``); other tags are ignored (a script's own,
 such as ``portable``). Fields not given keep ``VerifyConfig``'s defaults.
 """
 
@@ -21,8 +21,8 @@ def verify_config(tags, **fields):
             fields["prefetch_q"] = False
         elif tag == "mma":
             fields["products"] = "mma"
-        elif tag == "tf":
-            fields["tiles_first"] = True
+        elif tag in ("tf", "rf"):
+            fields["tiles_first"] = tag == "tf"
         elif tag[:2] in ("kc", "un", "ns", "ph") and tag[2:].isdigit():
             fields[{"kc": "k_chunk", "un": "unroll", "ns": "num_stages", "ph": "prep_heads"}[tag[:2]]] = int(tag[2:])
     return VerifyConfig(**fields)

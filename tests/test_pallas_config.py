@@ -36,7 +36,8 @@ CONFIGS = {
     "chain-bv8-w1-kc8-no-evict": VerifyConfig(k_chunk=8, evict=None),  # the default evicts the state first
     "chain-bv8-w1-kc8-late-q": VerifyConfig(k_chunk=8, prefetch_q=False),  # each step loads its own q
     "chain-bv8-w1-kc8-prep1": VerifyConfig(k_chunk=8, prep_heads=1),  # a prologue program per q/k head
-    "chain-bv8-w1-kc8-tiles-first": VerifyConfig(k_chunk=8, tiles_first=True),  # grid (V tiles, HV, N)
+    "chain-bv8-w1-kc8-tiles-first": VerifyConfig(k_chunk=8, tiles_first=True),  # grid (V tiles, HV, N), both modes
+    "chain-bv8-w1-kc8-requests-first": VerifyConfig(k_chunk=8, tiles_first=False),  # grid (N, HV, V tiles), both
     "gram-bv8-w1-kc8-tiles-first": VerifyConfig(k_chunk=8, algorithm="gram", tiles_first=True),
     "gram-bv8-w1-kc8": VerifyConfig(block_v=8, num_warps=1, k_chunk=8, algorithm="gram"),  # two chunks of K = 16
     "gram-bv16-w1-kc128": VerifyConfig(block_v=16, num_warps=1, k_chunk=128, algorithm="gram"),
@@ -55,7 +56,7 @@ GPU_CONFIGS["chain-no-evict"] = VerifyConfig(evict=None)
 GPU_CONFIGS["chain-late-q"] = VerifyConfig(prefetch_q=False)
 GPU_CONFIGS["chain-bv32-w4"] = VerifyConfig(block_v=32, num_warps=4)
 GPU_CONFIGS |= {f"chain-prep{h}": VerifyConfig(prep_heads=h) for h in (1, 2)}
-GPU_CONFIGS["chain-tiles-first"] = VerifyConfig(tiles_first=True)
+GPU_CONFIGS |= {f"chain-tiles-first-{tf}": VerifyConfig(tiles_first=tf) for tf in (True, False)}
 
 
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
@@ -129,7 +130,7 @@ def test_head_counts_that_are_not_powers_of_two(seed):
         assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max(), config
 
 
-@pytest.mark.parametrize(("evict", "tiles_first"), [(None, False), ("evict_first", False), (None, True)])
+@pytest.mark.parametrize(("evict", "tiles_first"), [(None, None), ("evict_first", None), (None, True), (None, False)])
 def test_commit_config_keeps_the_commit_exact(evict, tiles_first, seed):
     """The replay's eviction hint, its prefetch of the next step and the grid's order change no
     bit: the tuple commit equals the snapshot commit of the same verify, with every masking rule
