@@ -81,7 +81,7 @@ if "verify" in parts:
             for rec in gl.RECORD_MODES:
                 f = jax.jit(lambda x, cfg=cfg, rec=rec: pal.verify(**x, record=rec, scale=128**-0.5, out_dtype=jnp.bfloat16, config=cfg))
                 name = (f"verify {N}x{D} {rec[:5]} {cfg.algorithm} bv{cfg.block_v} w{cfg.num_warps}"
-                        + f" kc{cfg.k_chunk} un{cfg.unroll}" + (" 1pass" if cfg.one_pass else "") + (" ef" if cfg.evict else "") + ("" if cfg.prefetch_q else " lq") + (" mma" if cfg.products == "mma" else "") + (f" ph{cfg.prep_heads}" if cfg.prep_heads else "") + {True: " tf", False: " rf", None: ""}[cfg.tiles_first])
+                        + f" kc{cfg.k_chunk} un{cfg.unroll}" + (" 1pass" if cfg.one_pass else "") + (" ef" if cfg.evict else "") + ("" if cfg.prefetch_q else " lq") + (" mma" if cfg.products == "mma" else "") + (f" ph{cfg.prep_heads}" if cfg.prep_heads else "") + {"tiles": " tf", "requests": " rf", None: ""}[cfg.order])
                 try:
                     jax.block_until_ready(f(xs[0]))
                     dev = device_time(multi(f, [(x,) for x in xs]), 2, CALLS)
@@ -97,7 +97,7 @@ if "verify" in parts:
 if "commit" in parts:
     # TUNE_COMMIT: BACKEND:BLOCK_V:NUM_WARPS[:ef][:nsN][:tf],... (ef: the replay's pool states loaded and stored
     # evict_first; without it, Triton's default eviction, the default of both backends' CommitConfig; nsN: num_stages;
-    # tf / rf: tiles_first True / False, Pallas only; without either, the backend's default)
+    # requests / tiles / heads: Pallas's CommitConfig.order; without one, the backend's default)
     cspec = os.environ.get("TUNE_COMMIT", "pallas:32:8,pallas:32:8:ef,pallas:16:8,pallas:8:1,"
                                           "triton:32:2,triton:32:2:ef,triton:32:4,triton:64:2")
     L, N, D = 30, 25, 4
@@ -114,7 +114,7 @@ if "commit" in parts:
             continue
         stages = [int(x[2:]) for x in more if x[:2] == "ns" and x[2:].isdigit()]
         extra = ({"num_stages": stages[-1]} if stages else {}) | ({"evict": "evict_first"} if "ef" in more else {})
-        extra |= {"tiles_first": True} if "tf" in more else {"tiles_first": False} if "rf" in more else {}
+        extra |= {"order": o for o in ("requests", "tiles", "heads") if o in more}
         ccfgs.append((b, mod, mod.CommitConfig(block_v=int(bv), num_warps=int(w), **extra)))
     for name, tape in (("replay", tup), ("scatter", snp)):
         for b, mod, cfg in ccfgs:
@@ -127,7 +127,7 @@ if "commit" in parts:
             run()
             dev = device_time(run, 6, 1)
             record(f"commit {b} {name} 30L 25x4 bv{cfg.block_v} w{cfg.num_warps} ns{cfg.num_stages}"
-                   + (" ef" if cfg.evict else "") + {True: " tf", False: " rf", None: ""}[getattr(cfg, "tiles_first", None)], dev, kind="commit", backend=b, op=name, block_v=cfg.block_v,
+                   + (" ef" if cfg.evict else "") + (f" {cfg.order}" if getattr(cfg, "order", None) else ""), dev, kind="commit", backend=b, op=name, block_v=cfg.block_v,
                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, evict=cfg.evict)
     json.dump(rows, open(os.path.join(out_dir, "tune.json"), "w"), indent=1)
 

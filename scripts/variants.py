@@ -2,7 +2,7 @@
 
 A tag list adds to or overrides fixed fields of :class:`VerifyConfig`: ``gram`` (the Gram
 form), ``one_pass``, ``kcN`` (``k_chunk=N``), ``unN`` (``unroll=N``), ``nsN`` (``num_stages=N``), ``phN`` (``prep_heads=N``), ``noef``
-(``evict=None``), ``lq`` (``prefetch_q=False``), ``mma`` (``products="mma"``), ``tf`` / ``rf`` (``tiles_first=True`` / ``False``); other tags are ignored (a script's own,
+(``evict=None``), ``lq`` (``prefetch_q=False``), ``mma`` (``products="mma"``), ``tf`` / ``rf`` (``order="tiles"`` / ``"requests"``); other tags are ignored (a script's own,
 such as ``portable``). Fields not given keep ``VerifyConfig``'s defaults.
 """
 
@@ -22,7 +22,7 @@ def verify_config(tags, **fields):
         elif tag == "mma":
             fields["products"] = "mma"
         elif tag in ("tf", "rf"):
-            fields["tiles_first"] = tag == "tf"
+            fields["order"] = "tiles" if tag == "tf" else "requests"
         elif tag[:2] in ("kc", "un", "ns", "ph") and tag[2:].isdigit():
             fields[{"kc": "k_chunk", "un": "unroll", "ns": "num_stages", "ph": "prep_heads"}[tag[:2]]] = int(tag[2:])
     return VerifyConfig(**fields)

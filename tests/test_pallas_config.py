@@ -36,9 +36,9 @@ CONFIGS = {
     "chain-bv8-w1-kc8-no-evict": VerifyConfig(k_chunk=8, evict=None),  # the default evicts the state first
     "chain-bv8-w1-kc8-late-q": VerifyConfig(k_chunk=8, prefetch_q=False),  # each step loads its own q
     "chain-bv8-w1-kc8-prep1": VerifyConfig(k_chunk=8, prep_heads=1),  # a prologue program per q/k head
-    "chain-bv8-w1-kc8-tiles-first": VerifyConfig(k_chunk=8, tiles_first=True),  # grid (V tiles, HV, N), both modes
-    "chain-bv8-w1-kc8-requests-first": VerifyConfig(k_chunk=8, tiles_first=False),  # grid (N, HV, V tiles), both
-    "gram-bv8-w1-kc8-tiles-first": VerifyConfig(k_chunk=8, algorithm="gram", tiles_first=True),
+    "chain-bv8-w1-kc8-tiles-first": VerifyConfig(k_chunk=8, order="tiles"),  # grid (V tiles, HV, N), both modes
+    "chain-bv8-w1-kc8-requests-first": VerifyConfig(k_chunk=8, order="requests"),  # grid (N, HV, V tiles), both
+    "gram-bv8-w1-kc8-tiles-first": VerifyConfig(k_chunk=8, algorithm="gram", order="tiles"),
     "gram-bv8-w1-kc8": VerifyConfig(block_v=8, num_warps=1, k_chunk=8, algorithm="gram"),  # two chunks of K = 16
     "gram-bv16-w1-kc128": VerifyConfig(block_v=16, num_warps=1, k_chunk=128, algorithm="gram"),
     "gram-bv16-w1-mma": VerifyConfig(block_v=16, algorithm="gram", products="mma"),  # TF32x3 on a GPU
@@ -56,7 +56,7 @@ GPU_CONFIGS["chain-no-evict"] = VerifyConfig(evict=None)
 GPU_CONFIGS["chain-late-q"] = VerifyConfig(prefetch_q=False)
 GPU_CONFIGS["chain-bv32-w4"] = VerifyConfig(block_v=32, num_warps=4)
 GPU_CONFIGS |= {f"chain-prep{h}": VerifyConfig(prep_heads=h) for h in (1, 2)}
-GPU_CONFIGS |= {f"chain-tiles-first-{tf}": VerifyConfig(tiles_first=tf) for tf in (True, False)}
+GPU_CONFIGS |= {f"chain-order-{o}": VerifyConfig(order=o) for o in ("tiles", "requests")}
 
 
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
@@ -92,10 +92,15 @@ def _check_config(config, seed, shape):
                                                (dict(num_warps=3), "num_warps"), (dict(k_chunk=0), "k_chunk"),
                                                ({"unroll": -1}, "unroll"), ({"evict": "first"}, "evict"),
                                                ({"products": "tf32"}, "products"), ({"prep_heads": 3}, "prep_heads"),
-                                               ({"products": "mma"}, "products")])  # fmt: skip
+                                               ({"products": "mma"}, "products"), ({"order": "heads"}, "order")])  # fmt: skip
 def test_bad_config_names_the_field(kwargs, names):
     with pytest.raises(ValueError, match=names):
         VerifyConfig(**kwargs)
+
+
+def test_bad_commit_order_names_the_field():
+    with pytest.raises(ValueError, match="order"):
+        CommitConfig(order="layers")
 
 
 def test_k_not_a_multiple_of_k_chunk_is_refused(seed):
@@ -130,15 +135,16 @@ def test_head_counts_that_are_not_powers_of_two(seed):
         assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max(), config
 
 
-@pytest.mark.parametrize(("evict", "tiles_first"), [(None, None), ("evict_first", None), (None, True), (None, False)])
-def test_commit_config_keeps_the_commit_exact(evict, tiles_first, seed):
+@pytest.mark.parametrize(("evict", "order"), [(None, None), ("evict_first", None), (None, "requests"), (None, "tiles"),
+                                              (None, "heads")])  # fmt: skip
+def test_commit_config_keeps_the_commit_exact(evict, order, seed):
     """The replay's eviction hint, its prefetch of the next step and the grid's order change no
     bit: the tuple commit equals the snapshot commit of the same verify, with every masking rule
     exercised. Control: the naive replay form of the same commit differs."""
     case = make_case("pallas", seed, Shape(N=3, D=3, H=2, HV=4, K=16, V=16), state_dtype=jnp.float32, kind="normal")
     commit = backends.resolve("pallas", "commit").commit
     args = case.idx.as_args()
-    cfg = CommitConfig(block_v=8, num_warps=1, evict=evict, tiles_first=tiles_first)
+    cfg = CommitConfig(block_v=8, num_warps=1, evict=evict, order=order)
     by_tuples = commit(case.pool, case.tuples, *args, config=cfg)
     by_snapshots = commit(case.pool, case.snapshots, *args, config=cfg)
     assert_bitwise_equal(by_snapshots, by_tuples, "tuple commit vs snapshot commit")

@@ -30,6 +30,21 @@ from .rounding import replay_update
 __all__ = ["CommitConfig", "commit_tuples", "commit_snapshots"]
 
 F32 = jnp.float32
+ORDERS = ("requests", "tiles", "heads")
+
+
+def _grid(order: str, N: int, L: int, HV: int, NV: int) -> tuple[int, ...]:
+    """The launch grid for :attr:`CommitConfig.order` (``NV`` V tiles)."""
+    return (NV, HV, N, L) if order == "heads" else grid(N, L * HV, NV, order == "tiles")
+
+
+def _ids(order: str, HV: int):
+    """``(n, layer, hv, tile)`` of this program, for :func:`_grid`."""
+    if order == "heads":
+        j, hv, n, l = (pl.program_id(i) for i in range(4))
+        return n, l, hv, j
+    n, lh, j = program_ids(order == "tiles")
+    return n, lh // HV, lh % HV, j
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,11 +55,17 @@ class CommitConfig:
     # Eviction policy of the replay's pool loads and stores: None (Triton's default). On the H200
     # "evict_first" made the 30-layer replay slower, 947 against 922 us (benchmarks/NOTES.md).
     evict: str | None = None
-    # The grid (V // block_v, L * HV, N) instead of (N, L * HV, V // block_v): consecutive
-    # programs walk one state's contiguous tiles rather than the requests' slots. None: the
-    # tiles first for the snapshot scatter (H200, 30 layers at 25 x 4: 898 against 924 us),
-    # the requests first for the replay (986 against 930 us with the tiles first).
-    tiles_first: bool | None = None
+    # The grid's order (programs are scheduled first axis fastest): "requests" (N, L * HV, V // block_v);
+    # "tiles" (V // block_v, L * HV, N): consecutive programs walk one state's contiguous tiles, then
+    # its layers; "heads" (V // block_v, HV, N, L): the tiles and heads of one layer's state, then
+    # the other requests, then the layers (the Triton backend's order). None: the tiles first for
+    # the snapshot scatter (H200, 30 layers at 25 x 4: 898 against 924 us), the requests first for
+    # the replay (986 against 930 us with the tiles first).
+    order: str | None = None
+
+    def __post_init__(self):
+        if self.order not in (None, *ORDERS):
+            raise ValueError(f"CommitConfig: order must be None or one of {ORDERS}, got {self.order!r}")
 
     def fit(self, V: int) -> "CommitConfig":
         return dataclasses.replace(self, block_v=min(self.block_v, V))
@@ -60,7 +81,7 @@ def _request(idx_refs, n, S: int, R: int, D: int):
     return slot, step, tslot, tstep, row, accept, track
 
 
-def _tuples_kernel(*refs, HV: int, r: int, BV: int, form: str, evict: str | None, tiles_first: bool):
+def _tuples_kernel(*refs, HV: int, r: int, BV: int, form: str, evict: str | None, order: str):
     from jax.experimental.pallas import triton as plgpu
 
     idx_refs = refs[:5]
@@ -68,8 +89,7 @@ def _tuples_kernel(*refs, HV: int, r: int, BV: int, form: str, evict: str | None
     pool_out = refs[-1]
     L, S = pool_out.shape[0], pool_out.shape[1]
     R, D = u_ref.shape[1], u_ref.shape[2]
-    n, lh, j = program_ids(tiles_first)
-    l, hv = lh // HV, lh % HV
+    n, l, hv, j = _ids(order, HV)
     h = hv // r
     vs = pl.ds(j * BV, BV)
     slot, step, tslot, tstep, row, accept, track = _request(idx_refs, n, S, R, D)
@@ -104,13 +124,12 @@ def _tuples_kernel(*refs, HV: int, r: int, BV: int, form: str, evict: str | None
         lax.fori_loop(0, last + 1, body, (S0, inputs(0)))
 
 
-def _snapshots_kernel(*refs, HV: int, BV: int, tiles_first: bool):
+def _snapshots_kernel(*refs, HV: int, BV: int, order: str):
     idx_refs = refs[:5]
     snap_ref = refs[5]
     pool_out = refs[-1]
     S, R, D = pool_out.shape[1], snap_ref.shape[1], snap_ref.shape[2]
-    n, lh, j = program_ids(tiles_first)
-    l, hv = lh // HV, lh % HV
+    n, l, hv, j = _ids(order, HV)
     vs = pl.ds(j * BV, BV)
     slot, step, tslot, tstep, row, accept, track = _request(idx_refs, n, S, R, D)
 
@@ -123,7 +142,7 @@ def _snapshots_kernel(*refs, HV: int, BV: int, tiles_first: bool):
         pool_out[l, slot, hv, vs, :] = snap_ref[l, row, step, hv, vs, :]
 
 
-def _launch(kernel, pool, tape_leaves, idx, cfg: CommitConfig, tiles_first: bool, interpret: bool, name: str):
+def _launch(kernel, pool, tape_leaves, idx, cfg: CommitConfig, order: str, interpret: bool, name: str):
     from jax.experimental.pallas import triton as plgpu
 
     L, _, HV, V, _ = pool.shape
@@ -132,7 +151,7 @@ def _launch(kernel, pool, tape_leaves, idx, cfg: CommitConfig, tiles_first: bool
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
-        grid=grid(N, L * HV, V // cfg.block_v, tiles_first),
+        grid=_grid(order, N, L, HV, V // cfg.block_v),
         input_output_aliases={len(inputs) - 1: 0},
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
@@ -144,18 +163,18 @@ def _launch(kernel, pool, tape_leaves, idx, cfg: CommitConfig, tiles_first: bool
 def commit_tuples(pool, u, k, g, slots, steps, track_slots, track_steps, rows, *, config=CommitConfig(), form, interpret):
     HV, V = pool.shape[2], pool.shape[3]
     cfg = config.fit(V)
-    tiles_first = bool(cfg.tiles_first)  # None: the requests first
+    order = cfg.order or "requests"
     kernel = functools.partial(_tuples_kernel, HV=HV, r=HV // k.shape[3], BV=cfg.block_v, form=form, evict=cfg.evict,
-                               tiles_first=tiles_first)  # fmt: skip
+                               order=order)  # fmt: skip
     idx = (slots, steps, track_slots, track_steps, rows)
-    return _launch(kernel, pool, (u, k, g), idx, cfg, tiles_first, interpret, "gdn_commit_replay")
+    return _launch(kernel, pool, (u, k, g), idx, cfg, order, interpret, "gdn_commit_replay")
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def commit_snapshots(pool, states, slots, steps, track_slots, track_steps, rows, *, config=CommitConfig(), interpret):
     HV, V = pool.shape[2], pool.shape[3]
     cfg = config.fit(V)
-    tiles_first = cfg.tiles_first is not False  # None: the tiles first
-    kernel = functools.partial(_snapshots_kernel, HV=HV, BV=cfg.block_v, tiles_first=tiles_first)
+    order = cfg.order or "tiles"
+    kernel = functools.partial(_snapshots_kernel, HV=HV, BV=cfg.block_v, order=order)
     idx = (slots, steps, track_slots, track_steps, rows)
-    return _launch(kernel, pool, (states,), idx, cfg, tiles_first, interpret, "gdn_commit_scatter")
+    return _launch(kernel, pool, (states,), idx, cfg, order, interpret, "gdn_commit_scatter")

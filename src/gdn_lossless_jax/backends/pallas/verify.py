@@ -54,6 +54,7 @@ __all__ = ["VerifyConfig", "verify", "ALGORITHMS"]
 F32 = jnp.float32
 ALGORITHMS = ("chain", "gram")
 PRODUCTS = ("fma", "mma")
+ORDERS = ("requests", "tiles")
 MMA_MIN = 16  # Triton's smallest tl.dot tile side
 HIGHEST = jax.lax.Precision.HIGHEST  # fp32 products in fp32 (the default would be TF32 on a GPU)
 
@@ -100,11 +101,11 @@ class VerifyConfig:
     prologue is one program's latency long; with 2 heads per program it took 2.3 against 3.1 us
     at 25 x 4 (tuples) on the H200, 2.7 against 3.7 (snapshots), 1.9 against 2.5 at 8 x 4
     (1 and 4 heads: between the two).
-    ``tiles_first``: the grid ``(V // block_v, HV, N)`` instead of ``(N, HV, V // block_v)``
-    (programs are scheduled first axis fastest: consecutive programs then read one state's
-    contiguous tiles and write its snapshots next to each other). The order changes no
-    arithmetic, so the two modes may differ in it; None (the default) takes the tiles first
-    for snapshots and the requests first for tuples. On the H200 the tiles first made the
+    ``order``: the grid's order, ``"requests"`` ``(N, HV, V // block_v)`` or ``"tiles"``
+    ``(V // block_v, HV, N)`` (programs are scheduled first axis fastest: with the tiles first,
+    consecutive programs read one state's contiguous tiles and write its snapshots next to each
+    other). The order changes no arithmetic, so the two modes may differ in it; None (the
+    default) takes the tiles first for snapshots and the requests first for tuples. On the H200 the tiles first made the
     snapshot verify 6-7% faster (25 x 4: 71.7 against 77.3 us; 8 x 16: 77.9 against 82.7) and
     the tuple verify no faster (30.4 against 30.3 us at 25 x 4; 31.9 against 30.7 at 8 x 16).
     ``algorithm``: ``"chain"`` or ``"gram"`` (module docstring); ``row_vectors``,
@@ -124,7 +125,7 @@ class VerifyConfig:
     prefetch_q: bool = True
     products: str = "fma"
     prep_heads: int = 2
-    tiles_first: bool | None = None
+    order: str | None = None
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:
@@ -135,6 +136,8 @@ class VerifyConfig:
             raise ValueError(f"VerifyConfig: products='mma' needs algorithm='gram', got {self.algorithm!r}")
         if self.evict not in (None, "evict_first", "evict_last"):
             raise ValueError(f"VerifyConfig: evict must be None, 'evict_first' or 'evict_last', got {self.evict!r}")
+        if self.order not in (None, *ORDERS):
+            raise ValueError(f"VerifyConfig: order must be None or one of {ORDERS}, got {self.order!r}")
         if self.prep_heads < 0 or self.prep_heads & (self.prep_heads - 1):
             raise ValueError(f"VerifyConfig: prep_heads must be 0 or a power of 2, got {self.prep_heads}")
         if self.unroll < 0:
@@ -483,7 +486,7 @@ def verify(
     snapshots = record == "snapshots"
     into = tape is not None
     gram = cfg.algorithm == "gram"
-    tiles_first = snapshots if cfg.tiles_first is None else cfg.tiles_first
+    tiles_first = (cfg.order or ("tiles" if snapshots else "requests")) == "tiles"
     if gram:
         mma_chunk = max(MMA_MIN, cfg.k_chunk) if cfg.products == "mma" else None
         # every side of a tl.dot tile is >= 16; the chunks must cover K
