@@ -114,7 +114,8 @@ if "commit" in parts:
             continue
         stages = [int(x[2:]) for x in more if x[:2] == "ns" and x[2:].isdigit()]
         extra = ({"num_stages": stages[-1]} if stages else {}) | ({"evict": "evict_first"} if "ef" in more else {})
-        extra |= {"order": o for o in ("requests", "tiles", "heads") if o in more}
+        orders = [o for o in ("requests", "tiles", "heads") if o in more]
+        extra |= {"order": orders[-1]} if orders else {}
         ccfgs.append((b, mod, mod.CommitConfig(block_v=int(bv), num_warps=int(w), **extra)))
     for name, tape in (("replay", tup), ("scatter", snp)):
         for b, mod, cfg in ccfgs:

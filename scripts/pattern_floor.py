@@ -102,7 +102,8 @@ def time_patterns(N: int, D: int, tiles, rate: float) -> list[dict]:
     """Every pattern at N requests and D drafts, on ``COPIES`` states in turn (no state stays in L2)."""
     rng = np.random.default_rng(N * 100 + D)
     states = [jnp.asarray(rng.standard_normal((N, 32, 128, 128), np.float32)) for _ in range(COPIES)]
-    variants = [(f"xla {w}", jax.jit(functools.partial(xla_pattern, D=D, write=w == "1r+Dw"))) for w in ("read", "1r+Dw")]
+    variants = [(f"xla {w}", jax.jit(functools.partial(xla_pattern, D=D, write=w == "1r+Dw")))
+                for w in ("read", "1r+Dw")]  # fmt: skip
     for BV, warps, tf in tiles:
         for w in ("read", "1r+Dw"):
             f = jax.jit(functools.partial(pallas_pattern, D=D, write=w == "1r+Dw", BV=BV, warps=warps, tiles_first=tf))
@@ -133,7 +134,8 @@ def main(argv) -> int:
         s = jnp.asarray(np.random.default_rng(0).standard_normal((2, 4, 16, 32)), jnp.float32)
         for BV, w, tf in tiles:
             BV = min(BV, 16)
-            np.testing.assert_array_equal(pallas_pattern(s, 3, True, BV, w, tf, interpret=True), xla_pattern(s, 3, True))
+            got = pallas_pattern(s, 3, True, BV, w, tf, interpret=True)
+            np.testing.assert_array_equal(got, xla_pattern(s, 3, True))
             np.testing.assert_allclose(pallas_pattern(s, 3, False, BV, w, tf, interpret=True), xla_pattern(s, 3, False),
                                        rtol=1e-5, atol=1e-5)
         log("CPU: pattern kernels agree with XLA (interpret mode); no timings without a GPU")

@@ -85,15 +85,16 @@ def time_variant(spec: str, ttir: Path, limits) -> list[dict]:
     # the kernel's own inputs: the prologue's outputs, as the Pallas call made them
     ins = []
     for x in xs:
-        qn, kn, g, beta = pallas_prep(x["q"], x["k"], x["a"], x["b"], x["A_log"], x["dt_bias"], scale=128**-0.5, heads=cfg.prep_heads,
-                                   interpret=False)  # fmt: skip
+        qn, kn, g, beta = pallas_prep(x["q"], x["k"], x["a"], x["b"], x["A_log"], x["dt_bias"], scale=128**-0.5,
+                                      heads=cfg.prep_heads, interpret=False)  # fmt: skip
         ins.append([torch.from_dlpack(a) for a in (x["state0"], qn, kn, x["v"], g, beta)])
     rec_shape = (N, D, 32, 128, 128) if record == "snapshots" else (N, D, 32, 128)
     outs = [(torch.empty((N, D, 32, 128), dtype=torch.bfloat16, device="cuda"),
              torch.empty(rec_shape, dtype=torch.float32, device="cuda")) for _ in xs]  # fmt: skip
 
     def measure(lim, fusion):
-        opts = {"num_warps": W, "num_stages": cfg.num_stages, "enable_fp_fusion": fusion} | ({"maxnreg": lim} if lim else {})
+        opts = {"num_warps": W, "num_stages": cfg.num_stages, "enable_fp_fusion": fusion}
+        opts |= {"maxnreg": lim} if lim else {}
         k = triton.compile(str(ttir), target=GPUTarget("cuda", 90, 32), options=opts)
         launch = k[(N, 32, 128 // BV)]
 

@@ -1,12 +1,12 @@
 """Pallas (Triton backend) commit: all GDN layers of a batch in one launch, in place.
 
-Tuple tape: grid ``(N, L * HV, V // BV)``. A program loads the pre-verify state tile of
-its request's slot once, walks the chain up to ``max(step, track_step)`` with the rule
-``fma(k, u, rn(S * exp(g)))`` (step t + 1's k, u and g loaded during step t), and stores
-the track state when the chain reaches the track step and the accepted state when it
-reaches the accepted step. Both come from the
-pre-verify state held in registers, so writing the accepted state in place cannot corrupt
-the track state (the seed's ordering bug cannot happen by construction).
+Tuple tape: grid ``(N, L * HV, V // BV)`` (other orders: ``CommitConfig.order``). A program
+loads the pre-verify state tile of its request's slot once, walks the chain up to
+``max(step, track_step)`` with the rule ``fma(k, u, rn(S * exp(g)))`` (step t + 1's k, u and
+g loaded during step t), and stores the track state when the chain reaches the track step and
+the accepted state when it reaches the accepted step. Both come from the pre-verify state
+held in registers, so writing the accepted state in place cannot corrupt the track state (the
+seed's ordering bug cannot happen by construction).
 
 Snapshot tape: the same grid, a masked gather-scatter of the two snapshots.
 

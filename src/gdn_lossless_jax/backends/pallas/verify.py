@@ -1,14 +1,14 @@
-"""Pallas (Triton backend) verify: one kernel body, one launch for both record modes.
+"""Pallas (Triton backend) verify: one kernel body, one launch configuration for both record modes.
 
 Work outside the serial chain runs first, in a small prologue kernel: the q/k l2 norms,
 the query scale and the gates, with ``reference.prepare``'s formulas (XLA compiled those into
-six kernels, ~10 us on the H200; this is one launch). Its ``k`` and ``g`` *are* the tape's
-``k`` and ``g``: written once per (request, q/k head) and (request, v-head), never once
-per V tile.
+six kernels, ~10 us on the H200; this is one launch, ``VerifyConfig.prep_heads`` q/k heads
+per program). Its ``k`` and ``g`` *are* the tape's ``k`` and ``g``: written once per
+(request, q/k head) and (request, v-head), never once per V tile.
 
-The kernel's grid is ``(N, HV, V // BV)``: one program per request, v-head and V tile,
-holding the ``[BV, K]`` fp32 state tile in registers. Two algorithms, chosen by
-``VerifyConfig.algorithm``:
+The kernel's grid is ``(N, HV, V // BV)`` (or ``(V // BV, HV, N)``, ``VerifyConfig.order``):
+one program per request, v-head and V tile, holding the ``[BV, K]`` fp32 state tile in
+registers. Two algorithms, chosen by ``VerifyConfig.algorithm``:
 
 - ``"chain"``: the D steps as written (SPEC 2.3-2.6). Per step: one pinned decay multiply,
   one reduction over K, one pinned fma, one output reduction, and the step's store (``u``,
@@ -29,7 +29,8 @@ holding the ``[BV, K]`` fp32 state tile in registers. Two algorithms, chosen by
 The default launch is the chain with 8 rows and one warp per program, its state tile held as
 ``[8, 16]`` chunks (``VerifyConfig.k_chunk``) and its steps run as a loop: on the H200 the fastest
 tuple verify at D = 4, 8 and 16, and within 4% of the fastest snapshot verify (the whole-K tile);
-both modes must share one launch (``benchmarks/NOTES.md``).
+both modes must share its arithmetic (``benchmarks/NOTES.md``). They differ only in the grid's
+order (``VerifyConfig.order``), which changes no arithmetic: the V tiles first for snapshots.
 
 The per-request pitch of the tape is the buffer's: with ``tape=`` the kernel writes into
 rows of a larger buffer (``D <= Dmax``).
@@ -203,7 +204,8 @@ def _store_state(tape_ref, row, into: bool, t, hv, vs, cols, S, evict):
 def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bool, row_vectors: bool, one_pass: bool,
             k_chunk: int, loop: bool, evict: str | None, prefetch_q: bool, tiles_first: bool):  # fmt: skip
     # inputs: state, qn, kn, v, g, beta[, rows, tape buffer (aliased)]; outputs: o, tape
-    (state_ref, q_ref, k_ref, v_ref, g_ref, beta_ref), o_ref, tape_ref, (n, hv, h, row, vs) = _program(refs, 6, into, r, BV, tiles_first)
+    (state_ref, q_ref, k_ref, v_ref, g_ref, beta_ref), o_ref, tape_ref, (n, hv, h, row, vs) = _program(
+        refs, 6, into, r, BV, tiles_first)  # fmt: skip
     mul, fma = rounding_ops(form)
     cols = _chunks(k_ref.shape[-1], k_chunk)
 
