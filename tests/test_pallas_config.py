@@ -135,8 +135,8 @@ def test_head_counts_that_are_not_powers_of_two(seed):
         assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max(), config
 
 
-@pytest.mark.parametrize(("evict", "order"), [(None, None), ("evict_first", None), (None, "requests"), (None, "tiles"),
-                                              (None, "heads")])  # fmt: skip
+@pytest.mark.parametrize(("evict", "order"), [(None, "heads"), ("evict_first", "heads"), (None, "requests"),
+                                              (None, "tiles")])  # fmt: skip
 def test_commit_config_keeps_the_commit_exact(evict, order, seed):
     """The replay's eviction hint, its prefetch of the next step and the grid's order change no
     bit: the tuple commit equals the snapshot commit of the same verify, with every masking rule

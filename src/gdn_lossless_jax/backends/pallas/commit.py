@@ -1,6 +1,6 @@
 """Pallas (Triton backend) commit: all GDN layers of a batch in one launch, in place.
 
-Tuple tape: grid ``(N, L * HV, V // BV)`` (other orders: ``CommitConfig.order``). A program
+Tuple tape: grid ``(V // BV, HV, N, L)`` (other orders: ``CommitConfig.order``). A program
 loads the pre-verify state tile of its request's slot once, walks the chain up to
 ``max(step, track_step)`` with the rule ``fma(k, u, rn(S * exp(g)))`` (step t + 1's k, u and
 g loaded during step t), and stores the track state when the chain reaches the track step and
@@ -49,8 +49,10 @@ def _ids(order: str, HV: int):
 
 @dataclasses.dataclass(frozen=True)
 class CommitConfig:
-    block_v: int = 32
-    num_warps: int = 8  # the H200 sweep: 925 us against 971 with 4 warps (benchmarks/NOTES.md)
+    # H200, 30 layers at 25 x 4, in the "heads" order: replay 907 us against 918-922 with 32 rows on
+    # 8 warps (the default before) and 983-1038 elsewhere; scatter 891 (benchmarks/NOTES.md).
+    block_v: int = 16
+    num_warps: int = 4
     num_stages: int = 1
     # Eviction policy of the replay's pool loads and stores: None (Triton's default). On the H200
     # "evict_first" made the 30-layer replay slower, 947 against 922 us (benchmarks/NOTES.md).
@@ -58,14 +60,13 @@ class CommitConfig:
     # The grid's order (programs are scheduled first axis fastest): "requests" (N, L * HV, V // block_v);
     # "tiles" (V // block_v, L * HV, N): consecutive programs walk one state's contiguous tiles, then
     # its layers; "heads" (V // block_v, HV, N, L): the tiles and heads of one layer's state, then
-    # the other requests, then the layers (the Triton backend's order). None: the tiles first for
-    # the snapshot scatter (H200, 30 layers at 25 x 4: 898 against 924 us), the requests first for
-    # the replay (986 against 930 us with the tiles first).
-    order: str | None = None
+    # the other requests, then the layers (the Triton backend's order). H200, 30 layers at 25 x 4,
+    # 32 rows on 8 warps: replay 922 / 986 / 918 us, scatter 894 / 898 / 894 us in that order.
+    order: str = "heads"
 
     def __post_init__(self):
-        if self.order not in (None, *ORDERS):
-            raise ValueError(f"CommitConfig: order must be None or one of {ORDERS}, got {self.order!r}")
+        if self.order not in ORDERS:
+            raise ValueError(f"CommitConfig: order must be one of {ORDERS}, got {self.order!r}")
 
     def fit(self, V: int) -> "CommitConfig":
         return dataclasses.replace(self, block_v=min(self.block_v, V))
@@ -163,7 +164,7 @@ def _launch(kernel, pool, tape_leaves, idx, cfg: CommitConfig, order: str, inter
 def commit_tuples(pool, u, k, g, slots, steps, track_slots, track_steps, rows, *, config=CommitConfig(), form, interpret):
     HV, V = pool.shape[2], pool.shape[3]
     cfg = config.fit(V)
-    order = cfg.order or "requests"
+    order = cfg.order
     kernel = functools.partial(_tuples_kernel, HV=HV, r=HV // k.shape[3], BV=cfg.block_v, form=form, evict=cfg.evict,
                                order=order)  # fmt: skip
     idx = (slots, steps, track_slots, track_steps, rows)
@@ -174,7 +175,7 @@ def commit_tuples(pool, u, k, g, slots, steps, track_slots, track_steps, rows, *
 def commit_snapshots(pool, states, slots, steps, track_slots, track_steps, rows, *, config=CommitConfig(), interpret):
     HV, V = pool.shape[2], pool.shape[3]
     cfg = config.fit(V)
-    order = cfg.order or "tiles"
+    order = cfg.order
     kernel = functools.partial(_snapshots_kernel, HV=HV, BV=cfg.block_v, order=order)
     idx = (slots, steps, track_slots, track_steps, rows)
     return _launch(kernel, pool, (states,), idx, cfg, order, interpret, "gdn_commit_scatter")
