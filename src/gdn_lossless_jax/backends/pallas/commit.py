@@ -49,8 +49,9 @@ def _ids(order: str, HV: int):
 
 @dataclasses.dataclass(frozen=True)
 class CommitConfig:
-    # H200, 30 layers at 25 x 4, in the "heads" order: replay 907 us against 918-922 with 32 rows on
-    # 8 warps (the default before) and 983-1038 elsewhere; scatter 891 (benchmarks/NOTES.md).
+    # H200, 30 layers at 25 x 4, in the "heads" order: replay 907 us against 918 with 32 rows on 8
+    # warps (922 in the "requests" order, the default before) and 919-978 with other tiles and
+    # warps; scatter 891 against 894 (benchmarks/NOTES.md).
     block_v: int = 16
     num_warps: int = 4
     num_stages: int = 1
@@ -143,7 +144,7 @@ def _snapshots_kernel(*refs, HV: int, BV: int, order: str):
         pool_out[l, slot, hv, vs, :] = snap_ref[l, row, step, hv, vs, :]
 
 
-def _launch(kernel, pool, tape_leaves, idx, cfg: CommitConfig, order: str, interpret: bool, name: str):
+def _launch(kernel, pool, tape_leaves, idx, cfg: CommitConfig, interpret: bool, name: str):
     from jax.experimental.pallas import triton as plgpu
 
     L, _, HV, V, _ = pool.shape
@@ -152,7 +153,7 @@ def _launch(kernel, pool, tape_leaves, idx, cfg: CommitConfig, order: str, inter
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
-        grid=_grid(order, N, L, HV, V // cfg.block_v),
+        grid=_grid(cfg.order, N, L, HV, V // cfg.block_v),
         input_output_aliases={len(inputs) - 1: 0},
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
@@ -164,18 +165,16 @@ def _launch(kernel, pool, tape_leaves, idx, cfg: CommitConfig, order: str, inter
 def commit_tuples(pool, u, k, g, slots, steps, track_slots, track_steps, rows, *, config=CommitConfig(), form, interpret):
     HV, V = pool.shape[2], pool.shape[3]
     cfg = config.fit(V)
-    order = cfg.order
     kernel = functools.partial(_tuples_kernel, HV=HV, r=HV // k.shape[3], BV=cfg.block_v, form=form, evict=cfg.evict,
-                               order=order)  # fmt: skip
+                               order=cfg.order)  # fmt: skip
     idx = (slots, steps, track_slots, track_steps, rows)
-    return _launch(kernel, pool, (u, k, g), idx, cfg, order, interpret, "gdn_commit_replay")
+    return _launch(kernel, pool, (u, k, g), idx, cfg, interpret, "gdn_commit_replay")
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def commit_snapshots(pool, states, slots, steps, track_slots, track_steps, rows, *, config=CommitConfig(), interpret):
     HV, V = pool.shape[2], pool.shape[3]
     cfg = config.fit(V)
-    order = cfg.order
-    kernel = functools.partial(_snapshots_kernel, HV=HV, BV=cfg.block_v, order=order)
+    kernel = functools.partial(_snapshots_kernel, HV=HV, BV=cfg.block_v, order=cfg.order)
     idx = (slots, steps, track_slots, track_steps, rows)
-    return _launch(kernel, pool, (states,), idx, cfg, order, interpret, "gdn_commit_scatter")
+    return _launch(kernel, pool, (states,), idx, cfg, interpret, "gdn_commit_scatter")

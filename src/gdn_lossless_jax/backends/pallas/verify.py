@@ -106,9 +106,10 @@ class VerifyConfig:
     ``(V // block_v, HV, N)`` (programs are scheduled first axis fastest: with the tiles first,
     consecutive programs read one state's contiguous tiles and write its snapshots next to each
     other). The order changes no arithmetic, so the two modes may differ in it; None (the
-    default) takes the tiles first for snapshots and the requests first for tuples. On the H200 the tiles first made the
-    snapshot verify 6-7% faster (25 x 4: 71.7 against 77.3 us; 8 x 16: 77.9 against 82.7) and
-    the tuple verify no faster (30.4 against 30.3 us at 25 x 4; 31.9 against 30.7 at 8 x 16).
+    default) takes the tiles first for snapshots and the requests first for tuples. On the
+    H200 the tiles first made the snapshot verify 6-7% faster (25 x 4: 71.7 against 77.3 us;
+    8 x 16: 77.9 against 82.7) and the tuple verify no faster (30.4 against 30.3 us at 25 x 4;
+    31.9 against 30.7 at 8 x 16).
     ``algorithm``: ``"chain"`` or ``"gram"`` (module docstring); ``row_vectors``,
     ``one_pass``, ``unroll`` and ``prefetch_q`` only apply to the chain (the Gram form always
     runs loops: unrolled, its steps took Triton 2-3 min to compile at D = 16).
