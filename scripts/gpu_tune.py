@@ -97,7 +97,8 @@ if "verify" in parts:
 if "commit" in parts:
     # TUNE_COMMIT: BACKEND:BLOCK_V:NUM_WARPS[:ef][:nsN][:tf],... (ef: the replay's pool states loaded and stored
     # evict_first; without it, Triton's default eviction, the default of both backends' CommitConfig; nsN: num_stages;
-    # requests / tiles / heads: Pallas's CommitConfig.order; without one, the backend's default)
+    # requests / tiles / heads: Pallas's CommitConfig.order; without one, the backend's default; kv: Pallas's
+    # CommitConfig.k_row=False)
     cspec = os.environ.get("TUNE_COMMIT", "pallas:32:8,pallas:32:8:ef,pallas:16:8,pallas:8:1,"
                                           "triton:32:2,triton:32:2:ef,triton:32:4,triton:64:2")
     L, N, D = 30, 25, 4
@@ -115,7 +116,7 @@ if "commit" in parts:
         stages = [int(x[2:]) for x in more if x[:2] == "ns" and x[2:].isdigit()]
         extra = ({"num_stages": stages[-1]} if stages else {}) | ({"evict": "evict_first"} if "ef" in more else {})
         orders = [o for o in ("requests", "tiles", "heads") if o in more]
-        extra |= {"order": orders[-1]} if orders else {}
+        extra |= ({"order": orders[-1]} if orders else {}) | ({"k_row": False} if "kv" in more else {})
         ccfgs.append((b, mod, mod.CommitConfig(block_v=int(bv), num_warps=int(w), **extra)))
     for name, tape in (("replay", tup), ("scatter", snp)):
         for b, mod, cfg in ccfgs:
@@ -128,7 +129,7 @@ if "commit" in parts:
             run()
             dev = device_time(run, 6, 1)
             record(f"commit {b} {name} 30L 25x4 bv{cfg.block_v} w{cfg.num_warps} ns{cfg.num_stages}"
-                   + (" ef" if cfg.evict else "") + (f" {cfg.order}" if getattr(cfg, "order", None) else ""), dev, kind="commit", backend=b, op=name, block_v=cfg.block_v,
+                   + (" ef" if cfg.evict else "") + (f" {cfg.order}" if getattr(cfg, "order", None) else "") + ("" if getattr(cfg, "k_row", True) else " kv"), dev, kind="commit", backend=b, op=name, block_v=cfg.block_v,
                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, evict=cfg.evict)
     json.dump(rows, open(os.path.join(out_dir, "tune.json"), "w"), indent=1)
 
