@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then (optionally) tuning and benchmarks. Logs go to $OUT.
-# Usage on the device machine: bash scripts/gpu_session.sh [tests] [tune] [bench] [profile] [stalls]
+# Usage on the device machine: bash scripts/gpu_session.sh [tests] [tune] [bench] [pattern] [upstream] [profile] [stalls]
 # Env: TEST_FILES, WORKERS, PYTEST_ARGS, PYTEST_K (a -k expression), TEST_TIMEOUT; TUNE_ARGS (verify/commit), TUNE_SHAPES,
 # TUNE_VERIFY and TUNE_COMMIT (scripts/gpu_tune.py), TUNE_TIMEOUT; BENCH_ARGS, BENCH_TIMEOUT; PROFILE_TIMEOUT, NCU_SKIP, NCU_COUNT, STALL_VARIANTS;
-# PATTERN_SHAPES, PATTERN_TILES (scripts/pattern_floor.py); UPSTREAM_VARIANTS, UPSTREAM_MAXNREG (scripts/upstream_regs.py); REG_LIMITS (regsweep: the verify tune once per ptxas register limit,
-# "none" for XLA's default, through XLA_FLAGS=--xla_gpu_asm_extra_flags=-maxrregcount=N; one process each)
+# PATTERN_SHAPES, PATTERN_TILES (scripts/pattern_floor.py); UPSTREAM_VARIANTS, UPSTREAM_MAXNREG (scripts/upstream_regs.py)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -28,13 +27,6 @@ for phase in "$@"; do
     pattern) timeout ${PATTERN_TIMEOUT:-150} python3 scripts/pattern_floor.py ${PATTERN_SHAPES:-} 2>&1 | tee "$OUT/pattern_floor.log" | tail -30 ;;
     upstream) timeout ${UPSTREAM_TIMEOUT:-240} python3 scripts/upstream_regs.py ${UPSTREAM_VARIANTS:-25x4:tuples:8:1 25x4:snapshots:8:1} \
         --maxnreg ${UPSTREAM_MAXNREG:-0,96,80,64} 2>&1 | tee "$OUT/upstream_regs.log" | tail -30 ;;
-    regsweep)
-      for lim in ${REG_LIMITS:-none 96 80 64}; do
-        mkdir -p "$OUT/reg-$lim"
-        flags=${XLA_FLAGS:-}; [ "$lim" != none ] && flags="$flags --xla_gpu_asm_extra_flags=-maxrregcount=$lim"
-        XLA_FLAGS="$flags" OUT="$OUT/reg-$lim" timeout ${TUNE_TIMEOUT:-150} python3 scripts/gpu_tune.py verify 2>&1 \
-          | tee "$OUT/reg-$lim/tune.log" | grep -v "^\s*$" | tail -12
-      done ;;
     bench) timeout ${BENCH_TIMEOUT:-400} python3 -m benchmarks.run --mode h200 --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
     profile)
       timeout ${PROFILE_TIMEOUT:-150} ncu --clock-control none -k "regex:gdn_|_kernel" --launch-skip ${NCU_SKIP:-0} \

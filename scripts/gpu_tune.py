@@ -95,7 +95,7 @@ if "verify" in parts:
     json.dump(rows, open(os.path.join(out_dir, "tune.json"), "w"), indent=1)
 
 if "commit" in parts:
-    # TUNE_COMMIT: BACKEND:BLOCK_V:NUM_WARPS[:ef][:nsN][:tf],... (ef: the replay's pool states loaded and stored
+    # TUNE_COMMIT: BACKEND:BLOCK_V:NUM_WARPS[:TAG...],... (ef: the replay's pool states loaded and stored
     # evict_first; without it, Triton's default eviction, the default of both backends' CommitConfig; nsN: num_stages;
     # requests / tiles / heads: Pallas's CommitConfig.order; without one, the backend's default; kv: Pallas's
     # CommitConfig.k_row=False)

@@ -1,9 +1,10 @@
 """Launch variants named by tags, shared by the tuning and profiling scripts.
 
 A tag list adds to or overrides fixed fields of :class:`VerifyConfig`: ``gram`` (the Gram
-form), ``one_pass``, ``kcN`` (``k_chunk=N``), ``unN`` (``unroll=N``), ``nsN`` (``num_stages=N``), ``phN`` (``prep_heads=N``), ``noef``
-(``evict=None``), ``lq`` (``prefetch_q=False``), ``mma`` (``products="mma"``), ``tf`` / ``rf`` (``order="tiles"`` / ``"requests"``); other tags are ignored (a script's own,
-such as ``portable``). Fields not given keep ``VerifyConfig``'s defaults.
+form), ``one_pass``, ``kcN`` (``k_chunk=N``), ``unN`` (``unroll=N``), ``nsN`` (``num_stages=N``),
+``phN`` (``prep_heads=N``), ``noef`` (``evict=None``), ``lq`` (``prefetch_q=False``), ``mma``
+(``products="mma"``), ``tf`` / ``rf`` (``order="tiles"`` / ``"requests"``); other tags are ignored
+(a script's own, such as ``portable``). Fields not given keep ``VerifyConfig``'s defaults.
 """
 
 
