@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["trace_kernels", "device_time"]
+__all__ = ["trace_kernels", "device_time", "copy_rate"]
 
 # Lines of a GPU plane that repeat the kernels under other groupings (XLA ops, modules,
 # launch statistics): only the per-stream lines list each kernel once.
@@ -86,3 +86,16 @@ def device_time(run: Callable[[], None], invocations: int, calls: int) -> dict |
     per_kernel.sort(key=lambda k: -k["us_per_call"])
     return {"us_per_call": float(sum(k["us_per_call"] for k in per_kernel)), "invocations": invocations,
             "kernels": per_kernel}  # fmt: skip
+
+
+def copy_rate(gib: int = 2) -> tuple[float, float]:
+    """``(device us, bytes per second)`` of XLA's ``x * 2`` over ``gib`` GiB of fp32 (one read
+    and one write per element): the copy rate the tuning scripts divide byte counts by."""
+    import jax
+    import jax.numpy as jnp
+
+    big = jnp.ones((gib * 2**28,), jnp.float32)
+    cp = jax.jit(lambda x: x * 2)
+    jax.block_until_ready(cp(big))
+    us = device_time(lambda: jax.block_until_ready(cp(big)), 8, 1)["us_per_call"]
+    return us, 2 * big.nbytes / (us * 1e-6)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from variants import verify_config
 
 import gdn_lossless_jax as gl
-from benchmarks.devtime import device_time
+from benchmarks.devtime import copy_rate, device_time
 from benchmarks.traffic import verify_traffic
 from gdn_lossless_jax import backends
 from gdn_lossless_jax.cases import Shape, commit_indices, commit_tapes, verify_inputs
@@ -55,14 +55,9 @@ def multi(f, arg_sets):
     return run
 
 
-big = jnp.ones((512 * 2**20,), jnp.float32)  # 2 GiB
-cp = jax.jit(lambda x: x * 2)
-jax.block_until_ready(cp(big))
-dev = device_time(lambda: jax.block_until_ready(cp(big)), 8, 1)
-rate = 2 * big.nbytes / (dev["us_per_call"] * 1e-6)
-log(f"copy 2 GiB: {dev['us_per_call']:.1f} us, rate {rate / 1e9:.0f} GB/s")
-rows.append(dict(variant="copy 2 GiB", device_us=dev["us_per_call"], rate_gbps=rate / 1e9))
-del big
+copy_us, rate = copy_rate()
+log(f"copy 2 GiB: {copy_us:.1f} us, rate {rate / 1e9:.0f} GB/s")
+rows.append(dict(variant="copy 2 GiB", device_us=copy_us, rate_gbps=rate / 1e9))
 
 if "verify" in parts:
     pal = backends.resolve("pallas", "verify")

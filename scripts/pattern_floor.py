@@ -37,7 +37,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from benchmarks.devtime import device_time
+from benchmarks.devtime import copy_rate, device_time
 
 CALLS, COPIES = 16, 4
 T0 = time.perf_counter()
@@ -87,17 +87,6 @@ def xla_pattern(state, D: int, write: bool):
     return jnp.sum(state, axis=-1)
 
 
-def copy_rate() -> float:
-    """Bytes per second of XLA's ``x * 2`` over 2 GiB (one read and one write per element)."""
-    big = jnp.ones((512 * 2**20,), jnp.float32)
-    cp = jax.jit(lambda x: x * 2)
-    jax.block_until_ready(cp(big))
-    dev = device_time(lambda: jax.block_until_ready(cp(big)), 8, 1)
-    rate = 2 * big.nbytes / (dev["us_per_call"] * 1e-6)
-    log(f"copy 2 GiB: {dev['us_per_call']:.1f} us, rate {rate / 1e9:.0f} GB/s")
-    return rate
-
-
 def time_patterns(N: int, D: int, tiles, rate: float) -> list[dict]:
     """Every pattern at N requests and D drafts, on ``COPIES`` states in turn (no state stays in L2)."""
     rng = np.random.default_rng(N * 100 + D)
@@ -141,7 +130,8 @@ def main(argv) -> int:
         log("CPU: pattern kernels agree with XLA (interpret mode); no timings without a GPU")
         return 0
 
-    rate = copy_rate()
+    copy_us, rate = copy_rate()
+    log(f"copy 2 GiB: {copy_us:.1f} us, rate {rate / 1e9:.0f} GB/s")
     rows = [{"pattern": "copy 2 GiB", "rate_gbps": rate / 1e9}]
     for N, D in [tuple(map(int, x.split("x"))) for x in shapes]:
         rows += time_patterns(N, D, tiles, rate)

@@ -95,7 +95,7 @@ def _tuples_kernel(*refs, HV: int, r: int, BV: int, form: str, evict: str | None
     idx_refs = refs[:5]
     u_ref, k_ref, g_ref = refs[5:8]
     pool_out = refs[-1]
-    L, S = pool_out.shape[0], pool_out.shape[1]
+    S = pool_out.shape[1]
     R, D = u_ref.shape[1], u_ref.shape[2]
     n, l, hv, j = _ids(order, HV)
     h = hv // r

@@ -70,15 +70,11 @@ def ops(form: str) -> Ops:
 
 
 def replay_update(form: str) -> Callable:
-    """``(S [BV, K], alpha, k [1, K] or [K], u [BV]) -> S'``: the rule in ``form`` (or a control form)."""
-
-    def row(k):
-        return k if k.ndim == 2 else k[None, :]
-
+    """``(S [BV, K], alpha, k [1, K], u [BV]) -> S'``: the rule in ``form`` (or a control form)."""
     if form == "naive":
-        return lambda S, alpha, k, u: S * alpha + row(k) * u[:, None]
+        return lambda S, alpha, k, u: S * alpha + k * u[:, None]
     mul, fma = ops(form)
-    return lambda S, alpha, k, u: fma(row(k), u[:, None], mul(S, alpha))
+    return lambda S, alpha, k, u: fma(k, u[:, None], mul(S, alpha))
 
 
 def default_form(interpret: bool) -> str:
