@@ -17,7 +17,7 @@ import time
 
 import jax
 import jax.numpy as jnp
-from variants import verify_config
+from variants import triton_verify_config, verify_config
 
 import gdn_lossless_jax as gl
 from benchmarks.devtime import copy_rate, device_time
@@ -60,23 +60,33 @@ log(f"copy 2 GiB: {copy_us:.1f} us, rate {rate / 1e9:.0f} GB/s")
 rows.append(dict(variant="copy 2 GiB", device_us=copy_us, rate_gbps=rate / 1e9))
 
 if "verify" in parts:
-    pal = backends.resolve("pallas", "verify")
     # TUNE_VERIFY: ALGORITHM:BLOCK_V:NUM_WARPS:K_CHUNK[:TAG...],... with the tags of scripts/variants.py (default:
-    # the chain's and the Gram form's best launches of the fifth session; benchmarks/NOTES.md).
+    # the chain's and the Gram form's best launches of the fifth session; benchmarks/NOTES.md). ALGORITHM "triton":
+    # the triton backend's verify (its VerifyConfig; tags nsN, phN, tf/rf, noef).
     spec = os.environ.get("TUNE_VERIFY", "chain:8:1:16,chain:16:1:16,gram:8:1:16,gram:16:1:16")
-    configs = [verify_config(more, algorithm=a, block_v=int(bv), num_warps=int(w), k_chunk=int(kc))
-               for a, bv, w, kc, *more in (x.split(":") for x in spec.split(","))]
+    configs = []
+    for a, bv, w, kc, *more in (x.split(":") for x in spec.split(",")):
+        if a == "triton":
+            try:
+                configs.append((backends.resolve("triton", "verify"), triton_verify_config(more, block_v=int(bv), num_warps=int(w), k_chunk=int(kc))))
+            except Exception as e:  # noqa: BLE001  (triton without jax-triton)
+                log(f"verify triton: unavailable ({e})")
+        else:
+            configs.append((backends.resolve("pallas", "verify"), verify_config(more, algorithm=a, block_v=int(bv), num_warps=int(w), k_chunk=int(kc))))
     shapes = os.environ.get("TUNE_SHAPES", "25x4,8x16,8x4,8x8").split(",")
     for N, D in [tuple(map(int, x.split("x"))) for x in shapes]:
         shape = Shape(N=N, D=D, H=16, HV=32, K=128, V=128)
         xs = [verify_inputs(i, shape) for i in range(COPIES)]
         floor_t, floor_s = (verify_traffic(shape, rec).total / rate * 1e6 for rec in ("tuples", "snapshots"))
         log(f"verify {N}x{D}: floors tuples {floor_t:.1f} us, snapshots {floor_s:.1f} us")
-        for cfg in configs:
+        for mod, cfg in configs:
             for rec in gl.RECORD_MODES:
-                f = jax.jit(lambda x, cfg=cfg, rec=rec: pal.verify(**x, record=rec, scale=128**-0.5, out_dtype=jnp.bfloat16, config=cfg))
-                name = (f"verify {N}x{D} {rec[:5]} {cfg.algorithm} bv{cfg.block_v} w{cfg.num_warps}"
-                        + f" kc{cfg.k_chunk} un{cfg.unroll}" + (" 1pass" if cfg.one_pass else "") + (" ef" if cfg.evict else "") + ("" if cfg.prefetch_q else " lq") + (" mma" if cfg.products == "mma" else "") + (f" ph{cfg.prep_heads}" if cfg.prep_heads else "") + {"tiles": " tf", "requests": " rf", None: ""}[cfg.order])
+                f = jax.jit(lambda x, cfg=cfg, rec=rec, mod=mod: mod.verify(**x, record=rec, scale=128**-0.5, out_dtype=jnp.bfloat16, config=cfg))
+                tri = not hasattr(cfg, "algorithm")
+                name = (f"verify {N}x{D} {rec[:5]} {'triton' if tri else cfg.algorithm} bv{cfg.block_v} w{cfg.num_warps} kc{cfg.k_chunk}"
+                        + ("" if tri else f" un{cfg.unroll}" + (" 1pass" if cfg.one_pass else "") + ("" if cfg.prefetch_q else " lq") + (" mma" if cfg.products == "mma" else ""))
+                        + (f" ns{cfg.num_stages}" if cfg.num_stages != 1 else "")
+                        + (" ef" if cfg.evict else "") + (f" ph{cfg.prep_heads}" if cfg.prep_heads else "") + {"tiles": " tf", "requests": " rf", None: ""}[cfg.order])
                 try:
                     jax.block_until_ready(f(xs[0]))
                     dev = device_time(multi(f, [(x,) for x in xs]), 2, CALLS)
@@ -85,15 +95,15 @@ if "verify" in parts:
                     continue
                 floor = floor_t if rec == "tuples" else floor_s
                 record(name, dev, kind="verify", N=N, D=D, record=rec, block_v=cfg.block_v, num_warps=cfg.num_warps,
-                       one_pass=cfg.one_pass, algorithm=cfg.algorithm, products=cfg.products, k_chunk=cfg.k_chunk, unroll=cfg.unroll, floor_us=floor, x_floor=dev["us_per_call"] / floor)
+                       one_pass=getattr(cfg, "one_pass", False), algorithm="triton" if tri else cfg.algorithm, products=getattr(cfg, "products", "fma"),
+                       k_chunk=cfg.k_chunk, unroll=getattr(cfg, "unroll", 0), floor_us=floor, x_floor=dev["us_per_call"] / floor)
         del xs
     json.dump(rows, open(os.path.join(out_dir, "tune.json"), "w"), indent=1)
 
 if "commit" in parts:
     # TUNE_COMMIT: BACKEND:BLOCK_V:NUM_WARPS[:TAG...],... (ef: the replay's pool states loaded and stored
     # evict_first; without it, Triton's default eviction, the default of both backends' CommitConfig; nsN: num_stages;
-    # requests / tiles / heads: Pallas's CommitConfig.order; without one, the backend's default; kv: Pallas's
-    # CommitConfig.k_row=False)
+    # requests / tiles / heads: Pallas's CommitConfig.order; without one, the backend's default)
     cspec = os.environ.get("TUNE_COMMIT", "pallas:32:8,pallas:32:8:ef,pallas:16:8,pallas:8:1,"
                                           "triton:32:2,triton:32:2:ef,triton:32:4,triton:64:2")
     L, N, D = 30, 25, 4
@@ -111,7 +121,7 @@ if "commit" in parts:
         stages = [int(x[2:]) for x in more if x[:2] == "ns" and x[2:].isdigit()]
         extra = ({"num_stages": stages[-1]} if stages else {}) | ({"evict": "evict_first"} if "ef" in more else {})
         orders = [o for o in ("requests", "tiles", "heads") if o in more]
-        extra |= ({"order": orders[-1]} if orders else {}) | ({"k_row": False} if "kv" in more else {})
+        extra |= {"order": orders[-1]} if orders else {}
         ccfgs.append((b, mod, mod.CommitConfig(block_v=int(bv), num_warps=int(w), **extra)))
     for name, tape in (("replay", tup), ("scatter", snp)):
         for b, mod, cfg in ccfgs:
@@ -124,7 +134,7 @@ if "commit" in parts:
             run()
             dev = device_time(run, 6, 1)
             record(f"commit {b} {name} 30L 25x4 bv{cfg.block_v} w{cfg.num_warps} ns{cfg.num_stages}"
-                   + (" ef" if cfg.evict else "") + (f" {cfg.order}" if getattr(cfg, "order", None) else "") + ("" if getattr(cfg, "k_row", True) else " kv"), dev, kind="commit", backend=b, op=name, block_v=cfg.block_v,
+                   + (" ef" if cfg.evict else "") + (f" {cfg.order}" if getattr(cfg, "order", None) else ""), dev, kind="commit", backend=b, op=name, block_v=cfg.block_v,
                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, evict=cfg.evict)
     json.dump(rows, open(os.path.join(out_dir, "tune.json"), "w"), indent=1)
 

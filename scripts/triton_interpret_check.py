@@ -218,20 +218,21 @@ def run_kernels(spec: CaseSpec, work: Path):
     def verify(layer: int, snapshots: bool):
         x = {n: T[f"L{layer}_{n}"].contiguous() for n in ("state0", "q", "k", "v", "a", "b", "A_log", "dt_bias")}
         unused = torch.empty(1, dtype=f32)
-        o = torch.empty(N, D, HV, V, dtype=x["q"].dtype)
-        snap = torch.empty(N, D, HV, V, K, dtype=state_dt) if snapshots else unused
-        u = unused if snapshots else torch.empty(N, D, HV, V, dtype=f32)
-        kt = unused if snapshots else torch.empty(N, D, H, K, dtype=f32)
-        g = unused if snapshots else torch.empty(N, D, HV, dtype=f32)
-        # Filled with NaN, so that a missing write shows.
-        for t in (o, snap, u, kt, g):
-            t.fill_(float("nan"))
-        sizes, grid = V_.launch_sizes(
-            tuple(x["state0"].shape), tuple(x["q"].shape), V_.VerifyConfig(block_v=spec.block_v)
-        )
-        V_.verify_kernel[grid](
-            *x.values(), o, snap, u, kt, g, **sizes, SCALE=float(K**-0.5), SNAPSHOTS=snapshots, INTERPRET=True
-        )
+        cfg = V_.VerifyConfig(block_v=spec.block_v)
+        def nan(*shape, dtype=f32):  # filled with NaN, so that a missing write shows
+            return torch.full(shape, float("nan"), dtype=dtype)
+
+        qn, kt, g, beta = nan(N, D, H, K), nan(N, D, H, K), nan(N, D, HV), nan(N, D, HV)
+        sizes, grid = V_.prep_launch(tuple(x["q"].shape), HV, cfg)
+        V_.verify_prep_kernel[grid](x["q"], x["k"], x["a"], x["b"], x["A_log"], x["dt_bias"], qn, kt, g, beta, **sizes,
+                                    SCALE=float(K**-0.5), INTERPRET=True)  # fmt: skip
+        o = nan(N, D, HV, V, dtype=x["q"].dtype)
+        snap = nan(N, D, HV, V, K, dtype=state_dt) if snapshots else unused
+        u = unused if snapshots else nan(N, D, HV, V)
+        record = "snapshots" if snapshots else "tuples"
+        sizes, grid = V_.launch_sizes(tuple(x["state0"].shape), tuple(x["q"].shape), cfg, record)
+        V_.verify_kernel[grid](x["state0"], qn, kt, x["v"], g, beta, o, snap, u, **sizes, SNAPSHOTS=snapshots,
+                               EVICT=cfg.evict, INTERPRET=True)  # fmt: skip
         return o, (snap,) if snapshots else (u, kt, g)
 
     rows = T["rows"].numpy()
@@ -381,22 +382,27 @@ def compile_kernels() -> None:
     for state in ("fp32", "bf16"):
         digests = {}
         for snapshots in (False, True):
-            sig = {"state0_ptr": f"*{state}", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "a_ptr": "*bf16",
-                   "b_ptr": "*bf16", "A_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "out_ptr": "*bf16",
-                   "snap_ptr": f"*{state}" if snapshots else "*fp32",
-                   "u_ptr": "*fp32", "kt_ptr": "*fp32", "g_ptr": "*fp32"}  # fmt: skip
-            sizes, _ = V_.launch_sizes((N, HV, Vd, K), (N, D, H, K), vcfg)
-            ck = build(V_.verify_kernel, sig, dict(**sizes, SCALE=K**-0.5, SNAPSHOTS=snapshots, INTERPRET=False),
+            sig = {"state0_ptr": f"*{state}", "qn_ptr": "*fp32", "kn_ptr": "*fp32", "v_ptr": "*bf16", "g_ptr": "*fp32",
+                   "beta_ptr": "*fp32", "out_ptr": "*bf16", "snap_ptr": f"*{state}" if snapshots else "*fp32",
+                   "u_ptr": "*fp32"}  # fmt: skip
+            mode = "snapshots" if snapshots else "tuples"
+            sizes, _ = V_.launch_sizes((N, HV, Vd, K), (N, D, H, K), vcfg, mode)
+            ck = build(V_.verify_kernel, sig, dict(**sizes, SNAPSHOTS=snapshots, EVICT=vcfg.evict, INTERPRET=False),
                        False, vcfg.num_warps, vcfg.num_stages)  # fmt: skip
             c = ops(ck.asm["ptx"])
             digests[snapshots] = arithmetic(ck.asm["ttgir"])
-            mode = "snapshots" if snapshots else "tuples"
             print(f"  compiled verify ({mode}, {state} state) for sm_90: {dict(sorted(c.items()))}")
             bad = [o for o in c if o.startswith(("div.full", "div.approx", "sqrt.approx", "mul.f32", "add.f32"))]
             assert not bad, f"verify ({mode}): approximate or contractible operations {bad}"
             assert c["fma.rn.f32"] > 0, "verify: no fma.rn.f32 for the update"
         assert digests[False] == digests[True], f"verify ({state}): the record modes' TTGIR arithmetic differs"
         print(f"  verify ({state}): tuples and snapshots TTGIR arithmetic identical ({digests[False]})")
+        sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "A_log_ptr": "*fp32",
+               "dt_bias_ptr": "*fp32", "qn_ptr": "*fp32", "kn_ptr": "*fp32", "g_ptr": "*fp32", "beta_ptr": "*fp32"}
+        sizes, _ = V_.prep_launch((N, D, H, K), HV, vcfg)
+        c = ops(build(V_.verify_prep_kernel, sig, dict(**sizes, SCALE=K**-0.5, INTERPRET=False), False, 2, 1).asm["ptx"])
+        bad = [o for o in c if o.startswith(("div.full", "div.approx", "sqrt.approx", "mul.f32", "add.f32"))]
+        assert not bad, f"verify prologue: approximate or contractible operations {bad}"
 
         sig = {"pool_ptr": f"*{state}", "u_ptr": "*fp32", "k_ptr": "*fp32", "g_ptr": "*fp32", "slots_ptr": "*i32",
                "steps_ptr": "*i32", "track_slots_ptr": "*i32", "track_steps_ptr": "*i32", "rows_ptr": "*i32",

@@ -27,3 +27,18 @@ def verify_config(tags, **fields):
         elif tag[:2] in ("kc", "un", "ns", "ph") and tag[2:].isdigit():
             fields[{"kc": "k_chunk", "un": "unroll", "ns": "num_stages", "ph": "prep_heads"}[tag[:2]]] = int(tag[2:])
     return VerifyConfig(**fields)
+
+
+def triton_verify_config(tags, **fields):
+    """The triton backend's :class:`VerifyConfig` with the tags that apply to it (``nsN``, ``phN``,
+    ``tf`` / ``rf``, ``noef`` (``evict=""``))."""
+    from gdn_lossless_jax.backends.triton import VerifyConfig
+
+    for tag in tags:
+        if tag == "noef":
+            fields["evict"] = ""
+        elif tag in ("tf", "rf"):
+            fields["order"] = "tiles" if tag == "tf" else "requests"
+        elif tag[:2] in ("ns", "ph") and tag[2:].isdigit():
+            fields[{"ns": "num_stages", "ph": "prep_heads"}[tag[:2]]] = int(tag[2:])
+    return VerifyConfig(**fields)

@@ -180,12 +180,23 @@ def test_in_kernel_one_expression_replay_drifts(seed):
 # ---------------------------------------------------------------------------------------
 # Launch configurations, tape pitch, in-place commit.
 # ---------------------------------------------------------------------------------------
+VERIFY_CONFIGS = [
+    {"block_v": 16, "num_warps": 2},
+    {"block_v": 32, "num_warps": 4, "k_chunk": 32},
+    {"block_v": 64, "num_warps": 8, "k_chunk": 128},
+    {"block_v": 128, "num_warps": 8},
+    {"order": "tiles", "evict": "", "prep_heads": 16},
+    {"order": "requests", "prep_heads": 1, "num_stages": 2},
+]
+
+
 @requires_triton
-@pytest.mark.parametrize("block_v,num_warps", [(16, 2), (32, 4), (64, 8), (128, 8)])
-def test_any_verify_config_replays_exactly(block_v, num_warps, seed):
-    """Tiles and warps may change the reductions, never the replay of the verify's own tape."""
+@pytest.mark.parametrize("fields", VERIFY_CONFIGS, ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))
+def test_any_verify_config_replays_exactly(fields, seed):
+    """Tiles, warps, chunks, and the grid's order may change the reductions, never
+    the replay of the verify's own tape."""
     tb = backends.resolve("triton", "verify")
-    cfg = tb.VerifyConfig(block_v=block_v, num_warps=num_warps)
+    cfg = tb.VerifyConfig(**fields)
     x = verify_inputs(seed, SHAPE, kind="mixed", state_dtype=BF16)
     kw = dict(scale=128**-0.5, out_dtype=jnp.dtype(BF16), config=cfg)
     o_t, tup = tb.verify(**x, record="tuples", **kw)
@@ -216,3 +227,22 @@ def test_commit_reads_the_tape_pitch_from_its_shape(seed):
     """A tape buffer with more rows than requests (R > N): rows[i] picks the row."""
     case = make_case("triton", seed, Shape(N=3, D=3, H=4, HV=16, K=128, V=128), state_dtype=BF16, extra_rows=9)
     check_commit(case)
+
+
+@pytest.mark.parametrize(
+    "fields,needle",
+    [
+        ({"block_v": 12}, "block_v must be a power of 2, got 12"),
+        ({"k_chunk": 0}, "k_chunk must be a power of 2, got 0"),
+        ({"prep_heads": 3}, "prep_heads must be a power of 2, got 3"),
+        ({"order": "heads"}, "order must be None or one of ('requests', 'tiles'), got 'heads'"),
+        ({"evict": "evict_never"}, "evict must be '', 'evict_first' or 'evict_last', got 'evict_never'"),
+    ],
+)
+def test_verify_config_rejects_bad_fields(fields, needle):
+    """Checked when the config is made (no GPU needed), naming the field and the value."""
+    from gdn_lossless_jax.backends.triton import VerifyConfig
+
+    with pytest.raises(ValueError, match="VerifyConfig") as e:
+        VerifyConfig(**fields)
+    assert needle in str(e.value)

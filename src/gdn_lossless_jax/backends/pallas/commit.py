@@ -64,12 +64,6 @@ class CommitConfig:
     # the other requests, then the layers (the Triton backend's order). H200, 30 layers at 25 x 4,
     # 32 rows on 8 warps: replay 922 / 986 / 918 us, scatter 894 / 898 / 894 us in that order.
     order: str = "heads"
-    # The replay loads each step's k as a [1, K] row of the state tile's layout (True) or as a [K]
-    # vector broadcast over the rows (False). Statically (scripts/sass_stats.py's pipeline, upstream
-    # Triton), 32 rows on 2 warps as a row convert k through shared memory at every step (32 STS.128,
-    # 32 LDS.128, 33 barriers; 255 registers) and as a vector do not (166 registers, the Triton
-    # backend's replay: 168). Not yet timed on a GPU (benchmarks/NOTES.md).
-    k_row: bool = True
 
     def __post_init__(self):
         if self.order not in ORDERS:
@@ -89,7 +83,7 @@ def _request(idx_refs, n, S: int, R: int, D: int):
     return slot, step, tslot, tstep, row, accept, track
 
 
-def _tuples_kernel(*refs, HV: int, r: int, BV: int, form: str, evict: str | None, order: str, k_row: bool):
+def _tuples_kernel(*refs, HV: int, r: int, BV: int, form: str, evict: str | None, order: str):
     from jax.experimental.pallas import triton as plgpu
 
     idx_refs = refs[:5]
@@ -103,9 +97,8 @@ def _tuples_kernel(*refs, HV: int, r: int, BV: int, form: str, evict: str | None
     slot, step, tslot, tstep, row, accept, track = _request(idx_refs, n, S, R, D)
     update = replay_update(form)
 
-    def inputs(t):  # step t's tape: k (a [1, K] row of the tile's layout, or a [K] vector), u, the decay
-        k = k_ref[l, row, t, pl.ds(h, 1), :] if k_row else k_ref[l, row, t, h, :][None, :]
-        return k, u_ref[l, row, t, hv, vs], jnp.exp(g_ref[l, row, t, hv])
+    def inputs(t):  # step t's tape: k (a [1, K] row of the tile's layout), u, the decay
+        return k_ref[l, row, t, pl.ds(h, 1), :], u_ref[l, row, t, hv, vs], jnp.exp(g_ref[l, row, t, hv])
 
     def store_state(at, S):
         store(pool_out, (l, at, hv, vs, slice(None)), S.astype(pool_out.dtype), evict)
@@ -173,7 +166,7 @@ def commit_tuples(pool, u, k, g, slots, steps, track_slots, track_steps, rows, *
     HV, V = pool.shape[2], pool.shape[3]
     cfg = config.fit(V)
     kernel = functools.partial(_tuples_kernel, HV=HV, r=HV // k.shape[3], BV=cfg.block_v, form=form, evict=cfg.evict,
-                               order=cfg.order, k_row=cfg.k_row)  # fmt: skip
+                               order=cfg.order)  # fmt: skip
     idx = (slots, steps, track_slots, track_steps, rows)
     return _launch(kernel, pool, (u, k, g), idx, cfg, interpret, "gdn_commit_replay")
 

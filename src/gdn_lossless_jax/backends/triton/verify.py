@@ -1,25 +1,36 @@
-"""Verify as one Triton kernel, called through jax-triton.
+"""Verify as Triton kernels, called through jax-triton: a prologue, then the chain.
 
-Grid ``(V tiles, HV, N)``: each program holds a ``[BV, K]`` fp32 tile of one request's
-state for one v-head (loaded from ``state0 [N, HV, V, K]``, bf16 upcast), loads all D
-steps' inputs first, computes the gates and the q/k l2 norms outside the chain, then walks
-the D steps in registers (SPEC section 2)::
+The design of the Pallas backend's default launch (``backends/pallas/verify.py``,
+``benchmarks/NOTES.md``), written in Triton:
+
+* ``verify_prep_kernel``, grid ``(N, D, H / prep_heads)``: the q/k l2 norms (the query also
+  scaled) and the gates ``g``, ``beta`` of every step, once per (request, step, q/k head) and
+  (request, step, v-head) rather than once per V tile. Its ``k`` and ``g`` *are* the tape's.
+* ``verify_kernel``, grid ``(N, HV, V / BV)`` for tuples and ``(V / BV, HV, N)`` for
+  snapshots (``VerifyConfig.order``; programs run first axis fastest, so with the tiles
+  first neighbouring programs write their snapshots next to each other): one program holds
+  a ``[BV, K]`` fp32 tile of one request's state for one v-head (bf16 upcast) as
+  ``[BV, K / C, C]`` chunks (``VerifyConfig.k_chunk``: with ``[8, 16]`` chunks Triton puts 8
+  lanes across the rows and 4 across the columns, so a reduction over K sums the chunks in
+  registers and ends in 2 shuffle levels, not 5 per row). It walks the D steps as a loop,
+  step t + 1's inputs loaded during step t (SPEC section 2)::
 
     alpha = exp(g_t)
-    Sd    = S * alpha                      # a plain multiply: Sd has two uses
+    Sd    = S * alpha                      # one rounded multiply
     u     = beta_t * (v_t - sum_k Sd * k_t)
     S     = fma(k_t, u, Sd)                # explicit: fp fusion would fuse the other product
     o_t   = sum_k S * q_t
 
-One kernel body and one launch configuration serve both record modes (the constexpr
-``SNAPSHOTS`` only chooses what is stored), so the outputs are identical by construction
-(scripts/triton_interpret_check.py checks that the two variants' TTGIR carry the same
-arithmetic in the same layouts). The wrapper launches with fp fusion off (``_lang.py``).
-``record="snapshots"`` stores the state after every step (``[N, D, HV, V, K]``, state0's
-dtype); ``record="tuples"`` stores ``u [N, D, HV, V]``, the normalised ``k [N, D, H, K]``
-(written once per ``(n, h)``: by the program of the group's first v-head and V tile 0)
-and ``g [N, D, HV]`` (once per ``(n, hv)``, V tile 0), all fp32. The outputs the mode does
-not use are one-element placeholders that the kernel never touches.
+One kernel body serves both record modes (the constexpr ``SNAPSHOTS`` only chooses what is
+stored, ``TILES_FIRST`` only how the program ids are read), so the outputs are identical by
+construction (scripts/triton_interpret_check.py checks that the two variants' TTGIR carry the
+same arithmetic in the same layouts). ``record="snapshots"`` stores the state after every step
+(``[N, D, HV, V, K]``, state0's dtype); ``record="tuples"`` stores ``u [N, D, HV, V]``, with
+the prologue's ``k [N, D, H, K]`` and ``g [N, D, HV]`` (fp32) as the rest of the tape.
+
+The wrappers launch with fp fusion off (``_lang.py``): every multiply and add rounds as
+written. (With it on, the reductions' products and sums contract into fmas: on the H200 the
+tuple verify was 5-7% slower, ``benchmarks/NOTES.md``.)
 
 JAX is imported inside the wrappers only, so that the kernels also load where the Triton
 interpreter checks them without JAX (``scripts/triton_interpret_check.py``).
@@ -37,141 +48,219 @@ from ._lang import jit, next_power_of_2, tl
 from ._lang import log as _log
 from ._lang import to_f32 as _to_f32
 
-__all__ = ["VerifyConfig", "verify", "verify_kernel", "launch_sizes"]
+__all__ = ["VerifyConfig", "verify", "verify_kernel", "verify_prep_kernel", "launch_sizes", "prep_launch"]
+
+ORDERS = ("requests", "tiles")
 
 
 @dataclasses.dataclass(frozen=True)
 class VerifyConfig:
-    """Launch parameters of the verify kernel (the same for both record modes).
+    """Launch parameters of the verify kernels (the same arithmetic for both record modes).
 
     Attributes:
       block_v: V rows per program (a power of two; capped at V rounded up to one).
-      num_warps, num_stages: Triton launch parameters.
+      num_warps, num_stages: Triton launch parameters of the chain.
+      k_chunk: columns per chunk of the state tile (a power of two; capped at K rounded up).
+      order: ``"requests"`` ``(N, HV, V / BV)`` or ``"tiles"`` ``(V / BV, HV, N)``; None takes
+        the tiles first for snapshots and the requests first for tuples (no arithmetic changes).
+      evict: Triton's eviction policy of the state loads and snapshot stores (``""``: Triton's
+        default), each touched once.
+      prep_heads: q/k heads per program of the prologue (a power of two).
     """
 
-    block_v: int = 32
-    num_warps: int = 4
-    num_stages: int = 2
+    block_v: int = 8
+    num_warps: int = 1
+    num_stages: int = 1
+    k_chunk: int = 16
+    order: str | None = None
+    evict: str = "evict_first"
+    prep_heads: int = 2
+
+    def __post_init__(self):
+        if self.order not in (None, *ORDERS):
+            raise ValueError(f"VerifyConfig: order must be None or one of {ORDERS}, got {self.order!r}")
+        if self.evict not in ("", "evict_first", "evict_last"):
+            raise ValueError(f"VerifyConfig: evict must be '', 'evict_first' or 'evict_last', got {self.evict!r}")
+        for name in ("block_v", "num_warps", "k_chunk", "prep_heads"):
+            n = getattr(self, name)
+            if n < 1 or n & (n - 1):
+                raise ValueError(f"VerifyConfig: {name} must be a power of 2, got {n}")
 
 
 @jit
-def _row(x, rows, t):
-    """Row ``t`` of a ``[BD, X]`` register tile, exactly (``x + -0.0 == x`` keeps every bit)."""
-    return tl.sum(tl.where(rows[:, None] == t, x, -0.0), axis=0)
+def verify_prep_kernel(
+    q_ptr,  # [N, D, H, K]
+    k_ptr,  # [N, D, H, K]
+    a_ptr,  # [N, D, HV]
+    b_ptr,  # [N, D, HV]
+    A_log_ptr,  # [HV]
+    dt_bias_ptr,  # [HV]
+    qn_ptr,  # [N, D, H, K] f32: l2norm(q) * SCALE
+    kn_ptr,  # [N, D, H, K] f32: l2norm(k), the tape's k
+    g_ptr,  # [N, D, HV] f32, the tape's g
+    beta_ptr,  # [N, D, HV] f32
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    BK: tl.constexpr,
+    PH: tl.constexpr,  # q/k heads per program
+    BR: tl.constexpr,  # their v-heads, padded to a power of 2
+    SCALE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    n = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1)
+    D = tl.num_programs(1)
+    heads = tl.program_id(2) * PH + tl.arange(0, PH)
+    offs_k = tl.arange(0, BK)
+    m = (heads[:, None] < H) & (offs_k[None, :] < K)
+    off = ((n * D + t) * H + heads[:, None]) * K + offs_k[None, :]
+    q = _to_f32(tl.load(q_ptr + off, mask=m, other=0.0), INTERPRET)  # [PH, BK]
+    k = _to_f32(tl.load(k_ptr + off, mask=m, other=0.0), INTERPRET)
+    # Correctly rounded sqrt and division, as XLA computes them (Triton's defaults are
+    # approximate); 1e-6 is reference.L2NORM_EPS (Triton kernels read no plain Python globals).
+    q_norm = tl.math.sqrt_rn(tl.sum(q * q, axis=1) + 1e-6)
+    k_norm = tl.math.sqrt_rn(tl.sum(k * k, axis=1) + 1e-6)
+    tl.store(qn_ptr + off, tl.math.div_rn(q, tl.broadcast_to(q_norm[:, None], (PH, BK))) * SCALE, mask=m)
+    tl.store(kn_ptr + off, tl.math.div_rn(k, tl.broadcast_to(k_norm[:, None], (PH, BK))), mask=m)
+
+    hv = tl.program_id(2) * PH * (HV // H) + tl.arange(0, BR)
+    m_hv = (tl.arange(0, BR) < PH * (HV // H)) & (hv < HV)
+    ab = (n * D + t) * HV + hv
+    a = _to_f32(tl.load(a_ptr + ab, mask=m_hv, other=0.0), INTERPRET)
+    b = _to_f32(tl.load(b_ptr + ab, mask=m_hv, other=0.0), INTERPRET)
+    A_log = _to_f32(tl.load(A_log_ptr + hv, mask=m_hv, other=0.0), INTERPRET)
+    dt_bias = _to_f32(tl.load(dt_bias_ptr + hv, mask=m_hv, other=0.0), INTERPRET)
+    # 20 is reference.SOFTPLUS_THRESHOLD.
+    x = a + dt_bias
+    softplus = tl.where(x > 20.0, x, _log(1.0 + _exp(x, INTERPRET), INTERPRET))
+    tl.store(g_ptr + ab, -_exp(A_log, INTERPRET) * softplus, mask=m_hv)
+    tl.store(beta_ptr + ab, tl.math.div_rn(tl.full([BR], 1.0, tl.float32), 1.0 + _exp(-b, INTERPRET)), mask=m_hv)
 
 
 @jit
-def _elem(x, idx, t):
-    """Element ``t`` of a ``[BD]`` register vector, exactly."""
-    return tl.sum(tl.where(idx == t, x, -0.0), axis=0)
+def _load(ptr, mask, MASKED: tl.constexpr, EVICT: tl.constexpr):
+    """A load, masked only where the tile overhangs the array (a mask can stop vectorisation)."""
+    if MASKED:
+        return tl.load(ptr, mask=mask, other=0.0, eviction_policy=EVICT)
+    else:
+        return tl.load(ptr, eviction_policy=EVICT)
+
+
+@jit
+def _store(ptr, value, mask, MASKED: tl.constexpr, EVICT: tl.constexpr):
+    if MASKED:
+        tl.store(ptr, value, mask=mask, eviction_policy=EVICT)
+    else:
+        tl.store(ptr, value, eviction_policy=EVICT)
+
+
+@jit
+def _step_inputs(qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, n, t, h, hv, rows, kidx, m_v, m_k,
+                 D: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
+                 BV: tl.constexpr, NC: tl.constexpr, C: tl.constexpr, MASK_V: tl.constexpr, MASK_K: tl.constexpr,
+                 INTERPRET: tl.constexpr):  # fmt: skip
+    """Step t's q and k, v (``[BV]``), decay and beta.
+
+    q and k are loaded as whole ``[BV, K / C, C]`` tiles (each row the same addresses), so
+    that they take the state tile's layout (lanes across rows and columns): loaded as
+    ``[1, K / C, C]`` rows, Triton lays them out with the lanes across the chunks and then
+    holds the state that way too (the reductions cross 5 lane levels for each row).
+    """
+    qk = tl.broadcast_to(((n * D + t) * H + h) * K + kidx, (BV, NC, C))
+    q = _load(qn_ptr + qk, m_k, MASK_K, "")
+    k = _load(kn_ptr + qk, m_k, MASK_K, "")
+    v = _to_f32(_load(v_ptr + ((n * D + t) * HV + hv) * V + rows, m_v, MASK_V, ""), INTERPRET)
+    gt = (n * D + t) * HV + hv
+    return q, k, v, _exp(tl.load(g_ptr + gt), INTERPRET), tl.load(beta_ptr + gt)
 
 
 @jit
 def verify_kernel(
     # inputs
     state0_ptr,  # [N, HV, V, K] f32 | bf16
-    q_ptr,  # [N, D, H, K]
-    k_ptr,  # [N, D, H, K]
+    qn_ptr,  # [N, D, H, K] f32 (verify_prep_kernel)
+    kn_ptr,  # [N, D, H, K] f32
     v_ptr,  # [N, D, HV, V]
-    a_ptr,  # [N, D, HV]
-    b_ptr,  # [N, D, HV]
-    A_log_ptr,  # [HV]
-    dt_bias_ptr,  # [HV]
+    g_ptr,  # [N, D, HV] f32
+    beta_ptr,  # [N, D, HV] f32
     # outputs
     out_ptr,  # [N, D, HV, V] out dtype
     snap_ptr,  # [N, D, HV, V, K] state dtype (SNAPSHOTS) | [1] placeholder
     u_ptr,  # [N, D, HV, V] f32 (tuples) | [1]
-    kt_ptr,  # [N, D, H, K] f32 (tuples) | [1]
-    g_ptr,  # [N, D, HV] f32 (tuples) | [1]
     # sizes and switches
     D: tl.constexpr,
     H: tl.constexpr,
     HV: tl.constexpr,
     V: tl.constexpr,
     K: tl.constexpr,
-    BD: tl.constexpr,
     BV: tl.constexpr,
-    BK: tl.constexpr,
-    SCALE: tl.constexpr,
+    C: tl.constexpr,  # columns per chunk
+    NC: tl.constexpr,  # chunks (NC * C >= K)
     SNAPSHOTS: tl.constexpr,
+    TILES_FIRST: tl.constexpr,
+    EVICT: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    i_v = tl.program_id(0)
+    if TILES_FIRST:
+        i_v = tl.program_id(0)
+        n = tl.program_id(2).to(tl.int64)
+    else:
+        i_v = tl.program_id(2)
+        n = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1)
-    n = tl.program_id(2).to(tl.int64)
     h = hv // (HV // H)
 
-    steps = tl.arange(0, BD)
-    offs_v = i_v * BV + tl.arange(0, BV)
-    offs_k = tl.arange(0, BK)
-    m_d = steps < D
-    m_v = offs_v < V
-    m_k = offs_k < K
-    m_dk = m_d[:, None] & m_k[None, :]
-    m_vk = m_v[:, None] & m_k[None, :]
+    rows = i_v * BV + tl.arange(0, BV)
+    kidx = tl.arange(0, NC)[None, :, None] * C + tl.arange(0, C)[None, None, :]  # [1, NC, C]
+    m_v = rows < V
+    m_k = kidx < K
+    tile = rows[:, None, None] * K + kidx  # [BV, NC, C]
+    m_tile = m_v[:, None, None] & m_k
+    MASK_V: tl.constexpr = V % BV != 0
+    MASK_K: tl.constexpr = NC * C != K
+    MASK_TILE: tl.constexpr = MASK_V or MASK_K
 
-    # --- everything outside the chain: inputs of all D steps, gates, norms -------------
-    qk_off = ((n * D + steps[:, None]) * H + h) * K + offs_k[None, :]
-    q = _to_f32(tl.load(q_ptr + qk_off, mask=m_dk, other=0.0), INTERPRET)  # [BD, BK]
-    k = _to_f32(tl.load(k_ptr + qk_off, mask=m_dk, other=0.0), INTERPRET)
-    v_off = ((n * D + steps[:, None]) * HV + hv) * V + offs_v[None, :]
-    v = _to_f32(tl.load(v_ptr + v_off, mask=m_d[:, None] & m_v[None, :], other=0.0), INTERPRET)  # [BD, BV]
-    ab_off = (n * D + steps) * HV + hv
-    a = _to_f32(tl.load(a_ptr + ab_off, mask=m_d, other=0.0), INTERPRET)  # [BD]
-    b = _to_f32(tl.load(b_ptr + ab_off, mask=m_d, other=0.0), INTERPRET)
-    A_log = _to_f32(tl.load(A_log_ptr + hv), INTERPRET)
-    dt_bias = _to_f32(tl.load(dt_bias_ptr + hv), INTERPRET)
-
-    # The constants are reference.SOFTPLUS_THRESHOLD (20) and reference.L2NORM_EPS (1e-6)
-    # (Triton kernels read no plain Python globals).
-    x = a + dt_bias
-    softplus = tl.where(x > 20.0, x, _log(1.0 + _exp(x, INTERPRET), INTERPRET))
-    g = -_exp(A_log, INTERPRET) * softplus  # [BD]
-    beta = tl.math.div_rn(tl.full([BD], 1.0, tl.float32), 1.0 + _exp(-b, INTERPRET))
-    # Correctly rounded sqrt and division, as XLA computes them (Triton's defaults are approximate).
-    q_norm = tl.math.sqrt_rn(tl.sum(q * q, axis=1) + 1e-6)
-    k_norm = tl.math.sqrt_rn(tl.sum(k * k, axis=1) + 1e-6)
-    q = tl.math.div_rn(q, tl.broadcast_to(q_norm[:, None], (BD, BK))) * SCALE
-    k = tl.math.div_rn(k, tl.broadcast_to(k_norm[:, None], (BD, BK)))
-
-    if not SNAPSHOTS:
-        if i_v == 0:
-            tl.store(g_ptr + ab_off, g, mask=m_d)
-            if hv % (HV // H) == 0:
-                tl.store(kt_ptr + qk_off, k, mask=m_dk)
-
-    # --- the chain -----------------------------------------------------------------------
-    s_off = (n * HV + hv) * V * K + offs_v[:, None] * K + offs_k[None, :]
-    S = _to_f32(tl.load(state0_ptr + s_off, mask=m_vk, other=0.0), INTERPRET)  # [BV, BK]
-    for t in tl.static_range(D):
-        q_t = _row(q, steps, t)
-        k_t = _row(k, steps, t)
-        v_t = _row(v, steps, t)
-        alpha = _exp(_elem(g, steps, t), INTERPRET)
-        beta_t = _elem(beta, steps, t)
-
+    S = _to_f32(_load(state0_ptr + (n * HV + hv) * V * K + tile, m_tile, MASK_TILE, EVICT), INTERPRET)
+    q, k, v, alpha, beta = _step_inputs(qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, n, 0, h, hv, rows, kidx, m_v, m_k,
+                                        D, H, HV, V, K, BV, NC, C, MASK_V, MASK_K, INTERPRET)  # fmt: skip
+    for t in range(D):
+        # step t + 1's inputs, in flight during this step
+        q1, k1, v1, alpha1, beta1 = _step_inputs(qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, n, tl.minimum(t + 1, D - 1),
+                                                 h, hv, rows, kidx, m_v, m_k, D, H, HV, V, K, BV, NC, C, MASK_V,
+                                                 MASK_K, INTERPRET)  # fmt: skip
         Sd = S * alpha
-        u = beta_t * (v_t - tl.sum(Sd * k_t[None, :], axis=1))  # [BV]
-        S = _fma(tl.broadcast_to(k_t[None, :], (BV, BK)), tl.broadcast_to(u[:, None], (BV, BK)), Sd, INTERPRET)
-        o = tl.sum(S * q_t[None, :], axis=1)
-
-        step_v = ((n * D + t) * HV + hv) * V + offs_v
-        tl.store(out_ptr + step_v, _from_f32(o, out_ptr.dtype.element_ty, INTERPRET), mask=m_v)
+        u = beta * (v - tl.sum(tl.sum(Sd * k, axis=1), axis=1))  # [BV]: the chunks in registers, then C's lanes
+        S = _fma(tl.broadcast_to(k, S.shape), tl.broadcast_to(u[:, None, None], S.shape), Sd, INTERPRET)
+        o = tl.sum(tl.sum(S * q, axis=1), axis=1)
+        step_v = ((n * D + t) * HV + hv) * V + rows
+        _store(out_ptr + step_v, _from_f32(o, out_ptr.dtype.element_ty, INTERPRET), m_v, MASK_V, "")
         if SNAPSHOTS:
-            snap = snap_ptr + ((n * D + t) * HV + hv) * V * K + offs_v[:, None] * K + offs_k[None, :]
-            tl.store(snap, _from_f32(S, snap_ptr.dtype.element_ty, INTERPRET), mask=m_vk)
+            _store(snap_ptr + ((n * D + t) * HV + hv) * V * K + tile, _from_f32(S, snap_ptr.dtype.element_ty, INTERPRET),
+                   m_tile, MASK_TILE, EVICT)  # fmt: skip
         else:
-            tl.store(u_ptr + step_v, u, mask=m_v)
+            _store(u_ptr + step_v, u, m_v, MASK_V, "")
+        q, k, v, alpha, beta = q1, k1, v1, alpha1, beta1
 
 
-def launch_sizes(state0_shape, q_shape, config: VerifyConfig) -> tuple[dict, tuple[int, int, int]]:
-    """The kernel's constexpr sizes and its grid, from the shapes alone."""
+def launch_sizes(state0_shape, q_shape, config: VerifyConfig, record: str = "tuples"):
+    """The chain kernel's constexpr sizes and its grid, from the shapes alone."""
     N, HV, V, K = state0_shape
     D, H = q_shape[1], q_shape[2]
     BV = min(next_power_of_2(config.block_v), next_power_of_2(V))
-    sizes = dict(D=D, H=H, HV=HV, V=V, K=K, BD=next_power_of_2(D), BV=BV, BK=next_power_of_2(K))
-    grid = (-(-V // BV), HV, N)
-    return sizes, grid
+    C = min(config.k_chunk, next_power_of_2(K))
+    tiles_first = (config.order or ("tiles" if record == "snapshots" else "requests")) == "tiles"
+    sizes = {"D": D, "H": H, "HV": HV, "V": V, "K": K, "BV": BV, "C": C, "NC": -(-K // C), "TILES_FIRST": tiles_first}
+    NV = -(-V // BV)
+    return sizes, ((NV, HV, N) if tiles_first else (N, HV, NV))
+
+
+def prep_launch(q_shape, HV: int, config: VerifyConfig):
+    """The prologue's constexpr sizes and its grid."""
+    N, D, H, K = q_shape
+    PH = min(config.prep_heads, next_power_of_2(H))
+    sizes = {"H": H, "HV": HV, "K": K, "BK": next_power_of_2(K), "PH": PH, "BR": next_power_of_2(PH * (HV // H))}
+    return sizes, (N, D, -(-H // PH))
 
 
 @functools.cache
@@ -201,27 +290,39 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, 
     D, H = q.shape[1], q.shape[2]
     snapshots = record == "snapshots"
     f32 = jnp.float32
+    sizes, grid = prep_launch(q.shape, HV, config)
+    qn, kn, g, beta = jt.triton_call(
+        q, k, a, b, A_log, dt_bias,
+        kernel=verify_prep_kernel,
+        out_shape=[jax.ShapeDtypeStruct((N, D, H, K), f32)] * 2 + [jax.ShapeDtypeStruct((N, D, HV), f32)] * 2,
+        grid=grid,
+        enable_fp_fusion=False,
+        num_warps=2 if sizes["PH"] > 1 else 1,
+        num_stages=1,
+        name="gdn_verify_prep",
+        **sizes,
+        SCALE=float(scale),
+        INTERPRET=False,
+    )  # fmt: skip
     unused = jax.ShapeDtypeStruct((1,), f32)
     out_shape = (
         jax.ShapeDtypeStruct((N, D, HV, V), out_dtype),
         jax.ShapeDtypeStruct((N, D, HV, V, K), state0.dtype) if snapshots else unused,
         unused if snapshots else jax.ShapeDtypeStruct((N, D, HV, V), f32),
-        unused if snapshots else jax.ShapeDtypeStruct((N, D, H, K), f32),
-        unused if snapshots else jax.ShapeDtypeStruct((N, D, HV), f32),
     )
-    sizes, grid = launch_sizes(state0.shape, q.shape, config)
-    out, snap, u, kt, g = jt.triton_call(
-        state0, q, k, v, a, b, A_log, dt_bias,
+    sizes, grid = launch_sizes(state0.shape, q.shape, config, record)
+    out, snap, u = jt.triton_call(
+        state0, qn, kn, v, g, beta,
         kernel=verify_kernel,
         out_shape=out_shape,
         grid=grid,
         enable_fp_fusion=False,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        name="gdn_verify",
+        name=f"gdn_verify_{record}",
         **sizes,
-        SCALE=float(scale),
         SNAPSHOTS=snapshots,
+        EVICT=config.evict,
         INTERPRET=False,
     )  # fmt: skip
-    return out, ((snap,) if snapshots else (u, kt, g))
+    return out, ((snap,) if snapshots else (u, kn, g))
