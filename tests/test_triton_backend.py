@@ -246,3 +246,25 @@ def test_verify_config_rejects_bad_fields(fields, needle):
     with pytest.raises(ValueError, match="VerifyConfig") as e:
         VerifyConfig(**fields)
     assert needle in str(e.value)
+
+
+def test_verify_launch_sizes():
+    """The grids and constexpr sizes, computed without Triton: tiles first for snapshots and
+    requests first for tuples unless ``order`` says otherwise; chunks and tiles that overhang
+    K and V round up (the kernel masks them); the prologue's head groups."""
+    from gdn_lossless_jax.backends.triton.verify import VerifyConfig, launch_sizes, prep_launch
+
+    state, q = (25, 32, 128, 128), (25, 4, 16, 128)
+    sizes, grid = launch_sizes(state, q, VerifyConfig(), "snapshots")
+    assert grid == (16, 32, 25) and sizes["TILES_FIRST"] and (sizes["C"], sizes["NC"], sizes["BV"]) == (16, 8, 8)
+    sizes, grid = launch_sizes(state, q, VerifyConfig(), "tuples")
+    assert grid == (25, 32, 16) and not sizes["TILES_FIRST"]
+    assert launch_sizes(state, q, VerifyConfig(order="tiles"), "tuples")[1] == (16, 32, 25)
+    assert launch_sizes(state, q, VerifyConfig(order="requests"), "snapshots")[1] == (25, 32, 16)
+    sizes, grid = launch_sizes((5, 6, 20, 24), (5, 3, 2, 24), VerifyConfig(), "tuples")
+    assert grid == (5, 6, 3) and (sizes["C"], sizes["NC"], sizes["BV"]) == (16, 2, 8)
+    assert launch_sizes((1, 2, 4, 8), (1, 1, 1, 8), VerifyConfig(block_v=32, k_chunk=64))[0]["BV"] == 4
+    sizes, grid = prep_launch(q, 32, VerifyConfig())
+    assert grid == (25, 4, 8) and (sizes["PH"], sizes["BR"], sizes["BK"]) == (2, 4, 128)
+    sizes, grid = prep_launch((5, 3, 3, 24), 6, VerifyConfig(prep_heads=4))
+    assert grid == (5, 3, 1) and (sizes["PH"], sizes["BR"], sizes["BK"]) == (4, 8, 32)
