@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Static cost of the Pallas verify kernel per launch configuration, with no GPU.
+"""Static cost of the verify kernels (Pallas, and the triton backend's) per launch configuration, with no GPU.
 
 Reads what costs no device time: the kernel is lowered to Triton IR for an sm_90 target
 on the CPU (JAX's cross-platform lowering; Pallas asks for the GPU's compute capability,
@@ -17,10 +17,13 @@ compiles.
 Usage::
 
     PYTHONPATH=src python3.12 scripts/sass_stats.py --triton-python /tmp/tvenv/bin/python \\
-        25x4:tuples:16:2 25x4:tuples:8:1 8x16:snapshots:4:1:one_pass
+        25x4:tuples:16:2 25x4:tuples:8:1 8x16:snapshots:4:1:one_pass triton:25x4:tuples:8:1
 
 A variant is ``REQUESTSxDRAFTS:RECORD:BLOCK_V:NUM_WARPS[:TAG...]``, with the tags of
-``scripts/variants.py`` (``gram``, ``one_pass``, ``kcN``, ``unN``, ``nsN``, ``noef``, ``lq``, ``mma``) and ``portable``;
+``scripts/variants.py`` (``gram``, ``one_pass``, ``kcN``, ``unN``, ``nsN``, ``noef``, ``lq``, ``mma``) and ``portable``.
+Prefixed with ``triton:``, it is the triton backend's chain kernel instead (tags of
+``variants.triton_verify_config`` and ``kcN``), compiled from its source by the Triton Python, with jax-triton's
+16-byte pointer alignment and fp fusion off (its prologue is not counted);
 ``k_chunk`` and ``unroll`` default to ``VerifyConfig``'s (the counts in results before the fourth
 session were taken with the whole-K tile, ``kc128``, and all steps unrolled). A loop's body is
 counted once: the bounds of a looped chain (``unroll`` < D) are per loop body, not per launch.
@@ -29,6 +32,7 @@ counted once: the bounds of a looped chain (``unroll`` < D) are per loop body, n
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -39,16 +43,33 @@ from pathlib import Path
 SM_COUNT, CLOCK_HZ = 132, 1.98e9
 
 _COMPILE = r"""
-import json, os, re, subprocess, sys
+import importlib, json, os, re, subprocess, sys, types
 from collections import Counter
 import triton
 from triton.backends.compiler import GPUTarget
-work = sys.argv[1]
+from triton.compiler import ASTSource
+work, kernels = sys.argv[1], sys.argv[2]
 bins = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+pkg = types.ModuleType("gdn_triton_kernels")  # the triton backend's kernel files, without the JAX package around them
+pkg.__path__ = [kernels]
+sys.modules["gdn_triton_kernels"] = pkg
 out = []
 for v in json.load(open(os.path.join(work, "index.json"))):
     p = os.path.join(work, v["name"] + ".ttir")
-    k = triton.compile(p, target=GPUTarget("cuda", 90, 32), options={"num_warps": v["num_warps"], "num_stages": v.get("num_stages", 1)})
+    opts = {"num_warps": v["num_warps"], "num_stages": v.get("num_stages", 1)}
+    if "triton" in v:  # the triton backend's verify kernel, from its source, specialised as jax-triton does
+        t = v["triton"]
+        V_ = importlib.import_module("gdn_triton_kernels.verify")
+        sizes, _ = V_.launch_sizes(tuple(t["state"]), tuple(t["q"]), V_.VerifyConfig(**t["config"]), t["record"])
+        consts = dict(sizes, SNAPSHOTS=t["record"] == "snapshots", EVICT=t["config"]["evict"], INTERPRET=False)
+        sig = {"state0_ptr": "*fp32", "qn_ptr": "*fp32", "kn_ptr": "*fp32", "v_ptr": "*bf16", "g_ptr": "*fp32",
+               "beta_ptr": "*fp32", "out_ptr": "*bf16", "snap_ptr": "*fp32", "u_ptr": "*fp32"}
+        attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(sig))}  # 16-byte aligned pointers
+        src = ASTSource(V_.verify_kernel, signature=dict(sig, **{c: "constexpr" for c in consts}), constexprs=consts,
+                        attrs=attrs)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(opts, enable_fp_fusion=False))
+    else:
+        k = triton.compile(p, target=GPUTarget("cuda", 90, 32), options=opts)
     open(p + ".ptx", "w").write(k.asm["ptx"])
     open(p + ".cubin", "wb").write(k.asm["cubin"])
     info = subprocess.run([os.path.join(bins, "ptxas"), "-v", "-arch=sm_90a", p + ".ptx", "-o", p + ".ptxas.cubin"],
@@ -69,7 +90,7 @@ def lower(variants, work: Path) -> None:
     import jax.numpy as jnp
     from jax._src.pallas.triton import lowering
     from jax._src.pallas.triton import pallas_call_registration as reg
-    from variants import verify_config
+    from variants import triton_verify_config, verify_config
 
     from gdn_lossless_jax.backends.pallas.verify import verify
     from gdn_lossless_jax.cases import Shape, verify_inputs
@@ -87,6 +108,16 @@ def lower(variants, work: Path) -> None:
     index = []
     for spec in variants:
         parts = spec.split(":")
+        if parts[0] == "triton":  # compiled from its source by the Triton Python (no lowering here)
+            cfg_s, record, bv, w = parts[1:5]
+            N, D = map(int, cfg_s.split("x"))
+            cfg = triton_verify_config(parts[5:], block_v=int(bv), num_warps=int(w), k_chunk=int(
+                next((t[2:] for t in parts[5:] if t[:2] == "kc" and t[2:].isdigit()), 16)))  # fmt: skip
+            index.append(dict(name=spec.replace(":", "_"), spec=spec, num_warps=int(w), num_stages=cfg.num_stages,
+                              warps=N * 32 * (128 // int(bv)) * int(w),
+                              triton=dict(state=[N, 32, 128, 128], q=[N, D, 16, 128], record=record,
+                                          config=dataclasses.asdict(cfg))))  # fmt: skip
+            continue
         cfg_s, record, bv, w = parts[:4]
         N, D = map(int, cfg_s.split("x"))
         shape = Shape(N=N, D=D, H=16, HV=32, K=128, V=128)
@@ -123,7 +154,8 @@ def main(argv=None) -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="sass_stats_"))
     work.mkdir(parents=True, exist_ok=True)
     lower(args.variants, work)
-    subprocess.run([args.triton_python, "-c", _COMPILE, str(work)], check=True)
+    kernels = Path(__file__).resolve().parents[1] / "src" / "gdn_lossless_jax" / "backends" / "triton"
+    subprocess.run([args.triton_python, "-c", _COMPILE, str(work), str(kernels)], check=True)
     stats = json.loads((work / "stats.json").read_text())
     head = f"{'variant':<30}{'regs':>5}{'spill B':>8}{'instr':>7}{'SHFL':>6}{'FADD':>6}{'FFMA':>6}{'FMUL':>6}{'LDS':>5}{'BAR':>5}{'issue us':>9}{'shfl us':>8}"
     print(head)
