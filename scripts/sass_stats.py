@@ -113,10 +113,10 @@ def lower(variants, work: Path) -> None:
             N, D = map(int, cfg_s.split("x"))
             cfg = triton_verify_config(parts[5:], block_v=int(bv), num_warps=int(w), k_chunk=int(
                 next((t[2:] for t in parts[5:] if t[:2] == "kc" and t[2:].isdigit()), 16)))  # fmt: skip
-            index.append(dict(name=spec.replace(":", "_"), spec=spec, num_warps=int(w), num_stages=cfg.num_stages,
-                              warps=N * 32 * (128 // int(bv)) * int(w),
-                              triton=dict(state=[N, 32, 128, 128], q=[N, D, 16, 128], record=record,
-                                          config=dataclasses.asdict(cfg))))  # fmt: skip
+            triton = {"state": [N, 32, 128, 128], "q": [N, D, 16, 128], "record": record,
+                      "config": dataclasses.asdict(cfg)}
+            index.append({"name": spec.replace(":", "_"), "spec": spec, "num_warps": int(w),
+                          "num_stages": cfg.num_stages, "warps": N * 32 * (128 // int(bv)) * int(w), "triton": triton})
             continue
         cfg_s, record, bv, w = parts[:4]
         N, D = map(int, cfg_s.split("x"))
