@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from benchmarks.devtime import copy_rate, device_time
+from gdn_lossless_jax.backends.pallas._refs import grid
 
 CALLS, COPIES = 16, 4
 T0 = time.perf_counter()
@@ -59,7 +60,6 @@ def _write_kernel(s_ref, o_ref, *, D):
 
 def pallas_pattern(state, D: int, write: bool, BV: int, warps: int, tiles_first: bool = False, interpret: bool = False):
     N, HV, V, K = state.shape
-    grid = (V // BV, HV, N) if tiles_first else (N, HV, V // BV)
 
     def ids(f):  # index maps in (n, h, j) whatever the grid's order
         return (lambda j, h, n: f(n, h, j)) if tiles_first else f
@@ -74,7 +74,7 @@ def pallas_pattern(state, D: int, write: bool, BV: int, warps: int, tiles_first:
         out_shape = jax.ShapeDtypeStruct((N, HV, V), state.dtype)
         out_spec = pl.BlockSpec((None, None, BV), ids(lambda n, h, j: (n, h, j)))
     return pl.pallas_call(
-        kernel, out_shape=out_shape, grid=grid, in_specs=[in_spec], out_specs=out_spec,
+        kernel, out_shape=out_shape, grid=grid(N, HV, V // BV, tiles_first), in_specs=[in_spec], out_specs=out_spec,
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1), interpret=interpret,
         name="pattern_" + ("1r_Dw" if write else "read"),
     )(state)  # fmt: skip

@@ -22,7 +22,7 @@ Usage::
 A variant is ``REQUESTSxDRAFTS:RECORD:BLOCK_V:NUM_WARPS[:TAG...]``, with the tags of
 ``scripts/variants.py`` (``gram``, ``one_pass``, ``kcN``, ``unN``, ``nsN``, ``noef``, ``lq``, ``mma``) and ``portable``.
 Prefixed with ``triton:``, it is the triton backend's chain kernel instead (tags of
-``variants.triton_verify_config`` and ``kcN``), compiled from its source by the Triton Python, with jax-triton's
+``variants.triton_verify_config``), compiled from its source by the Triton Python, with jax-triton's
 16-byte pointer alignment and fp fusion off (its prologue is not counted);
 ``k_chunk`` and ``unroll`` default to ``VerifyConfig``'s (the counts in results before the fourth
 session were taken with the whole-K tile, ``kc128``, and all steps unrolled). A loop's body is
@@ -111,8 +111,7 @@ def lower(variants, work: Path) -> None:
         if parts[0] == "triton":  # compiled from its source by the Triton Python (no lowering here)
             cfg_s, record, bv, w = parts[1:5]
             N, D = map(int, cfg_s.split("x"))
-            cfg = triton_verify_config(parts[5:], block_v=int(bv), num_warps=int(w), k_chunk=int(
-                next((t[2:] for t in parts[5:] if t[:2] == "kc" and t[2:].isdigit()), 16)))  # fmt: skip
+            cfg = triton_verify_config(parts[5:], block_v=int(bv), num_warps=int(w))
             triton = {"state": [N, 32, 128, 128], "q": [N, D, 16, 128], "record": record,
                       "config": dataclasses.asdict(cfg)}
             index.append({"name": spec.replace(":", "_"), "spec": spec, "num_warps": int(w),

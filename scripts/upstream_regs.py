@@ -38,6 +38,7 @@ from benchmarks.devtime import device_time
 from gdn_lossless_jax.backends.pallas.verify import _prep as pallas_prep
 from gdn_lossless_jax.backends.pallas.verify import verify as pallas_verify
 from gdn_lossless_jax.cases import Shape, verify_inputs
+from gdn_lossless_jax.testing import bits
 
 CALLS, COPIES = 16, 4
 T0 = time.perf_counter()
@@ -45,11 +46,6 @@ T0 = time.perf_counter()
 
 def log(msg):
     print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
-
-
-def bits(x):
-    x = np.asarray(jax.device_get(x))
-    return x.view({2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
 
 
 def tbits(t):

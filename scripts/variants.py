@@ -8,37 +8,32 @@ form), ``one_pass``, ``kcN`` (``k_chunk=N``), ``unN`` (``unroll=N``), ``nsN`` (`
 """
 
 
+_NUMBERED = {"kc": "k_chunk", "un": "unroll", "ns": "num_stages", "ph": "prep_heads"}  # tag prefix -> field
+_ORDERS = {"tf": {"order": "tiles"}, "rf": {"order": "requests"}}
+
+
+def _apply(tags, fields: dict, named: dict, numbered) -> dict:
+    """``fields`` with each tag applied in turn: a name from ``named`` (its field values), or a
+    prefix from ``numbered`` followed by a number; other tags are ignored."""
+    for tag in tags:
+        if tag in named:
+            fields.update(named[tag])
+        elif tag[:2] in numbered and tag[2:].isdigit():
+            fields[_NUMBERED[tag[:2]]] = int(tag[2:])
+    return fields
+
+
 def verify_config(tags, **fields):
     from gdn_lossless_jax.backends.pallas import VerifyConfig
 
-    for tag in tags:
-        if tag == "gram":
-            fields["algorithm"] = "gram"
-        elif tag == "one_pass":
-            fields["one_pass"] = True
-        elif tag == "noef":
-            fields["evict"] = None
-        elif tag == "lq":
-            fields["prefetch_q"] = False
-        elif tag == "mma":
-            fields["products"] = "mma"
-        elif tag in ("tf", "rf"):
-            fields["order"] = "tiles" if tag == "tf" else "requests"
-        elif tag[:2] in ("kc", "un", "ns", "ph") and tag[2:].isdigit():
-            fields[{"kc": "k_chunk", "un": "unroll", "ns": "num_stages", "ph": "prep_heads"}[tag[:2]]] = int(tag[2:])
-    return VerifyConfig(**fields)
+    named = {"gram": {"algorithm": "gram"}, "one_pass": {"one_pass": True}, "noef": {"evict": None},
+             "lq": {"prefetch_q": False}, "mma": {"products": "mma"}, **_ORDERS}  # fmt: skip
+    return VerifyConfig(**_apply(tags, fields, named, _NUMBERED))
 
 
 def triton_verify_config(tags, **fields):
-    """The triton backend's :class:`VerifyConfig` with the tags that apply to it (``nsN``, ``phN``,
-    ``tf`` / ``rf``, ``noef`` (``evict=""``))."""
+    """The triton backend's :class:`VerifyConfig` with the tags that apply to it (``kcN``, ``nsN``,
+    ``phN``, ``tf`` / ``rf``, ``noef`` (``evict=""``))."""
     from gdn_lossless_jax.backends.triton import VerifyConfig
 
-    for tag in tags:
-        if tag == "noef":
-            fields["evict"] = ""
-        elif tag in ("tf", "rf"):
-            fields["order"] = "tiles" if tag == "tf" else "requests"
-        elif tag[:2] in ("ns", "ph") and tag[2:].isdigit():
-            fields[{"ns": "num_stages", "ph": "prep_heads"}[tag[:2]]] = int(tag[2:])
-    return VerifyConfig(**fields)
+    return VerifyConfig(**_apply(tags, fields, {"noef": {"evict": ""}, **_ORDERS}, ("kc", "ns", "ph")))
