@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then (optionally) tuning and benchmarks. Logs go to $OUT.
-# Usage on the device machine: bash scripts/gpu_session.sh [tests] [tune] [bench] [pattern] [upstream] [profile] [stalls]
+# Usage on the device machine: bash scripts/gpu_session.sh [tests] [tune] [bench] [pattern] [upstream] [profile] [stalls] [sass]
 # Env: TEST_FILES, WORKERS, PYTEST_ARGS, PYTEST_K (a -k expression), TEST_TIMEOUT; TUNE_ARGS (verify/commit), TUNE_SHAPES,
-# TUNE_VERIFY and TUNE_COMMIT (scripts/gpu_tune.py), TUNE_TIMEOUT; BENCH_ARGS, BENCH_TIMEOUT; PROFILE_TIMEOUT, NCU_SKIP, NCU_COUNT, STALL_VARIANTS;
+# TUNE_VERIFY and TUNE_COMMIT (scripts/gpu_tune.py), TUNE_TIMEOUT; BENCH_ARGS, BENCH_TIMEOUT; PROFILE_TIMEOUT, NCU_SKIP, NCU_COUNT, STALL_VARIANTS, SASS_KERNELS;
 # PATTERN_SHAPES, PATTERN_TILES (scripts/pattern_floor.py); UPSTREAM_VARIANTS, UPSTREAM_MAXNREG (scripts/upstream_regs.py)
 set -u
 OUT=${OUT:-/tmp/out}
@@ -44,6 +44,13 @@ for phase in "$@"; do
       timeout ${PROFILE_TIMEOUT:-200} ncu --clock-control none -k "regex:gdn_verify_(tuples|snapshots)" --metrics "$M" \
         python3 scripts/stall_profile.py > "$OUT/stalls.txt" 2>&1
       tail -5 "$OUT/stalls.txt" ;;
+    sass)  # the SASS of the commit kernels as built on this machine (scripts/sass_launch.py), from Nsight Compute
+      timeout ${PROFILE_TIMEOUT:-200} ncu --clock-control none -k "regex:${SASS_KERNELS:-commit}" --launch-count ${NCU_COUNT:-8} \
+        --section LaunchStats --section SourceCounters -f -o "$OUT/sass" python3 scripts/sass_launch.py > "$OUT/sass_ncu.log" 2>&1
+      tail -5 "$OUT/sass_ncu.log"
+      ncu -i "$OUT/sass.ncu-rep" --page source --print-source sass --csv > "$OUT/sass.csv" 2> "$OUT/sass_err.log"
+      ncu -i "$OUT/sass.ncu-rep" --page details --csv > "$OUT/sass_details.csv" 2>> "$OUT/sass_err.log"
+      wc -l "$OUT/sass.csv"; head -c 600 "$OUT/sass.csv"; tail -3 "$OUT/sass_err.log" ;;
     *) echo "unknown phase $phase" ;;
   esac
 done

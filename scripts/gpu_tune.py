@@ -86,7 +86,8 @@ if "verify" in parts:
                 name = (f"verify {N}x{D} {rec[:5]} {'triton' if tri else cfg.algorithm} bv{cfg.block_v} w{cfg.num_warps} kc{cfg.k_chunk}"
                         + ("" if tri else f" un{cfg.unroll}" + (" 1pass" if cfg.one_pass else "") + ("" if cfg.prefetch_q else " lq") + (" mma" if cfg.products == "mma" else ""))
                         + (f" ns{cfg.num_stages}" if cfg.num_stages != 1 else "")
-                        + (" ef" if cfg.evict else "") + (f" ph{cfg.prep_heads}" if cfg.prep_heads else "") + {"tiles": " tf", "requests": " rf", None: ""}[cfg.order])
+                        + (" ef" if cfg.evict else "") + (f" ph{cfg.prep_heads}" if cfg.prep_heads else "") + {"tiles": " tf", "requests": " rf", None: ""}[cfg.order]
+                        + {"none": "", "u": " dfu", "both": " dfb"}[getattr(cfg, "dot_fma", "none")])
                 try:
                     jax.block_until_ready(f(xs[0]))
                     dev = device_time(multi(f, [(x,) for x in xs]), 2, CALLS)
@@ -103,14 +104,11 @@ if "verify" in parts:
 if "commit" in parts:
     # TUNE_COMMIT: BACKEND:BLOCK_V:NUM_WARPS[:TAG...],... (ef: the replay's pool states loaded and stored
     # evict_first; without it, Triton's default eviction, the default of both backends' CommitConfig; nsN: num_stages;
-    # requests / tiles / heads: Pallas's CommitConfig.order; without one, the backend's default)
+    # requests / tiles / heads: Pallas's CommitConfig.order; without one, the backend's default; kt / unN: the
+    # k_tile / unroll fields of a patch, below)
     cspec = os.environ.get("TUNE_COMMIT", "pallas:32:8,pallas:32:8:ef,pallas:16:8,pallas:8:1,"
                                           "triton:32:2,triton:32:2:ef,triton:32:4,triton:64:2")
-    L, N, D = 30, 25, 4
-    S = 2 * N + 8
-    pool0, tup, snp = commit_tapes(0, Shape(N=N, D=D, H=16, HV=32, K=128, V=128), layers=L, slots_in_pool=S)
-    pool = [pool0]
-    idx = commit_indices(0, N=N, D=D, slots_in_pool=S, track_fraction=0.25).as_args()
+    # TUNE_COMMIT_SHAPES: REQUESTSxDRAFTS,... (30 layers each; default 25x4); TUNE_COMMIT_OPS: replay,scatter
     ccfgs = []
     for b, bv, w, *more in (x.split(":") for x in cspec.split(",")):
         try:
@@ -122,20 +120,38 @@ if "commit" in parts:
         extra = ({"num_stages": stages[-1]} if stages else {}) | ({"evict": "evict_first"} if "ef" in more else {})
         orders = [o for o in ("requests", "tiles", "heads") if o in more]
         extra |= {"order": orders[-1]} if orders else {}
+        if b == "pallas":  # kt, unN: fields of results/h200-2026-11-30h/pallas-commit-k-tile-unroll.patch (not kept)
+            extra |= {"k_tile": True} if "kt" in more else {}
+            unrolls = [int(x[2:]) for x in more if x[:2] == "un" and x[2:].isdigit()]
+            extra |= {"unroll": unrolls[-1]} if unrolls else {}
         ccfgs.append((b, mod, mod.CommitConfig(block_v=int(bv), num_warps=int(w), **extra)))
-    for name, tape in (("replay", tup), ("scatter", snp)):
-        for b, mod, cfg in ccfgs:
-            f = jax.jit(lambda pool, tape, cfg=cfg, mod=mod: mod.commit(pool, tape, *idx, config=cfg), donate_argnums=0)
+    L = 30
+    for N, D in [tuple(map(int, x.split("x"))) for x in os.environ.get("TUNE_COMMIT_SHAPES", "25x4").split(",")]:
+        S = 2 * N + 8
+        pool0, tup, snp = commit_tapes(0, Shape(N=N, D=D, H=16, HV=32, K=128, V=128), layers=L, slots_in_pool=S)
+        pool = [pool0]
+        idx = commit_indices(0, N=N, D=D, slots_in_pool=S, track_fraction=0.25).as_args()
+        tapes = {"replay": tup, "scatter": snp}
+        for name in os.environ.get("TUNE_COMMIT_OPS", "replay,scatter").split(","):
+            tape = tapes[name]
+            for b, mod, cfg in ccfgs:
+                f = jax.jit(lambda pool, tape, cfg=cfg, mod=mod, idx=idx: mod.commit(pool, tape, *idx, config=cfg),
+                            donate_argnums=0)
 
-            def run(f=f, tape=tape):
-                pool[0] = f(pool[0], tape)
-                jax.block_until_ready(pool[0])
+                def run(f=f, tape=tape, pool=pool):
+                    pool[0] = f(pool[0], tape)
+                    jax.block_until_ready(pool[0])
 
-            run()
-            dev = device_time(run, 6, 1)
-            record(f"commit {b} {name} 30L 25x4 bv{cfg.block_v} w{cfg.num_warps} ns{cfg.num_stages}"
-                   + (" ef" if cfg.evict else "") + (f" {cfg.order}" if getattr(cfg, "order", None) else ""), dev, kind="commit", backend=b, op=name, block_v=cfg.block_v,
-                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, evict=cfg.evict)
+                run()
+                dev = device_time(run, 6, 1)
+                tags = ((" ef" if cfg.evict else "") + (f" {cfg.order}" if getattr(cfg, "order", None) else "")
+                        + (" kt" if getattr(cfg, "k_tile", False) else "")
+                        + (f" un{cfg.unroll}" if getattr(cfg, "unroll", 0) else ""))
+                record(f"commit {b} {name} {L}L {N}x{D} bv{cfg.block_v} w{cfg.num_warps} ns{cfg.num_stages}{tags}", dev,
+                       kind="commit", backend=b, op=name, N=N, D=D, block_v=cfg.block_v, num_warps=cfg.num_warps,
+                       num_stages=cfg.num_stages, evict=cfg.evict)
+            del tape
+        del pool0, tup, snp, tapes, pool
     json.dump(rows, open(os.path.join(out_dir, "tune.json"), "w"), indent=1)
 
 log("done")
