@@ -30,15 +30,34 @@ KERNEL_BACKENDS = ["pallas"] + (["triton"] if importlib.util.find_spec("jax_trit
 @pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("kind", KINDS)
 def test_pallas_ptx_and_portable_forms_are_bit_identical(kind, state_dtype, seed):
+    """Both forms give the same bits where they run the same operations. The default launch
+    fuses the dots' products with the fma instruction in the PTX form only (the portable form
+    multiplies and adds, ``VerifyConfig.dot_fma``), so verify is compared with the dots unfused;
+    the default PTX launch's tape is the one both forms replay."""
     pal = backends.resolve("pallas", "verify")
     x = verify_inputs(seed, FORMS_SHAPE, kind=kind, state_dtype=state_dtype)
+    unfused = pal.VerifyConfig(dot_fma="none")
     for record in gl.RECORD_MODES:
-        ptx = pal.verify(**x, record=record, scale=128**-0.5, out_dtype=jnp.bfloat16, form="ptx")
-        portable = pal.verify(**x, record=record, scale=128**-0.5, out_dtype=jnp.bfloat16, form="portable")
+        ptx = pal.verify(**x, record=record, scale=128**-0.5, out_dtype=jnp.bfloat16, form="ptx", config=unfused)
+        portable = pal.verify(**x, record=record, scale=128**-0.5, out_dtype=jnp.bfloat16, form="portable",
+                              config=unfused)  # fmt: skip
         assert_bitwise_equal(ptx, portable, f"verify {record}")
     tup = pal.verify(**x, record="tuples", scale=128**-0.5, out_dtype=jnp.bfloat16, form="ptx")[1]
     steps = jnp.asarray(np.arange(FORMS_SHAPE.N) % FORMS_SHAPE.D, jnp.int32)
     assert_bitwise_equal(pal.replay(x["state0"], tup, steps, form="ptx"), pal.replay(x["state0"], tup, steps, form="portable"))
+
+
+def test_pallas_default_launch_fuses_the_dots(seed):
+    """The premise of the test above: the default PTX launch does fuse the dots (its u differs
+    from the unfused launch's in the low bits), and its tape is as exact as the unfused one's."""
+    pal = backends.resolve("pallas", "verify")
+    x = verify_inputs(seed, SHAPE, kind="normal")
+    kw = {"record": "tuples", "scale": 128**-0.5, "out_dtype": jnp.bfloat16, "form": "ptx"}
+    fused = pal.verify(**x, **kw)[1]
+    assert_bitwise_differs(fused.u, pal.verify(**x, **kw, config=pal.VerifyConfig(dot_fma="none"))[1].u, "fused dots")
+    _, snp = pal.verify(**x, **(kw | {"record": "snapshots"}))
+    steps = jnp.full((SHAPE.N,), SHAPE.D - 1, jnp.int32)
+    assert_bitwise_equal(snp.states[:, -1], gl.replay(x["state0"], fused, steps, backend="reference"))
 
 
 def test_portable_fma_matches_hardware(seed):

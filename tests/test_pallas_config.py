@@ -57,6 +57,7 @@ GPU_CONFIGS["chain-late-q"] = VerifyConfig(prefetch_q=False)
 GPU_CONFIGS["chain-bv32-w4"] = VerifyConfig(block_v=32, num_warps=4)
 GPU_CONFIGS |= {f"chain-prep{h}": VerifyConfig(prep_heads=h) for h in (0, 1)}  # all heads in one program; one each
 GPU_CONFIGS |= {f"chain-order-{o}": VerifyConfig(order=o) for o in ("tiles", "requests")}
+GPU_CONFIGS |= {f"chain-dot-fma-{d}": VerifyConfig(dot_fma=d) for d in ("none", "u")}  # the default fuses both
 
 
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
@@ -92,7 +93,8 @@ def _check_config(config, seed, shape):
                                                (dict(num_warps=3), "num_warps"), (dict(k_chunk=0), "k_chunk"),
                                                ({"unroll": -1}, "unroll"), ({"evict": "first"}, "evict"),
                                                ({"products": "tf32"}, "products"), ({"prep_heads": 3}, "prep_heads"),
-                                               ({"products": "mma"}, "products"), ({"order": "heads"}, "order")])  # fmt: skip
+                                               ({"products": "mma"}, "products"), ({"order": "heads"}, "order"),
+                                               ({"dot_fma": "all"}, "dot_fma")])  # fmt: skip
 def test_bad_config_names_the_field(kwargs, names):
     with pytest.raises(ValueError, match=names):
         VerifyConfig(**kwargs)

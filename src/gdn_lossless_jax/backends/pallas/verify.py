@@ -56,6 +56,7 @@ F32 = jnp.float32
 ALGORITHMS = ("chain", "gram")
 PRODUCTS = ("fma", "mma")
 ORDERS = ("requests", "tiles")
+DOT_FMA = {"none": (False, False), "u": (True, False), "both": (True, True)}  # fused: (u's dot, o's dot)
 MMA_MIN = 16  # Triton's smallest tl.dot tile side
 HIGHEST = jax.lax.Precision.HIGHEST  # fp32 products in fp32 (the default would be TF32 on a GPU)
 
@@ -110,6 +111,15 @@ class VerifyConfig:
     H200 the tiles first made the snapshot verify 6-7% faster (25 x 4: 71.7 against 77.3 us;
     8 x 16: 77.9 against 82.7) and the tuple verify no faster (30.4 against 30.3 us at 25 x 4;
     31.9 against 30.7 at 8 x 16).
+    ``dot_fma``: which of the chain's reductions over K fuse the chunks' products into their
+    running sums with the pinned fma (one instruction per element instead of a multiply and an
+    add, which Pallas Triton never contracts): ``"none"``, ``"u"`` (``Sd . k``) or ``"both"``
+    (and ``S . q``). Only ``u`` and the outputs' low bits change, the same way in both modes. The
+    portable form (ROCm, interpret mode) always multiplies and adds: its fma is ~20 integer
+    operations. On the H200 ``"both"`` made the tuple verify 1-5% faster (25 x 4: 29.7 against
+    30.0 us of kernel; 8 x 16: 29.1 against 30.5) at the same 128 registers, and the snapshot
+    verify no slower (``benchmarks/NOTES.md``, ninth session). (In the Triton backend the same
+    fusion took 130 registers, one warp per SM fewer, and was slower.)
     ``algorithm``: ``"chain"`` or ``"gram"`` (module docstring); ``row_vectors``,
     ``one_pass``, ``unroll`` and ``prefetch_q`` only apply to the chain (the Gram form always
     runs loops: unrolled, its steps took Triton 2-3 min to compile at D = 16).
@@ -128,8 +138,11 @@ class VerifyConfig:
     products: str = "fma"
     prep_heads: int = 2
     order: str | None = None
+    dot_fma: str = "both"
 
     def __post_init__(self):
+        if self.dot_fma not in DOT_FMA:
+            raise ValueError(f"VerifyConfig: dot_fma must be one of {tuple(DOT_FMA)}, got {self.dot_fma!r}")
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"VerifyConfig: algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
         if self.products not in PRODUCTS:
@@ -182,12 +195,14 @@ def _chunks(K: int, k_chunk: int):
     return [pl.ds(c * C, C) for c in range(K // C)]
 
 
-def _chunk_dot(xs, ys):
+def _chunk_dot(xs, ys, fma=None):
     """Sum over K of the elementwise products of two chunked tiles (lists of ``[BV, C]`` and
-    ``[1, C]``): chunk by chunk in registers, then one reduction (a short shuffle tree)."""
+    ``[1, C]``): chunk by chunk in registers, then one reduction (a short shuffle tree).
+    With ``fma`` (a pinned fma) each chunk after the first is fused into the running sum:
+    one instruction per element instead of a multiply and an add."""
     acc = xs[0] * ys[0]
     for x, y in zip(xs[1:], ys[1:]):
-        acc = acc + x * y
+        acc = acc + x * y if fma is None else fma(x, y, acc)
     return jnp.sum(acc, axis=1)
 
 
@@ -203,12 +218,15 @@ def _store_state(tape_ref, row, into: bool, t, hv, vs, cols, S, evict):
 
 
 def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bool, row_vectors: bool, one_pass: bool,
-            k_chunk: int, loop: bool, evict: str | None, prefetch_q: bool, tiles_first: bool):  # fmt: skip
+            k_chunk: int, loop: bool, evict: str | None, prefetch_q: bool, tiles_first: bool, dot_fma: str):  # fmt: skip
     # inputs: state, qn, kn, v, g, beta[, rows, tape buffer (aliased)]; outputs: o, tape
     (state_ref, q_ref, k_ref, v_ref, g_ref, beta_ref), o_ref, tape_ref, (n, hv, h, row, vs) = _program(
         refs, 6, into, r, BV, tiles_first)  # fmt: skip
     mul, fma = rounding_ops(form)
     cols = _chunks(k_ref.shape[-1], k_chunk)
+    # The dots' products fused with the pinned fma instruction; the portable form keeps a multiply
+    # and an add (its fma is ~20 integer operations, and a dot's rounding is free).
+    fuse_u, fuse_o = (fma if fused and form == "ptx" else None for fused in DOT_FMA[dot_fma])
 
     def vec(ref, t, ks):  # q or k of step t, shaped to broadcast over the tile's rows
         return ref[n, t, pl.ds(h, 1), ks] if row_vectors else ref[n, t, h, ks][None, :]
@@ -227,10 +245,10 @@ def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bo
             qs = [vec(q_ref, t, c) for c in cols]
         Sd = [mul(c, alpha) for c in S]
         if one_pass:
-            sq = _chunk_dot(Sd, qs)
-        u = beta * (v - _chunk_dot(Sd, ks))
+            sq = _chunk_dot(Sd, qs, fuse_o)
+        u = beta * (v - _chunk_dot(Sd, ks, fuse_u))
         S = [fma(kc, u[:, None], c) for kc, c in zip(ks, Sd)]
-        o = sq + u * kq if one_pass else _chunk_dot(S, qs)
+        o = sq + u * kq if one_pass else _chunk_dot(S, qs, fuse_o)
         o_ref[n, t, hv, vs] = o.astype(o_ref.dtype)
         if snapshots:
             _store_state(tape_ref, row, into, t, hv, vs, cols, S, evict)
@@ -522,6 +540,7 @@ def verify(
             _kernel, D=D, r=HV // H, BV=cfg.block_v, snapshots=snapshots, form=form, into=into,
             row_vectors=cfg.row_vectors, one_pass=cfg.one_pass, k_chunk=cfg.k_chunk,
             loop=D > cfg.unroll, evict=cfg.evict, prefetch_q=cfg.prefetch_q, tiles_first=tiles_first,
+            dot_fma=cfg.dot_fma,
         )  # fmt: skip
     outputs, rec = pl.pallas_call(
         kernel,
