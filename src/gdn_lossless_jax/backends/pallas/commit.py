@@ -49,11 +49,11 @@ def _ids(order: str, HV: int):
 
 @dataclasses.dataclass(frozen=True)
 class CommitConfig:
-    # H200, 30 layers at 25 x 4, in the "heads" order: replay 907 us against 918 with 32 rows on 8
-    # warps (922 in the "requests" order, the default before) and 919-978 with other tiles and
-    # warps; scatter 891 against 894 (benchmarks/NOTES.md).
-    block_v: int = 16
-    num_warps: int = 4
+    # H200, 30 layers, in the "heads" order, 8 rows on one warp against 16 on 4 (the default before):
+    # replay 841 / 302 / 270 / 266 us against 907 / 342 / 309 / 283 at 25 x 4 / 8 x 16 / 8 x 8 / 8 x 4,
+    # scatter 861 against 891 at 25 x 4 (benchmarks/NOTES.md, ninth session).
+    block_v: int = 8
+    num_warps: int = 1
     num_stages: int = 1
     # Eviction policy of the replay's pool loads and stores: None (Triton's default). On the H200
     # "evict_first" made the 30-layer replay slower, 947 against 922 us (benchmarks/NOTES.md).
