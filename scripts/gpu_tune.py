@@ -87,7 +87,7 @@ if "verify" in parts:
                         + ("" if tri else f" un{cfg.unroll}" + (" 1pass" if cfg.one_pass else "") + ("" if cfg.prefetch_q else " lq") + (" mma" if cfg.products == "mma" else ""))
                         + (f" ns{cfg.num_stages}" if cfg.num_stages != 1 else "")
                         + (" ef" if cfg.evict else "") + (f" ph{cfg.prep_heads}" if cfg.prep_heads else "") + {"tiles": " tf", "requests": " rf", None: ""}[cfg.order]
-                        + {"none": "", "u": " dfu", "both": " dfb"}[getattr(cfg, "dot_fma", "none")])
+                        + {None: "", "none": " dfn", "u": " dfu", "both": " dfb"}[getattr(cfg, "dot_fma", None)])
                 try:
                     jax.block_until_ready(f(xs[0]))
                     dev = device_time(multi(f, [(x,) for x in xs]), 2, CALLS)

@@ -3,15 +3,15 @@
 A tag list adds to or overrides fixed fields of :class:`VerifyConfig`: ``gram`` (the Gram
 form), ``one_pass``, ``kcN`` (``k_chunk=N``), ``unN`` (``unroll=N``), ``nsN`` (``num_stages=N``),
 ``phN`` (``prep_heads=N``), ``noef`` (``evict=None``), ``lq`` (``prefetch_q=False``), ``mma``
-(``products="mma"``), ``tf`` / ``rf`` (``order="tiles"`` / ``"requests"``), ``dfu`` / ``dfb``
-(``dot_fma="u"`` / ``"both"``); other tags are ignored
+(``products="mma"``), ``tf`` / ``rf`` (``order="tiles"`` / ``"requests"``), ``dfn`` / ``dfu`` / ``dfb``
+(``dot_fma="none"`` / ``"u"`` / ``"both"``); other tags are ignored
 (a script's own, such as ``portable``). Fields not given keep ``VerifyConfig``'s defaults.
 """
 
 
 _NUMBERED = {"kc": "k_chunk", "un": "unroll", "ns": "num_stages", "ph": "prep_heads"}  # tag prefix -> field
 _ORDERS = {"tf": {"order": "tiles"}, "rf": {"order": "requests"}}
-_DOT_FMA = {"dfu": {"dot_fma": "u"}, "dfb": {"dot_fma": "both"}}
+_DOT_FMA = {"dfn": {"dot_fma": "none"}, "dfu": {"dot_fma": "u"}, "dfb": {"dot_fma": "both"}}
 
 
 def _apply(tags, fields: dict, named: dict, numbered) -> dict:

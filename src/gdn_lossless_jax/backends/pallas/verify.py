@@ -12,8 +12,9 @@ registers. Two algorithms, chosen by ``VerifyConfig.algorithm``:
 
 - ``"chain"``: the D steps as written (SPEC 2.3-2.6). Per step: one pinned decay multiply,
   one reduction over K, one pinned fma, one output reduction, and the step's store (``u``,
-  or the snapshot). Each reduction over K sums the chunks' products elementwise, then ends
-  in a short tree of warp shuffles inside the serial chain.
+  or the snapshot). Each reduction over K sums the chunks' products elementwise (fused into
+  the running sums with the pinned fma by default, ``VerifyConfig.dot_fma``), then ends in a
+  short tree of warp shuffles inside the serial chain.
 - ``"gram"``: no reduction over K inside a chain. With ``G[t, s] = a_{s+1} ... a_t`` and
   ``P_t = a_1 ... a_t``, the state after step t is ``P_t S0 + sum_{s<=t} G[t, s] u_s k_s^T``,
   so ``u_t = beta_t (v_t - P_t (S0 k_t)) - sum_{s<t} beta_t G[t, s] (k_t . k_s) u_s`` and
