@@ -77,8 +77,10 @@ class CommitConfig:
         for 30 layers at 25 x 4, benchmarks/NOTES.md).
     """
 
-    block_v: int = 32
-    num_warps: int = 2  # H200, 30 layers at 25 x 4: 867 us against 898 with 4 warps (benchmarks/NOTES.md)
+    # H200, 30 layers, 8 rows on one warp against 32 on 2 (the default before): replay 840 / 279 /
+    # 268 / 266 us against 861 / 311 / 290 / 278 at 25 x 4 / 8 x 16 / 8 x 8 / 8 x 4 (benchmarks/NOTES.md).
+    block_v: int = 8
+    num_warps: int = 1
     num_stages: int = 2
     block: int = 2048
     copy_warps: int = 4
