@@ -55,8 +55,9 @@ __all__ = [
 #: made of it in SGLang's kernel, SPEC section 3). ``naive`` writes ``S * alpha + k * u``
 #: and launches with fp fusion on, so the compiler decides, which is why it is not among
 #: the controls: compiled for sm_90 as jax-triton 0.3.1 specialises the kernel, Triton 3.6
-#: fuses ``S * alpha`` (the other product); compiled without jax-triton's 16-byte
-#: pointer specialisation, it fused ``k * u`` (the rule). Both seen in the PTX
+#: fuses ``S * alpha`` (the other product) at 32 rows on 2 warps, and at 8 rows on one warp
+#: ``k * u`` (the rule) for an fp32 pool but ``S * alpha`` for a bf16 one; compiled without
+#: jax-triton's 16-byte pointer specialisation, it fused ``k * u``. All seen in the PTX
 #: (scripts/triton_interpret_check.py prints which); the rule is written out for this reason.
 FORMS = ("rule",)
 CONTROL_FORMS = ("twice_rounded", "other_product")
