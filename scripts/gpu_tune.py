@@ -17,13 +17,13 @@ import time
 
 import jax
 import jax.numpy as jnp
-from variants import triton_verify_config, verify_config
+from variants import commit_case, triton_verify_config, verify_config
 
 import gdn_lossless_jax as gl
 from benchmarks.devtime import copy_rate, device_time
 from benchmarks.traffic import verify_traffic
 from gdn_lossless_jax import backends
-from gdn_lossless_jax.cases import Shape, commit_indices, commit_tapes, verify_inputs
+from gdn_lossless_jax.cases import Shape, verify_inputs
 
 CALLS, COPIES = 16, 4
 out_dir = os.environ.get("OUT", "/tmp")
@@ -127,10 +127,8 @@ if "commit" in parts:
         ccfgs.append((b, mod, mod.CommitConfig(block_v=int(bv), num_warps=int(w), **extra)))
     L = 30
     for N, D in [tuple(map(int, x.split("x"))) for x in os.environ.get("TUNE_COMMIT_SHAPES", "25x4").split(",")]:
-        S = 2 * N + 8
-        pool0, tup, snp = commit_tapes(0, Shape(N=N, D=D, H=16, HV=32, K=128, V=128), layers=L, slots_in_pool=S)
+        pool0, tup, snp, idx = commit_case(N, D, L)
         pool = [pool0]
-        idx = commit_indices(0, N=N, D=D, slots_in_pool=S, track_fraction=0.25).as_args()
         tapes = {"replay": tup, "scatter": snp}
         for name in os.environ.get("TUNE_COMMIT_OPS", "replay,scatter").split(","):
             tape = tapes[name]

@@ -8,11 +8,12 @@ import os
 
 import jax
 import jax.numpy as jnp
+from variants import commit_case
 
 import gdn_lossless_jax as gl
 from gdn_lossless_jax import backends
 from gdn_lossless_jax.backends.pallas import CommitConfig, VerifyConfig
-from gdn_lossless_jax.cases import Shape, commit_indices, commit_tapes, verify_inputs
+from gdn_lossless_jax.cases import Shape, verify_inputs
 
 pal = backends.resolve("pallas", "verify")
 order = []
@@ -34,9 +35,7 @@ for N, D in [(25, 4), (8, 16)]:
             order += [f"triton verify {N}x{D} {rec} (warm-up)", f"triton verify {N}x{D} {rec}"]
     except Exception as e:  # noqa: BLE001
         print("triton verify skipped:", e)
-L, N, D, S = 30, 25, 4, 58
-pool, tup, snp = commit_tapes(0, Shape(N=N, D=D, H=16, HV=32, K=128, V=128), layers=L, slots_in_pool=S)
-idx = commit_indices(0, N=N, D=D, slots_in_pool=S).as_args()
+pool, tup, snp, idx = commit_case(25, 4)
 for name, tape in (("replay", tup), ("scatter", snp)):
     for bv, w in [(16, 2), (32, 4), (32, 2), (64, 4), (8, 1), (128, 4)]:
         cfg = CommitConfig(block_v=bv, num_warps=w)

@@ -8,14 +8,11 @@ write it).
 """
 
 import jax
+from variants import commit_case
 
 from gdn_lossless_jax import backends
-from gdn_lossless_jax.cases import Shape, commit_indices, commit_tapes
 
-L, N, D = 30, 25, 4
-S = 2 * N + 8
-pool, tup, snp = commit_tapes(0, Shape(N=N, D=D, H=16, HV=32, K=128, V=128), layers=L, slots_in_pool=S)
-idx = commit_indices(0, N=N, D=D, slots_in_pool=S, track_fraction=0.25).as_args()
+pool, tup, snp, idx = commit_case(25, 4)
 for b in ("pallas", "triton"):
     mod = backends.resolve(b, "commit")
     for name, tape in (("replay", tup), ("scatter", snp)):

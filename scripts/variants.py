@@ -39,3 +39,14 @@ def triton_verify_config(tags, **fields):
     from gdn_lossless_jax.backends.triton import VerifyConfig
 
     return VerifyConfig(**_apply(tags, fields, {"noef": {"evict": ""}, **_ORDERS}, ("kc", "ns", "ph")))
+
+
+def commit_case(N: int, D: int, layers: int = 30):
+    """The scripts' commit case on the seed geometry (H=16, HV=32, K=V=128): ``(pool, tuples,
+    snapshots, index args)``, a pool of ``2 N + 8`` slots, a quarter of the requests crossing a
+    track boundary."""
+    from gdn_lossless_jax.cases import Shape, commit_indices, commit_tapes
+
+    S = 2 * N + 8
+    pool, tup, snp = commit_tapes(0, Shape(N=N, D=D, H=16, HV=32, K=128, V=128), layers=layers, slots_in_pool=S)
+    return pool, tup, snp, commit_indices(0, N=N, D=D, slots_in_pool=S, track_fraction=0.25).as_args()
