@@ -1,4 +1,4 @@
-"""Launch variants named by tags, shared by the tuning and profiling scripts.
+"""Launch variants named by tags, and the commit case, shared by the tuning and profiling scripts.
 
 A tag list adds to or overrides fixed fields of :class:`VerifyConfig`: ``gram`` (the Gram
 form), ``one_pass``, ``kcN`` (``k_chunk=N``), ``unN`` (``unroll=N``), ``nsN`` (``num_stages=N``),
