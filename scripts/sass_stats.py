@@ -153,7 +153,7 @@ def main(argv=None) -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="sass_stats_"))
     work.mkdir(parents=True, exist_ok=True)
     lower(args.variants, work)
-    kernels = Path(__file__).resolve().parents[1] / "src" / "gdn_lossless_jax" / "backends" / "triton"
+    kernels = Path(__file__).resolve().parents[1] / "gdn_lossless_jax" / "backends" / "triton"
     subprocess.run([args.triton_python, "-c", _COMPILE, str(work), str(kernels)], check=True)
     stats = json.loads((work / "stats.json").read_text())
     head = f"{'variant':<30}{'regs':>5}{'spill B':>8}{'instr':>7}{'SHFL':>6}{'FADD':>6}{'FFMA':>6}{'FMUL':>6}{'LDS':>5}{'BAR':>5}{'issue us':>9}{'shfl us':>8}"

@@ -59,7 +59,7 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-KERNELS = REPO / "src" / "gdn_lossless_jax" / "backends" / "triton"
+KERNELS = REPO / "gdn_lossless_jax" / "backends" / "triton"
 
 
 @dataclasses.dataclass(frozen=True)

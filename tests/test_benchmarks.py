@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `benchmarks` lives at the repository root, beside src/
+if str(ROOT) not in sys.path:  # `benchmarks` lives at the repository root, beside gdn_lossless_jax/
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import cases as bc  # noqa: E402

@@ -12,7 +12,7 @@ from gdn_lossless_jax.cases import Shape
 from gdn_lossless_jax.cli import main
 from gdn_lossless_jax.config import get_geometry
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[1])
 
 
 def test_memory_table(capsys):
