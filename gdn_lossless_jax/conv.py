@@ -30,12 +30,13 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from . import reference, rounding
 from .api import _check_float, _check_index, _check_rank, _check_shape, _fmt, _shape
 
-__all__ = ["causal_conv1d_verify", "causal_conv1d_verify_dense", "dense_windows", "conv_commit"]
+__all__ = ["causal_conv1d_verify", "causal_conv1d_verify_dense", "dense_windows", "conv_commit", "verify_from_pool"]
 
 F32 = jnp.float32
 
@@ -100,12 +101,56 @@ def causal_conv1d_verify(conv_state, x, weight, bias=None):
 # op than fused under jit, so one compiled path gives the same bits with or without an outer jit.
 @jax.jit
 def _verify(conv_state, x, weight, bias):
+    # In a caller's jit XLA:GPU could otherwise skip the rounding of x's producer (excess precision).
+    conv_state, x, weight, bias = lax.optimization_barrier((conv_state, x, weight, bias))
     D = x.shape[1]
     xt = jnp.swapaxes(x, 1, 2).astype(conv_state.dtype)  # [N, C, D], rounded as the windows store it
     cols = jnp.concatenate([conv_state, xt], axis=-1)  # x_{-(Kc-1)} .. x_{D-1}
     taps = [cols[..., j : j + D].astype(F32) for j in range(weight.shape[1])]
     out = _silu(_taps(taps, weight, bias))
     return jnp.swapaxes(out, 1, 2).astype(x.dtype), cols[..., 1:]
+
+
+def verify_from_pool(conv_pool, layer, slots, x, weight, bias=None, *, windows=None, rows=None, splits=None,
+                     backend: str = "auto"):  # fmt: skip
+    """The conv of verify, reading each request's conv state from the pool by slot.
+
+    Args:
+      conv_pool: ``[L, S, conv_dim, Kc-1]``; request n's state is ``conv_pool[layer, slots[n]]``
+        (zeros for a slot outside ``[0, S)``, SGLang's padding).
+      layer: int or traced int32 scalar. slots: ``[N]`` int32.
+      x, weight, bias: as :func:`causal_conv1d_verify`.
+      windows, rows: a window buffer ``[L, R, conv_dim, >= D+Kc-2]`` (written at
+        ``[layer, rows[n]]``, in place when donated; out-of-range rows write nothing), or None
+        for fresh windows ``[N, conv_dim, D+Kc-2]``.
+      splits: channel counts to split the output into (``[q | k | v]``), or None for one.
+      backend: with ``"pallas"`` or ``"triton"`` on CUDA (or ``"pallas"`` in interpret mode on
+        a CPU), one Pallas kernel that reads the states by slot and writes the windows in
+        place; otherwise XLA (gather, :func:`causal_conv1d_verify`, scatter). Same bits.
+    Returns:
+      ``(outputs, windows)``: a list of ``[N, D, c]`` arrays (one per split), and the windows.
+    """
+    from . import backends
+
+    name = backends.resolve_name(backend)
+    if name in ("pallas", "triton"):
+        from .backends.pallas import conv_verify, kernel_form
+
+        form = kernel_form()
+        if form is not None:
+            return conv_verify(x, weight, bias, conv_pool, slots, layer, splits=None if splits is None else tuple(splits),
+                               windows=windows, tape_layer=None if windows is None else layer, rows=rows, form=form,
+                               interpret=backends.platform() == "cpu")  # fmt: skip
+    S = conv_pool.shape[1]
+    idx = jnp.where((slots >= 0) & (slots < S), slots, S)
+    y, win = causal_conv1d_verify(conv_pool.at[layer, idx].get(mode="fill", fill_value=0), x, weight, bias)
+    bounds = np.cumsum([0, *(splits or (x.shape[-1],))])
+    outs = [y[..., lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+    if windows is None:
+        return outs, win
+    R = windows.shape[1]
+    r = jnp.where((rows >= 0) & (rows < R), rows, R)
+    return outs, windows.at[layer, r, :, : win.shape[-1]].set(win.astype(windows.dtype), mode="drop")
 
 
 def causal_conv1d_verify_dense(conv_state, x, weight, bias=None):
@@ -126,6 +171,7 @@ def causal_conv1d_verify_dense(conv_state, x, weight, bias=None):
 
 @jax.jit
 def _verify_dense(conv_state, x, weight, bias):
+    conv_state, x, weight, bias = lax.optimization_barrier((conv_state, x, weight, bias))
     def step(state, x_t):
         full = jnp.concatenate([state, x_t.astype(state.dtype)[..., None]], axis=-1)  # [N, C, Kc]
         return full[..., 1:], full

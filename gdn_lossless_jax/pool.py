@@ -35,7 +35,7 @@ import numpy as np
 from . import api, reference
 from .api import _check_heads, _check_index, _check_linear_chain, _check_rank, _check_shape, _fmt, _shape
 from .config import Geometry
-from .conv import causal_conv1d_verify, conv_commit
+from .conv import conv_commit, verify_from_pool
 from .tape import Snapshots, Tape, Tuples
 
 __all__ = [
@@ -343,22 +343,24 @@ def verify_layer(
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames=("scale", "backend"))
 def _verify_layer(pool, layer, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, slots, rows, *, scale, backend):
-    # The kernels read each request's state from pool.ssm by slot and write the tape into the
-    # scratch rows in place (verify's slots=/tape= form): no gathered states, no tape copy.
+    # The kernels read each request's conv and SSM states from the pool by slot and write the
+    # windows and the tape into the scratch rows in place (verify_from_pool, verify's slots=/
+    # tape= form): no gathered states, no copies of the tape or of [q | k | v] slices.
     g = pool.geometry
     N, D, _ = mixed_qkv.shape
-    s = _in_range(slots, pool.ssm.shape[1])
-    conv_state = pool.conv.at[layer, s].get(mode="fill", fill_value=0)  # [N, conv_dim, Kc-1]: small
-    y, windows = causal_conv1d_verify(conv_state, mixed_qkv, conv_weight, conv_bias)
     HK = g.num_k_heads * g.head_k_dim
-    q = y[..., :HK].reshape(N, D, g.num_k_heads, g.head_k_dim)
-    k = y[..., HK : 2 * HK].reshape(N, D, g.num_k_heads, g.head_k_dim)
-    v = y[..., 2 * HK :].reshape(N, D, g.num_v_heads, g.head_v_dim)
+    (q, k, v), windows = verify_from_pool(
+        pool.conv, layer, slots, mixed_qkv, conv_weight, conv_bias, windows=pool.conv_windows, rows=rows,
+        splits=(HK, HK, g.num_v_heads * g.head_v_dim), backend=backend,
+    )  # fmt: skip
+    q = q.reshape(N, D, g.num_k_heads, g.head_k_dim)
+    k = k.reshape(N, D, g.num_k_heads, g.head_k_dim)
+    v = v.reshape(N, D, g.num_v_heads, g.head_v_dim)
     outputs, tape = api.verify(
         pool.ssm, q, k, v, a, b, A_log, dt_bias, slots=slots, layer=layer, tape=pool.tape, rows=rows, scale=scale,
         backend=backend,
     )  # fmt: skip
-    return outputs, dataclasses.replace(pool, tape=tape, conv_windows=_store_windows(pool, layer, rows, windows))
+    return outputs, dataclasses.replace(pool, tape=tape, conv_windows=windows)
 
 
 def commit(

@@ -19,6 +19,10 @@ def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, s
     # one compiled path makes the outputs the same with or without an outer jax.jit.
     # The pool form gathers the states (the reference is the specification, not the lean
     # path: the kernels read by slot instead) and scatters the tape into its buffer.
+    # The barrier makes the inputs arrive in their own dtype: inside a caller's jit, XLA:GPU
+    # (allow_excess_precision) would otherwise fuse their producer and skip its rounding to
+    # bf16 (seen on the H200: the pool path's outputs differed from the same call outside).
+    q, k, v, a, b, A_log, dt_bias = jax.lax.optimization_barrier((q, k, v, a, b, A_log, dt_bias))
     state = state0 if slots is None else ref.read_slots(state0, layer, slots)
     outputs, new = ref.verify(state, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, out_dtype=out_dtype)
     if tape is None:

@@ -17,11 +17,13 @@ import jax.numpy as jnp
 from ...tape import Snapshots
 from .. import BackendUnavailable, platform
 from .commit import CommitConfig, commit_snapshots, commit_tuples
+from .conv import conv_verify
 from .rounding import CONTROL_FORMS, FORMS, default_form
 from .verify import VerifyConfig
 from .verify import verify as _verify
 
-__all__ = ["verify", "replay", "commit", "check_available", "VerifyConfig", "CommitConfig", "FORMS"]
+__all__ = ["verify", "replay", "commit", "check_available", "VerifyConfig", "CommitConfig", "FORMS", "conv_verify",
+           "kernel_form"]
 
 
 def _interpret() -> bool:
@@ -44,6 +46,18 @@ def check_available(op: str) -> None:
         ) from e
 
 
+
+
+def kernel_form() -> str | None:
+    """The rounding form the conv kernel runs with here: ``"ptx"`` on CUDA, ``"portable"`` in
+    interpret mode; None where it does not run (ROCm: its division is not pinned there, so
+    the conv stays in XLA), or where Pallas Triton is missing."""
+    try:
+        check_available("conv")
+    except BackendUnavailable:
+        return None
+    form = default_form(_interpret())
+    return form if form == "ptx" or _interpret() else None
 
 
 def _form(form: str | None, allowed=FORMS) -> str:
