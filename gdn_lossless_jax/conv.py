@@ -111,6 +111,20 @@ def _verify(conv_state, x, weight, bias):
     return jnp.swapaxes(out, 1, 2).astype(x.dtype), cols[..., 1:]
 
 
+def _kernel_form(backend: str) -> str | None:
+    """The rounding form of the conv kernels for ``backend``, or None where XLA runs the conv:
+    the kernels serve the ``pallas`` and ``triton`` backends on CUDA (``"ptx"``) and ``pallas``
+    in interpret mode on a CPU (``"portable"``)."""
+    from . import backends
+
+    name = backends.resolve_name(backend)
+    if name not in ("pallas", "triton") or (name == "triton" and backends.platform() != "gpu"):
+        return None
+    from .backends.pallas import kernel_form
+
+    return kernel_form()
+
+
 def verify_from_pool(conv_pool, layer, slots, x, weight, bias=None, *, windows=None, rows=None, splits=None,
                      backend: str = "auto"):  # fmt: skip
     """The conv of verify, reading each request's conv state from the pool by slot.
@@ -130,17 +144,14 @@ def verify_from_pool(conv_pool, layer, slots, x, weight, bias=None, *, windows=N
     Returns:
       ``(outputs, windows)``: a list of ``[N, D, c]`` arrays (one per split), and the windows.
     """
-    from . import backends
+    form = _kernel_form(backend)
+    if form is not None:
+        from .backends.pallas import conv_verify
 
-    name = backends.resolve_name(backend)
-    if name in ("pallas", "triton"):
-        from .backends.pallas import conv_verify, kernel_form
-
-        form = kernel_form()
-        if form is not None:
-            return conv_verify(x, weight, bias, conv_pool, slots, layer, splits=None if splits is None else tuple(splits),
-                               windows=windows, tape_layer=None if windows is None else layer, rows=rows, form=form,
-                               interpret=backends.platform() == "cpu")  # fmt: skip
+        accs, win = conv_verify(x, weight, bias, conv_pool, slots, layer, splits=None if splits is None else tuple(splits),
+                                windows=windows, tape_layer=None if windows is None else layer, rows=rows, form=form,
+                                interpret=form == "portable")  # fmt: skip
+        return [_silu(a).astype(x.dtype) for a in accs], win
     S = conv_pool.shape[1]
     idx = jnp.where((slots >= 0) & (slots < S), slots, S)
     y, win = causal_conv1d_verify(conv_pool.at[layer, idx].get(mode="fill", fill_value=0), x, weight, bias)
@@ -200,7 +211,7 @@ class _Extent:
     num_steps: int
 
 
-def conv_commit(conv_pool, windows, slots, steps, track_slots=None, track_steps=None, rows=None):
+def conv_commit(conv_pool, windows, slots, steps, track_slots=None, track_steps=None, rows=None, *, backend="auto"):
     """Copy each request's accepted (and track) conv window into the conv state pool.
 
     Args:
@@ -211,6 +222,8 @@ def conv_commit(conv_pool, windows, slots, steps, track_slots=None, track_steps=
         :func:`gdn_lossless_jax.commit`: slot ``slots[i]`` receives the window after step
         ``steps[i]`` (``windows[:, rows[i], :, steps[i] : steps[i]+Kc-1]``), and
         ``track_slots[i]`` the window after ``track_steps[i]``.
+      backend: as in :func:`verify_from_pool`: one Pallas kernel, in place on the pool, where
+        the conv kernel runs; XLA elsewhere. Same bits.
     Returns:
       The new conv pool. The same requests are skipped as in the SSM commit (out-of-range
       slot or row: the whole request; step outside ``[0, D)``: that write; out-of-range
@@ -244,6 +257,11 @@ def conv_commit(conv_pool, windows, slots, steps, track_slots=None, track_steps=
     slots, steps, track_slots, track_steps, rows = (
         jnp.asarray(a, jnp.int32) for a in (slots, steps, track_slots, track_steps, rows)
     )
+    form = _kernel_form(backend)
+    if form is not None:
+        from .backends.pallas import conv_commit as kernel
+
+        return kernel(conv_pool, windows, slots, steps, track_slots, track_steps, rows, interpret=form == "portable")
     return _conv_commit(conv_pool, windows, slots, steps, track_slots, track_steps, rows)
 
 

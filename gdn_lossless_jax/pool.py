@@ -389,5 +389,5 @@ def commit(
 @functools.partial(jax.jit, donate_argnums=0, static_argnames=("backend",))
 def _commit(pool, slots, steps, track_slots, track_steps, rows, *, backend):
     ssm = api.commit(pool.ssm, pool.tape, slots, steps, track_slots, track_steps, rows, backend=backend)
-    conv = conv_commit(pool.conv, pool.conv_windows, slots, steps, track_slots, track_steps, rows)
+    conv = conv_commit(pool.conv, pool.conv_windows, slots, steps, track_slots, track_steps, rows, backend=backend)
     return dataclasses.replace(pool, ssm=ssm, conv=conv)

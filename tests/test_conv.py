@@ -112,8 +112,9 @@ def _commit_oracle(pool, windows, idx):
     return out
 
 
+@pytest.mark.parametrize("backend", ["reference", "pallas"])  # XLA, and the Pallas kernel (interpret mode on a CPU)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_conv_commit_bit_exact_with_masks(seed, dtype):
+def test_conv_commit_bit_exact_with_masks(seed, dtype, backend):
     L, N, D, C, Kc = 2, 9, 4, 8, 4
     S, R = 2 * N + 3, N + 2
     rng = np.random.default_rng(seed)
@@ -128,7 +129,7 @@ def test_conv_commit_bit_exact_with_masks(seed, dtype):
     idx.track_slots[6], idx.track_steps[6] = S, 0
     idx.steps[7] = D
     idx.track_steps[8] = min(D - 1, idx.steps[8]) if idx.steps[8] >= 0 else -1
-    got = conv.conv_commit(pool, windows, *idx.as_args())
+    got = conv.conv_commit(pool, windows, *idx.as_args(), backend=backend)
     want = _commit_oracle(pool, windows, idx)
     testing.assert_bitwise_equal(want, np.asarray(got))
     # The masking cases did something: some slots changed, and the skipped ones did not.

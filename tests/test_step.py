@@ -323,8 +323,10 @@ def _compiled_step(backend, record, unroll, seed, copy_pool=False, size=1):
 def test_compiled_step_has_no_pool_or_tape_copy(backend, record, unroll, seed):
     bad, temps = _compiled_step(backend, record, unroll, seed)
     assert not bad, "the compiled step copies the pool or its scratch:\n" + "\n".join(bad)
-    # A copy fused into other work would need temporaries that grow with the pool or the scratch.
+    # A copy fused into other work would need temporaries that grow with the pool or the scratch
+    # by at least one layer's tape field (a few hundred bytes of alignment may move).
     _, temps2 = _compiled_step(backend, record, unroll, seed, size=2)
-    assert temps2 == temps, f"temporaries grow with the pool: {temps} bytes, {temps2} with twice the slots and rows"
+    field = min(x.nbytes // x.shape[0] for x in jax.tree.leaves(_filled_pool(np.random.default_rng(0), record, F32, slots=16, requests=8).tape))
+    assert temps2 - temps < field // 4, f"temporaries grow with the pool: {temps} bytes, {temps2} with twice the slots and rows"
     # Control: the same check finds the copy of a step that writes a new pool.
     assert _compiled_step(backend, record, unroll, seed, copy_pool=True)[0], "the control step's copy was not found"

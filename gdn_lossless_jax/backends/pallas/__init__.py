@@ -17,13 +17,13 @@ import jax.numpy as jnp
 from ...tape import Snapshots
 from .. import BackendUnavailable, platform
 from .commit import CommitConfig, commit_snapshots, commit_tuples
-from .conv import conv_verify
+from .conv import conv_commit, conv_verify
 from .rounding import CONTROL_FORMS, FORMS, default_form
 from .verify import VerifyConfig
 from .verify import verify as _verify
 
 __all__ = ["verify", "replay", "commit", "check_available", "VerifyConfig", "CommitConfig", "FORMS", "conv_verify",
-           "kernel_form"]
+           "conv_commit", "kernel_form"]
 
 
 def _interpret() -> bool:

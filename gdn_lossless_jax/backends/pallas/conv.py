@@ -1,20 +1,21 @@
 """Pallas (Triton backend) causal conv1d of verify: one launch per layer, from the pool by slot.
 
-The same arithmetic as :func:`gdn_lossless_jax.conv.causal_conv1d_verify` (inputs rounded to the
-conv dtype; taps accumulated from the bias as ``acc = fma(w_j, x_j, acc)``; SiLU as
-``acc / (1 + exp(-acc))``), with every rounding pinned: the fma and the division in PTX
-(``fma.rn.f32``, ``div.rn.f32``: XLA:GPU divides correctly rounded, Triton's ``/`` would not),
-``exp`` libdevice's (XLA:GPU's), or, in interpret mode, the portable fma and XLA's division.
-So on one platform the kernel and the XLA form give the same bits (tested).
+The taps of :func:`gdn_lossless_jax.conv.causal_conv1d_verify` (inputs rounded to the conv
+dtype; accumulated from the bias as ``acc = fma(w_j, x_j, acc)``, the fma pinned in PTX, or the
+portable form in interpret mode); the kernel returns the fp32 accumulators and the caller
+applies the SiLU (``acc / (1 + exp(-acc))``) in XLA, the same operations as the XLA form, so
+the two give the same bits on every platform (tested). (Division in the kernel did not match:
+on the H200 the kernel's ``div.rn.f32`` and XLA's division differed by 1 ULP on a quarter of
+the outputs.)
 
 Why a kernel: XLA compiles the portable fma (about 150 integer operations) into large fusions,
 seconds per layer (a 30-layer step unrolled in one jit took 95 s to compile on the H200), and
 the XLA form also gathers each request's conv state, transposes and concatenates. Here a
 program of the grid ``(N, conv_dim / BC)`` reads request n's conv state from the pool at
-``[layer, slots[n]]`` (zeros for a padding slot), its D inputs, and writes the outputs split
-into ``[q | k | v]`` (``splits``: no slicing copies after the kernel) and the deduplicated
-windows straight into the scratch at ``[layer, rows[n]]`` (aliased; an out-of-range row writes
-nothing), or into a fresh ``[N, C, D+Kc-2]`` array.
+``[layer, slots[n]]`` (zeros for a padding slot), its D inputs, and writes the accumulators split
+into ``[q | k | v]`` (``splits``: the SiLU that follows writes each part, no slicing copies) and
+the deduplicated windows straight into the scratch at ``[layer, rows[n]]`` (aliased; an
+out-of-range row writes nothing), or into a fresh ``[N, C, D+Kc-2]`` array.
 """
 
 from __future__ import annotations
@@ -28,11 +29,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .rounding import ops as rounding_ops
-from .rounding import _asm
 
-__all__ = ["conv_verify", "block_channels"]
+__all__ = ["conv_verify", "conv_commit", "block_channels", "scalar"]
 
 F32 = jnp.float32
+
+
+def scalar(x) -> jax.Array:
+    """An int32 index as the ``[1]`` array a kernel reads: a reshape of a traced scalar (a loop
+    counter, say) is free, where stacking two would launch a kernel per call."""
+    return jnp.reshape(jnp.asarray(0 if x is None else x, jnp.int32), (1,))
 
 
 def block_channels(splits: tuple[int, ...], cap: int = 128) -> int:
@@ -46,9 +52,9 @@ def block_channels(splits: tuple[int, ...], cap: int = 128) -> int:
 
 
 def _kernel(*refs, D: int, Kc: int, BC: int, splits: tuple[int, ...], form: str, into: bool, bias: bool):
-    # inputs: x, weight, bias, conv pool, slots, sel[, rows, windows buffer]; outputs: the splits, windows
-    x_ref, w_ref, b_ref, pool_ref, slots_ref, sel_ref = refs[:6]
-    rows_ref = refs[6] if into else None
+    # inputs: x, weight, bias, conv pool, slots, layer[, rows, tape layer, windows buffer]; outputs: the splits, windows
+    x_ref, w_ref, b_ref, pool_ref, slots_ref, layer_ref = refs[:6]
+    rows_ref, tape_layer_ref = refs[6:8] if into else (None, None)
     outs = refs[len(refs) - len(splits) - 1 : -1]
     win_ref = refs[-1]
     n, j = pl.program_id(0), pl.program_id(1)
@@ -56,11 +62,10 @@ def _kernel(*refs, D: int, Kc: int, BC: int, splits: tuple[int, ...], form: str,
     W = Kc - 1
     cdt = pool_ref.dtype
     _, fma = rounding_ops(form)
-    div = _asm("div.rn.f32", 2) if form == "ptx" else jnp.divide
     slot = slots_ref[n]
     ok = (slot >= 0) & (slot < pool_ref.shape[1])
     safe = jnp.where(ok, slot, 0)
-    layer = sel_ref[0]
+    layer = layer_ref[0]
     mask = jnp.broadcast_to(ok, (BC,))
     # cols[c] = x_{c - W}: the state's W columns (oldest first), then the D inputs rounded to the conv dtype.
     cols = [plgpu.load(pool_ref.at[layer, safe, cs, jnp.int32(w)], mask=mask, other=0.0).astype(cdt) for w in range(W)]
@@ -71,13 +76,12 @@ def _kernel(*refs, D: int, Kc: int, BC: int, splits: tuple[int, ...], form: str,
         acc = b
         for i in range(Kc):
             acc = fma(w[i], cols[t + i].astype(F32), acc)
-        y = div(acc, 1.0 + jnp.exp(-acc))
         lo = 0
         for out, width in zip(outs, splits):
 
             @pl.when((j * BC >= lo) & (j * BC < lo + width))
             def _(out=out, lo=lo):
-                out[n, t, pl.ds(j * BC - lo, BC)] = y.astype(out.dtype)
+                out[n, t, pl.ds(j * BC - lo, BC)] = acc
 
             lo += width
     if into:
@@ -86,7 +90,7 @@ def _kernel(*refs, D: int, Kc: int, BC: int, splits: tuple[int, ...], form: str,
         @pl.when((row >= 0) & (row < win_ref.shape[1]))
         def _():
             for c in range(D + W - 1):
-                win_ref[sel_ref[1], row, cs, c] = cols[c + 1]
+                win_ref[tape_layer_ref[0], row, cs, c] = cols[c + 1]
 
     else:
         for c in range(D + W - 1):
@@ -106,20 +110,20 @@ def conv_verify(x, weight, bias, conv_pool, slots, layer, *, splits=None, window
       windows, tape_layer, rows: a window buffer ``[L', R, C, >= D+Kc-2]`` written at
         ``[tape_layer, rows[n]]`` in place, or None for fresh windows ``[N, C, D+Kc-2]``.
     Returns:
-      ``(outputs, windows)``: one ``[N, D, c]`` array per split in x's dtype, and the windows.
+      ``(accumulators, windows)``: one fp32 ``[N, D, c]`` array of pre-activations per split
+      (the SiLU is the caller's), and the windows.
     """
     N, D, C = x.shape
     Kc = weight.shape[1]
     splits = splits or (C,)
     BC = block_channels(splits)
     into = windows is not None
-    sel = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(0 if tape_layer is None else tape_layer, jnp.int32)])
     has_bias = bias is not None
-    inputs = [x, weight, bias if has_bias else jnp.zeros((C,), F32), conv_pool, slots, sel]
-    out_shape = [jax.ShapeDtypeStruct((N, D, c), x.dtype) for c in splits]
+    inputs = [x, weight, bias if has_bias else jnp.zeros((C,), F32), conv_pool, slots, scalar(layer)]
+    out_shape = [jax.ShapeDtypeStruct((N, D, c), F32) for c in splits]
     aliases = {}
     if into:
-        inputs += [rows, windows]
+        inputs += [rows, scalar(tape_layer), windows]
         out_shape.append(jax.ShapeDtypeStruct(windows.shape, windows.dtype))
         aliases = {len(inputs) - 1: len(out_shape) - 1}
     else:
@@ -135,3 +139,40 @@ def conv_verify(x, weight, bias, conv_pool, slots, layer, *, splits=None, window
         name="gdn_conv_verify",
     )(*inputs)
     return outs, win
+
+
+def _commit_kernel(slots_ref, steps_ref, tslots_ref, tsteps_ref, rows_ref, win_ref, pool_in, pool_ref, *, W: int, BC: int):
+    """One (layer, request, channel block): the accepted and track windows into the conv pool."""
+    del pool_in  # aliased with pool_ref
+    l, n, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    cs = pl.ds(j * BC, BC)
+    S, R = pool_ref.shape[1], win_ref.shape[1]
+    D = win_ref.shape[-1] - (W - 1)
+    slot, step, tslot, tstep, row = slots_ref[n], steps_ref[n], tslots_ref[n], tsteps_ref[n], rows_ref[n]
+    # SGLang's masks (reference._masks): a request whose slot or row is out of range is skipped
+    # entirely; each write needs its step in [0, D) (and the track slot in range).
+    valid = (slot >= 0) & (slot < S) & (row >= 0) & (row < R)
+    accept = valid & (step >= 0) & (step < D)
+    track = valid & (tstep >= 0) & (tstep < D) & (tslot >= 0) & (tslot < S)
+    for dst, at, ok in ((tslot, tstep, track), (slot, step, accept)):  # track first, as the reference scatters
+
+        @pl.when(ok)
+        def _(dst=dst, at=at):
+            for w in range(W):
+                pool_ref[l, dst, cs, w] = win_ref[l, row, cs, at + w]
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def conv_commit(conv_pool, windows, slots, steps, track_slots, track_steps, rows, *, interpret: bool):
+    """:func:`gdn_lossless_jax.conv.conv_commit` as one launch, in place on the (aliased) conv pool."""
+    L, _, C, W = conv_pool.shape
+    BC = block_channels((C,))
+    return pl.pallas_call(
+        functools.partial(_commit_kernel, W=W, BC=BC),
+        out_shape=jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype),
+        grid=(L, slots.shape[0], C // BC),
+        input_output_aliases={6: 0},
+        compiler_params=plgpu.CompilerParams(num_warps=max(1, min(4, BC // 32)), num_stages=1),
+        interpret=interpret,
+        name="gdn_conv_commit",
+    )(slots, steps, track_slots, track_steps, rows, windows, conv_pool)

@@ -53,6 +53,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from ...reference import L2NORM_EPS, gates
 from ._refs import grid, program_ids, store
+from .conv import scalar
 from .rounding import ops as rounding_ops
 
 __all__ = ["VerifyConfig", "verify", "ALGORITHMS"]
@@ -193,23 +194,22 @@ class _Where(NamedTuple):
 
 
 def _program(refs, n_inputs: int, into: bool, r: int, BV: int, tiles_first: bool):
-    """What both verify kernels read first: their input refs (``state``, ``slots``, ``sel``
-    first), the two output refs, and the program's :class:`_Where`.
+    """What both verify kernels read first: their input refs (``state``, ``slots``, ``layer``,
+    ``tape_layer`` first), the two output refs, and the program's :class:`_Where`.
 
-    ``refs`` is ``inputs[, rows, tape buffer (aliased)], o, tape``; ``sel`` holds
-    ``(layer, tape_layer)``.
+    ``refs`` is ``inputs[, rows, tape buffer (aliased)], o, tape``.
     """
     n, hv, j = program_ids(tiles_first)
-    state_ref, slots_ref, sel_ref = refs[:3]
+    state_ref, slots_ref, layer_ref, tape_layer_ref = refs[:4]
     slot = slots_ref[n]
     slot_ok = (slot >= 0) & (slot < state_ref.shape[1])
     if into:
         row = refs[n_inputs][n]
-        lead, row_ok = (sel_ref[1], row), (row >= 0) & (row < refs[-1].shape[1])
+        lead, row_ok = (tape_layer_ref[0], row), (row >= 0) & (row < refs[-1].shape[1])
     else:
         lead, row_ok = (n,), None
-    where = _Where(n, hv, hv // r, pl.ds(j * BV, BV), sel_ref[0], jnp.where(slot_ok, slot, 0), slot_ok, lead, row_ok)
-    return refs[3:n_inputs], refs[-2], refs[-1], state_ref, where
+    where = _Where(n, hv, hv // r, pl.ds(j * BV, BV), layer_ref[0], jnp.where(slot_ok, slot, 0), slot_ok, lead, row_ok)
+    return refs[4:n_inputs], refs[-2], refs[-1], state_ref, where
 
 
 def _unit_rows(x):
@@ -261,8 +261,8 @@ def _store_state(tape_ref, w: _Where, t, cols, S, evict):
 
 def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bool, row_vectors: bool, one_pass: bool,
             k_chunk: int, loop: bool, evict: str | None, prefetch_q: bool, tiles_first: bool, dot_fma: str):  # fmt: skip
-    # inputs: state, slots, sel, qn, kn, v, g, beta[, rows, tape buffer (aliased)]; outputs: o, tape
-    (q_ref, k_ref, v_ref, g_ref, beta_ref), o_ref, tape_ref, state_ref, w = _program(refs, 8, into, r, BV, tiles_first)
+    # inputs: state, slots, layer, tape_layer, qn, kn, v, g, beta[, rows, tape buffer (aliased)]; outputs: o, tape
+    (q_ref, k_ref, v_ref, g_ref, beta_ref), o_ref, tape_ref, state_ref, w = _program(refs, 9, into, r, BV, tiles_first)
     n, hv, h, vs = w.n, w.hv, w.h, w.vs
     mul, fma = rounding_ops(form)
     cols = _chunks(k_ref.shape[-1], k_chunk)
@@ -322,12 +322,12 @@ def _prep_kernel(*refs, H: int, HV: int, hb: int, scale: float, into: bool):
     and ``g`` also go straight into the tape buffers at ``[tape_layer, rows[n], t]`` (aliased:
     no copy after the kernel; an out-of-range row writes nothing).
     """
-    # inputs: q, k, a, b, A_log, dt_bias[, rows, sel, k buffer, g buffer]; outputs: qn, kn, g, beta[, buffers]
+    # inputs: q, k, a, b, A_log, dt_bias[, rows, tape_layer, k buffer, g buffer]; outputs: qn, kn, g, beta[, buffers]
     q_ref, k_ref, a_ref, b_ref, A_log_ref, dt_bias_ref = refs[:6]
     qn_ref, kn_ref, g_ref, beta_ref = refs[10:14] if into else refs[6:10]
     n, t, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     if into:
-        row, tape_layer = refs[6][n], refs[7][1]
+        row, tape_layer = refs[6][n], refs[7][0]
         kbuf_ref, gbuf_ref = refs[14:16]
         row_ok = (row >= 0) & (row < kbuf_ref.shape[1])
         row = jnp.where(row_ok, row, 0)
@@ -360,7 +360,7 @@ def _prep_kernel(*refs, H: int, HV: int, hb: int, scale: float, into: bool):
 def _prep(q, k, a, b, A_log, dt_bias, *, scale, interpret: bool, heads: int = 0, into=None):
     """``(qn, kn, g, beta)`` as ``reference.prepare`` computes them, in one launch: grid
     ``(N, D, H / heads)``, ``heads`` q/k heads per program (0: all of them). ``into``:
-    ``(rows, sel, k buffer, g buffer)``; then the updated buffers are returned too."""
+    ``(rows, tape_layer, k buffer, g buffer)``; then the updated buffers are returned too."""
     N, D, H, K = q.shape
     HV = a.shape[-1]
     hb = min(pl.next_power_of_2(heads or H), pl.next_power_of_2(H))
@@ -443,9 +443,9 @@ def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, int
     of K (``mma_chunk`` columns), summed (TF32x3; fp32 products in interpret mode, where
     XLA:CPU has no TF32).
     """
-    # inputs: state, slots, sel, qn, kn, v, g, W, C, P, beta[, rows, tape buffer (aliased)]; outputs: o, tape
+    # inputs: state, slots, layer, tape_layer, qn, kn, v, g, W, C, P, beta[, rows, tape buffer]; outputs: o, tape
     (q_ref, k_ref, v_ref, g_ref, W_ref, C_ref, P_ref, beta_ref), o_ref, tape_ref, state_ref, w = _program(
-        refs, 11, into, r, BV, tiles_first)
+        refs, 12, into, r, BV, tiles_first)
     n, hv, h, vs = w.n, w.hv, w.h, w.vs
     mul, fma = rounding_ops(form)
     cols = _chunks(k_ref.shape[-1], k_chunk)
@@ -574,7 +574,7 @@ def verify(
         state = state0
     N = q.shape[0]
     _, _, HV, V, K = state.shape
-    sel = jnp.stack([jnp.asarray(layer, i32), jnp.asarray(0 if tape_layer is None else tape_layer, i32)])
+    layer, tape_layer = scalar(layer), scalar(tape_layer)
     cfg = config.fit(V)
     if V % cfg.block_v:
         raise ValueError(f"pallas verify: V={V} must be a multiple of block_v={cfg.block_v}")
@@ -595,19 +595,19 @@ def verify(
                              f"and K >= {MMA_MIN} a multiple of max({MMA_MIN}, k_chunk) (got K={K}, k_chunk={cfg.k_chunk})")  # fmt: skip
         qn, kn, g, W, C, P, beta = _gram_prep(q, k, a, b, A_log, dt_bias, scale=scale, Dp=gram_steps(D),
                                               interpret=interpret)  # fmt: skip
-        inputs = [state, slots, sel, qn, kn, v, g, W, C, P, beta]
+        inputs = [state, slots, layer, tape_layer, qn, kn, v, g, W, C, P, beta]
         if into and not snapshots:  # the Gram prologue has no buffer outputs: k and g go in by XLA
             ok = (rows >= 0) & (rows < tape.k.shape[1])
             idx = jnp.where(ok, rows, tape.k.shape[1])  # out-of-range rows: dropped (negative would wrap)
-            kbuf = tape.k.at[sel[1], idx, :D].set(kn, mode="drop")
-            gbuf = tape.g.at[sel[1], idx, :D].set(g, mode="drop")
+            kbuf = tape.k.at[tape_layer[0], idx, :D].set(kn, mode="drop")
+            gbuf = tape.g.at[tape_layer[0], idx, :D].set(g, mode="drop")
     else:
-        pre = (rows, sel, tape.k, tape.g) if into and not snapshots else None
+        pre = (rows, tape_layer, tape.k, tape.g) if into and not snapshots else None
         qn, kn, g, beta, *bufs = _prep(q, k, a, b, A_log, dt_bias, scale=scale, interpret=interpret,
                                        heads=cfg.prep_heads, into=pre)  # fmt: skip
         if bufs:
             kbuf, gbuf = bufs
-        inputs = [state, slots, sel, qn, kn, v, g, beta]
+        inputs = [state, slots, layer, tape_layer, qn, kn, v, g, beta]
     out_shape = [jax.ShapeDtypeStruct((N, D, HV, V), out_dtype)]
     aliases = {}
     if into:
