@@ -1,6 +1,7 @@
 """The rounding rule of the library, and the forms that break it (kept as controls).
 
-The rule (SPEC section 2, steps 3 and 5) for one GDN state update is::
+The rule (steps 3 and 5 of the GDN step in :mod:`gdn_lossless_jax.reference`) for one GDN
+state update is::
 
     Sd = rn(S * exp(g))          # one separately rounded multiply (Sd has two uses)
     S' = fma(k, u, Sd)           # one fused multiply-add, one rounding
