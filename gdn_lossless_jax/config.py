@@ -131,7 +131,12 @@ _ALIASES = {"qwen3.5-35b-a3b": "qwen3.6-35b-a3b", "qwen3.5-27b": "qwen3.8-27b"}
 
 
 def get_geometry(name: str) -> Geometry:
-    """Look up a named geometry (case-insensitive; aliases accepted)."""
+    """Look up a named geometry (case-insensitive; aliases accepted).
+
+    >>> g = get_geometry("Qwen3.5-35B-A3B")
+    >>> g.name, g.gdn_layers, g.num_k_heads, g.num_v_heads, g.full_attention_layers
+    ('Qwen3.5/3.6-35B-A3B', 30, 16, 32, 10)
+    """
     key = name.lower()
     key = _ALIASES.get(key, key)
     if key not in MODELS:

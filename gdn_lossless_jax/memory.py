@@ -65,7 +65,14 @@ def scratch_bytes(
     geometry: Geometry, drafts: int, record: str, *, requests: int | None = None, state_dtype=jnp.float32
 ) -> int:
     """SSM scratch bytes of ``record`` mode: per request (``requests=None``) or for
-    ``requests`` running requests (``requests + 1`` rows, as allocated)."""
+    ``requests`` running requests (``requests + 1`` rows, as allocated).
+
+    >>> g = get_geometry("qwen3.6-35b-a3b")
+    >>> scratch_bytes(g, 1, "snapshots") / 2**20, scratch_bytes(g, 1, "tuples") / 2**20  # MiB per draft step
+    (60.0, 0.70678710937...)
+    >>> gib(scratch_bytes(g, 4, "snapshots", requests=25))  # 26 scratch rows of 4 steps
+    '6.09'
+    """
     _checked("scratch_bytes", geometry, drafts, requests)
     if record not in SCRATCH_MODES:
         raise ValueError(f"scratch_bytes: record must be one of {SCRATCH_MODES}, got {record!r}")
@@ -80,7 +87,11 @@ def conv_window_bytes(geometry: Geometry, drafts: int, *, requests: int | None =
 
 
 def kv_bytes_per_token(geometry: Geometry, *, kv_dtype=jnp.bfloat16) -> int:
-    """KV cache bytes per token: ``full_attention_layers * 2 (K and V) * kv_heads * kv_head_dim * itemsize``."""
+    """KV cache bytes per token: ``full_attention_layers * 2 (K and V) * kv_heads * kv_head_dim * itemsize``.
+
+    >>> kv_bytes_per_token(get_geometry("qwen3.6-35b-a3b"))  # 10 layers x 2 x 2 heads x 256 x 2 bytes
+    20480
+    """
     g = geometry
     return g.full_attention_layers * 2 * g.kv_heads * g.kv_head_dim * jnp.dtype(kv_dtype).itemsize
 

@@ -174,6 +174,14 @@ def fma_rn(a, b, c):
       a, b, c: float32 arrays (broadcastable to a common shape).
     Returns:
       float32 array of the broadcast shape.
+
+    ``a * a`` is ``1 + 2**-11 + 2**-24`` exactly below; one rounding keeps the ``2**-24`` that a
+    rounded product loses:
+
+    >>> import numpy as np
+    >>> a, c = np.float32(1 + 2**-12), np.float32(-(1 + 2**-11))
+    >>> float(fma_rn(a, a, c)) == 2**-24, float(add_rn(mul_rn(a, a), c))
+    (True, 0.0)
     """
     ua, ub, uc = _bits(a), _bits(b), _bits(c)
     ua, ub, uc = jnp.broadcast_arrays(ua, ub, uc)
