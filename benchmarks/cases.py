@@ -2,8 +2,8 @@
 
 The cases: the Qwen3.5/3.6-35B-A3B geometry (30 GDN layers, H=16, HV=32, K=V=128, fp32
 state, bf16 inputs; the model SGLang's lossless-verify pull request measured) and four
-request x draft configurations (25x4, 8x4, 8x8, 8x16), with about 25% of the requests crossing a track boundary at commit. The
-``cpu-small`` mode runs the same code on a reduced geometry so CI keeps the harness alive;
+request x draft configurations (25x4, 8x4, 8x8, 8x16), with about 25% of the requests
+crossing a track boundary at commit. The ``cpu-small`` mode runs the same code on a reduced geometry so CI keeps the harness alive;
 its timings are not results. Tests import these names (``tests/test_benchmarks.py``).
 """
 

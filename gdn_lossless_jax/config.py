@@ -72,7 +72,9 @@ class Geometry:
         """The values :meth:`reduced` accepts as ``heads_divisor``: the divisors of H."""
         return tuple(d for d in range(1, self.num_k_heads + 1) if self.num_k_heads % d == 0)
 
-    def reduced(self, *, gdn_layers: int | None = None, heads_divisor: int = 1, head_dim: int | None = None) -> "Geometry":
+    def reduced(
+        self, *, gdn_layers: int | None = None, heads_divisor: int = 1, head_dim: int | None = None
+    ) -> "Geometry":
         """A smaller geometry of the same shape family, for CPU runs.
 
         Args:
@@ -93,7 +95,8 @@ class Geometry:
                 raise ValueError(f"{where}: argument {name!r} must be a positive integer, got {value!r}")
         if gdn_layers is not None and gdn_layers > self.gdn_layers:
             raise ValueError(
-                f"{where}: argument 'gdn_layers' must be at most {self.gdn_layers} (the model's GDN layers), got {gdn_layers}"
+                f"{where}: argument 'gdn_layers' must be at most {self.gdn_layers} (the model's GDN layers), "
+                f"got {gdn_layers}"
             )
         if heads_divisor not in self.head_divisors():
             raise ValueError(

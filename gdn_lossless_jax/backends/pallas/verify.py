@@ -10,8 +10,8 @@ The kernel's grid is ``(N, HV, V // BV)`` (or ``(V // BV, HV, N)``, ``VerifyConf
 one program per request, v-head and V tile, holding the ``[BV, K]`` fp32 state tile in
 registers. Two algorithms, chosen by ``VerifyConfig.algorithm``:
 
-- ``"chain"``: the D steps as written (steps 3-6 of :mod:`gdn_lossless_jax.reference`). Per step: one pinned decay multiply,
-  one reduction over K, one pinned fma, one output reduction, and the step's store (``u``,
+- ``"chain"``: the D steps as written (steps 3-6 of :mod:`gdn_lossless_jax.reference`). Per
+  step: one pinned decay multiply, one reduction over K, one pinned fma, one output reduction, and the step's store (``u``,
   or the snapshot). Each reduction over K sums the chunks' products elementwise (fused into
   the running sums with the pinned fma by default, ``VerifyConfig.dot_fma``), then ends in a
   short tree of warp shuffles inside the serial chain.
