@@ -5,10 +5,10 @@ through a depthwise causal conv1d of width ``Kc`` (4 on Qwen models) before the
 recurrence. Its state per request is the last ``Kc-1`` inputs, ``[conv_dim, Kc-1]``,
 column ``j`` holding ``x_{j-(Kc-1)}`` (oldest first).
 
-Verify over D draft tokens (SGLang's ``causal_conv1d_update`` with intermediate windows,
-research section 7): the output of step t is ``silu(bias + sum_j w[:, j] * x_{t-Kc+1+j})``
-with ``x_{<0}`` read from the old state, and the *window after step t* is the
-pre-activation inputs ``(x_{t-Kc+2}, ..., x_t)``. Consecutive windows overlap, so they are
+Verify over D draft tokens (SGLang's ``causal_conv1d_update`` with intermediate windows, in
+its Triton kernel ``_causal_conv1d_update_kernel``): the output of step t is
+``silu(bias + sum_j w[:, j] * x_{t-Kc+1+j})`` with ``x_{<0}`` read from the old state, and the
+*window after step t* is the pre-activation inputs ``(x_{t-Kc+2}, ..., x_t)``. Consecutive windows overlap, so they are
 kept deduplicated, as SGLang does on CUDA for linear chains: one ``[conv_dim, D+Kc-2]``
 buffer per request with ``phys[..., c] = x_{c-(Kc-2)}`` (the first ``Kc-2`` columns are the
 old history), and window t is ``phys[..., t : t+Kc-1]``. Commit copies the accepted

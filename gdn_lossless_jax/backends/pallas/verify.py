@@ -10,8 +10,8 @@ The kernel's grid is ``(N, HV, V // BV)`` (or ``(V // BV, HV, N)``, ``VerifyConf
 one program per request, v-head and V tile, holding the ``[BV, K]`` fp32 state tile in
 registers. Two algorithms, chosen by ``VerifyConfig.algorithm``:
 
-- ``"chain"``: the D steps as written (SPEC 2.3-2.6). Per step: one pinned decay multiply,
-  one reduction over K, one pinned fma, one output reduction, and the step's store (``u``,
+- ``"chain"``: the D steps as written (steps 3-6 of :mod:`gdn_lossless_jax.reference`). Per
+  step: one pinned decay multiply, one reduction over K, one pinned fma, one output reduction, and the step's store (``u``,
   or the snapshot). Each reduction over K sums the chunks' products elementwise (fused into
   the running sums with the pinned fma by default, ``VerifyConfig.dot_fma``), then ends in a
   short tree of warp shuffles inside the serial chain.
@@ -213,7 +213,7 @@ def _program(refs, n_inputs: int, into: bool, r: int, BV: int, tiles_first: bool
 
 
 def _unit_rows(x):
-    """l2norm of each row of a ``[rows, K]`` tile (SPEC 2.2; ``reference.l2norm``'s formula)."""
+    """l2norm of each row of a ``[rows, K]`` tile (``reference.l2norm``'s formula)."""
     return x / jnp.sqrt(jnp.sum(x * x, axis=1)[:, None] + L2NORM_EPS)
 
 
@@ -402,7 +402,7 @@ def _gram_prep_kernel(q_ref, k_ref, a_ref, b_ref, A_log_ref, dt_bias_ref, qn_ref
     K = k_ref.shape[-1]
     rows = jax.lax.broadcasted_iota(jnp.int32, (Dp, K), 0) < D
 
-    def unit(ref):  # l2norm of the D rows (SPEC 2.2)
+    def unit(ref):  # l2norm of the D rows (reference.l2norm)
         return _unit_rows(plgpu.load(ref.at[n, steps, h, :], mask=rows, other=0.0).astype(F32))
 
     qn, kn = unit(q_ref) * jnp.asarray(scale, F32), unit(k_ref)

@@ -13,7 +13,7 @@ The design of the Pallas backend's default launch (``backends/pallas/verify.py``
   ``[BV, K / C, C]`` chunks (``VerifyConfig.k_chunk``: with ``[8, 16]`` chunks Triton puts 8
   lanes across the rows and 4 across the columns, so a reduction over K sums the chunks in
   registers and ends in 2 shuffle levels, not 5 per row). It walks the D steps as a loop,
-  step t + 1's inputs loaded during step t (SPEC section 2)::
+  step t + 1's inputs loaded during step t (steps 3-6 of :mod:`gdn_lossless_jax.reference`)::
 
     alpha = exp(g_t)
     Sd    = S * alpha                      # one rounded multiply
