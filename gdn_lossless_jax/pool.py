@@ -1,6 +1,6 @@
 """The state pool of a hybrid model's GDN layers, with the speculative scratch.
 
-Layout (SGLang's, research section 3; every tensor has a padding slot or row, the ``+1``)::
+Layout (SGLang's MambaPool; every tensor has a padding slot or row, the ``+1``)::
 
     ssm           [L, S+1, HV, V, K]            float32 or bfloat16   per-request recurrent states
     conv          [L, S+1, conv_dim, Kc-1]      conv dtype (bf16)     per-request conv states
@@ -56,7 +56,8 @@ __all__ = [
 
 #: Record modes the pool allocates (those :func:`gdn_lossless_jax.verify` records).
 POOL_RECORD_MODES = api.RECORD_MODES
-#: Record modes the memory accounting knows: the pool's, plus the seed's ring (k per v-head).
+#: Record modes the memory accounting knows: the pool's, plus ``seed_ring``, the tuple ring of SGLang's
+#: lossless-verify pull request (k stored once per v-head).
 SCRATCH_MODES = (*POOL_RECORD_MODES, "seed_ring")
 
 
@@ -204,7 +205,8 @@ def allocate(
     if record not in POOL_RECORD_MODES:
         raise ValueError(
             f"{fn}: record must be one of {POOL_RECORD_MODES}, got {record!r}"
-            + (" (the seed's ring is counted by gdn_lossless_jax.memory, not allocated)" if record == "seed_ring" else "")
+            + (" (seed_ring, the pull request's layout, is counted by gdn_lossless_jax.memory, not allocated)"
+               if record == "seed_ring" else "")
         )
     if jnp.dtype(state_dtype) not in api.STATE_DTYPES:
         raise TypeError(f"{fn}: state_dtype must be float32 or bfloat16, got {jnp.dtype(state_dtype)}")
