@@ -166,3 +166,19 @@ def test_device_columns_from_trace_dicts():
     lines = report._kernel_lines(rows)
     assert any("`gdn_verify` x1 18.0 us [17.0, 20.0]" in x for x in lines)
     assert any("`loop_fusion` x2" in x for x in lines)
+
+
+def test_step_benchmark_runs_on_the_cpu(tmp_path):
+    """benchmarks/step.py end to end on the reduced geometry (its timings are not results)."""
+    from benchmarks import step
+
+    out = tmp_path / "step"
+    argv = ["--out", str(out), "--mode", "cpu-small", "--configs", "2x2", "--backends", "reference", "--records",
+            "tuples", "--kinds", "pool-python,scan", "--rounds", "2", "--warmup", "1", "--device-invocations", "0",
+            "--peer", "off"]  # fmt: skip
+    assert step.main(argv) == 0
+    result = json.loads((out / "results.json").read_text())
+    kinds = {r["kind"]: r for r in result["rows"]}
+    assert set(kinds) == {"pool-python", "scan"}
+    assert all(r["wall"]["n"] == 2 and r["failed"] is None for r in kinds.values())
+    assert "| 2x2 | reference | tuples | scan |" in (out / "results.md").read_text()
