@@ -42,6 +42,16 @@ def _is_int(x) -> bool:
     return jnp.issubdtype(_dtype(x), jnp.integer)
 
 
+def as_index(x):
+    """An index argument as int32 without an eager JAX op: arrays (and tracers) of int32 pass
+    through, the rest becomes NumPy, which a jitted call takes in as part of its own launch.
+    (``jnp.asarray(layer)`` of a Python int dispatched a device op of its own: a sizeable part of
+    a layer call's host time.)"""
+    if isinstance(x, jax.Array):
+        return x if x.dtype == jnp.int32 else x.astype(jnp.int32)
+    return np.asarray(x, np.int32)
+
+
 def _check_rank(fn: str, name: str, x, rank: int, dims: str):
     if len(_shape(x)) != rank:
         raise ValueError(f"{fn}: argument {name!r} must have rank {rank} ({dims}), got shape {_fmt(_shape(x))}")
@@ -244,9 +254,9 @@ def verify(
         record, layered = _check_tape_buffer(fn, tape, record, N, D, H, HV, V, K, state0.dtype, layer)
         buf, tape_layer = (tape, layer) if layered else (jax.tree.map(lambda x: x[None], tape), 0)
         if rows is None:
-            rows = jnp.arange(N, dtype=jnp.int32)
+            rows = np.arange(N, dtype=np.int32)
         _check_index(fn, "rows", rows, N)
-        rows = jnp.asarray(rows, jnp.int32)
+        rows = as_index(rows)
     elif rows is not None:
         raise ValueError(f"{fn}: rows= maps requests to rows of a tape buffer: pass tape= too")
     record = record or "tuples"
@@ -255,9 +265,9 @@ def verify(
     out_dtype = jnp.dtype(out_dtype or q.dtype)
     kw = dict(record=record, scale=scale, out_dtype=out_dtype)
     if slots is not None:
-        kw.update(slots=jnp.asarray(slots, jnp.int32), layer=jnp.asarray(pool_layer, jnp.int32))
+        kw.update(slots=as_index(slots), layer=as_index(pool_layer))
     if buf is not None:
-        kw.update(tape=buf, tape_layer=jnp.asarray(tape_layer, jnp.int32), rows=rows)
+        kw.update(tape=buf, tape_layer=as_index(tape_layer), rows=rows)
     outputs, new = impl.verify(state, q, k, v, a, b, A_log, dt_bias, **kw)
     if buf is not None and buf is not tape:  # the per-layer buffer the caller gave: drop the added axis
         new = jax.tree.map(lambda x: x[0], new)
@@ -303,7 +313,7 @@ def replay(state0: jax.Array, tuples: Tuples, steps: jax.Array, *, backend: str 
     _check_tuples(fn, tuples, (N,), HV, V, K, "N")
     _check_index(fn, "steps", steps, N)
     impl = backends.resolve(backend, "replay")
-    return impl.replay(state0, tuples, jnp.asarray(steps, jnp.int32))
+    return impl.replay(state0, tuples, as_index(steps))
 
 
 def commit(
@@ -347,11 +357,11 @@ def commit(
     if (track_slots is None) != (track_steps is None):
         raise ValueError(f"{fn}: give both track_slots and track_steps, or neither")
     if track_slots is None:
-        track_slots = track_steps = jnp.full((N,), -1, jnp.int32)
+        track_slots = track_steps = np.full((N,), -1, np.int32)
     _check_index(fn, "track_slots", track_slots, N)
     _check_index(fn, "track_steps", track_steps, N)
     if rows is None:
-        rows = jnp.arange(N, dtype=jnp.int32)
+        rows = np.arange(N, dtype=np.int32)
     _check_index(fn, "rows", rows, N)
     if isinstance(tape, Snapshots):
         _check_rank(fn, "tape.states", tape.states, 6, "[L, R, D, HV, V, K]")
@@ -366,5 +376,5 @@ def commit(
     else:
         raise TypeError(f"{fn}: tape must be Tuples or Snapshots, got {type(tape).__name__}")
     impl = backends.resolve(backend, "commit")
-    ints = [jnp.asarray(x, jnp.int32) for x in (slots, steps, track_slots, track_steps, rows)]
+    ints = [as_index(x) for x in (slots, steps, track_slots, track_steps, rows)]
     return impl.commit(pool, tape, *ints)
