@@ -105,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seed-table", action="store_true",
                    help="also print the seed's table (SPEC section 6) recomputed, its printed GiB beside ours")
     m.set_defaults(func=_memory)
+
+    from .model.demo import add_parser as add_demo
+
+    add_demo(sub)
     return p
 
 
