@@ -184,6 +184,11 @@ def test_speculative_decoding(D, seed):
     pairs += [(p, r.tokens) for p, r in zip(prompts, tup.batch)]
     pairs += [(prompts[0], t1.tokens), ([*prompts[0], *t1.tokens, *prompts[7]], t2.tokens)]
     ties = _check_greedy(params, seed, pairs, f"D={D}")
+    if D == 2:  # the check itself: a wrong token where the target is not near a tie fails it
+        p, t = pairs[0]
+        wrong = [*t[:5], (t[5] + 1) % CONFIG.vocab, *t[6:]]
+        with pytest.raises(AssertionError, match=r"token 5 is .* not a near-tie"):
+            _check_greedy(params, seed, [(p, wrong)], "control")
     total = sum(len(t) for _, t in pairs)
     acc = np.concatenate([r.accepted for r in tup.single])
     print(f"\nD={D}: {ties} of {total} tokens differ from plain greedy decoding, each at a near-tie (top-2 gap < {TIE}); "
@@ -255,14 +260,26 @@ def test_controls_are_caught(seed):
 # Smaller pieces.
 # ---------------------------------------------------------------------------------------
 def test_demo_soak_reduced(capsys):
-    """The soak at a reduced length: 2 requests x 1000 tokens, both modes (CI)."""
-    args = ["demo", "--tokens", "1000", "--prompts", "2", "--batch", "2", "--track-interval", "128", "--progress", "off"]
+    """The soak at a reduced length (CI): 2 conversations of 2 turns x 500 tokens, the
+    second turn resumed from the prefix cache, both modes; the full length is a committed log."""
+    args = ["demo", "--tokens", "500", "--turns", "2", "--prompts", "2", "--batch", "2", "--track-interval", "128",
+            "--progress", "off"]  # fmt: skip
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "verdict    identical" in out
     assert "2,000 of 2,000 tokens equal" in out and "bit-identical" in out
     for mode in MODES:
         assert f"{mode:<10} 2000 tokens" in out
+    assert out.count("2 of 2 later turns resumed") == 2
+
+
+def test_pallas_backend_in_the_model(capsys):
+    """The model through the Pallas kernels (interpret mode on a CPU: tiny and short)."""
+    args = ["demo", "--backend", "pallas", "--tokens", "10", "--turns", "2", "--prompts", "1", "--batch", "1",
+            "-D", "2", "--prompt-len", "4", "--track-interval", "8", "--progress", "off"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "verdict    identical" in out and "1 of 1 later turns resumed" in out
 
 
 def test_demo_help(capsys):
@@ -276,11 +293,12 @@ def test_demo_help(capsys):
 
 def test_prefix_cache_lru():
     c = PrefixCache(4)
-    assert c.insert([1, 2, 3, 4], 7) is None and c.insert([1, 2, 3, 4, 5, 6, 7, 8], 9) is None
+    assert c.insert([1, 2, 3, 4], 7) == [] and c.insert([1, 2, 3, 4, 5, 6, 7, 8], 9) == []
     assert c.lookup([1, 2, 3, 4, 5, 6, 7, 8, 9]) == (8, 9)
     assert c.lookup([1, 2, 3, 4, 5, 6, 7, 8]) == (4, 7), "a prefix must leave one token to feed"
     assert c.lookup([1, 2, 3, 5, 5]) is None
-    assert c.evict() == 9 and c.insert([1, 2, 3, 4], 3) == 7 and c.slots() == [3]
+    assert c.evict() == 9 and c.insert([1, 2, 3, 4], 3) == [7] and c.slots() == [3]
+    assert c.insert([1, 2, 3, 4, 0, 0, 0, 0], 5, supersedes=[1, 2, 3, 4]) == [3] and c.slots() == [5]
     assert PrefixCache(0).lookup([1, 2, 3]) is None
 
 

@@ -212,8 +212,8 @@ def _draft_gdn(c: ModelConfig, S, conv_state, mixed, a, b, p):
     y = jax.nn.silu(jnp.sum(window.astype(F32) * p.conv_weight.astype(F32), axis=-1))
     q, k, v = split_qkv(y[:, None], c)
     qn, kn, g, beta = reference.prepare(q, k, a, b, p.A_log, p.dt_bias, c.head_k_dim**-0.5)
-    r = c.num_v_heads // c.num_k_heads
-    step_in = (jnp.repeat(qn[:, 0], r, axis=-2), jnp.repeat(kn[:, 0], r, axis=-2), v[:, 0].astype(F32), g[:, 0], beta[:, 0])
+    HV = c.num_v_heads
+    step_in = (reference._expand_heads(qn[:, 0], HV), reference._expand_heads(kn[:, 0], HV), v[:, 0].astype(F32), g[:, 0], beta[:, 0])
     S_new, (o, _) = reference.gdn_step(S.astype(F32), step_in, mul=jnp.multiply, fma=lambda k, u, s: k * u + s)
     return o[:, None].astype(mixed.dtype), S_new, window[..., 1:]
 
@@ -371,10 +371,8 @@ class SpecStep:
 
                 def mixer(xn, blk=blk, layer=attn_i):
                     nonlocal kv
-                    ck = kv.k.at[layer].get()
-                    cv = kv.v.at[layer].get()
-                    rows_k = ck.at[s_kv].get(mode="fill", fill_value=0)
-                    rows_v = cv.at[s_kv].get(mode="fill", fill_value=0)
+                    rows_k = kv.k.at[layer, s_kv].get(mode="fill", fill_value=0)
+                    rows_v = kv.v.at[layer, s_kv].get(mode="fill", fill_value=0)
                     out, (rows_k, rows_v) = attention(blk.mixer, c, xn, rows_k, rows_v, positions)
                     # Only this step's entries go back (the rest of each row is unchanged).
                     new_k = jnp.take_along_axis(rows_k, positions[:, :, None, None], axis=1, mode="clip")

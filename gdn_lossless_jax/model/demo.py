@@ -1,7 +1,8 @@
 """``gdn-lossless demo``: greedy speculative decoding on the hybrid model in both record modes.
 
-Decodes a few random prompts with the layer-skipping self-draft, once with the pool in each
-record mode, and prints tokens per second, the mean accepted length, the scratch memory of
+Decodes a few random conversations (a later turn appends the answer and a new message, and
+resumes from the prefix cache) with the layer-skipping self-draft, once with the pool in
+each record mode, and prints tokens per second, the mean accepted length, the scratch memory of
 each mode, and a verdict: ``identical`` when both modes gave the same tokens and the same
 final states (SSM, conv and KV, bit for bit). Exit status 1 otherwise. With
 ``--tokens 10000`` it is the long-decode soak.
@@ -35,9 +36,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     d.add_argument("--size", choices=list(SIZES), default="tiny", help="model size (default tiny; 'gpu' has H=16, HV=32, K=V=128)")
     d.add_argument("--drafts", "-D", type=int, default=4, help="D, inputs verified per step: 1 given + D-1 drafted (default 4)")
-    d.add_argument("--prompts", type=int, default=4, help="number of prompts (default 4)")
-    d.add_argument("--prompt-len", type=int, default=16, help="tokens per prompt (default 16)")
-    d.add_argument("--tokens", type=int, default=200, help="new tokens per prompt (default 200; 10000 for the soak)")
+    d.add_argument("--prompts", type=int, default=4, help="number of prompts (conversations; default 4)")
+    d.add_argument("--prompt-len", type=int, default=16, help="new prompt tokens per turn (default 16)")
+    d.add_argument("--tokens", type=int, default=200, help="generated tokens per turn (default 200; 10000 for the soak)")
+    d.add_argument("--turns", type=int, default=2,
+                   help="turns per conversation: turn t+1 resumes from the prefix cache (default 2)")
     d.add_argument("--batch", type=int, default=2, help="batch rows: prompts join as others leave (default 2)")
     d.add_argument("--track-interval", type=int, default=64, help="prefix-cache track interval in tokens (0: off; default 64)")
     d.add_argument("--backend", choices=["auto", *BACKENDS], default="auto", help="the library's backend (default auto)")
@@ -63,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from .engine import Engine, Request
     from .model import get_config, init_params
 
-    for name in ("drafts", "prompts", "prompt_len", "tokens", "batch"):
+    for name in ("drafts", "prompts", "prompt_len", "tokens", "turns", "batch"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
     if args.track_interval < 0:
@@ -71,13 +74,15 @@ def run(args: argparse.Namespace) -> int:
     config = get_config(args.size)
     params = init_params(config, args.seed)
     rng = np.random.default_rng(args.seed)
-    requests = [Request(tuple(rng.integers(0, config.vocab, args.prompt_len)), args.tokens) for _ in range(args.prompts)]
-    total = args.prompts * args.tokens
+    # Turn 1 is a random prompt; each later turn appends the answer and a new random message.
+    messages = [[rng.integers(0, config.vocab, args.prompt_len).tolist() for _ in range(args.prompts)]
+                for _ in range(args.turns)]  # fmt: skip
+    total = args.prompts * args.tokens * args.turns
     print(f"gdn-lossless demo: {config.describe()}")
     print(
-        f"{args.prompts} prompts of {args.prompt_len} tokens x {args.tokens} new tokens, D={args.drafts}, "
-        f"batch {args.batch}, track interval {args.track_interval}, backend {args.backend} "
-        f"({jax.default_backend()})",
+        f"{args.prompts} conversations of {args.turns} turn(s): {args.prompt_len} new prompt tokens and "
+        f"{args.tokens} generated tokens per turn; D={args.drafts}, batch {args.batch}, track interval "
+        f"{args.track_interval}, backend {args.backend} ({jax.default_backend()})",
         flush=True,
     )
     disable = {"auto": None, "on": False, "off": True}[args.progress]
@@ -85,26 +90,34 @@ def run(args: argparse.Namespace) -> int:
     for mode in args.record:
         engine = Engine(
             params, config, record=mode, drafts=args.drafts, max_batch=args.batch,
-            max_len=args.prompt_len + args.tokens + args.drafts, track_interval=args.track_interval,
-            backend=args.backend,
+            max_len=args.turns * (args.prompt_len + args.tokens) + args.drafts, track_interval=args.track_interval,
+            cache_entries=args.prompts + args.batch, backend=args.backend,
         )  # fmt: skip
         compile_s = engine.warmup()
+        history = [[] for _ in range(args.prompts)]
+        results = []
         with tqdm(total=total, desc=f"{mode:<10}", unit="tok", disable=disable, file=sys.stderr) as bar:
             t0 = time.perf_counter()
-            results = engine.generate(requests, on_step=bar.update)
+            for turn in range(args.turns):
+                prompts = [h + m for h, m in zip(history, messages[turn])]
+                done = engine.generate([Request(p, args.tokens) for p in prompts], on_step=bar.update)
+                history = [p + r.tokens for p, r in zip(prompts, done)]
+                results += done
             jax.block_until_ready(engine.state)
             wall = time.perf_counter() - t0
         accepted = np.concatenate([r.accepted for r in results])
         proposed = np.concatenate([r.proposed for r in results])
         pool = engine.state.pool
         windows = pool.conv_windows.nbytes
+        resumed = [r.resumed for r in results if r.resumed]
         print(
             f"{mode:<10} {total} tokens in {wall:.2f} s: {total / wall:,.1f} tokens/s (compile {compile_s:.1f} s, "
-            f"{engine.compiles} trace{"s" if engine.compiles != 1 else ""}); {engine.steps} steps, mean accepted length {accepted.mean():.2f} of "
-            f"{proposed.mean():.2f} drafted ({(accepted + 1).mean():.2f} tokens per step); "
-            f"scratch {_mib(pool.scratch_nbytes + windows)} (SSM tape {_mib(pool.scratch_nbytes)}, "
-            f"conv windows {_mib(windows)}); prefix cache: {sum(r.resumed > 0 for r in results)} resumed, "
-            f"{sum(len(r.tracked) for r in results)} tracked",
+            f"{engine.compiles} trace{'s' if engine.compiles != 1 else ''}); {engine.steps} steps, mean accepted "
+            f"length {accepted.mean():.2f} of {proposed.mean():.2f} drafted ({(accepted + 1).mean():.2f} tokens per "
+            f"step); scratch {_mib(pool.scratch_nbytes + windows)} (SSM tape {_mib(pool.scratch_nbytes)}, conv "
+            f"windows {_mib(windows)}); prefix cache: {sum(len(r.tracked) for r in results)} states tracked, "
+            f"{len(resumed)} of {args.prompts * (args.turns - 1)} later turns resumed "
+            f"({sum(resumed):,} prompt tokens not recomputed)",
             flush=True,
         )
         states = jax.device_get((pool.ssm, pool.conv, engine.state.kv))

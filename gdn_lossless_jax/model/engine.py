@@ -12,9 +12,10 @@ never change, so the step is traced once per record mode (:attr:`Engine.compiles
 The prefix cache (``track_interval > 0``): each active request holds a spare *track slot*;
 when a step's commit crosses a multiple of the interval, the state at that boundary
 (SSM, conv and the KV row) lands in the track slot and the slot becomes a cache entry keyed
-by the exact token prefix. A request whose prompt starts with a cached prefix copies that
-entry into its own slot and skips the prefix (:attr:`Result.resumed`). Entries are evicted
-least recently used when slots run out.
+by the exact token prefix; it supersedes the request's previous entry (one entry per
+request: its longest tracked prefix). A request whose prompt starts with a cached prefix
+copies that entry into its own slot and skips the prefix (:attr:`Result.resumed`). Entries
+are evicted least recently used when slots run out.
 """
 
 from __future__ import annotations
@@ -112,12 +113,13 @@ class PrefixCache:
     def slots(self) -> list[int]:
         return list(self._entries.values())
 
-    def insert(self, tokens: Sequence[int], slot: int) -> int | None:
-        """Add an entry; returns the slot of the entry it replaced, if any."""
+    def insert(self, tokens: Sequence[int], slot: int, supersedes: Sequence[int] | None = None) -> list[int]:
+        """Add an entry, dropping an entry of the same tokens and the entry for
+        ``supersedes`` (a shorter prefix of the same sequence). Returns the dropped slots."""
         key = self._key(tokens)
-        old = self._entries.pop(key, None)
+        dropped = [self._entries.pop(k) for k in {key, self._key(supersedes or ())} if k in self._entries]
         self._entries[key] = slot
-        return old
+        return dropped
 
     def lookup(self, prompt: Sequence[int]) -> tuple[int, int] | None:
         """The longest cached prefix of ``prompt`` that leaves at least one token to feed:
@@ -228,9 +230,9 @@ class Engine:
             )
 
     def _admit(self, r: Request, now: int) -> _Active:
-        slot, row = self._take_slot(), self._free_rows.popleft()
-        hit = self.cache.lookup(r.prompt)
+        hit = self.cache.lookup(r.prompt)  # first: a hit becomes the most recently used entry
         resumed, src = hit if hit is not None else (0, None)
+        slot, row = self._take_slot(), self._free_rows.popleft()
         self.state = copy_slot(self.state, src, slot)
         track = self._take_slot() if self.cache.interval else -1
         n = len(r.prompt) + r.max_new_tokens + self.drafts  # accepted drafts may run past the end
@@ -269,8 +271,10 @@ class Engine:
         ts = int(out.track_steps[i])
         if ts >= 0:
             b = a.pos + ts + 1
-            old = self.cache.insert([*a.seq[: a.pos], *(int(t) for t in x[: b - a.pos])], a.track_slot)
-            self._free(-1 if old is None else old)
+            prefix = [*a.seq[: a.pos], *(int(t) for t in x[: b - a.pos])]
+            # A request keeps its latest tracked state: the longer prefix supersedes its last one.
+            for slot in self.cache.insert(prefix, a.track_slot, supersedes=prefix[: res.tracked[-1]] if res.tracked else None):
+                self._free(slot)
             res.tracked.append(b)
             a.track_slot = self._take_slot()
         if a.pos + n_given == len(a.seq):  # every known token is in: this step decoded
