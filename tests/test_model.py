@@ -176,6 +176,7 @@ def test_speculative_decoding(D, seed):
     # Requests joined and left: rows and slots were reused, batch positions compacted.
     batch = tup.batch
     assert max(r.joined for r in batch) > 0 and len({r.left for r in batch}) > 1
+    assert len({r.row for r in batch}) == ROWS < len(batch), "scratch rows are reassigned as requests leave"
     for r, n in zip(batch, [NEW, 40, 120, NEW, 7, 200, 60, 150]):
         assert len(r.tokens) == n
 
@@ -187,7 +188,7 @@ def test_speculative_decoding(D, seed):
     if D == 2:  # the check itself: a wrong token where the target is not near a tie fails it
         p, t = pairs[0]
         wrong = [*t[:5], (t[5] + 1) % CONFIG.vocab, *t[6:]]
-        with pytest.raises(AssertionError, match=r"token 5 is .* not a near-tie"):
+        with pytest.raises(AssertionError, match=r"token 5 is .*not a near-tie"):
             _check_greedy(params, seed, [(p, wrong)], "control")
     total = sum(len(t) for _, t in pairs)
     acc = np.concatenate([r.accepted for r in tup.single])

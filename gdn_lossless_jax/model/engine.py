@@ -62,6 +62,7 @@ class Result:
       tokens: the ``max_new_tokens`` generated tokens.
       resumed: prompt tokens taken from the prefix cache (0: the whole prompt was computed).
       joined, left: the engine steps at which it joined and left the batch.
+      slot, row: the mamba slot and the scratch row it held.
       accepted: drafted tokens accepted, per step that emitted tokens.
       proposed: drafted tokens verified, per step that emitted tokens.
       predictions, gaps: ``[positions]``, the target's greedy token and top-2 logit gap after
@@ -74,6 +75,8 @@ class Result:
     resumed: int
     joined: int
     left: int
+    slot: int
+    row: int
     accepted: list[int]
     proposed: list[int]
     predictions: np.ndarray
@@ -219,6 +222,8 @@ class Engine:
             raise TypeError(f"Engine.generate: requests must be Request objects, got {type(r).__name__}")
         if not r.prompt:
             raise ValueError("Engine.generate: a request's prompt must hold at least one token, got an empty prompt")
+        if r.max_new_tokens < 1:
+            raise ValueError(f"Engine.generate: a request's max_new_tokens must be >= 1, got {r.max_new_tokens}")
         bad = [t for t in r.prompt if not 0 <= t < self.config.vocab]
         if bad:
             raise ValueError(f"Engine.generate: prompt tokens must be in [0, vocab={self.config.vocab}), got {bad[:5]}")
@@ -236,7 +241,10 @@ class Engine:
         self.state = copy_slot(self.state, src, slot)
         track = self._take_slot() if self.cache.interval else -1
         n = len(r.prompt) + r.max_new_tokens + self.drafts  # accepted drafts may run past the end
-        res = Result(r, [], resumed, now, -1, [], [], np.full(n, -1, np.int32), np.full(n, np.nan, np.float32), [])
+        res = Result(
+            r, tokens=[], resumed=resumed, joined=now, left=-1, slot=slot, row=row, accepted=[], proposed=[],
+            predictions=np.full(n, -1, np.int32), gaps=np.full(n, np.nan, np.float32), tracked=[],
+        )  # fmt: skip
         return _Active(r, list(r.prompt), resumed, slot, row, track, res)
 
     def _retire(self, a: _Active, now: int) -> Result:
