@@ -6,8 +6,8 @@ One call of :class:`SpecStep` does, for N batch rows at once:
    GDN, then the final norm and LM head) proposes the chain. It starts from the committed
    states of those layers in the pool and carries its own copy through the chain (the
    reference's GDN step in plain fp32: a draft's rounding cannot change what is accepted);
-   nothing of it is written back. Because the draft's blocks *are* the target's, the target's commit keeps
-   the draft in step: no draft state to manage.
+   nothing of it is written back. Because the draft's blocks *are* the target's, the
+   target's commit keeps the draft in step: no draft state to manage.
 2. **verify**: the target runs the D inputs ``x_0 .. x_{D-1}`` through every block; each
    GDN layer goes through :func:`gdn_lossless_jax.pool.verify_layer` (the pool's record
    mode: tuples or snapshots), each attention layer writes its keys and values into the KV
@@ -331,7 +331,8 @@ class SpecStep:
                     new_conv.append(window)
                     return o
 
-                h = self._block(params.blocks[l], h, lambda x, blk=params.blocks[l], core=core: gdn_mixer(blk.mixer, c, x, core))
+                blk = params.blocks[l]
+                h = self._block(blk, h, functools.partial(gdn_mixer, blk.mixer, c, core=core))
             proposal = jnp.argmax(logits(params, h)[:, 0], axis=-1).astype(I32)
             nxt = jnp.where(j + 1 < n_given, given_next, proposal)
             return (tuple(new_ssm), tuple(new_conv), nxt), nxt
@@ -365,7 +366,7 @@ class SpecStep:
                     )  # fmt: skip
                     return o
 
-                h = self._block(blk, h, lambda xn, blk=blk, core=core: gdn_mixer(blk.mixer, c, xn, core))
+                h = self._block(blk, h, functools.partial(gdn_mixer, blk.mixer, c, core=core))
                 gdn_i += 1
             else:
 
