@@ -192,8 +192,8 @@ def test_speculative_decoding(D, seed):
             _check_greedy(params, seed, [(p, wrong)], "control")
     total = sum(len(t) for _, t in pairs)
     acc = np.concatenate([r.accepted for r in tup.single])
-    print(f"\nD={D}: {ties} of {total} tokens differ from plain greedy decoding, each at a near-tie (top-2 gap < {TIE}); "
-          f"mean accepted {acc.mean():.2f} of {D - 1} drafts")
+    print(f"\nD={D}: {ties} of {total} tokens differ from plain greedy decoding, each at a near-tie "
+          f"(top-2 gap < {TIE}); mean accepted {acc.mean():.2f} of {D - 1} drafts")
     assert 0 < acc.mean() < D - 1, f"mean accepted length {acc.mean()} of {D - 1}: the demo shows nothing"
 
     # Each run repeated gives identical tokens and states (the one-at-a-time run on 2 prompts).
@@ -310,7 +310,7 @@ def test_errors_name_the_argument():
         dataclasses.replace(CONFIG, kv_heads=3)
     params = init_params(CONFIG, 0)
     eng = Engine(params, CONFIG, drafts=4, max_batch=1, max_len=32)
-    with pytest.raises(ValueError, match=r"len\(prompt\) \+ max_new_tokens \+ D = 20 \+ 10 \+ 4 = 34 KV positions, but max_len=32"):
+    with pytest.raises(ValueError, match=r"\+ D = 20 \+ 10 \+ 4 = 34 KV positions, but max_len=32"):
         eng.generate([Request([1] * 20, 10)])
     with pytest.raises(ValueError, match=r"prompt tokens must be in \[0, vocab=512\), got \[512\]"):
         eng.generate([Request([512], 1)])

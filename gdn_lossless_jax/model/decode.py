@@ -166,7 +166,8 @@ def _copy_slot(state: DecodeState, src, dst) -> DecodeState:
         return x.at[:, dst].set(x.at[:, src].get(mode="fill", fill_value=0))
 
     p = state.pool
-    return DecodeState(dataclasses.replace(p, ssm=move(p.ssm), conv=move(p.conv)), KVCache(move(state.kv.k), move(state.kv.v)))
+    pool = dataclasses.replace(p, ssm=move(p.ssm), conv=move(p.conv))
+    return DecodeState(pool, KVCache(move(state.kv.k), move(state.kv.v)))
 
 
 def copy_slot(state: DecodeState, src: int | None, dst: int) -> DecodeState:
@@ -212,8 +213,8 @@ def _draft_gdn(c: ModelConfig, S, conv_state, mixed, a, b, p):
     y = jax.nn.silu(jnp.sum(window.astype(F32) * p.conv_weight.astype(F32), axis=-1))
     q, k, v = split_qkv(y[:, None], c)
     qn, kn, g, beta = reference.prepare(q, k, a, b, p.A_log, p.dt_bias, c.head_k_dim**-0.5)
-    HV = c.num_v_heads
-    step_in = (reference._expand_heads(qn[:, 0], HV), reference._expand_heads(kn[:, 0], HV), v[:, 0].astype(F32), g[:, 0], beta[:, 0])
+    heads = lambda t: reference._expand_heads(t[:, 0], c.num_v_heads)  # noqa: E731
+    step_in = (heads(qn), heads(kn), v[:, 0].astype(F32), g[:, 0], beta[:, 0])
     S_new, (o, _) = reference.gdn_step(S.astype(F32), step_in, mul=jnp.multiply, fma=lambda k, u, s: k * u + s)
     return o[:, None].astype(mixed.dtype), S_new, window[..., 1:]
 
@@ -258,9 +259,13 @@ class SpecStep:
     def __call__(self, params: Params, state: DecodeState, inputs: StepInputs) -> tuple[DecodeState, StepOutputs]:
         D = self.drafts
         if inputs.tokens.shape[-1] != D:
-            raise ValueError(f"SpecStep: argument 'inputs.tokens' must have D={D} columns, got shape {inputs.tokens.shape}")
+            raise ValueError(
+                f"SpecStep: argument 'inputs.tokens' must have D={D} columns, got shape {inputs.tokens.shape}"
+            )
         if state.pool.drafts < D:
-            raise ValueError(f"SpecStep: the pool's scratch holds drafts={state.pool.drafts} steps, the step verifies D={D}")
+            raise ValueError(
+                f"SpecStep: the pool's scratch holds drafts={state.pool.drafts} steps, the step verifies D={D}"
+            )
         return _jitted_step(self, params, state, inputs)
 
     def _commit(self, pool, *args):

@@ -34,16 +34,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "same final SSM, conv and KV states bit for bit (exit status 1 otherwise). Sizes: "
         + "; ".join(c.describe() for c in SIZES.values()),
     )
-    d.add_argument("--size", choices=list(SIZES), default="tiny", help="model size (default tiny; 'gpu' has H=16, HV=32, K=V=128)")
-    d.add_argument("--drafts", "-D", type=int, default=4, help="D, inputs verified per step: 1 given + D-1 drafted (default 4)")
+    d.add_argument("--size", choices=list(SIZES), default="tiny",
+                   help="model size (default tiny; 'gpu' has H=16, HV=32, K=V=128)")
+    d.add_argument("--drafts", "-D", type=int, default=4,
+                   help="D, inputs verified per step: 1 given + D-1 drafted (default 4)")
     d.add_argument("--prompts", type=int, default=4, help="number of prompts (conversations; default 4)")
     d.add_argument("--prompt-len", type=int, default=16, help="new prompt tokens per turn (default 16)")
-    d.add_argument("--tokens", type=int, default=200, help="generated tokens per turn (default 200; 10000 for the soak)")
+    d.add_argument("--tokens", type=int, default=200,
+                   help="generated tokens per turn (default 200; 10000 for the soak)")
     d.add_argument("--turns", type=int, default=2,
                    help="turns per conversation: turn t+1 resumes from the prefix cache (default 2)")
     d.add_argument("--batch", type=int, default=2, help="batch rows: prompts join as others leave (default 2)")
-    d.add_argument("--track-interval", type=int, default=64, help="prefix-cache track interval in tokens (0: off; default 64)")
-    d.add_argument("--backend", choices=["auto", *BACKENDS], default="auto", help="the library's backend (default auto)")
+    d.add_argument("--track-interval", type=int, default=64,
+                   help="prefix-cache track interval in tokens (0: off; default 64)")
+    d.add_argument("--backend", choices=["auto", *BACKENDS], default="auto",
+                   help="the library's backend (default auto: pallas on a GPU, else reference)")
     d.add_argument("--record", choices=MODES, nargs="+", default=list(MODES), help="record modes to run (default both)")
     d.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompts (default 0)")
     d.add_argument("--progress", choices=["auto", "on", "off"], default="auto",

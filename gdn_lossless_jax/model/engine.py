@@ -281,7 +281,8 @@ class Engine:
             b = a.pos + ts + 1
             prefix = [*a.seq[: a.pos], *(int(t) for t in x[: b - a.pos])]
             # A request keeps its latest tracked state: the longer prefix supersedes its last one.
-            for slot in self.cache.insert(prefix, a.track_slot, supersedes=prefix[: res.tracked[-1]] if res.tracked else None):
+            last = prefix[: res.tracked[-1]] if res.tracked else None
+            for slot in self.cache.insert(prefix, a.track_slot, supersedes=last):
                 self._free(slot)
             res.tracked.append(b)
             a.track_slot = self._take_slot()

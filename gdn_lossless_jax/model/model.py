@@ -118,7 +118,9 @@ class ModelConfig:
                 f"ModelConfig {self.name!r}: kv_heads={self.kv_heads} must divide attn_heads={self.attn_heads}"
             )
         if self.attn_head_dim % 2:
-            raise ValueError(f"ModelConfig {self.name!r}: attn_head_dim must be even (rotary pairs), got {self.attn_head_dim}")
+            raise ValueError(
+                f"ModelConfig {self.name!r}: attn_head_dim must be even (rotary pairs), got {self.attn_head_dim}"
+            )
         if not 0 <= self.draft_layers < self.layers:
             raise ValueError(
                 f"ModelConfig {self.name!r}: draft_layers must be in [0, layers={self.layers}), got {self.draft_layers}"
