@@ -82,8 +82,11 @@ def ksum(x):
 
 
 def l2norm(x):
-    """``x / sqrt(sum(x * x) + 1e-6)`` over the last axis, in fp32 (SPEC 2.2)."""
-    x = x.astype(F32)
+    """``x / sqrt(sum(x * x) + 1e-6)`` over the last axis, in fp32 (SPEC 2.2).
+
+    (In float64 for a float64 ``x``: the plain formulation of gdn_lossless_jax.autodiff.)
+    """
+    x = x.astype(jnp.promote_types(F32, x.dtype))
     return x / jnp.sqrt(ksum(x * x)[..., None] + L2NORM_EPS)
 
 
@@ -131,14 +134,23 @@ def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record: str = "tuples", sca
     q/k head, ``g``; fp32) or a :class:`Snapshots` tape (the state after every step,
     rounded to ``state0.dtype``). The outputs do not depend on ``record``.
     """
-    out_dtype = out_dtype or q.dtype
-    HV = v.shape[2]
     qn, kn, g, beta = prepare(q, k, a, b, A_log, dt_bias, scale)
-    xs = (_expand_heads(qn, HV), _expand_heads(kn, HV), v.astype(F32), g, beta)
+    return chain(state0, qn, kn, v, g, beta, record=record, out_dtype=out_dtype or q.dtype)
+
+
+def chain(state0, qn, kn, v, g, beta, *, record: str, out_dtype, step: Callable = gdn_step):
+    """The state chain of :func:`verify` from prepared inputs (:func:`prepare`), in ``qn``'s dtype.
+
+    ``step`` is the state transition (:func:`gdn_step` with the pinned rule; the plain-float
+    formulation of :mod:`gdn_lossless_jax.autodiff` passes one without pinned rounding).
+    """
+    dtype = qn.dtype
+    HV = v.shape[2]
+    xs = (_expand_heads(qn, HV), _expand_heads(kn, HV), v.astype(dtype), g, beta)
     xs = jax.tree.map(lambda t: jnp.moveaxis(t, 1, 0), xs)  # scan over D
 
     def body(S, x):
-        S_new, (o, u) = gdn_step(S, x)
+        S_new, (o, u) = step(S, x)
         return S_new, (o, u, S_new)
 
     # One program for both record modes: the scan emits the outputs, u and the fp32 states,
@@ -148,7 +160,7 @@ def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record: str = "tuples", sca
     # to the pool dtype after the loop: rounding bf16 inside it made XLA:CPU's compile hang.
     # The reference thus materialises the snapshots in tuples mode too: it is the
     # specification, not the memory-lean path.
-    _, ys = lax.scan(body, state0.astype(F32), xs)
+    _, ys = lax.scan(body, state0.astype(dtype), xs)
     o, u, states = (jnp.moveaxis(y, 0, 1) for y in lax.optimization_barrier(ys))
     states = states.astype(state0.dtype)
     outputs = o.astype(out_dtype)
@@ -169,13 +181,16 @@ def replay_two(state0, tuples: Tuples, steps, track_steps, *, rule: Callable = r
       state0's dtype.
     """
     D, HV = tuples.u.shape[1], tuples.u.shape[2]
+    # The chain runs in the tape's precision: float32 (the library's tapes are fp32); the
+    # plain formulation of gdn_lossless_jax.autodiff runs it in float64 under x64.
+    dtype = jnp.promote_types(F32, tuples.u.dtype)
     xs = (
         jnp.moveaxis(tuples.u, 1, 0),
         jnp.moveaxis(_expand_heads(tuples.k, HV), 1, 0),
         jnp.moveaxis(tuples.g, 1, 0),
         jnp.arange(D, dtype=jnp.int32),
     )
-    S0 = state0.astype(F32)
+    S0 = state0.astype(dtype)
     steps, track_steps = jnp.asarray(steps, jnp.int32), jnp.asarray(track_steps, jnp.int32)
     sel = lambda t, idx: (t == idx)[:, None, None, None]  # noqa: E731
 
