@@ -17,10 +17,11 @@ higher-order derivatives are those of the plain formulation too.
 
 What this means in numbers: the derivative is evaluated along the plain formulation's
 trajectory, which differs from the exact one by rounding (a few ULP per step, more after
-cancellation); it is the derivative of the exact function up to that. Reverse mode keeps
-the plain formulation's residuals, the state after every step (``[N, D, HV, V, K]`` in
-fp32, like a snapshot tape), so a gradient costs the memory the tuple tape saves; forward
-mode (``jax.jvp``) carries one tangent state per step instead.
+cancellation); it is the derivative of the exact function up to that. Memory: the plain
+formulation, like the reference it is built from (:func:`gdn_lossless_jax.reference.chain`),
+materialises the state after every step (``[N, D, HV, V, K]`` in fp32, like a snapshot
+tape) and reverse mode keeps it as a residual: a derivative costs the memory the tuple tape
+saves. The undifferentiated call costs nothing extra (the rule only runs under autodiff).
 
 Integer inputs (steps, slots, rows) have no derivative (their tangents are ``float0``).
 Where a derivative is not offered, :func:`not_differentiable` raises instead of returning
@@ -148,7 +149,9 @@ def _with_plain_derivative(exact: Callable, plain: Callable) -> Callable:
     return f
 
 
-def verify(impl, state0, q, k, v, a, b, A_log, dt_bias, *, record: str, scale: float, out_dtype) -> tuple[jax.Array, Tape]:
+def verify(
+    impl, state0, q, k, v, a, b, A_log, dt_bias, *, record: str, scale: float, out_dtype
+) -> tuple[jax.Array, Tape]:
     """``impl.verify`` (a backend's exact kernel) with the derivatives of :func:`plain_verify`."""
     kw = dict(record=record, scale=scale, out_dtype=out_dtype)
     exact = lambda *xs: impl.verify(*xs, **kw)  # noqa: E731

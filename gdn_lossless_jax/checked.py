@@ -37,7 +37,8 @@ from jax.experimental import checkify
 __all__ = ["check_steps", "check_commit"]
 
 _LENGTHS_HINT = (
-    "steps are 0-based (the last accepted draft step, -1 for none); an accepted length n is step n - 1: pass lengths - 1"
+    "steps are 0-based (the last accepted draft step, -1 for none); "
+    "an accepted length n is step n - 1: pass lengths - 1"
 )
 
 
@@ -57,7 +58,8 @@ def check_steps(fn: str, name: str, steps: jax.Array, D: int) -> None:
     )
     bad = (steps < -1) | (steps >= D)
     i = _first(bad)
-    checkify.check(~bad.any(), f"{fn} (checked): request {{i}}: {name}[{{i}}] = {{x}} is not in [-1, {D})", i=i, x=steps[i])
+    message = f"{fn} (checked): request {{i}}: {name}[{{i}}] = {{x}} is not in [-1, {D})"
+    checkify.check(~bad.any(), message, i=i, x=steps[i])
 
 
 def _check_range(fn: str, name: str, x: jax.Array, n: int, what: str, where=None) -> None:

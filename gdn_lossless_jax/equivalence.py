@@ -290,7 +290,8 @@ def run_equivalence_suite(
     """
     passed = []
     for n, (shape, dtype, kind) in enumerate(itertools.product(shapes, state_dtypes, kinds)):
-        name = f"{kind} N={shape.N} D={shape.D} H={shape.H} HV={shape.HV} K={shape.K} V={shape.V} {jnp.dtype(dtype).name}"
+        s = shape
+        name = f"{kind} N={s.N} D={s.D} H={s.H} HV={s.HV} K={s.K} V={s.V} {jnp.dtype(dtype).name}"
         try:
             case = make_case(backend, seed + n, shape, L=layers, state_dtype=dtype, kind=kind)
             check_outputs(case)

@@ -112,6 +112,7 @@ def stack_tapes(tapes: Sequence[Tape]) -> Tape:
             if np.shape(x) != np.shape(x0) or jnp.result_type(x) != jnp.result_type(x0):
                 raise ValueError(
                     f"stack_tapes: layer {layer}'s field {f.name!r} is {jnp.result_type(x)}{list(np.shape(x))}, "
-                    f"layer 0's {jnp.result_type(x0)}{list(np.shape(x0))}; every layer's tape must have one shape and dtype"
+                    f"layer 0's {jnp.result_type(x0)}{list(np.shape(x0))}; every layer's tape must have one shape "
+                    "and dtype"
                 )
     return jax.tree.map(lambda *xs: jnp.stack(xs), *tapes)

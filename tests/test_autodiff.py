@@ -52,7 +52,9 @@ def _problem(op: str, seed: int, *, kind="normal", input_dtype=jnp.bfloat16):
         )
     s, d = SHAPE, SHAPE.D
     tuples = gl.Tuples(
-        u=_normal(rng, (s.N, d, s.HV, s.V)), k=_normal(rng, (s.N, d, s.H, s.K)), g=-jnp.abs(_normal(rng, (s.N, d, s.HV)))
+        u=_normal(rng, (s.N, d, s.HV, s.V)),
+        k=_normal(rng, (s.N, d, s.H, s.K)),
+        g=-jnp.abs(_normal(rng, (s.N, d, s.HV))),
     )
     if op == "replay":
         steps = jnp.asarray(rng.integers(-1, d, s.N), jnp.int32)

@@ -13,6 +13,7 @@ from gdn_lossless_jax.cases import Shape, commit_indices, commit_tapes
 from gdn_lossless_jax.testing import assert_bitwise_equal
 
 SHAPE = Shape(N=4, D=3, H=2, HV=4, K=8, V=4)
+F32 = jnp.float32
 SLOTS = 12  # 2N + 4
 
 
@@ -67,7 +68,7 @@ VIOLATIONS = [
         r"request 2 copies its track state to slot \d+, which is request 3's own slot",
     ),
 ]
-IDS = ["step=D", "step<-1", "track_step=D", "slot>=S", "slot<0", "row>=R", "track_slot", "dup slots", "dup tracks", "track on slot"]
+IDS = ["step=D", "step<-1", "track_step=D", "slot>=S", "slot<0", "row>=R", "track_slot", "dup slots", "dup tracks", "on a slot"]
 
 
 @pytest.mark.parametrize("change,message", VIOLATIONS, ids=IDS)
@@ -100,11 +101,12 @@ def test_under_jit_with_checkify(problem):
 
 def test_replay_checked(problem, seed):
     _, tuples, _, _ = problem
-    state0 = jnp.asarray(np.random.default_rng(seed).standard_normal((SHAPE.N, SHAPE.HV, SHAPE.V, SHAPE.K)), jnp.float32)
+    state0 = jnp.asarray(np.random.default_rng(seed).standard_normal((SHAPE.N, SHAPE.HV, SHAPE.V, SHAPE.K)), F32)
     tape = jax.tree.map(lambda t: t[0], tuples)
     lengths = jnp.asarray([1, 3, 0, 2], jnp.int32)  # accepted lengths, the trap
     gl.replay(state0, tape, lengths)  # unchecked: silently one step off, state0 for request 1
-    with pytest.raises(checkify.JaxRuntimeError, match=r"replay \(checked\): request 1: steps\[1\] = 3 = D.*length n is step n - 1"):
+    message = r"replay \(checked\): request 1: steps\[1\] = 3 = D.*length n is step n - 1"
+    with pytest.raises(checkify.JaxRuntimeError, match=message):
         gl.replay(state0, tape, lengths, checked=True)
     assert_bitwise_equal(gl.replay(state0, tape, lengths - 1), gl.replay(state0, tape, lengths - 1, checked=True))
 
