@@ -109,25 +109,22 @@ def _check_state_dtype(fn: str, name: str, x):
         raise TypeError(f"{fn}: argument {name!r} must be float32 or bfloat16, got dtype {x.dtype}{hint}")
 
 
-def _check_qk(fn: str, q, k, v, a, N: int, K: int) -> tuple[int, int]:
-    """q and k are ``[N, D, H, K]``; returns (D, H). Passed as ``[N, H, D, K]`` they are
-    named as transposed (D from v and a), instead of the mismatch being blamed on v."""
-    _check_rank(fn, "q", q, 4, "[N, D, H, K]")
-    D, H = _shape(q)[1], _shape(q)[2]
+def _check_not_transposed(fn: str, q, k, v, a) -> None:
+    """q or k passed as ``[N, H, D, K]`` instead of ``[N, D, H, K]`` are named as transposed
+    (D from v and a), instead of the mismatch being blamed on v. (When D == H the shapes
+    cannot tell.)"""
+    N, D, H, K = _shape(q)
     others = {_shape(x)[1] for x, rank in ((v, 4), (a, 3)) if len(_shape(x)) == rank}
     if len(others) == 1 and D not in others and H in others:
         raise ValueError(
             f"{fn}: argument 'q' has shape {_fmt(_shape(q))}, which reads as [N, H, D, K]: v and a have "
             f"D={H} draft steps on axis 1. q and k must be [N, D, H, K]: pass jnp.swapaxes(q, 1, 2)"
         )
-    _check_shape(fn, "q", q, (N, D, H, K), "[N, D, H, K]", "N and K from state0")
     if H != D and _shape(k) == (N, H, D, K):
         raise ValueError(
             f"{fn}: argument 'k' has shape {_fmt(_shape(k))}, which reads as [N, H, D, K] (q has D={D} draft "
             f"steps and H={H} heads). k must be [N, D, H, K] like q: pass jnp.swapaxes(k, 1, 2)"
         )
-    _check_shape(fn, "k", k, (N, D, H, K), "[N, D, H, K]", "from state0 and q")
-    return D, H
 
 
 def _check_heads(fn: str, H: int, HV: int):
@@ -161,6 +158,52 @@ def _check_linear_chain(fn: str, parents, topk: int, D: int):
         )
 
 
+def _check_layer_index(fn: str, layer, L: int, what: str):
+    if layer is None:
+        raise ValueError(f"{fn}: {what} has a leading layer axis (L={L}): pass layer= (an int or int32 scalar)")
+    if isinstance(layer, (int, np.integer)):
+        if not 0 <= layer < L:
+            raise ValueError(f"{fn}: argument 'layer' must be in [0, {L}) ({what}), got {layer}")
+        return
+    if _shape(layer) != () or not _is_int(layer):
+        raise TypeError(f"{fn}: argument 'layer' must be an int or an integer scalar, got {_dtype(layer)} {_fmt(_shape(layer))}")
+
+
+def _check_tape_buffer(fn: str, tape, record, N: int, D: int, H: int, HV: int, V: int, K: int, state_dtype, layer):
+    """The preallocated tape of ``verify(..., tape=)``; returns ``(record, layered, L)``."""
+    if isinstance(tape, Tuples):
+        mode, field, lead = "tuples", tape.u, (HV, V)
+    elif isinstance(tape, Snapshots):
+        mode, field, lead = "snapshots", tape.states, (HV, V, K)
+    else:
+        raise TypeError(f"{fn}: argument 'tape' must be a Tuples or Snapshots buffer, got {type(tape).__name__}")
+    if record is not None and record != mode:
+        raise ValueError(f"{fn}: record={record!r} but the tape buffer is a {type(tape).__name__} tape ({mode!r})")
+    rank = len(_shape(field))
+    name = "tape.u" if mode == "tuples" else "tape.states"
+    layered = rank == 2 + len(lead) + 1
+    if rank not in (2 + len(lead), 2 + len(lead) + 1):
+        dims = "[L, ]R, Dmax, " + ", ".join(("HV", "V", "K")[: len(lead)])
+        raise ValueError(f"{fn}: argument {name!r} must have rank {2 + len(lead)} or {3 + len(lead)} ([{dims}]), "
+                         f"got shape {_fmt(_shape(field))}")  # fmt: skip
+    pre = _shape(field)[: rank - len(lead) - 2]
+    R, Dmax = _shape(field)[rank - len(lead) - 2 : rank - len(lead)]
+    dims = ("[L, R, Dmax, " if layered else "[R, Dmax, ") + ("HV, V]" if mode == "tuples" else "HV, V, K]")
+    _check_shape(fn, name, field, (*pre, R, Dmax, *lead), dims, "HV, V, K from the state")
+    if Dmax < D:
+        raise ValueError(f"{fn}: the tape buffer holds Dmax={Dmax} draft steps, fewer than D={D} (q has D={D})")
+    if mode == "tuples":
+        lead_dims = "L, R" if layered else "R"
+        _check_tuples(fn, tape, (*pre, R), HV, V, K, lead_dims, prefix="tape")
+        if _shape(tape.k)[len(pre) + 2] != H:
+            raise ValueError(f"{fn}: argument 'tape.k' must have H={H} q/k heads (from q), got {_fmt(_shape(tape.k))}")
+    elif jnp.dtype(tape.states.dtype) != jnp.dtype(state_dtype):
+        raise TypeError(f"{fn}: argument 'tape.states' must have the state's dtype {state_dtype}, got {tape.states.dtype}")
+    if layered:
+        _check_layer_index(fn, layer, pre[0], "the tape buffer")
+    return mode, layered
+
+
 def verify(
     state0: jax.Array,
     q: jax.Array,
@@ -171,32 +214,51 @@ def verify(
     A_log: jax.Array,
     dt_bias: jax.Array,
     *,
-    record: str = "tuples",
+    record: str | None = None,
     scale: float | None = None,
     backend: str = "auto",
     out_dtype: Any = None,
+    slots: jax.Array | None = None,
+    layer: Any = None,
+    tape: Tape | None = None,
+    rows: jax.Array | None = None,
     parents: Any = None,
     topk: int = 1,
 ) -> tuple[jax.Array, Tape]:
     """Run D draft tokens through one GDN layer without touching the state.
 
     Args:
-      state0: ``[N, HV, V, K]`` float32 or bfloat16, the pre-verify state of each request
-        (upcast to fp32 on load; never modified).
+      state0: the pre-verify states (never modified; float32 or bfloat16, upcast to fp32 on
+        load): ``[N, HV, V, K]``, one per request; or, with ``slots``, the state pool itself:
+        ``[S, HV, V, K]``, or all layers' ``[L, S, HV, V, K]`` with ``layer``.
       q, k: ``[N, D, H, K]`` (any float dtype; bf16 in models).
       v: ``[N, D, HV, V]``.
       a, b: ``[N, D, HV]``, the raw decay and write-gate inputs.
       A_log, dt_bias: ``[HV]``.
-      record: ``"tuples"`` (the lossless tape) or ``"snapshots"`` (the state after every step).
+      record: ``"tuples"`` (the lossless tape, the default) or ``"snapshots"`` (the state
+        after every step); with ``tape`` it is the buffer's mode.
       scale: the query scale; ``K ** -0.5`` if None.
       backend: ``"auto"``, ``"reference"``, ``"pallas"`` or ``"triton"``.
       out_dtype: dtype of the outputs; q's dtype if None.
+      slots: ``[N]`` int or None: request n's state is ``state0[slots[n]]`` (``state0[layer,
+        slots[n]]``), read inside the kernels (SGLang's ``h0_indices``: no gathered copy); a
+        slot outside ``[0, S)`` reads zeros, as SGLang's padding slots do.
+      layer: an int or a traced int32 scalar: the layer of ``state0`` (with ``slots``) and of
+        ``tape``, for whichever has a leading layer axis.
+      tape: a preallocated tape to write into, in place when it is donated (``jax.jit(...,
+        donate_argnums=...)``): :class:`Tuples` (``u [L?, R, Dmax, HV, V]``, ``k [L?, R, Dmax,
+        H, K]``, ``g [L?, R, Dmax, HV]``, fp32) or :class:`Snapshots` (``[L?, R, Dmax, HV, V,
+        K]`` in the state dtype), ``Dmax >= D``, the leading ``L`` optional (then ``layer``
+        picks it). Request n's steps go to row ``rows[n]``, steps ``[0, D)``; every other
+        element keeps its bits, and an out-of-range row writes nothing.
+      rows: ``[N]`` int or None (default ``arange(N)``): the tape rows, with ``tape``.
       parents, topk: tree metadata, accepted only if it describes a linear chain
         (``parents`` ``[-1, 0, ..., D-2]`` per request, ``topk == 1``).
     Returns:
       ``(outputs [N, D, HV, V], tape)``; the tape is :class:`Tuples` (``u [N, D, HV, V]``,
       ``k [N, D, H, K]``, ``g [N, D, HV]``, fp32) or :class:`Snapshots`
-      (``[N, D, HV, V, K]`` in state0's dtype). Outputs are identical in both modes.
+      (``[N, D, HV, V, K]`` in state0's dtype), or, with ``tape``, the updated buffer.
+      Outputs are identical in both modes and in every form.
 
     Arrays may be given as nested lists (converted with ``jnp.asarray``). float64 is
     rejected for every input, state0 and the parameters alike: the computation is fp32
@@ -207,22 +269,41 @@ def verify(
     (JAX rejects a string it would trace), or bind them with ``functools.partial``.
 
     Differentiable with respect to every floating input (``jax.grad``, ``jax.vjp``,
-    ``jax.jvp``, on every backend): the values are the backend's exact ones, the
-    derivatives those of the plain-float formulation of the same math
+    ``jax.jvp``, on every backend and in every form): the values are the backend's exact
+    ones, the derivatives those of the plain-float formulation of the same math
     (:func:`gdn_lossless_jax.autodiff.plain_verify`; see :mod:`gdn_lossless_jax.autodiff`).
     """
     fn = "verify"
-    if record not in RECORD_MODES:
+    if record is not None and record not in RECORD_MODES:
         raise ValueError(f"{fn}: record must be one of {RECORD_MODES}, got {record!r}")
     _check_static(fn, "scale", scale)
     _check_static(fn, "topk", topk)
     state0, q, k, v, a, b, A_log, dt_bias = _as_arrays(
         fn, state0=state0, q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias
     )
-    _check_rank(fn, "state0", state0, 4, "[N, HV, V, K]")
-    _check_state_dtype(fn, "state0", state0)
-    N, HV, V, K = _shape(state0)
-    D, H = _check_qk(fn, q, k, v, a, N, K)
+    _check_rank(fn, "q", q, 4, "[N, D, H, K]")
+    _check_not_transposed(fn, q, k, v, a)
+    N, D, H = _shape(q)[:3]
+    if slots is None:
+        _check_rank(fn, "state0", state0, 4, "[N, HV, V, K]")
+        _check_state_dtype(fn, "state0", state0)
+        _, HV, V, K = _shape(state0)
+        _check_shape(fn, "q", q, (_shape(state0)[0], D, H, K), "[N, D, H, K]", "N and K from state0")
+        state, pool_layer = state0, None
+    else:
+        if len(_shape(state0)) not in (4, 5):
+            raise ValueError(f"{fn}: with slots, argument 'state0' is the pool: rank 4 ([S, HV, V, K]) or 5 "
+                             f"([L, S, HV, V, K]), got shape {_fmt(_shape(state0))}")  # fmt: skip
+        _check_state_dtype(fn, "state0", state0)
+        HV, V, K = _shape(state0)[-3:]
+        _check_shape(fn, "q", q, (N, D, H, K), "[N, D, H, K]", "K from the pool")
+        _check_index(fn, "slots", slots, N)
+        if len(_shape(state0)) == 5:
+            _check_layer_index(fn, layer, _shape(state0)[0], "the pool")
+            state, pool_layer = state0, layer
+        else:
+            state, pool_layer = state0[None], 0
+    _check_shape(fn, "k", k, (N, D, H, K), "[N, D, H, K]", "from state0 and q")
     _check_shape(fn, "v", v, (N, D, HV, V), "[N, D, HV, V]", "from state0 and q")
     _check_shape(fn, "a", a, (N, D, HV), "[N, D, HV]", "from state0 and q")
     _check_shape(fn, "b", b, (N, D, HV), "[N, D, HV]", "from state0 and q")
@@ -234,10 +315,29 @@ def verify(
         raise ValueError(f"{fn}: need at least one draft step, got D={D} (q has shape {_fmt(_shape(q))})")
     _check_heads(fn, H, HV)
     _check_linear_chain(fn, parents, topk, D)
+    buf = tape_layer = None
+    if tape is not None:
+        record, layered = _check_tape_buffer(fn, tape, record, N, D, H, HV, V, K, state0.dtype, layer)
+        buf, tape_layer = (tape, layer) if layered else (jax.tree.map(lambda x: x[None], tape), 0)
+        if rows is None:
+            rows = jnp.arange(N, dtype=jnp.int32)
+        _check_index(fn, "rows", rows, N)
+        rows = jnp.asarray(rows, jnp.int32)
+    elif rows is not None:
+        raise ValueError(f"{fn}: rows= maps requests to rows of a tape buffer: pass tape= too")
+    record = record or "tuples"
     impl = backends.resolve(backend, "verify")
     scale = float(K**-0.5 if scale is None else scale)
     out_dtype = jnp.dtype(out_dtype or q.dtype)
-    return autodiff.verify(impl, state0, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, out_dtype=out_dtype)
+    kw = dict(record=record, scale=scale, out_dtype=out_dtype)
+    if slots is not None:
+        kw.update(slots=jnp.asarray(slots, jnp.int32), layer=jnp.asarray(pool_layer, jnp.int32))
+    if buf is not None:
+        kw.update(tape=buf, tape_layer=jnp.asarray(tape_layer, jnp.int32), rows=rows)
+    outputs, new = autodiff.verify(impl, state, q, k, v, a, b, A_log, dt_bias, **kw)
+    if buf is not None and buf is not tape:  # the per-layer buffer the caller gave: drop the added axis
+        new = jax.tree.map(lambda x: x[0], new)
+    return outputs, new
 
 
 def _check_tuples(

@@ -150,13 +150,31 @@ def _with_plain_derivative(exact: Callable, plain: Callable) -> Callable:
 
 
 def verify(
-    impl, state0, q, k, v, a, b, A_log, dt_bias, *, record: str, scale: float, out_dtype
-) -> tuple[jax.Array, Tape]:
-    """``impl.verify`` (a backend's exact kernel) with the derivatives of :func:`plain_verify`."""
+    impl, state, q, k, v, a, b, A_log, dt_bias, *, record: str, scale: float, out_dtype, slots=None, layer=None,
+    tape=None, tape_layer=None, rows=None,
+) -> tuple[jax.Array, Tape]:  # fmt: skip
+    """``impl.verify`` (a backend's exact kernel) with the derivatives of :func:`plain_verify`.
+
+    The pool form too (arguments as the backends take them, see
+    :func:`gdn_lossless_jax.verify`): its plain formulation gathers the states by slot
+    (:func:`gdn_lossless_jax.reference.read_slots`) and scatters the tape into the buffer
+    (:func:`gdn_lossless_jax.reference.write_rows`), which autodiff differentiates as it is.
+    """
     kw = dict(record=record, scale=scale, out_dtype=out_dtype)
-    exact = lambda *xs: impl.verify(*xs, **kw)  # noqa: E731
-    plain = lambda *xs: plain_verify(*xs, **kw)  # noqa: E731
-    return _with_plain_derivative(exact, plain)(state0, q, k, v, a, b, A_log, dt_bias)
+
+    def exact(state, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_layer, rows):
+        pool_kw = {} if slots is None else dict(slots=slots, layer=layer)
+        if tape is not None:
+            pool_kw.update(tape=tape, tape_layer=tape_layer, rows=rows)
+        return impl.verify(state, q, k, v, a, b, A_log, dt_bias, **kw, **pool_kw)
+
+    def plain(state, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_layer, rows):
+        state0 = state if slots is None else reference.read_slots(state, layer, slots)
+        outputs, new = plain_verify(state0, q, k, v, a, b, A_log, dt_bias, **kw)
+        return outputs, (new if tape is None else reference.write_rows(tape, tape_layer, rows, new))
+
+    f = _with_plain_derivative(exact, plain)
+    return f(state, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_layer, rows)
 
 
 def replay(impl, state0, tuples: Tuples, steps) -> jax.Array:

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import api, checked as checked_mode
+from . import api, checked as checked_mode, reference
 from .api import _check_heads, _check_index, _check_linear_chain, _check_rank, _check_shape, _fmt, _shape
 from .config import Geometry
 from .conv import causal_conv1d_verify, conv_commit
@@ -271,12 +271,15 @@ def store_layer(pool: StatePool, layer, tape: Tape, windows: jax.Array, rows=Non
     return _store_layer(pool, jnp.asarray(layer, jnp.int32), tape, windows, _check_rows(fn, rows, N))
 
 
-def _store(pool: StatePool, layer, tape: Tape, windows, rows) -> StatePool:
+def _store_windows(pool: StatePool, layer, rows, windows) -> jax.Array:
+    """``conv_windows[layer, rows[n], :, :D+Kc-2] = windows[n]``; out-of-range rows are dropped."""
     r = _in_range(rows, pool.rows)
-    D = tape.num_steps
-    new_tape = jax.tree.map(lambda dst, src: dst.at[layer, r, :D].set(src.astype(dst.dtype), mode="drop"), pool.tape, tape)
-    cw = pool.conv_windows.at[layer, r, :, : windows.shape[-1]].set(windows.astype(pool.conv_windows.dtype), mode="drop")
-    return dataclasses.replace(pool, tape=new_tape, conv_windows=cw)
+    return pool.conv_windows.at[layer, r, :, : windows.shape[-1]].set(windows.astype(pool.conv_windows.dtype), mode="drop")
+
+
+def _store(pool: StatePool, layer, tape: Tape, windows, rows) -> StatePool:
+    new_tape = reference.write_rows(pool.tape, layer, rows, tape)
+    return dataclasses.replace(pool, tape=new_tape, conv_windows=_store_windows(pool, layer, rows, windows))
 
 
 _store_layer = jax.jit(_store, donate_argnums=0)
@@ -344,18 +347,22 @@ def verify_layer(
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames=("scale", "backend"))
 def _verify_layer(pool, layer, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, slots, rows, *, scale, backend):
+    # The kernels read each request's state from pool.ssm by slot and write the tape into the
+    # scratch rows in place (verify's slots=/tape= form): no gathered states, no tape copy.
     g = pool.geometry
     N, D, _ = mixed_qkv.shape
     s = _in_range(slots, pool.ssm.shape[1])
-    conv_state = pool.conv.at[layer, s].get(mode="fill", fill_value=0)
-    state0 = pool.ssm.at[layer, s].get(mode="fill", fill_value=0)
+    conv_state = pool.conv.at[layer, s].get(mode="fill", fill_value=0)  # [N, conv_dim, Kc-1]: small
     y, windows = causal_conv1d_verify(conv_state, mixed_qkv, conv_weight, conv_bias)
     HK = g.num_k_heads * g.head_k_dim
     q = y[..., :HK].reshape(N, D, g.num_k_heads, g.head_k_dim)
     k = y[..., HK : 2 * HK].reshape(N, D, g.num_k_heads, g.head_k_dim)
     v = y[..., 2 * HK :].reshape(N, D, g.num_v_heads, g.head_v_dim)
-    outputs, tape = api.verify(state0, q, k, v, a, b, A_log, dt_bias, record=pool.record, scale=scale, backend=backend)
-    return outputs, _store(pool, layer, tape, windows, rows)
+    outputs, tape = api.verify(
+        pool.ssm, q, k, v, a, b, A_log, dt_bias, slots=slots, layer=layer, tape=pool.tape, rows=rows, scale=scale,
+        backend=backend,
+    )  # fmt: skip
+    return outputs, dataclasses.replace(pool, tape=tape, conv_windows=_store_windows(pool, layer, rows, windows))
 
 
 def commit(

@@ -34,6 +34,8 @@ __all__ = [
     "replay_two",
     "commit",
     "commit_accepted_first",
+    "read_slots",
+    "write_rows",
 ]
 
 F32 = jnp.float32
@@ -166,6 +168,23 @@ def chain(state0, qn, kn, v, g, beta, *, record: str, out_dtype, step: Callable 
     outputs = o.astype(out_dtype)
     tape = Snapshots(states) if record == "snapshots" else Tuples(u=u, k=kn, g=g)
     return outputs, tape
+
+
+def read_slots(pool, layer, slots):
+    """``pool[layer, slots[n]]`` for each request: ``[L, S, HV, V, K] -> [N, HV, V, K]``; a slot
+    outside ``[0, S)`` reads zeros (SGLang's padding slots)."""
+    S = pool.shape[1]
+    idx = jnp.where((slots >= 0) & (slots < S), slots, S)
+    return pool.at[layer, idx].get(mode="fill", fill_value=0)
+
+
+def write_rows(buffer, layer, rows, tape):
+    """Request n's tape ``[N, D, ...]`` into ``buffer[layer, rows[n], :D]`` (``[L, R, Dmax, ...]``);
+    out-of-range rows write nothing, everything else keeps its bits."""
+    R = jax.tree.leaves(buffer)[0].shape[1]
+    idx = jnp.where((rows >= 0) & (rows < R), rows, R)
+    D = tape.num_steps
+    return jax.tree.map(lambda b, t: b.at[layer, idx, :D].set(t.astype(b.dtype), mode="drop"), buffer, tape)
 
 
 def replay_two(state0, tuples: Tuples, steps, track_steps, *, rule: Callable = rounding.apply_rule):

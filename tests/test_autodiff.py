@@ -38,11 +38,30 @@ def _normal(rng, shape, dtype=F32):
 def _problem(op: str, seed: int, *, kind="normal", input_dtype=jnp.bfloat16):
     """``(function of the float args, float args, plain formulation)`` for one entry point.
 
-    ``op``: ``verify-tuples``, ``verify-snapshots``, ``replay``, ``commit-tuples``,
-    ``commit-snapshots``. Integer arguments are bound (their tangents are float0).
+    ``op``: one of :data:`OPS`. Integer arguments are bound (their tangents are float0).
     """
     rng = np.random.default_rng(seed)
     x = verify_inputs(rng, SHAPE, kind=kind, input_dtype=input_dtype)
+    if op == "verify-pool":  # states read from the pool by slot (a padding slot reads zeros), tape into a buffer
+        s, d = SHAPE, SHAPE.D
+        pool = _normal(rng, (L, S_POOL, s.HV, s.V, s.K))
+        buf = gl.Tuples(
+            u=_normal(rng, (L, s.N + 1, d + 1, s.HV, s.V)),
+            k=_normal(rng, (L, s.N + 1, d + 1, s.H, s.K)),
+            g=_normal(rng, (L, s.N + 1, d + 1, s.HV)),
+        )
+        slots, rows = jnp.asarray([2, S_POOL, 5], jnp.int32), jnp.asarray([1, 3, 0], jnp.int32)
+        layer = jnp.asarray(1, jnp.int32)
+        inputs = tuple(x[n] for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias"))
+
+        def lib(backend):
+            return lambda p, *xs: gl.verify(p, *xs[:-1], slots=slots, layer=layer, tape=xs[-1], rows=rows, backend=backend)
+
+        def plain(p, *xs):
+            outputs, tape = autodiff.plain_verify(reference.read_slots(p, layer, slots), *xs[:-1])
+            return outputs, reference.write_rows(xs[-1], layer, rows, tape)
+
+        return lib, (pool, *inputs, buf), plain
     if op.startswith("verify"):
         record = op.split("-")[1]
         return (
@@ -76,7 +95,7 @@ def _problem(op: str, seed: int, *, kind="normal", input_dtype=jnp.bfloat16):
     )
 
 
-OPS = ["verify-tuples", "verify-snapshots", "replay", "commit-tuples", "commit-snapshots"]
+OPS = ["verify-tuples", "verify-snapshots", "verify-pool", "replay", "commit-tuples", "commit-snapshots"]
 
 
 def _random_like(rng, tree):

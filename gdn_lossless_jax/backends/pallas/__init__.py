@@ -56,12 +56,14 @@ def _form(form: str | None, allowed=FORMS) -> str:
     return form
 
 
-def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, form=None, config=VerifyConfig()):
+def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, slots=None, layer=None, tape=None,
+           tape_layer=None, rows=None, form=None, config=VerifyConfig()):  # fmt: skip
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
         return _verify(
             state0, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, out_dtype=jnp.dtype(out_dtype),
-            config=config, form=_form(form), interpret=_interpret(),
+            config=config, form=_form(form), interpret=_interpret(), slots=slots, layer=layer, tape=tape,
+            tape_layer=tape_layer, rows=rows,
         )  # fmt: skip
 
 
