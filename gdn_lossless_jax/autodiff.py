@@ -23,9 +23,9 @@ materialises the state after every step (``[N, D, HV, V, K]`` in fp32, like a sn
 tape) and reverse mode keeps it as a residual: a derivative costs the memory the tuple tape
 saves. The undifferentiated call costs nothing extra (the rule only runs under autodiff).
 
-Integer inputs (steps, slots, rows) have no derivative (their tangents are ``float0``).
-Where a derivative is not offered, :func:`not_differentiable` raises instead of returning
-zero.
+Integer inputs (steps, slots, rows, layer) have no derivative (their tangents are
+``float0``). Every floating input of every entry point has its derivative, in every form
+(the pool form of verify included): none is a silent zero.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from . import reference, rounding
 from .tape import Tape, Tuples
 
-__all__ = ["plain_verify", "plain_replay", "plain_commit", "verify", "replay", "commit", "not_differentiable"]
+__all__ = ["plain_verify", "plain_replay", "plain_commit", "verify", "replay", "commit"]
 
 
 def _plain_fma(a, b, c):
@@ -186,21 +186,3 @@ def commit(impl, pool, tape: Tape, slots, steps, track_slots, track_steps, rows)
     """``impl.commit`` with the derivatives of :func:`plain_commit`."""
     return _with_plain_derivative(impl.commit, plain_commit)(pool, tape, slots, steps, track_slots, track_steps, rows)
 
-
-def not_differentiable(fn: Callable, message: str) -> Callable:
-    """``fn`` unchanged, except that differentiating through it raises ``TypeError(message)``.
-
-    For a path whose derivative is not offered: the error replaces the zero (or the
-    failure deep inside a kernel) that autodiff would otherwise produce. Calls that
-    are not differentiated, or whose inputs carry no tangent, run as before.
-    """
-
-    @jax.custom_jvp
-    def f(*args):
-        return fn(*args)
-
-    @f.defjvp
-    def f_jvp(primals, tangents):
-        raise TypeError(message)
-
-    return f
