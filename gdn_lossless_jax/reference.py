@@ -84,7 +84,7 @@ def ksum(x):
 
 
 def l2norm(x):
-    """``x / sqrt(sum(x * x) + 1e-6)`` over the last axis, in fp32 (SPEC 2.2).
+    """``x / sqrt(sum(x * x) + 1e-6)`` over the last axis, in fp32.
 
     (In float64 for a float64 ``x``: the plain formulation of gdn_lossless_jax.autodiff.)
     """
