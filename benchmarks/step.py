@@ -9,6 +9,8 @@ way a JAX user composes it, for each record mode and backend:
     one from Python, the way a serving loop written against the pool module runs.
 ``pool-jit``
     the same calls inside one outer ``jax.jit`` with the pool donated.
+``pool-scan``
+    the same in one ``jax.jit``, the layers in a ``lax.scan`` with the pool as its carry.
 ``scan``
     one ``jax.jit``: ``gdn_lossless_jax.verify(ssm, ..., slots=, layer=, tape=, rows=)`` for
     every layer in a ``lax.scan`` (the states read from the pool by slot, each layer's tape
@@ -60,13 +62,18 @@ from .traffic import Traffic
 __all__ = ["STEP_KINDS", "main", "step_rows"]
 
 RECORDS = ("tuples", "snapshots")
-STEP_KINDS = ("pool-python", "pool-jit", "scan", "unrolled")
+STEP_KINDS = ("pool-python", "pool-jit", "pool-scan", "scan", "unrolled")
 
 
 @dataclasses.dataclass
 class StepInputs:
     """Everything the rows of one configuration read: per-layer parameters and draft inputs,
-    and the commit indices of a few steps (each invocation takes the next set)."""
+    and the commit indices of a few steps (each invocation takes the next set).
+
+    The layer-by-layer steps take each layer's arrays from lists (a model makes them layer by
+    layer; slicing a stacked array per layer would add a copy per input and layer that the
+    library does not make); the ``lax.scan`` steps take the stacked arrays, whose per-layer
+    slices the scan copies (as a model's scan slices its stacked weights)."""
 
     config: bc.Config
     geometry: object
@@ -76,6 +83,10 @@ class StepInputs:
     pool_inputs: dict  # [L, N, D, ...]: mixed_qkv, a, b (the pool path)
     qkv: dict  # [L, N, D, ...]: q, k, v, a, b (the direct path and SGLang)
     index_sets: list  # each: (slots, steps, track_slots, track_steps, rows), [N] int32 on the device
+    layers: dict = dataclasses.field(default_factory=dict)  # the same, as per-layer lists
+
+    def layer(self, name: str, i: int) -> dict:
+        return self.layers[name][i]
 
 
 def make_inputs(config: bc.Config, geometry, *, seed: int) -> StepInputs:
@@ -100,8 +111,10 @@ def make_inputs(config: bc.Config, geometry, *, seed: int) -> StepInputs:
     pool_inputs = dict(mixed_qkv=x[4], a=x[5], b=x[6])
     qkv = dict(q=x[7], k=x[8], v=x[9], a=x[5], b=x[6])
     sets = [ix.as_args() for ix in bc.commit_index_sets(config, 4, seed=seed)]
-    out = StepInputs(config, g, s, bc.pool_slots(config.requests), params, pool_inputs, qkv, sets)
-    jax.block_until_ready(jax.tree.leaves((params, pool_inputs, qkv, sets)))
+    split = lambda d: [{k: v[i] for k, v in d.items()} for i in range(L)]  # noqa: E731
+    layers = {"params": split(params), "pool_inputs": split(pool_inputs), "qkv": split(qkv)}
+    out = StepInputs(config, g, s, bc.pool_slots(config.requests), params, pool_inputs, qkv, sets, layers)
+    jax.block_until_ready(jax.tree.leaves((params, pool_inputs, qkv, sets, layers)))
     return out
 
 
@@ -124,18 +137,31 @@ def _allocate(inp: StepInputs, record: str, seed: int) -> gpool.StatePool:
 # The steps
 # ---------------------------------------------------------------------------------
 def _pool_step(p, params, xs, ix, backend):
+    """Every layer's ``pool.verify_layer`` (``params``, ``xs``: per-layer lists), then the commit."""
     slots, steps, tslots, tsteps, rows = ix
     outs = []
     for layer in range(p.geometry.gdn_layers):
-        prm = {k: v[layer] for k, v in params.items()}
-        x = {k: v[layer] for k, v in xs.items()}
-        o, p = gpool.verify_layer(p, layer, **x, **prm, slots=slots, rows=rows, backend=backend)
+        o, p = gpool.verify_layer(p, layer, **xs[layer], **params[layer], slots=slots, rows=rows, backend=backend)
         outs.append(o)
     return outs, gpool.commit(p, slots, steps, tslots, tsteps, rows, backend=backend)
 
 
+def _pool_scan_step(p, params, xs, ix, backend):
+    """The same with the layers in a ``lax.scan`` (``params``, ``xs``: stacked ``[L, ...]``)."""
+    slots, steps, tslots, tsteps, rows = ix
+
+    def layer(p, lx):
+        i, prm, x = lx
+        o, p = gpool.verify_layer(p, i, **x, **prm, slots=slots, rows=rows, backend=backend)
+        return p, o
+
+    p, outs = jax.lax.scan(layer, p, (jnp.arange(p.geometry.gdn_layers, dtype=jnp.int32), params, xs))
+    return outs, gpool.commit(p, slots, steps, tslots, tsteps, rows, backend=backend)
+
+
 def direct_step(backend: str, unroll: bool):
-    """The one-jit step over ``(ssm [L, S, HV, V, K], tape [L, R, D, ...])``, both donated."""
+    """The one-jit step over ``(ssm [L, S, HV, V, K], tape [L, R, D, ...])``, both donated;
+    ``params`` and ``xs`` per-layer lists (``unroll``) or stacked ``[L, ...]`` (a scan)."""
 
     def step(ssm, tape, params, xs, ix):
         slots, steps, tslots, tsteps, rows = ix
@@ -146,16 +172,14 @@ def direct_step(backend: str, unroll: bool):
                                   slots=slots, layer=i, tape=tape, rows=rows, backend=backend)  # fmt: skip
             return tape, out
 
-        prm = {k: params[k] for k in ("A_log", "dt_bias")}
-        ids = jnp.arange(ssm.shape[0], dtype=jnp.int32)
         if unroll:
             outs = []
             for i in range(ssm.shape[0]):
-                tape, o = layer(tape, (i, jax.tree.map(lambda t: t[i], prm), jax.tree.map(lambda t: t[i], xs)))
+                tape, o = layer(tape, (i, params[i], xs[i]))
                 outs.append(o)
-            outs = jnp.stack(outs)
         else:
-            tape, outs = jax.lax.scan(layer, tape, (ids, prm, xs))
+            prm = {k: params[k] for k in ("A_log", "dt_bias")}
+            tape, outs = jax.lax.scan(layer, tape, (jnp.arange(ssm.shape[0], dtype=jnp.int32), prm, xs))
         ssm = gl.commit(ssm, tape, slots, steps, tslots, tsteps, rows, backend=backend)
         return outs, ssm, tape
 
@@ -168,8 +192,8 @@ def _kernels_not_ours(device: dict | None) -> list[dict]:
     return [k for k in device["kernels"] if "gdn_" not in k["name"]]
 
 
-def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: int) -> list[Row]:
-    """The four step rows of one backend and record mode (:data:`STEP_KINDS`)."""
+def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: int, kinds=STEP_KINDS) -> list[Row]:
+    """The step rows of one backend and record mode (``kinds``, of :data:`STEP_KINDS`)."""
     cfg, L = inp.config.label, inp.geometry.gdn_layers
     rows = []
     p_box = [_allocate(inp, record, seed)]
@@ -180,14 +204,19 @@ def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: in
         return inp.index_sets[counter["i"] % len(inp.index_sets)]
 
     def run_python():
-        outs, p_box[0] = _pool_step(p_box[0], inp.params, inp.pool_inputs, next_ix(), backend)
+        outs, p_box[0] = _pool_step(p_box[0], inp.layers["params"], inp.layers["pool_inputs"], next_ix(), backend)
         jax.block_until_ready((outs, p_box[0]))
 
     pool_jit = jax.jit(lambda p, prm, xs, ix: _pool_step(p, prm, xs, ix, backend), donate_argnums=0)
+    pool_scan = jax.jit(lambda p, prm, xs, ix: _pool_scan_step(p, prm, xs, ix, backend), donate_argnums=0)
 
-    def run_pool_jit():
-        outs, p_box[0] = pool_jit(p_box[0], inp.params, inp.pool_inputs, next_ix())
-        jax.block_until_ready((outs, p_box[0]))
+    def run_pool(fn, stacked):
+        def run():
+            src = (inp.params, inp.pool_inputs) if stacked else (inp.layers["params"], inp.layers["pool_inputs"])
+            outs, p_box[0] = fn(p_box[0], *src, next_ix())
+            jax.block_until_ready((outs, p_box[0]))
+
+        return run
 
     d_box = [(p_box[0].ssm, p_box[0].tape)]  # the direct rows own a second pool of the same shape
     d_box[0] = _filled(d_box[0], seed + 7)
@@ -195,14 +224,18 @@ def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: in
 
     def run_direct(unroll):
         def run():
-            outs, ssm, tape = fns[unroll](*d_box[0], inp.params, inp.qkv, next_ix())
+            src = (inp.layers["params"], inp.layers["qkv"]) if unroll else (inp.params, inp.qkv)
+            outs, ssm, tape = fns[unroll](*d_box[0], *src, next_ix())
             d_box[0] = (ssm, tape)
             jax.block_until_ready((outs, ssm, tape))
 
         return run
 
-    runs = {"pool-python": run_python, "pool-jit": run_pool_jit, "scan": run_direct(False), "unrolled": run_direct(True)}
+    runs = {"pool-python": run_python, "pool-jit": run_pool(pool_jit, False), "pool-scan": run_pool(pool_scan, True),
+            "scan": run_direct(False), "unrolled": run_direct(True)}  # fmt: skip
     for kind, run in runs.items():
+        if kind not in kinds:
+            continue
         t = time.perf_counter()
         try:
             run()  # compile and first call
@@ -390,7 +423,7 @@ def main(argv=None) -> int:
         rows: list[Row] = []
         for backend in [b for b in args.backends.split(",") if b]:
             for record in [r for r in args.records.split(",") if r]:
-                rows += [r for r in step_rows(inp, backend, record, clock, args.seed) if r.op in kinds]
+                rows += step_rows(inp, backend, record, clock, args.seed, kinds)
         if args.peer != "off":
             row, why = sglang_row(inp, clock, args.sglang_src)
             if row is None:

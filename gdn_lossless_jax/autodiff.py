@@ -149,32 +149,27 @@ def _with_plain_derivative(exact: Callable, plain: Callable) -> Callable:
     return f
 
 
-def verify(
-    impl, state, q, k, v, a, b, A_log, dt_bias, *, record: str, scale: float, out_dtype, slots=None, layer=None,
-    tape=None, tape_layer=None, rows=None,
-) -> tuple[jax.Array, Tape]:  # fmt: skip
+def verify(impl, state, q, k, v, a, b, A_log, dt_bias, *, record: str, scale: float, out_dtype, **form):
     """``impl.verify`` (a backend's exact kernel) with the derivatives of :func:`plain_verify`.
 
-    The pool form too (arguments as the backends take them, see
-    :func:`gdn_lossless_jax.verify`): its plain formulation gathers the states by slot
-    (:func:`gdn_lossless_jax.reference.read_slots`) and scatters the tape into the buffer
-    (:func:`gdn_lossless_jax.reference.write_rows`), which autodiff differentiates as it is.
+    ``form``: the backend keywords of the pool forms (``slots``, ``layer``, ``tape``,
+    ``tape_layer``, ``rows``, ``pending``; see :func:`gdn_lossless_jax.verify` and
+    :func:`gdn_lossless_jax.commit_and_verify`). Their plain formulation is
+    :func:`gdn_lossless_jax.reference.verify_form` with :func:`plain_verify` and
+    :func:`plain_commit`: the gathers by slot, the scatter into the tape buffer and the
+    pending commit's scatter into the pool are differentiated as they are.
     """
-    kw = dict(record=record, scale=scale, out_dtype=out_dtype)
+    static = dict(record=record, scale=scale, out_dtype=out_dtype)
+    names = tuple(form)
 
-    def exact(state, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_layer, rows):
-        pool_kw = {} if slots is None else dict(slots=slots, layer=layer)
-        if tape is not None:
-            pool_kw.update(tape=tape, tape_layer=tape_layer, rows=rows)
-        return impl.verify(state, q, k, v, a, b, A_log, dt_bias, **kw, **pool_kw)
+    def exact(*args):
+        return impl.verify(*args[:8], **static, **dict(zip(names, args[8:])))
 
-    def plain(state, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_layer, rows):
-        state0 = state if slots is None else reference.read_slots(state, layer, slots)
-        outputs, new = plain_verify(state0, q, k, v, a, b, A_log, dt_bias, **kw)
-        return outputs, (new if tape is None else reference.write_rows(tape, tape_layer, rows, new))
+    def plain(*args):
+        kw = dict(zip(names, args[8:]))
+        return reference.verify_form(*args[:8], **static, **kw, verify_fn=plain_verify, commit_fn=plain_commit)
 
-    f = _with_plain_derivative(exact, plain)
-    return f(state, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_layer, rows)
+    return _with_plain_derivative(exact, plain)(state, q, k, v, a, b, A_log, dt_bias, *form.values())
 
 
 def replay(impl, state0, tuples: Tuples, steps) -> jax.Array:

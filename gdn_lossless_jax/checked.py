@@ -49,6 +49,7 @@ def _first(bad):
 
 def check_steps(fn: str, name: str, steps: jax.Array, D: int) -> None:
     """Every ``steps[i]`` in ``[-1, D)``; ``D`` itself with the lengths-vs-steps hint."""
+    steps = jnp.asarray(steps)  # checkify takes JAX predicates only (indices may come as NumPy)
     is_len = steps == D
     i = _first(is_len)
     checkify.check(
@@ -86,6 +87,7 @@ def _check_distinct(fn: str, a: jax.Array, b: jax.Array, ok: jax.Array, message:
 
 def check_commit(fn: str, S: int, R: int, D: int, slots, steps, track_slots, track_steps, rows) -> None:
     """The checked mode of commit (see the module docstring). Indices are ``[N]`` int32."""
+    slots, steps, track_slots, track_steps, rows = map(jnp.asarray, (slots, steps, track_slots, track_steps, rows))
     N = slots.shape[0]
     if N == 0:
         return

@@ -6,9 +6,20 @@ heads, HV v-heads, K key dim, V value dim)::
     state0 [N, HV, V, K]  q, k [N, D, H, K]  v [N, D, HV, V]  a, b [N, D, HV]
     A_log, dt_bias [HV]   outputs [N, D, HV, V]
 
-The state update goes through :func:`gdn_lossless_jax.rounding.apply_rule` (pinned
-``rn(S * exp(g))`` then ``fma(k, u, .)``), so a tuple replay reproduces the snapshots
-bit for bit on every platform. Everything else (gates, norms, the ``Sd @ k`` and
+One step, per request n, v-head hv (q/k head ``h = hv // (HV // H)``) and draft step t,
+on the fp32 state ``S [V, K]`` (the numbers are the ones other modules cite as "step N")::
+
+    1. gates    g_t = -exp(A_log) * softplus(a_t + dt_bias)   (softplus(x) = x above 20)
+                beta_t = 1 / (1 + exp(-b_t))                   (kept in fp32)
+    2. norms    q = q / sqrt(sum(q*q) + 1e-6) * scale,  k = k / sqrt(sum(k*k) + 1e-6)
+    3. decay    Sd = rn(S * exp(g_t))                          (one rounded multiply)
+    4. delta    u = beta_t * (v_t - Sd @ k)                    (a reduction over K)
+    5. update   S' = fma(k, u, Sd)  elementwise: S'[v, k] = fma(k[k], u[v], Sd[v, k])
+    6. output   o_t = S' @ q                                   (reads the updated state)
+
+The state update (steps 3 and 5) goes through :func:`gdn_lossless_jax.rounding.apply_rule`,
+pinned, so a tuple replay ``S_t = fma(k_t, u_t, rn(S_{t-1} * exp(g_t)))`` reproduces the
+snapshots bit for bit on every platform. Everything else (gates, norms, the ``Sd @ k`` and
 ``S' @ q`` reductions) is plain fp32 XLA: it feeds the tape, so replay never recomputes it.
 """
 
@@ -36,6 +47,7 @@ __all__ = [
     "commit_accepted_first",
     "read_slots",
     "write_rows",
+    "verify_form",
 ]
 
 F32 = jnp.float32
@@ -44,7 +56,7 @@ L2NORM_EPS = 1e-6
 
 
 def gates(a, b, A_log, dt_bias):
-    """Decay and write gates, in fp32 (SPEC 2.1).
+    """Decay and write gates, in fp32 (step 1 of the module docstring).
 
     ``g = -exp(A_log) * softplus(a + dt_bias)`` with softplus ``log(1 + exp(x))`` up to
     ``x > 20`` and ``x`` above; ``beta = 1 / (1 + exp(-b))``, kept in fp32.
@@ -84,7 +96,7 @@ def ksum(x):
 
 
 def l2norm(x):
-    """``x / sqrt(sum(x * x) + 1e-6)`` over the last axis, in fp32.
+    """``x / sqrt(sum(x * x) + 1e-6)`` over the last axis, in fp32 (step 2).
 
     (In float64 for a float64 ``x``: the plain formulation of gdn_lossless_jax.autodiff.)
     """
@@ -109,7 +121,7 @@ def _expand_heads(x, hv: int):
 
 
 def gdn_step(S, x, *, mul: Callable = rounding.mul_rn, fma: Callable = rounding.fma_rn):
-    """One GDN step as a state transition ``S -> S'`` (SPEC 2.3-2.6), per request and v-head.
+    """One GDN step as a state transition ``S -> S'`` (steps 3-6), per request and v-head.
 
     Args:
       S: ``[..., HV, V, K]`` float32 state before the step.
@@ -185,6 +197,33 @@ def write_rows(buffer, layer, rows, tape):
     idx = jnp.where((rows >= 0) & (rows < R), rows, R)
     D = tape.num_steps
     return jax.tree.map(lambda b, t: b.at[layer, idx, :D].set(t.astype(b.dtype), mode="drop"), buffer, tape)
+
+
+def verify_form(
+    state0, q, k, v, a, b, A_log, dt_bias, *, record: str, scale: float, out_dtype, slots=None, layer=None, tape=None,
+    tape_layer=None, rows=None, pending=None, verify_fn: Callable = verify, commit_fn: Callable | None = None,
+):  # fmt: skip
+    """:func:`verify` in every form of :func:`gdn_lossless_jax.verify`, as the backends take it.
+
+    With ``pending`` (``(rows, steps, track_slots, track_steps, tape layer, tape)``), the
+    previous step's commit of this layer first (:func:`commit`), then the verify from the pool
+    it leaves; with ``slots`` (and ``layer``), the states gathered from the pool
+    (:func:`read_slots`); with ``tape``, the tape scattered into that buffer at ``rows``
+    (:func:`write_rows`). Returns ``(outputs, tape)``, and the pool after the pending commit
+    when there is one. ``verify_fn`` and ``commit_fn`` (default :func:`verify` and
+    :func:`commit`) are what runs: gdn_lossless_jax.autodiff passes its plain formulations.
+    """
+    commit_fn = commit_fn or commit
+    if pending is not None:  # the previous step's commit of this layer, then the verify from the pool it leaves
+        prows, psteps, ptslots, ptsteps, prev_layer, prev = pending
+        one = jax.tree.map(lambda x: x[prev_layer][None], prev)
+        committed = commit_fn(state0[layer][None], one, slots, psteps, ptslots, ptsteps, prows)
+        state0 = lax.dynamic_update_index_in_dim(state0, committed[0], layer, 0)
+    state = state0 if slots is None else read_slots(state0, layer, slots)
+    outputs, new = verify_fn(state, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, out_dtype=out_dtype)
+    if tape is not None:
+        new = write_rows(tape, tape_layer, rows, new)
+    return (outputs, new) if pending is None else (outputs, new, state0)
 
 
 def replay_two(state0, tuples: Tuples, steps, track_steps, *, rule: Callable = rounding.apply_rule):
@@ -284,11 +323,13 @@ def commit(pool, tape, slots, steps, track_slots, track_steps, rows, *, rule: Ca
 
 
 def commit_accepted_first(pool, tape: Tuples, slots, steps, track_slots, track_steps, rows):
-    """Control, not for use: the seed's ordering bug.
+    """Control, not for use: the accepted-first ordering bug.
 
     Writes the accepted state in place first, then replays the track state from the
     *pool* (which now holds the advanced state). The track state comes out wrong whenever
-    a request has both; tests keep this to show the suite catches it.
+    a request has both. (SGLang's lossless-verify pull request, where this design started,
+    had to order its two replays to avoid exactly this.) Tests keep it to show the suite
+    catches it.
     """
     none = jnp.full_like(slots, -1)
     pool = commit(pool, tape, slots, steps, none, none, rows)

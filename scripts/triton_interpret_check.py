@@ -226,7 +226,7 @@ def run_kernels(spec: CaseSpec, work: Path):
         x = {n: T[f"L{layer}_{n}"].contiguous() for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias")}
         unused = torch.empty(1, dtype=f32)
         cfg = V_.VerifyConfig(block_v=spec.block_v)
-        sel = torch.tensor([layer, layer], dtype=torch.int32)
+        lay = torch.tensor([layer], dtype=torch.int32)
         into = bufs is not None
         buf_sizes = dict(INTO=True, R=R, DMAX=D) if into else {}
 
@@ -236,7 +236,7 @@ def run_kernels(spec: CaseSpec, work: Path):
         qn, kt, g, beta = nan(N, D, H, K), nan(N, D, H, K), nan(N, D, HV), nan(N, D, HV)
         kbuf, gbuf = (bufs["k"], bufs["g"]) if into and not snapshots else (unused, unused)
         sizes, grid = V_.prep_launch(tuple(x["q"].shape), HV, cfg)
-        V_.verify_prep_kernel[grid](x["q"], x["k"], x["a"], x["b"], x["A_log"], x["dt_bias"], rows_t, sel, kbuf, gbuf,
+        V_.verify_prep_kernel[grid](x["q"], x["k"], x["a"], x["b"], x["A_log"], x["dt_bias"], rows_t, lay, kbuf, gbuf,
                                     qn, kt, g, beta, kbuf, gbuf, **sizes, **(buf_sizes if not snapshots else {}),
                                     SCALE=float(K**-0.5), INTERPRET=True)  # fmt: skip
         o = nan(N, D, HV, V, dtype=x["q"].dtype)
@@ -249,7 +249,7 @@ def run_kernels(spec: CaseSpec, work: Path):
         buf = (snap if snapshots else u) if into else unused
         record = "snapshots" if snapshots else "tuples"
         sizes, grid = V_.launch_sizes(tuple(T["pool"].shape), tuple(x["q"].shape), cfg, record)
-        V_.verify_kernel[grid](T["pool"], slots_t, sel, qn, kt, x["v"], g, beta, rows_t, buf, o, snap, u, **sizes,
+        V_.verify_kernel[grid](T["pool"], slots_t, lay, lay, qn, kt, x["v"], g, beta, rows_t, buf, o, snap, u, **sizes,
                                **(buf_sizes or dict(DMAX=D)), SNAPSHOTS=snapshots, EVICT=cfg.evict,
                                INTERPRET=True)  # fmt: skip
         return o, (snap,) if snapshots else (u, kt, g)
@@ -406,7 +406,7 @@ def compile_kernels() -> None:
     for state in ("fp32", "bf16"):
         digests = {}
         for snapshots in (False, True):
-            sig = {"state_ptr": f"*{state}", "slots_ptr": "*i32", "sel_ptr": "*i32", "qn_ptr": "*fp32",
+            sig = {"state_ptr": f"*{state}", "slots_ptr": "*i32", "layer_ptr": "*i32", "tape_layer_ptr": "*i32", "qn_ptr": "*fp32",
                    "kn_ptr": "*fp32", "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*fp32", "rows_ptr": "*i32",
                    "buf_in_ptr": "*fp32", "out_ptr": "*bf16", "snap_ptr": f"*{state}" if snapshots else "*fp32",
                    "u_ptr": "*fp32"}  # fmt: skip
@@ -427,7 +427,7 @@ def compile_kernels() -> None:
         assert digests[False] == digests[True], f"verify ({state}): the record modes' TTGIR arithmetic differs"
         print(f"  verify ({state}): tuples and snapshots TTGIR arithmetic identical ({digests[False]})")
         sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "A_log_ptr": "*fp32",
-               "dt_bias_ptr": "*fp32", "rows_ptr": "*i32", "sel_ptr": "*i32", "kbuf_in_ptr": "*fp32",
+               "dt_bias_ptr": "*fp32", "rows_ptr": "*i32", "tape_layer_ptr": "*i32", "kbuf_in_ptr": "*fp32",
                "gbuf_in_ptr": "*fp32", "qn_ptr": "*fp32", "kn_ptr": "*fp32", "g_ptr": "*fp32", "beta_ptr": "*fp32",
                "kbuf_ptr": "*fp32", "gbuf_ptr": "*fp32"}  # fmt: skip
         sizes, _ = V_.prep_launch((N, D, H, K), HV, vcfg)

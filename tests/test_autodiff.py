@@ -62,6 +62,34 @@ def _problem(op: str, seed: int, *, kind="normal", input_dtype=jnp.bfloat16):
             return outputs, reference.write_rows(xs[-1], layer, rows, tape)
 
         return lib, (pool, *inputs, buf), plain
+    if op == "commit-and-verify":  # the previous step's commit of the layer fused into this verify
+        s, d = SHAPE, SHAPE.D
+        pool = _normal(rng, (L, S_POOL, s.HV, s.V, s.K))
+        prev = gl.Tuples(
+            u=_normal(rng, (L, s.N, d, s.HV, s.V)),
+            k=_normal(rng, (L, s.N, d, s.H, s.K)),
+            g=-jnp.abs(_normal(rng, (L, s.N, d, s.HV))),
+        )
+        slots, layer = jnp.asarray([2, 6, 5], jnp.int32), jnp.asarray(1, jnp.int32)
+        prows, psteps = jnp.asarray([2, 0, 1], jnp.int32), jnp.asarray([d - 1, -1, 0], jnp.int32)
+        ptslots, ptsteps = jnp.asarray([4, -1, -1], jnp.int32), jnp.asarray([0, -1, -1], jnp.int32)
+        inputs = tuple(x[n] for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias"))
+
+        def lib(backend):
+            def f(p, *xs):
+                pending = gl.Pending(xs[-1], prows, psteps, ptslots, ptsteps)
+                return gl.commit_and_verify(p, pending, *xs[:-1], slots=slots, layer=layer, backend=backend)
+
+            return f
+
+        def plain(p, *xs):  # commit the layer, then verify from the pool it leaves
+            one = jax.tree.map(lambda t: t[layer][None], xs[-1])
+            committed = autodiff.plain_commit(p[layer][None], one, slots, psteps, ptslots, ptsteps, prows)
+            p = p.at[layer].set(committed[0])
+            outputs, tape = autodiff.plain_verify(reference.read_slots(p, layer, slots), *xs[:-1])
+            return outputs, tape, p
+
+        return lib, (pool, *inputs, prev), plain
     if op.startswith("verify"):
         record = op.split("-")[1]
         return (
@@ -95,7 +123,15 @@ def _problem(op: str, seed: int, *, kind="normal", input_dtype=jnp.bfloat16):
     )
 
 
-OPS = ["verify-tuples", "verify-snapshots", "verify-pool", "replay", "commit-tuples", "commit-snapshots"]
+OPS = [
+    "verify-tuples",
+    "verify-snapshots",
+    "verify-pool",
+    "commit-and-verify",
+    "replay",
+    "commit-tuples",
+    "commit-snapshots",
+]
 
 
 def _random_like(rng, tree):

@@ -29,7 +29,7 @@ import importlib
 
 import jax
 
-__all__ = ["BACKENDS", "resolve", "platform", "BackendUnavailable"]
+__all__ = ["BACKENDS", "resolve", "resolve_name", "platform", "BackendUnavailable"]
 
 BACKENDS = ("reference", "pallas", "triton")
 
@@ -48,6 +48,12 @@ def _auto() -> str:
     # H200 run of benchmarks/results/ they led verify at every configuration; Triton's
     # commit was within the spread), elsewhere the reference.
     return "pallas" if platform() == "gpu" else "reference"
+
+
+def resolve_name(name) -> str:
+    """The backend ``name`` stands for (``"auto"`` picks one); the name is not checked (a
+    backend object of your own is returned as it is)."""
+    return _auto() if isinstance(name, str) and name == "auto" else name
 
 
 def resolve(name, op: str):

@@ -14,16 +14,19 @@ __all__ = ["verify", "replay", "commit"]
 
 @functools.partial(jax.jit, static_argnames=("record", "scale", "out_dtype"))
 def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, slots=None, layer=None, tape=None,
-           tape_layer=None, rows=None):  # fmt: skip
+           tape_layer=None, rows=None, pending=None):  # fmt: skip
     # Always compiled: XLA:CPU contracts and fuses differently op by op than under jit, so
     # one compiled path makes the outputs the same with or without an outer jax.jit.
     # The pool form gathers the states (the reference is the specification, not the lean
     # path: the kernels read by slot instead) and scatters the tape into its buffer.
-    state = state0 if slots is None else ref.read_slots(state0, layer, slots)
-    outputs, new = ref.verify(state, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, out_dtype=out_dtype)
-    if tape is None:
-        return outputs, new
-    return outputs, ref.write_rows(tape, tape_layer, rows, new)
+    # The barrier makes the inputs arrive in their own dtype: inside a caller's jit, XLA:GPU
+    # (allow_excess_precision) would otherwise fuse their producer and skip its rounding to
+    # bf16 (seen on the H200: the pool path's outputs differed from the same call outside).
+    q, k, v, a, b, A_log, dt_bias = jax.lax.optimization_barrier((q, k, v, a, b, A_log, dt_bias))
+    return ref.verify_form(
+        state0, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, out_dtype=out_dtype, slots=slots,
+        layer=layer, tape=tape, tape_layer=tape_layer, rows=rows, pending=pending,
+    )  # fmt: skip
 
 
 replay = jax.jit(ref.replay)

@@ -10,8 +10,8 @@ The kernel's grid is ``(N, HV, V // BV)`` (or ``(V // BV, HV, N)``, ``VerifyConf
 one program per request, v-head and V tile, holding the ``[BV, K]`` fp32 state tile in
 registers. Two algorithms, chosen by ``VerifyConfig.algorithm``:
 
-- ``"chain"``: the D steps as written (SPEC 2.3-2.6). Per step: one pinned decay multiply,
-  one reduction over K, one pinned fma, one output reduction, and the step's store (``u``,
+- ``"chain"``: the D steps as written (steps 3-6 of :mod:`gdn_lossless_jax.reference`). Per
+  step: one pinned decay multiply, one reduction over K, one pinned fma, one output reduction, and the step's store (``u``,
   or the snapshot). Each reduction over K sums the chunks' products elementwise (fused into
   the running sums with the pinned fma by default, ``VerifyConfig.dot_fma``), then ends in a
   short tree of warp shuffles inside the serial chain.
@@ -53,7 +53,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from ...reference import L2NORM_EPS, gates
 from ._refs import grid, program_ids, store
+from .conv import scalar
 from .rounding import ops as rounding_ops
+from .rounding import replay_update
 
 __all__ = ["VerifyConfig", "verify", "ALGORITHMS"]
 
@@ -192,28 +194,28 @@ class _Where(NamedTuple):
     row_ok: Any
 
 
-def _program(refs, n_inputs: int, into: bool, r: int, BV: int, tiles_first: bool):
-    """What both verify kernels read first: their input refs (``state``, ``slots``, ``sel``
-    first), the two output refs, and the program's :class:`_Where`.
+def _program(refs, n_inputs: int, into: bool, r: int, BV: int, tiles_first: bool, n_outputs: int = 2):
+    """What both verify kernels read first: their input refs (``state``, ``slots``, ``layer``,
+    ``tape_layer`` first), the output refs ``o`` and ``tape``, and the program's :class:`_Where`.
 
-    ``refs`` is ``inputs[, rows, tape buffer (aliased)], o, tape``; ``sel`` holds
-    ``(layer, tape_layer)``.
+    ``refs`` is ``inputs[, rows, tape buffer (aliased)][, pending inputs], o, tape[, pool]``.
     """
     n, hv, j = program_ids(tiles_first)
-    state_ref, slots_ref, sel_ref = refs[:3]
+    state_ref, slots_ref, layer_ref, tape_layer_ref = refs[:4]
     slot = slots_ref[n]
     slot_ok = (slot >= 0) & (slot < state_ref.shape[1])
+    row = refs[n_inputs][n] if into else None
+    o_ref, tape_ref = refs[len(refs) - n_outputs : len(refs) - n_outputs + 2]
     if into:
-        row = refs[n_inputs][n]
-        lead, row_ok = (sel_ref[1], row), (row >= 0) & (row < refs[-1].shape[1])
+        lead, row_ok = (tape_layer_ref[0], row), (row >= 0) & (row < tape_ref.shape[1])
     else:
         lead, row_ok = (n,), None
-    where = _Where(n, hv, hv // r, pl.ds(j * BV, BV), sel_ref[0], jnp.where(slot_ok, slot, 0), slot_ok, lead, row_ok)
-    return refs[3:n_inputs], refs[-2], refs[-1], state_ref, where
+    where = _Where(n, hv, hv // r, pl.ds(j * BV, BV), layer_ref[0], jnp.where(slot_ok, slot, 0), slot_ok, lead, row_ok)
+    return refs[4:n_inputs], o_ref, tape_ref, state_ref, where
 
 
 def _unit_rows(x):
-    """l2norm of each row of a ``[rows, K]`` tile (SPEC 2.2; ``reference.l2norm``'s formula)."""
+    """l2norm of each row of a ``[rows, K]`` tile (``reference.l2norm``'s formula)."""
     return x / jnp.sqrt(jnp.sum(x * x, axis=1)[:, None] + L2NORM_EPS)
 
 
@@ -259,10 +261,91 @@ def _store_state(tape_ref, w: _Where, t, cols, S, evict):
         _store_row(tape_ref, w, (*w.lead, t, w.hv, w.vs, c), tile.astype(tape_ref.dtype), evict=evict)
 
 
+def _apply_pending(refs, pending: str, state_ref, pool_ref, w: _Where, cols, S0, form: str, control: str | None = None):
+    """The previous step's commit of this program's tile, before its verify: the state after the
+    accepted step (and the track state, to its slot), both from the pre-verify state ``S0`` with
+    the commit's rule (``fma(k, u, rn(S * exp(g)))``, the replay kernel's arithmetic element for
+    element) or from the previous snapshots; both stored to the pool (rounded to its dtype).
+    Returns the state the verify starts from: the accepted state as the pool now holds it, or
+    ``S0`` where nothing was accepted. The masks are the commit's (``reference._masks``).
+
+    ``refs``: the pending rows, steps, track slots, track steps ``[N]``, the previous tape's
+    layer ``[1]``, then the previous tape's fields (``u, k, g`` or ``states``, ``[L', R', D', ...]``).
+    ``control`` breaks it on purpose, for tests that must catch it: ``"naive"`` replays with
+    ``S * alpha + k * u`` as the compiler rounds it; ``"track_after_write"`` stores the accepted
+    state first and replays the track state from the pool it just wrote (the ordering bug of
+    SGLang's lossless-verify pull request).
+    """
+    prow_ref, pstep_ref, ptslot_ref, ptstep_ref, player_ref, *prev = refs
+    n, hv, h, vs = w.n, w.hv, w.h, w.vs
+    pl_ = player_ref[0]
+    prow, pstep, ptslot, ptstep = prow_ref[n], pstep_ref[n], ptslot_ref[n], ptstep_ref[n]
+    R, Dp = prev[0].shape[1], prev[0].shape[2]
+    S = state_ref.shape[1]
+    valid = w.slot_ok & (prow >= 0) & (prow < R)
+    accept = valid & (pstep >= 0) & (pstep < Dp)
+    track = valid & (ptstep >= 0) & (ptstep < Dp) & (ptslot >= 0) & (ptslot < S)
+    prow = jnp.where(valid, prow, 0)
+    dt = pool_ref.dtype
+
+    def store(at, tiles):
+        for c, tile in zip(cols, tiles):
+            pool_ref[w.layer, at, hv, vs, c] = tile.astype(dt)
+
+    if pending == "snapshots":
+        (states_ref,) = prev
+
+        def snap(t):
+            return [states_ref[pl_, prow, t, hv, vs, c] for c in cols]
+
+        @pl.when(track)
+        def _():
+            store(ptslot, snap(ptstep))
+
+        acc = snap(jnp.where(accept, pstep, 0))
+    else:
+        u_ref, k_ref, g_ref = prev
+        update = replay_update("naive" if control == "naive" else form)
+        late = control == "track_after_write"
+        last = jnp.maximum(jnp.where(accept, pstep, -1), jnp.where(track & ~late, ptstep, -1))
+
+        def replay(upto, S, on_step):
+            def body(t, carry):
+                Sc, Sacc = carry
+                ks = [k_ref[pl_, prow, t, pl.ds(h, 1), c] for c in cols]
+                u, alpha = u_ref[pl_, prow, t, hv, vs], jnp.exp(g_ref[pl_, prow, t, hv])
+                Sc = [update(c, alpha, kc, u) for kc, c in zip(ks, Sc)]
+                on_step(t, Sc)
+                return Sc, [jnp.where(t == pstep, a, b) for a, b in zip(Sc, Sacc)]
+
+            return jax.lax.fori_loop(0, upto + 1, body, (S, S))[1]
+
+        def track_store(t, Sc):
+            @pl.when(track & (t == ptstep))
+            def _():
+                store(ptslot, Sc)
+
+        acc = replay(last, S0, (lambda t, Sc: None) if late else track_store)
+
+    @pl.when(accept)
+    def _():
+        store(w.slot, acc)
+
+    if pending == "tuples" and late:  # the control: the track state replayed from the advanced state in the pool
+        advanced = [jnp.where(accept, a.astype(dt).astype(F32), b) for a, b in zip(acc, S0)]
+        replay(jnp.where(track, ptstep, -1), advanced, track_store)
+
+    return [jnp.where(accept, a.astype(dt).astype(F32), b) for a, b in zip(acc, S0)]
+
+
 def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bool, row_vectors: bool, one_pass: bool,
-            k_chunk: int, loop: bool, evict: str | None, prefetch_q: bool, tiles_first: bool, dot_fma: str):  # fmt: skip
-    # inputs: state, slots, sel, qn, kn, v, g, beta[, rows, tape buffer (aliased)]; outputs: o, tape
-    (q_ref, k_ref, v_ref, g_ref, beta_ref), o_ref, tape_ref, state_ref, w = _program(refs, 8, into, r, BV, tiles_first)
+            k_chunk: int, loop: bool, evict: str | None, prefetch_q: bool, tiles_first: bool, dot_fma: str,
+            pending: str | None = None, control: str | None = None):  # fmt: skip
+    # inputs: state, slots, layer, tape_layer, qn, kn, v, g, beta[, rows, tape buffer (aliased)][, pending inputs];
+    # outputs: o, tape[, pool (aliased with state)]
+    n_out = 3 if pending else 2
+    (q_ref, k_ref, v_ref, g_ref, beta_ref), o_ref, tape_ref, state_ref, w = _program(refs, 9, into, r, BV, tiles_first,
+                                                                                     n_out)  # fmt: skip
     n, hv, h, vs = w.n, w.hv, w.h, w.vs
     mul, fma = rounding_ops(form)
     cols = _chunks(k_ref.shape[-1], k_chunk)
@@ -299,6 +382,9 @@ def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bo
         return S
 
     S = _load_state(state_ref, w, cols, evict)
+    if pending:
+        start = 9 + (2 if into else 0)
+        S = _apply_pending(refs[start : len(refs) - n_out], pending, state_ref, refs[-1], w, cols, S, form, control)
     if not loop:  # unrolled, every step's inputs loaded first
         xs = [inputs(t) for t in range(D)]
         for t in range(D):
@@ -322,12 +408,12 @@ def _prep_kernel(*refs, H: int, HV: int, hb: int, scale: float, into: bool):
     and ``g`` also go straight into the tape buffers at ``[tape_layer, rows[n], t]`` (aliased:
     no copy after the kernel; an out-of-range row writes nothing).
     """
-    # inputs: q, k, a, b, A_log, dt_bias[, rows, sel, k buffer, g buffer]; outputs: qn, kn, g, beta[, buffers]
+    # inputs: q, k, a, b, A_log, dt_bias[, rows, tape_layer, k buffer, g buffer]; outputs: qn, kn, g, beta[, buffers]
     q_ref, k_ref, a_ref, b_ref, A_log_ref, dt_bias_ref = refs[:6]
     qn_ref, kn_ref, g_ref, beta_ref = refs[10:14] if into else refs[6:10]
     n, t, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     if into:
-        row, tape_layer = refs[6][n], refs[7][1]
+        row, tape_layer = refs[6][n], refs[7][0]
         kbuf_ref, gbuf_ref = refs[14:16]
         row_ok = (row >= 0) & (row < kbuf_ref.shape[1])
         row = jnp.where(row_ok, row, 0)
@@ -360,7 +446,7 @@ def _prep_kernel(*refs, H: int, HV: int, hb: int, scale: float, into: bool):
 def _prep(q, k, a, b, A_log, dt_bias, *, scale, interpret: bool, heads: int = 0, into=None):
     """``(qn, kn, g, beta)`` as ``reference.prepare`` computes them, in one launch: grid
     ``(N, D, H / heads)``, ``heads`` q/k heads per program (0: all of them). ``into``:
-    ``(rows, sel, k buffer, g buffer)``; then the updated buffers are returned too."""
+    ``(rows, tape_layer, k buffer, g buffer)``; then the updated buffers are returned too."""
     N, D, H, K = q.shape
     HV = a.shape[-1]
     hb = min(pl.next_power_of_2(heads or H), pl.next_power_of_2(H))
@@ -402,7 +488,7 @@ def _gram_prep_kernel(q_ref, k_ref, a_ref, b_ref, A_log_ref, dt_bias_ref, qn_ref
     K = k_ref.shape[-1]
     rows = jax.lax.broadcasted_iota(jnp.int32, (Dp, K), 0) < D
 
-    def unit(ref):  # l2norm of the D rows (SPEC 2.2)
+    def unit(ref):  # l2norm of the D rows (reference.l2norm)
         return _unit_rows(plgpu.load(ref.at[n, steps, h, :], mask=rows, other=0.0).astype(F32))
 
     qn, kn = unit(q_ref) * jnp.asarray(scale, F32), unit(k_ref)
@@ -443,9 +529,9 @@ def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, int
     of K (``mma_chunk`` columns), summed (TF32x3; fp32 products in interpret mode, where
     XLA:CPU has no TF32).
     """
-    # inputs: state, slots, sel, qn, kn, v, g, W, C, P, beta[, rows, tape buffer (aliased)]; outputs: o, tape
+    # inputs: state, slots, layer, tape_layer, qn, kn, v, g, W, C, P, beta[, rows, tape buffer]; outputs: o, tape
     (q_ref, k_ref, v_ref, g_ref, W_ref, C_ref, P_ref, beta_ref), o_ref, tape_ref, state_ref, w = _program(
-        refs, 11, into, r, BV, tiles_first)
+        refs, 12, into, r, BV, tiles_first)
     n, hv, h, vs = w.n, w.hv, w.h, w.vs
     mul, fma = rounding_ops(form)
     cols = _chunks(k_ref.shape[-1], k_chunk)
@@ -549,10 +635,11 @@ def _store_row(ref, w: _Where, idx, value, evict=None):
         store(ref, idx, value, evict)
 
 
-@functools.partial(jax.jit, static_argnames=("record", "scale", "out_dtype", "config", "form", "interpret"))
+@functools.partial(jax.jit, static_argnames=("record", "scale", "out_dtype", "config", "form", "interpret",
+                                             "pending_control"))
 def verify(
     state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, config=VerifyConfig(), form, interpret,
-    slots=None, layer=None, tape=None, tape_layer=None, rows=None,
+    slots=None, layer=None, tape=None, tape_layer=None, rows=None, pending=None, pending_control=None,
 ):  # fmt: skip
     """See :func:`gdn_lossless_jax.verify` (arguments already checked there).
 
@@ -563,18 +650,25 @@ def verify(
     donate it under jit); other rows, steps and layers keep their contents, and an out-of-range
     row writes nothing. Returns ``(outputs, tape)``: the fresh ``[N, D, ...]`` tape, or the
     updated buffer.
+
+    With ``pending`` (``(rows, steps, track_slots, track_steps, prev_layer, prev_tape)``, the
+    previous step's commit per request, its tape ``[L', R', D', ...]`` read at ``prev_layer``)
+    each program first applies that commit to its tile of the pool (:func:`_apply_pending`) and
+    verifies from the committed state; the pool (``state0``, with ``slots``) is aliased to a
+    third output: returns ``(outputs, tape, pool)``. The chain algorithm only.
     """
     from ...tape import Snapshots, Tuples
 
     D, H = q.shape[1], q.shape[2]
     i32 = jnp.int32
+    pool_form = slots is not None
     if slots is None:  # state0 form: a one-layer pool whose slot n is request n
         state, slots, layer = state0[None], jnp.arange(state0.shape[0], dtype=i32), 0
     else:
         state = state0
     N = q.shape[0]
     _, _, HV, V, K = state.shape
-    sel = jnp.stack([jnp.asarray(layer, i32), jnp.asarray(0 if tape_layer is None else tape_layer, i32)])
+    layer, tape_layer = scalar(layer), scalar(tape_layer)
     cfg = config.fit(V)
     if V % cfg.block_v:
         raise ValueError(f"pallas verify: V={V} must be a multiple of block_v={cfg.block_v}")
@@ -582,6 +676,8 @@ def verify(
         raise ValueError(f"pallas verify: K={K} must be a multiple of k_chunk={cfg.k_chunk} (or at most it)")
     snapshots = record == "snapshots"
     into = tape is not None
+    if pending is not None and (cfg.algorithm != "chain" or not pool_form):
+        raise ValueError("pallas verify: a pending commit needs the pool form (slots=) and the chain algorithm")
     if into and rows is None:
         rows = jnp.arange(N, dtype=i32)
     gram = cfg.algorithm == "gram"
@@ -595,19 +691,19 @@ def verify(
                              f"and K >= {MMA_MIN} a multiple of max({MMA_MIN}, k_chunk) (got K={K}, k_chunk={cfg.k_chunk})")  # fmt: skip
         qn, kn, g, W, C, P, beta = _gram_prep(q, k, a, b, A_log, dt_bias, scale=scale, Dp=gram_steps(D),
                                               interpret=interpret)  # fmt: skip
-        inputs = [state, slots, sel, qn, kn, v, g, W, C, P, beta]
+        inputs = [state, slots, layer, tape_layer, qn, kn, v, g, W, C, P, beta]
         if into and not snapshots:  # the Gram prologue has no buffer outputs: k and g go in by XLA
             ok = (rows >= 0) & (rows < tape.k.shape[1])
             idx = jnp.where(ok, rows, tape.k.shape[1])  # out-of-range rows: dropped (negative would wrap)
-            kbuf = tape.k.at[sel[1], idx, :D].set(kn, mode="drop")
-            gbuf = tape.g.at[sel[1], idx, :D].set(g, mode="drop")
+            kbuf = tape.k.at[tape_layer[0], idx, :D].set(kn, mode="drop")
+            gbuf = tape.g.at[tape_layer[0], idx, :D].set(g, mode="drop")
     else:
-        pre = (rows, sel, tape.k, tape.g) if into and not snapshots else None
+        pre = (rows, tape_layer, tape.k, tape.g) if into and not snapshots else None
         qn, kn, g, beta, *bufs = _prep(q, k, a, b, A_log, dt_bias, scale=scale, interpret=interpret,
                                        heads=cfg.prep_heads, into=pre)  # fmt: skip
         if bufs:
             kbuf, gbuf = bufs
-        inputs = [state, slots, sel, qn, kn, v, g, beta]
+        inputs = [state, slots, layer, tape_layer, qn, kn, v, g, beta]
     out_shape = [jax.ShapeDtypeStruct((N, D, HV, V), out_dtype)]
     aliases = {}
     if into:
@@ -619,6 +715,13 @@ def verify(
         out_shape.append(jax.ShapeDtypeStruct((N, D, HV, V, K), state.dtype))
     else:
         out_shape.append(jax.ShapeDtypeStruct((N, D, HV, V), F32))
+    pending_mode = None
+    if pending is not None:
+        prows, psteps, ptslots, ptsteps, prev_layer, prev_tape = pending
+        pending_mode = "snapshots" if isinstance(prev_tape, Snapshots) else "tuples"
+        inputs += [prows, psteps, ptslots, ptsteps, scalar(prev_layer), *jax.tree.leaves(prev_tape)]
+        out_shape.append(jax.ShapeDtypeStruct(state.shape, state.dtype))
+        aliases[0] = 2
     if gram:
         kernel = functools.partial(_gram_kernel, D=D, r=HV // H, BV=cfg.block_v, snapshots=snapshots, form=form,
                                    into=into, k_chunk=cfg.k_chunk, evict=cfg.evict, interpret=interpret,
@@ -628,9 +731,9 @@ def verify(
             _kernel, D=D, r=HV // H, BV=cfg.block_v, snapshots=snapshots, form=form, into=into,
             row_vectors=cfg.row_vectors, one_pass=cfg.one_pass, k_chunk=cfg.k_chunk,
             loop=D > cfg.unroll, evict=cfg.evict, prefetch_q=cfg.prefetch_q, tiles_first=tiles_first,
-            dot_fma=cfg.dot_fma,
+            dot_fma=cfg.dot_fma, pending=pending_mode, control=pending_control,
         )  # fmt: skip
-    outputs, rec = pl.pallas_call(
+    outputs, rec, *pool = pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=grid(N, HV, V // cfg.block_v, tiles_first),
@@ -640,7 +743,9 @@ def verify(
         name=f"gdn_verify_{record}",
     )(*inputs)
     if snapshots:
-        return outputs, Snapshots(rec)
-    if into:
-        return outputs, Tuples(rec, kbuf, gbuf)
-    return outputs, Tuples(rec, kn, g)
+        new = Snapshots(rec)
+    elif into:
+        new = Tuples(rec, kbuf, gbuf)
+    else:
+        new = Tuples(rec, kn, g)
+    return (outputs, new, *pool)

@@ -13,7 +13,7 @@ The design of the Pallas backend's default launch (``backends/pallas/verify.py``
   ``[BV, K / C, C]`` chunks (``VerifyConfig.k_chunk``: with ``[8, 16]`` chunks Triton puts 8
   lanes across the rows and 4 across the columns, so a reduction over K sums the chunks in
   registers and ends in 2 shuffle levels, not 5 per row). It walks the D steps as a loop,
-  step t + 1's inputs loaded during step t (SPEC section 2)::
+  step t + 1's inputs loaded during step t (steps 3-6 of :mod:`gdn_lossless_jax.reference`)::
 
     alpha = exp(g_t)
     Sd    = S * alpha                      # one rounded multiply
@@ -100,7 +100,7 @@ def verify_prep_kernel(
     A_log_ptr,  # [HV]
     dt_bias_ptr,  # [HV]
     rows_ptr,  # [N] i32 (INTO) | [1]
-    sel_ptr,  # [2] i32: (layer, tape layer)
+    tape_layer_ptr,  # [1] i32: the tape buffer's layer
     kbuf_in_ptr,  # the k buffer as an input (aliased with kbuf_ptr; not read) | [1]
     gbuf_in_ptr,  # likewise g
     qn_ptr,  # [N, D, H, K] f32: l2norm(q) * SCALE
@@ -117,7 +117,7 @@ def verify_prep_kernel(
     BR: tl.constexpr,  # their v-heads, padded to a power of 2
     SCALE: tl.constexpr,
     INTERPRET: tl.constexpr,
-    INTO: tl.constexpr = False,  # also write k and g at [sel[1], rows[n], t] of the buffers
+    INTO: tl.constexpr = False,  # also write k and g at [tape_layer, rows[n], t] of the buffers
     R: tl.constexpr = 1,  # rows of the buffers
     DMAX: tl.constexpr = 1,  # their steps
 ):
@@ -140,7 +140,7 @@ def verify_prep_kernel(
     if INTO:
         row = tl.load(rows_ptr + n).to(tl.int64)
         row_ok = (row >= 0) & (row < R)
-        lead = tl.load(sel_ptr + 1).to(tl.int64) * R + tl.where(row_ok, row, 0)
+        lead = tl.load(tape_layer_ptr).to(tl.int64) * R + tl.where(row_ok, row, 0)
         tl.store(kbuf_ptr + ((lead * DMAX + t) * H + heads[:, None]) * K + offs_k[None, :], kn, mask=m & row_ok)
 
     hv = tl.program_id(2) * PH * (HV // H) + tl.arange(0, BR)
@@ -200,9 +200,10 @@ def _step_inputs(qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, n, t, h, hv, rows, kidx
 @jit
 def verify_kernel(
     # inputs
-    state_ptr,  # [L, S, HV, V, K] f32 | bf16, read at [sel[0], slots[n]]
+    state_ptr,  # [L, S, HV, V, K] f32 | bf16, read at [layer, slots[n]]
     slots_ptr,  # [N] i32
-    sel_ptr,  # [2] i32: (layer, tape layer)
+    layer_ptr,  # [1] i32
+    tape_layer_ptr,  # [1] i32
     qn_ptr,  # [N, D, H, K] f32 (verify_prep_kernel)
     kn_ptr,  # [N, D, H, K] f32
     v_ptr,  # [N, D, HV, V]
@@ -228,7 +229,7 @@ def verify_kernel(
     TILES_FIRST: tl.constexpr,
     EVICT: tl.constexpr,
     INTERPRET: tl.constexpr,
-    INTO: tl.constexpr = False,  # the tape goes to [sel[1], rows[n]] of a buffer of R rows
+    INTO: tl.constexpr = False,  # the tape goes to [tape_layer, rows[n]] of a buffer of R rows
     R: tl.constexpr = 1,
     DMAX: tl.constexpr = 1,  # the tape's steps per row: the buffer's (INTO), else D
 ):
@@ -254,13 +255,13 @@ def verify_kernel(
     # The state by slot (SGLang's h0_indices): zeros for a slot outside [0, S).
     slot = tl.load(slots_ptr + n).to(tl.int64)
     slot_ok = (slot >= 0) & (slot < NS)
-    base = (tl.load(sel_ptr).to(tl.int64) * NS + tl.where(slot_ok, slot, 0)) * HV + hv
+    base = (tl.load(layer_ptr).to(tl.int64) * NS + tl.where(slot_ok, slot, 0)) * HV + hv
     S = _to_f32(tl.load(state_ptr + base * V * K + tile, mask=m_tile & slot_ok, other=0.0, eviction_policy=EVICT),
                 INTERPRET)  # fmt: skip
     if INTO:  # the tape's row in the buffer; an out-of-range row writes nothing
         row = tl.load(rows_ptr + n).to(tl.int64)
         row_ok = (row >= 0) & (row < R)
-        lead = tl.load(sel_ptr + 1).to(tl.int64) * R + tl.where(row_ok, row, 0)
+        lead = tl.load(tape_layer_ptr).to(tl.int64) * R + tl.where(row_ok, row, 0)
     else:
         lead = n
         row_ok = n >= 0
@@ -349,7 +350,8 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
     into = tape is not None
     unused = jax.ShapeDtypeStruct((1,), f32)
     dummy = jnp.zeros((1,), f32)
-    sel = jnp.stack([jnp.asarray(layer, i32), jnp.asarray(0 if tape_layer is None else tape_layer, i32)])
+    as1 = lambda x: jnp.reshape(jnp.asarray(0 if x is None else x, i32), (1,))  # noqa: E731 (a reshape is free)
+    layer, tape_layer = as1(layer), as1(tape_layer)
     rows = jnp.zeros((1,), i32) if rows is None else rows
     sizes, grid = prep_launch(q.shape, HV, config)
     pre_into = into and not snapshots
@@ -360,7 +362,7 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
     else:
         buf_sizes, bufs_in, bufs_out = {}, (dummy, dummy), [unused, unused]
     qn, kn, g, beta, kbuf, gbuf = jt.triton_call(
-        q, k, a, b, A_log, dt_bias, rows, sel, *bufs_in,
+        q, k, a, b, A_log, dt_bias, rows, tape_layer, *bufs_in,
         kernel=verify_prep_kernel,
         out_shape=[jax.ShapeDtypeStruct((N, D, H, K), f32)] * 2 + [jax.ShapeDtypeStruct((N, D, HV), f32)] * 2 + bufs_out,
         grid=grid,
@@ -389,11 +391,11 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
     )
     sizes, grid = launch_sizes(state.shape, q.shape, config, record)
     out, snap, u = jt.triton_call(
-        state, slots, sel, qn, kn, v, g, beta, rows, buf,
+        state, slots, layer, tape_layer, qn, kn, v, g, beta, rows, buf,
         kernel=verify_kernel,
         out_shape=out_shape,
         grid=grid,
-        input_output_aliases={9: 1 if snapshots else 2} if into else {},
+        input_output_aliases={10: 1 if snapshots else 2} if into else {},
         enable_fp_fusion=False,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
