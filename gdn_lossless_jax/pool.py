@@ -32,11 +32,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import api, reference
+from . import api, checked as checked_mode, reference
 from .api import _check_heads, _check_index, _check_linear_chain, _check_rank, _check_shape, _fmt, _shape, as_index
 from .config import Geometry
 from .conv import conv_commit, verify_from_pool
-from .tape import Snapshots, Tape, Tuples
+from .tape import Snapshots, Tape, Tuples, replace_fields
 
 __all__ = [
     "ArraySpec",
@@ -209,6 +209,10 @@ class StatePool:
     def scratch_nbytes(self) -> int:
         """Bytes of the SSM scratch (the tape) alone."""
         return sum(x.nbytes for x in jax.tree.leaves(self.tape))
+
+    def replace(self, **fields: Any) -> "StatePool":
+        """A copy with the given fields replaced, e.g. ``pool.replace(ssm=new_ssm)``."""
+        return replace_fields(self, fields)
 
 
 def allocate(
@@ -428,16 +432,26 @@ def commit(
     rows: jax.Array | None = None,
     *,
     backend: str = "auto",
+    checked: bool = False,
 ) -> StatePool:
     """Commit every layer: accepted (and track) SSM states and conv windows (the pool is donated).
 
-    Arguments and skipping rules as in :func:`gdn_lossless_jax.commit` (``[N]`` int each);
-    the SSM part is that function on ``pool.ssm`` and ``pool.tape``, the conv part
-    :func:`gdn_lossless_jax.conv.conv_commit` on ``pool.conv`` and ``pool.conv_windows``.
-    Returns the new pool; the scratch is left as it was.
+    Arguments and skipping rules as in :func:`gdn_lossless_jax.commit` (``[N]`` int each;
+    ``steps`` are 0-based, not accepted lengths); the SSM part is that function on
+    ``pool.ssm`` and ``pool.tape``, the conv part :func:`gdn_lossless_jax.conv.conv_commit`
+    on ``pool.conv`` and ``pool.conv_windows``. Returns the new pool; the scratch is left
+    as it was.
+
+    ``checked=True`` raises instead of skipping (:mod:`gdn_lossless_jax.checked`), before
+    the pool is donated, so the pool is still usable after the error. The bounds are the
+    allocated ones: slots ``[0, S+1)`` and rows ``[0, R+1)`` (the padding slot and row
+    count), so padding requests that share the padding slot fail as duplicate slots.
     """
     if not isinstance(pool, StatePool):
         raise TypeError(f"commit: argument 'pool' must be a StatePool, got {type(pool).__name__}")
+    if checked:
+        ints = api._commit_index_args("pool.commit", slots, steps, track_slots, track_steps, rows)
+        checked_mode.check_commit("pool.commit", pool.ssm.shape[1], pool.rows, pool.drafts, *ints)
     # Defaults (None) are filled, and every argument checked, by the two commits it calls.
     return _commit(pool, slots, steps, track_slots, track_steps, rows, backend=backend)
 
