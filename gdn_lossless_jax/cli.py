@@ -105,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seed-table", action="store_true",
                    help="also print the seed's table (SPEC section 6) recomputed, its printed GiB beside ours")
     m.set_defaults(func=_memory)
+
+    from .fuzz import add_command as add_fuzz
+
+    add_fuzz(sub)
     return p
 
 
