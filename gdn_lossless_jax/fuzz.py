@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import api, reference, rounding
+from . import api, backends, reference, rounding
 from .cases import KINDS, CommitIndices, Shape, verify_inputs_numpy
 from .tape import Snapshots, Tuples
 from .testing import bits
@@ -423,6 +423,7 @@ class Runner:
     """
 
     def __init__(self, backend: str = "reference"):
+        backends.resolve(backend, "fuzz")  # an unavailable backend fails here, before any case
         self.backend = backend
         self._verify = {r: jax.jit(functools.partial(api.verify, record=r, backend=backend)) for r in api.RECORD_MODES}
         self._commit = jax.jit(functools.partial(api.commit, backend=backend))
@@ -525,6 +526,7 @@ class Summary:
 
     backend: str
     seed: int
+    first_group: int = 0
     cases: int = 0
     groups: int = 0
     seconds: float = 0.0
@@ -543,7 +545,7 @@ class Summary:
     outputs_differ: int = 0
     inputs_modified: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     controls: dict = dataclasses.field(default_factory=lambda: {c: [0, 0] for c in CONTROLS})  # name -> [caught, run]
-    failures: list = dataclasses.field(default_factory=list)  # (group seed, case index, message)
+    failures: list = dataclasses.field(default_factory=list)  # (group, case index in it, what failed)
 
     @property
     def corrupted_slots(self) -> int:
@@ -597,6 +599,7 @@ def run(
     backend: str = "reference",
     seed: int = 0,
     group_size: int = 100,
+    first_group: int = 0,
     families: Iterable[str] = CPU_FAMILIES,
     specials_every: int = 4,
     controls_every: int = 25,
@@ -605,20 +608,22 @@ def run(
 ) -> Summary:
     """Run ``cases`` commit cases in groups of ``group_size`` per drawn shape.
 
-    Group g draws its shape and cases from ``seed`` and g (any group can be rerun alone);
-    every ``specials_every``-th case writes specials into every input, and every
-    ``controls_every``-th case also runs the controls. ``progress`` wraps the case iterator
-    (a tqdm bar, say).
+    Group g draws its shape and cases from ``seed`` and g alone, so a run can be split
+    (``first_group``: the groups from there on) and any group rerun by itself. Every
+    ``specials_every``-th case writes specials into every input, every ``controls_every``-th
+    also runs the controls. ``progress`` wraps the case iterator (a tqdm bar, say).
     """
     families = tuple(families)
     unknown = [f for f in families if f not in FAMILIES]
     if unknown:
         raise ValueError(f"fuzz: unknown geometry {unknown[0]!r}; choose from {', '.join(FAMILIES)}")
-    if cases < 1 or group_size < 1:
-        raise ValueError(f"fuzz: cases and group size must be positive, got {cases} and {group_size}")
+    if cases < 1 or group_size < 1 or first_group < 0:
+        raise ValueError(
+            f"fuzz: cases and group size must be positive and the first group >= 0, got {cases}, {group_size}, {first_group}"
+        )
     runner = Runner(backend)
-    summary = Summary(backend=backend, seed=seed)
-    plan = [(g, min(group_size, cases - g * group_size)) for g in range(-(-cases // group_size))]
+    summary = Summary(backend=backend, seed=seed, first_group=first_group)
+    plan = [(first_group + g, min(group_size, cases - g * group_size)) for g in range(-(-cases // group_size))]
 
     def iterate():
         for g, n in plan:
@@ -658,7 +663,8 @@ def format_summary(s: Summary) -> str:
     """The report ``gdn-lossless fuzz`` prints."""
     lines = [
         f"backend       {s.backend} on {jax.default_backend()}, seed {s.seed}",
-        f"cases         {s.cases} commit cases in {s.groups} shape groups, {s.seconds:.1f} s "
+        f"cases         {s.cases} commit cases in {s.groups} shape groups "
+        f"({s.first_group}..{s.first_group + s.groups - 1}), {s.seconds:.1f} s "
         f"({1e3 * s.seconds / max(s.cases, 1):.1f} ms per case, compiles included)",
         f"geometries    {_counts(s.families)}",
         f"D             {min(s.drafts)}..{max(s.drafts)}, cases per range: {_draft_buckets(s.drafts)}",
@@ -677,6 +683,8 @@ def format_summary(s: Summary) -> str:
     ]
     for g, i, msg in s.failures[:20]:
         lines.append(f"  group {g} case {i}: {msg}")
+    if s.failures:
+        lines.append("rerun group G alone: the same command with --first-group G --cases <group size>")
     return "\n".join(lines)
 
 
@@ -698,6 +706,8 @@ def add_command(sub) -> None:
     f.add_argument("--backend", default="reference", help="reference, pallas, triton or auto (default reference)")
     f.add_argument("--seed", type=int, default=0, help="seed of the whole run (default 0)")
     f.add_argument("--group-size", type=int, default=100, help="cases per shape group: one compile each (default 100)")
+    f.add_argument("--first-group", type=int, default=0,
+                   help="start at this group (default 0): splits a run over several commands, or reruns a group")
     f.add_argument("--geometry", action="append", choices=list(FAMILIES), metavar="NAME",
                    help=f"a head geometry to draw from (repeat; default: on a CPU {', '.join(CPU_FAMILIES)}; "
                    "on a GPU all of them, the real Qwen heads included)")  # fmt: skip
@@ -715,13 +725,13 @@ def _command(args) -> int:
     max_work = args.max_work or (1 << 20 if on_cpu else 1 << 24)
     print(
         f"gdn-lossless fuzz: {args.cases} cases, backend {args.backend}, seed {args.seed}, "
-        f"group size {args.group_size}, geometries {', '.join(families)}, max work {max_work}",
+        f"group size {args.group_size}, first group {args.first_group}, geometries {', '.join(families)}, max work {max_work}",
         flush=True,
     )
     bar = None if args.no_progress else functools.partial(tqdm, total=args.cases, unit="case", smoothing=0.05)
     summary = run(
-        args.cases, backend=args.backend, seed=args.seed, group_size=args.group_size, families=families,
-        max_work=max_work, progress=bar,
+        args.cases, backend=args.backend, seed=args.seed, group_size=args.group_size, first_group=args.first_group,
+        families=families, max_work=max_work, progress=bar,
     )  # fmt: skip
     print(format_summary(summary))
     return 0 if summary.ok else 1

@@ -84,5 +84,5 @@ def test_fuzz_command_fails_on_a_corrupting_commit(capsys, monkeypatch, seed):
 def test_fuzz_rejects_bad_arguments():
     with pytest.raises(ValueError, match=r"fuzz: unknown geometry 'h3'; choose from h2-hv4-k16-v16"):
         fuzz.run(1, families=["h3"])
-    with pytest.raises(ValueError, match=r"fuzz: cases and group size must be positive, got 0 and 100"):
+    with pytest.raises(ValueError, match=r"fuzz: cases and group size must be positive and the first group >= 0, got 0, 100, 0"):
         fuzz.run(0)
