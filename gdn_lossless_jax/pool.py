@@ -448,7 +448,9 @@ def commit(
     Arguments and skipping rules as in :func:`gdn_lossless_jax.commit` (``[N]`` int each);
     the SSM part is that function on ``pool.ssm`` and ``pool.tape``, the conv part
     :func:`gdn_lossless_jax.conv.conv_commit` on ``pool.conv`` and ``pool.conv_windows``.
-    Returns the new pool; the scratch is left as it was.
+    Returns the new pool; the scratch is left as it was. A pool whose arrays are not those
+    :func:`allocate` gives its geometry (a tape from another geometry, record mode or pool)
+    is rejected before anything is donated.
     """
     if not isinstance(pool, StatePool):
         raise TypeError(f"commit: argument 'pool' must be a StatePool, got {type(pool).__name__}")
