@@ -10,12 +10,13 @@ from hypothesis import HealthCheck, settings
 jax.config.update("jax_enable_x64", False)
 
 # Hypothesis profiles: "ci" (the default) keeps the property tests to a few minutes on 2 cores;
-# "long" (HYPOTHESIS_PROFILE=long) runs LONG_FACTOR times the examples. Every example may
-# compile new shapes (seconds on the CPU): no deadline.
+# "long" (HYPOTHESIS_PROFILE=long) runs LONG_FACTOR times the examples (tests set their CI
+# count through examples(); others get 1000). Every example may compile new shapes (seconds
+# on the CPU): no deadline.
 LONG_FACTOR = 25
 _SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
-settings.register_profile("ci", deadline=None, max_examples=10, print_blob=True, suppress_health_check=_SLOW_OK)
-settings.register_profile("long", parent=settings.get_profile("ci"), max_examples=10 * LONG_FACTOR)
+settings.register_profile("ci", deadline=None, print_blob=True, suppress_health_check=_SLOW_OK)
+settings.register_profile("long", parent=settings.get_profile("ci"), max_examples=1000)
 HYPOTHESIS_PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 settings.load_profile(HYPOTHESIS_PROFILE)
 
