@@ -9,7 +9,7 @@ signed zeros, subnormals) are written into the pool and any verify input. For ea
 
 * every pool slot that no valid request addresses keeps its bits (tuple and snapshot commit);
 * every addressed slot holds the state of its step from verify's own snapshot tape;
-* the backend's tuple commit equals the reference's commit of the same tape, bit for bit;
+* a GPU backend's tuple commit equals the reference's commit of the same tape, bit for bit;
 * verify's outputs are bit-identical in both record modes;
 * verify and commit leave their (non-donated) inputs unchanged.
 
@@ -52,6 +52,7 @@ __all__ = [
     "CommitCase",
     "CaseResult",
     "CONTROLS",
+    "SENSITIVE_KINDS",
     "VERIFY_INPUTS",
     "draw_shape",
     "draw_indices",
@@ -64,6 +65,7 @@ __all__ = [
     "Summary",
     "run",
     "format_summary",
+    "add_command",
 ]
 
 #: ``draw(lo, hi)``: an integer in ``[lo, hi]`` (both inclusive).
