@@ -1,9 +1,9 @@
 """The benchmark cases, defined once: geometry, configurations, modes, commit indices, pool size.
 
-Issue 4 fixes the cases: the seed's geometry (Qwen3.5/3.6-35B-A3B: 30 GDN layers, H=16,
-HV=32, K=V=128, fp32 state, bf16 inputs) and four request x draft configurations (25x4, 8x4,
-8x8, 8x16), with about 25% of the requests crossing a track boundary at commit. The
-``cpu-small`` mode runs the same code on a reduced geometry so CI keeps the harness alive;
+The cases: the Qwen3.5/3.6-35B-A3B geometry (30 GDN layers, H=16, HV=32, K=V=128, fp32
+state, bf16 inputs; the model SGLang's lossless-verify pull request measured) and four
+request x draft configurations (25x4, 8x4, 8x8, 8x16), with about 25% of the requests
+crossing a track boundary at commit. The ``cpu-small`` mode runs the same code on a reduced geometry so CI keeps the harness alive;
 its timings are not results. Tests import these names (``tests/test_benchmarks.py``).
 """
 
@@ -33,7 +33,7 @@ __all__ = [
     "state_copies",
 ]
 
-MODEL = "qwen3.6-35b-a3b"  # the seed's geometry: 30 GDN layers, H=16, HV=32, K=V=128
+MODEL = "qwen3.6-35b-a3b"  # 30 GDN layers, H=16, HV=32, K=V=128
 TRACK_FRACTION = 0.25  # about a quarter of the requests cross a mamba-track boundary
 STATE_DTYPE = jnp.float32
 INPUT_DTYPE = jnp.bfloat16

@@ -29,8 +29,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         description="Time verify, commit and the net cost per verify step of gdn_lossless_jax against the byte floor.",
     )
     p.add_argument("--mode", choices=("cpu-small", "h200"), default="cpu-small",
-                   help="h200: the seed's geometry and configurations, on a GPU; cpu-small: a reduced geometry for CI "
-                        "(timings are not results)")
+                   help="h200: the Qwen3.5/3.6-35B-A3B geometry and configurations, on a GPU; cpu-small: a "
+                        "reduced geometry for CI (timings are not results)")
     p.add_argument("--out", type=Path, required=True, help="folder for results.json, results.md and results.png")
     p.add_argument("--backends", default="reference,pallas,triton",
                    help="comma-separated backends; unavailable ones are skipped with the reason (default: %(default)s)")

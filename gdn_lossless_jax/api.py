@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import backends
-from .tape import Snapshots, Tape, Tuples
+from .tape import Pending, Snapshots, Tape, Tuples
 
-__all__ = ["verify", "replay", "commit", "RECORD_MODES"]
+__all__ = ["verify", "replay", "commit", "commit_and_verify", "RECORD_MODES"]
 
 RECORD_MODES = ("tuples", "snapshots")
 STATE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -40,6 +40,16 @@ def _is_float(x) -> bool:
 
 def _is_int(x) -> bool:
     return jnp.issubdtype(_dtype(x), jnp.integer)
+
+
+def as_index(x):
+    """An index argument as int32 without an eager JAX op: arrays (and tracers) of int32 pass
+    through, the rest becomes NumPy, which a jitted call takes in as part of its own launch.
+    (``jnp.asarray(layer)`` of a Python int dispatched a device op of its own: a sizeable part of
+    a layer call's host time.)"""
+    if isinstance(x, jax.Array):
+        return x if x.dtype == jnp.int32 else x.astype(jnp.int32)
+    return np.asarray(x, np.int32)
 
 
 def _check_rank(fn: str, name: str, x, rank: int, dims: str):
@@ -101,6 +111,52 @@ def _check_linear_chain(fn: str, parents, topk: int, D: int):
         )
 
 
+def _check_layer_index(fn: str, layer, L: int, what: str):
+    if layer is None:
+        raise ValueError(f"{fn}: {what} has a leading layer axis (L={L}): pass layer= (an int or int32 scalar)")
+    if isinstance(layer, (int, np.integer)):
+        if not 0 <= layer < L:
+            raise ValueError(f"{fn}: argument 'layer' must be in [0, {L}) ({what}), got {layer}")
+        return
+    if _shape(layer) != () or not _is_int(layer):
+        raise TypeError(f"{fn}: argument 'layer' must be an int or an integer scalar, got {_dtype(layer)} {_fmt(_shape(layer))}")
+
+
+def _check_tape_buffer(fn: str, tape, record, N: int, D: int, H: int, HV: int, V: int, K: int, state_dtype, layer):
+    """The preallocated tape of ``verify(..., tape=)``; returns ``(record, layered, L)``."""
+    if isinstance(tape, Tuples):
+        mode, field, lead = "tuples", tape.u, (HV, V)
+    elif isinstance(tape, Snapshots):
+        mode, field, lead = "snapshots", tape.states, (HV, V, K)
+    else:
+        raise TypeError(f"{fn}: argument 'tape' must be a Tuples or Snapshots buffer, got {type(tape).__name__}")
+    if record is not None and record != mode:
+        raise ValueError(f"{fn}: record={record!r} but the tape buffer is a {type(tape).__name__} tape ({mode!r})")
+    rank = len(_shape(field))
+    name = "tape.u" if mode == "tuples" else "tape.states"
+    layered = rank == 2 + len(lead) + 1
+    if rank not in (2 + len(lead), 2 + len(lead) + 1):
+        dims = "[L, ]R, Dmax, " + ", ".join(("HV", "V", "K")[: len(lead)])
+        raise ValueError(f"{fn}: argument {name!r} must have rank {2 + len(lead)} or {3 + len(lead)} ([{dims}]), "
+                         f"got shape {_fmt(_shape(field))}")  # fmt: skip
+    pre = _shape(field)[: rank - len(lead) - 2]
+    R, Dmax = _shape(field)[rank - len(lead) - 2 : rank - len(lead)]
+    dims = ("[L, R, Dmax, " if layered else "[R, Dmax, ") + ("HV, V]" if mode == "tuples" else "HV, V, K]")
+    _check_shape(fn, name, field, (*pre, R, Dmax, *lead), dims, "HV, V, K from the state")
+    if Dmax < D:
+        raise ValueError(f"{fn}: the tape buffer holds Dmax={Dmax} draft steps, fewer than D={D} (q has D={D})")
+    if mode == "tuples":
+        lead_dims = "L, R" if layered else "R"
+        _check_tuples(fn, tape, (*pre, R), HV, V, K, lead_dims, prefix="tape")
+        if _shape(tape.k)[len(pre) + 2] != H:
+            raise ValueError(f"{fn}: argument 'tape.k' must have H={H} q/k heads (from q), got {_fmt(_shape(tape.k))}")
+    elif jnp.dtype(tape.states.dtype) != jnp.dtype(state_dtype):
+        raise TypeError(f"{fn}: argument 'tape.states' must have the state's dtype {state_dtype}, got {tape.states.dtype}")
+    if layered:
+        _check_layer_index(fn, layer, pre[0], "the tape buffer")
+    return mode, layered
+
+
 def verify(
     state0: jax.Array,
     q: jax.Array,
@@ -111,42 +167,93 @@ def verify(
     A_log: jax.Array,
     dt_bias: jax.Array,
     *,
-    record: str = "tuples",
+    record: str | None = None,
     scale: float | None = None,
     backend: str = "auto",
     out_dtype: Any = None,
+    slots: jax.Array | None = None,
+    layer: Any = None,
+    tape: Tape | None = None,
+    rows: jax.Array | None = None,
     parents: Any = None,
     topk: int = 1,
 ) -> tuple[jax.Array, Tape]:
     """Run D draft tokens through one GDN layer without touching the state.
 
     Args:
-      state0: ``[N, HV, V, K]`` float32 or bfloat16, the pre-verify state of each request
-        (upcast to fp32 on load; never modified).
+      state0: the pre-verify states (never modified; float32 or bfloat16, upcast to fp32 on
+        load): ``[N, HV, V, K]``, one per request; or, with ``slots``, the state pool itself:
+        ``[S, HV, V, K]``, or all layers' ``[L, S, HV, V, K]`` with ``layer``.
       q, k: ``[N, D, H, K]`` (any float dtype; bf16 in models).
       v: ``[N, D, HV, V]``.
       a, b: ``[N, D, HV]``, the raw decay and write-gate inputs.
       A_log, dt_bias: ``[HV]``.
-      record: ``"tuples"`` (the lossless tape) or ``"snapshots"`` (the state after every step).
+      record: ``"tuples"`` (the lossless tape, the default) or ``"snapshots"`` (the state
+        after every step); with ``tape`` it is the buffer's mode.
       scale: the query scale; ``K ** -0.5`` if None.
       backend: ``"auto"``, ``"reference"``, ``"pallas"`` or ``"triton"``.
       out_dtype: dtype of the outputs; q's dtype if None.
+      slots: ``[N]`` int or None: request n's state is ``state0[slots[n]]`` (``state0[layer,
+        slots[n]]``), read inside the kernels (SGLang's ``h0_indices``: no gathered copy); a
+        slot outside ``[0, S)`` reads zeros, as SGLang's padding slots do.
+      layer: an int or a traced int32 scalar: the layer of ``state0`` (with ``slots``) and of
+        ``tape``, for whichever has a leading layer axis.
+      tape: a preallocated tape to write into, in place when it is donated (``jax.jit(...,
+        donate_argnums=...)``): :class:`Tuples` (``u [L?, R, Dmax, HV, V]``, ``k [L?, R, Dmax,
+        H, K]``, ``g [L?, R, Dmax, HV]``, fp32) or :class:`Snapshots` (``[L?, R, Dmax, HV, V,
+        K]`` in the state dtype), ``Dmax >= D``, the leading ``L`` optional (then ``layer``
+        picks it). Request n's steps go to row ``rows[n]``, steps ``[0, D)``; every other
+        element keeps its bits, and an out-of-range row writes nothing.
+      rows: ``[N]`` int or None (default ``arange(N)``): the tape rows, with ``tape``.
       parents, topk: tree metadata, accepted only if it describes a linear chain
         (``parents`` ``[-1, 0, ..., D-2]`` per request, ``topk == 1``).
     Returns:
       ``(outputs [N, D, HV, V], tape)``; the tape is :class:`Tuples` (``u [N, D, HV, V]``,
       ``k [N, D, H, K]``, ``g [N, D, HV]``, fp32) or :class:`Snapshots`
-      (``[N, D, HV, V, K]`` in state0's dtype). Outputs are identical in both modes.
+      (``[N, D, HV, V, K]`` in state0's dtype), or, with ``tape``, the updated buffer.
+      Outputs are identical in both modes and in every form.
     """
-    fn = "verify"
-    if record not in RECORD_MODES:
+    impl, args, kw = _verify_call(
+        "verify", state0, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, backend=backend,
+        out_dtype=out_dtype, slots=slots, layer=layer, tape=tape, rows=rows, parents=parents, topk=topk,
+    )  # fmt: skip
+    outputs, new = impl.verify(*args, **kw)
+    return outputs, _strip(new, kw, tape)
+
+
+def _strip(new, kw: dict, tape):
+    """The tape as the caller gave its buffer: without the layer axis added to a per-layer buffer."""
+    if tape is not None and kw["tape"] is not tape:
+        return jax.tree.map(lambda x: x[0], new)
+    return new
+
+
+def _verify_call(fn, state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, backend, out_dtype, slots, layer, tape,
+                 rows, parents=None, topk=1):  # fmt: skip
+    """Every check of :func:`verify`; returns the backend, its positional arguments and keywords."""
+    if record is not None and record not in RECORD_MODES:
         raise ValueError(f"{fn}: record must be one of {RECORD_MODES}, got {record!r}")
-    _check_rank(fn, "state0", state0, 4, "[N, HV, V, K]")
-    _check_state_dtype(fn, "state0", state0)
-    N, HV, V, K = _shape(state0)
     _check_rank(fn, "q", q, 4, "[N, D, H, K]")
-    D, H = _shape(q)[1], _shape(q)[2]
-    _check_shape(fn, "q", q, (N, D, H, K), "[N, D, H, K]", "N and K from state0")
+    N, D, H = _shape(q)[:3]
+    if slots is None:
+        _check_rank(fn, "state0", state0, 4, "[N, HV, V, K]")
+        _check_state_dtype(fn, "state0", state0)
+        _, HV, V, K = _shape(state0)
+        _check_shape(fn, "q", q, (_shape(state0)[0], D, H, K), "[N, D, H, K]", "N and K from state0")
+        state, pool_layer = state0, None
+    else:
+        if len(_shape(state0)) not in (4, 5):
+            raise ValueError(f"{fn}: with slots, argument 'state0' is the pool: rank 4 ([S, HV, V, K]) or 5 "
+                             f"([L, S, HV, V, K]), got shape {_fmt(_shape(state0))}")  # fmt: skip
+        _check_state_dtype(fn, "state0", state0)
+        HV, V, K = _shape(state0)[-3:]
+        _check_shape(fn, "q", q, (N, D, H, K), "[N, D, H, K]", "K from the pool")
+        _check_index(fn, "slots", slots, N)
+        if len(_shape(state0)) == 5:
+            _check_layer_index(fn, layer, _shape(state0)[0], "the pool")
+            state, pool_layer = state0, layer
+        else:
+            state, pool_layer = state0[None], 0
     _check_shape(fn, "k", k, (N, D, H, K), "[N, D, H, K]", "from state0 and q")
     _check_shape(fn, "v", v, (N, D, HV, V), "[N, D, HV, V]", "from state0 and q")
     _check_shape(fn, "a", a, (N, D, HV), "[N, D, HV]", "from state0 and q")
@@ -159,10 +266,26 @@ def verify(
         raise ValueError(f"{fn}: need at least one draft step, got D={D} (q has shape {_fmt(_shape(q))})")
     _check_heads(fn, H, HV)
     _check_linear_chain(fn, parents, topk, D)
+    buf = tape_layer = None
+    if tape is not None:
+        record, layered = _check_tape_buffer(fn, tape, record, N, D, H, HV, V, K, state0.dtype, layer)
+        buf, tape_layer = (tape, layer) if layered else (jax.tree.map(lambda x: x[None], tape), 0)
+        if rows is None:
+            rows = np.arange(N, dtype=np.int32)
+        _check_index(fn, "rows", rows, N)
+        rows = as_index(rows)
+    elif rows is not None:
+        raise ValueError(f"{fn}: rows= maps requests to rows of a tape buffer: pass tape= too")
+    record = record or "tuples"
     impl = backends.resolve(backend, "verify")
     scale = float(K**-0.5 if scale is None else scale)
     out_dtype = jnp.dtype(out_dtype or q.dtype)
-    return impl.verify(state0, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, out_dtype=out_dtype)
+    kw = dict(record=record, scale=scale, out_dtype=out_dtype)
+    if slots is not None:
+        kw.update(slots=as_index(slots), layer=as_index(pool_layer))
+    if buf is not None:
+        kw.update(tape=buf, tape_layer=as_index(tape_layer), rows=rows)
+    return impl, (state, q, k, v, a, b, A_log, dt_bias), kw
 
 
 def _check_tuples(
@@ -205,7 +328,7 @@ def replay(state0: jax.Array, tuples: Tuples, steps: jax.Array, *, backend: str 
     _check_tuples(fn, tuples, (N,), HV, V, K, "N")
     _check_index(fn, "steps", steps, N)
     impl = backends.resolve(backend, "replay")
-    return impl.replay(state0, tuples, jnp.asarray(steps, jnp.int32))
+    return impl.replay(state0, tuples, as_index(steps))
 
 
 def commit(
@@ -249,11 +372,11 @@ def commit(
     if (track_slots is None) != (track_steps is None):
         raise ValueError(f"{fn}: give both track_slots and track_steps, or neither")
     if track_slots is None:
-        track_slots = track_steps = jnp.full((N,), -1, jnp.int32)
+        track_slots = track_steps = np.full((N,), -1, np.int32)
     _check_index(fn, "track_slots", track_slots, N)
     _check_index(fn, "track_steps", track_steps, N)
     if rows is None:
-        rows = jnp.arange(N, dtype=jnp.int32)
+        rows = np.arange(N, dtype=np.int32)
     _check_index(fn, "rows", rows, N)
     if isinstance(tape, Snapshots):
         _check_rank(fn, "tape.states", tape.states, 6, "[L, R, D, HV, V, K]")
@@ -268,5 +391,106 @@ def commit(
     else:
         raise TypeError(f"{fn}: tape must be Tuples or Snapshots, got {type(tape).__name__}")
     impl = backends.resolve(backend, "commit")
-    ints = [jnp.asarray(x, jnp.int32) for x in (slots, steps, track_slots, track_steps, rows)]
+    ints = [as_index(x) for x in (slots, steps, track_slots, track_steps, rows)]
     return impl.commit(pool, tape, *ints)
+
+
+def _check_pending(fn: str, pending: Pending, N: int, H: int, HV: int, V: int, K: int, state_dtype, pool_layers):
+    """The pending commit's tape and indices; returns ``(tape with a layer axis, its layer or None)``."""
+    if not isinstance(pending, Pending):
+        raise TypeError(f"{fn}: argument 'pending' must be a gdn_lossless_jax.Pending, got {type(pending).__name__}")
+    for name in ("rows", "steps", "track_slots", "track_steps"):
+        _check_index(fn, f"pending.{name}", getattr(pending, name), N)
+    t = pending.tape
+    lead = 1 if pool_layers is None else 2
+    if isinstance(t, Snapshots):
+        dims = "[R, D, HV, V, K]" if lead == 1 else "[L, R, D, HV, V, K]"
+        _check_rank(fn, "pending.tape.states", t.states, lead + 4, dims)
+        pre = _shape(t.states)[:lead]
+        _check_shape(fn, "pending.tape.states", t.states, (*pre, _shape(t.states)[lead], HV, V, K), dims,
+                     "HV, V, K from the pool")  # fmt: skip
+        if jnp.dtype(t.states.dtype) != jnp.dtype(state_dtype):
+            raise TypeError(f"{fn}: argument 'pending.tape.states' must have the pool's dtype {state_dtype}, got {t.states.dtype}")
+    elif isinstance(t, Tuples):
+        _check_rank(fn, "pending.tape.u", t.u, lead + 3, "[L, R, D, HV, V]" if lead == 2 else "[R, D, HV, V]")
+        pre = _shape(t.u)[:lead]
+        _check_tuples(fn, t, pre, HV, V, K, "L, R" if lead == 2 else "R", prefix="pending.tape")
+        if _shape(t.k)[lead + 1] != H:
+            raise ValueError(f"{fn}: argument 'pending.tape.k' must have H={H} q/k heads (from q), got {_fmt(_shape(t.k))}")
+    else:
+        raise TypeError(f"{fn}: argument 'pending.tape' must be Tuples or Snapshots, got {type(t).__name__}")
+    if lead == 2 and pre[0] != pool_layers:
+        raise ValueError(f"{fn}: the pending tape has L={pre[0]} layers, the pool {pool_layers}")
+    return (t, True) if lead == 2 else (jax.tree.map(lambda x: x[None], t), False)
+
+
+def commit_and_verify(
+    pool: jax.Array,
+    pending: Pending,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    a: jax.Array,
+    b: jax.Array,
+    A_log: jax.Array,
+    dt_bias: jax.Array,
+    *,
+    slots: jax.Array,
+    layer: Any = None,
+    tape: Tape | None = None,
+    rows: jax.Array | None = None,
+    record: str | None = None,
+    scale: float | None = None,
+    backend: str = "auto",
+    out_dtype: Any = None,
+) -> tuple[jax.Array, Tape, jax.Array]:
+    """Apply the previous step's commit and verify the next drafts, reading each state once.
+
+    A decode loop with separate calls reads every request's state twice per step and writes
+    it once (``commit``, then the next ``verify``). This applies the pending commit inside
+    the verify kernel: each program replays the previous step's accepted chain from the pool
+    (the commit's rule, ``fma(k, u, rn(S * exp(g)))``, step by step, or the snapshot), writes
+    the accepted state (and the track state) to the pool, and runs the new drafts from it. The
+    pool, the outputs and the new tape are bit-identical to ``commit`` then ``verify``::
+
+        pending = gl.Pending(prev_tape, rows, steps, track_slots, track_steps)
+        out, tape, pool = gl.commit_and_verify(pool, pending, q, k, v, a, b, A_log, dt_bias, slots=slots)
+
+    Args:
+      pool: ``[S, HV, V, K]`` or ``[L, S, HV, V, K]`` (then ``layer``), float32 or bfloat16;
+        returned updated (in place when donated).
+      pending: :class:`Pending`: the previous step's tape (``[R', D', ...]``, with a leading
+        ``L`` when the pool has one) and, per request n of this call, its row, accepted step,
+        track slot and track step there (the arguments of :func:`commit`, aligned to this
+        call's requests). The commit's masks apply (a request whose slot or row is out of range
+        commits nothing; negative steps write nothing). Requests that left the batch are not
+        here: commit them with :func:`commit` before their slots are read.
+      q, k, v, a, b, A_log, dt_bias, slots, layer, tape, rows, record, scale, backend,
+        out_dtype: as in :func:`verify` (``slots`` required: request n's state is
+        ``pool[layer, slots[n]]``).
+    Returns:
+      ``(outputs [N, D, HV, V], tape, pool)``.
+    """
+    fn = "commit_and_verify"
+    if slots is None:
+        raise ValueError(f"{fn}: argument 'slots' is required (request n's state is pool[layer, slots[n]])")
+    _check_rank(fn, "q", q, 4, "[N, D, H, K]")
+    N, _, H, _ = _shape(q)
+    if len(_shape(pool)) not in (4, 5):
+        raise ValueError(f"{fn}: argument 'pool' must have rank 4 ([S, HV, V, K]) or 5 ([L, S, HV, V, K]), "
+                         f"got shape {_fmt(_shape(pool))}")  # fmt: skip
+    _check_state_dtype(fn, "pool", pool)
+    HV, V, K = _shape(pool)[-3:]
+    L = _shape(pool)[0] if len(_shape(pool)) == 5 else None
+    prev, layered = _check_pending(fn, pending, N, H, HV, V, K, pool.dtype, L)
+    # verify's checks (shapes, the pool form, the tape buffer), through its own argument handling:
+    impl, args, kw = _verify_call(
+        "commit_and_verify", pool, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, backend=backend,
+        out_dtype=out_dtype, slots=slots, layer=layer, tape=tape, rows=rows,
+    )  # fmt: skip
+    pend = tuple(as_index(getattr(pending, n)) for n in ("rows", "steps", "track_slots", "track_steps"))
+    kw["pending"] = (*pend, as_index(layer if layered else 0), prev)
+    outputs, new, new_pool = impl.verify(*args, **kw)
+    if L is None:
+        new_pool = new_pool[0]
+    return outputs, _strip(new, kw, tape), new_pool

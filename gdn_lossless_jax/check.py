@@ -27,6 +27,14 @@ __all__ = ["CheckResult", "run_check"]
 
 @dataclasses.dataclass
 class CheckResult:
+    """What :func:`run_check` found.
+
+    ``naive_ulp`` maps each naive form of :data:`gdn_lossless_jax.rounding.FORMS` to
+    :func:`gdn_lossless_jax.testing.ulp_stats` of its replay against the pinned rule, in ULP of
+    the pool's ``state_dtype`` (a bfloat16 pool counts bfloat16 ULP). ``scratch_bytes`` holds
+    the bytes of both stacked tapes.
+    """
+
     geometry: Geometry
     shape: Shape
     state_dtype: str
@@ -112,6 +120,8 @@ def run_check(
     for step in range(D):
         steps = jnp.full((N,), step, jnp.int32)
         replay_equal &= testing.compare_bitwise(snp.states[0, :, step], api.replay(state0, t0_tape, steps, backend=backend)).equal
+    if progress:
+        progress(L + 2, steps_total, "replay per step")
     last = jnp.full((N,), D - 1, jnp.int32)
     pinned = reference.replay(state0, t0_tape, last)
     naive_ulp = {}
@@ -119,9 +129,10 @@ def run_check(
         if name == "rule":
             continue
         got = jax.jit(lambda s, t, st, f=form: reference.replay(s, t, st, rule=f))(state0, t0_tape, last)
-        naive_ulp[name] = testing.ulp_stats(pinned.astype(jnp.float32), got.astype(jnp.float32))
+        # In the pool's own dtype: one bf16 ULP is one ULP here, not the 65536 fp32 ULP it spans.
+        naive_ulp[name] = testing.ulp_stats(pinned, got)
     if progress:
-        progress(L + 3, steps_total, "replay per step and naive forms")
+        progress(L + 3, steps_total, "naive forms")
 
     scratch = {
         "snapshots": int(sum(x.nbytes for x in jax.tree.leaves(Snapshots(snp.states)))),
@@ -154,12 +165,12 @@ def format_result(r: CheckResult) -> str:
         f"pool          tuple commit vs snapshot commit, every slot: {mark(r.pool_equal)}",
         f"untouched     slots no request writes: {mark(r.untouched_equal)}",
         f"replay        every step vs its snapshot: {mark(r.replay_equal)}",
-        "naive forms   replay of the last step vs the pinned rule:",
+        f"naive forms   replay of the last step vs the pinned rule (ULP of {r.state_dtype}):",
     ]
     for name, st in r.naive_ulp.items():
         lines.append(
             f"  {name:<14} {st['differing']:>8} of {st['elements']} elements differ "
-            f"({100 * st['fraction']:.2f}%), max {st['max_ulp']} ULP, mean {st['mean_ulp']:.3f} ULP"
+            f"({100 * st['fraction']:.2f}%), max {st['max_ulp']} ULP, mean {st['mean_ulp']:.3g} ULP"
         )
     sb = r.scratch_bytes
     ratio = sb["snapshots"] / max(sb["tuples"], 1)

@@ -3,9 +3,78 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
-__all__ = ["main"]
+__all__ = ["main", "build_parser", "positive_int", "non_negative_int", "positive_gib", "model_name", "version_string"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors on one line (argparse prints the whole usage block first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# Option types: argparse turns their ArgumentTypeError into "argument --x: <message>".
+def _int_option(minimum: int, what: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
+        return value
+
+    parse.__doc__ = f"An integer >= {minimum}."
+    return parse
+
+
+positive_int = _int_option(1, "a positive integer")
+non_negative_int = _int_option(0, "a non-negative integer")
+
+
+def positive_gib(text: str) -> float:
+    """A finite number of GiB > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number of GiB, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of GiB, got {text}")
+    return value
+
+
+def model_name(text: str) -> str:
+    """A name :func:`gdn_lossless_jax.get_geometry` knows (aliases included)."""
+    from .config import get_geometry
+
+    try:
+        get_geometry(text)
+    except KeyError as e:
+        raise argparse.ArgumentTypeError(e.args[0]) from None
+    return text
+
+
+def version_string() -> str:
+    """``gdn-lossless <version> (jax <version>, jaxlib <version>)``, read from the installed metadata."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from . import __version__
+
+    def installed(dist: str) -> str:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"gdn-lossless {__version__} (jax {installed('jax')}, jaxlib {installed('jaxlib')})"
+
+
+def _option_range(option: str, value: int, allowed, why: str) -> None:
+    if value not in allowed:
+        raise ValueError(f"argument {option}: must be {why}, got {value}")
 
 
 def _check(args) -> int:
@@ -16,6 +85,14 @@ def _check(args) -> int:
     from .memory import scratch_bytes
 
     full = get_geometry(args.model)
+    # The reduced geometry keeps every option's meaning; values beyond the model are errors,
+    # not silently clamped (a --layers of 99 would otherwise run the model's 30 layers).
+    _option_range("--layers", args.layers, range(1, full.gdn_layers + 1),
+                  f"from 1 to {full.gdn_layers} ({full.name} has {full.gdn_layers} GDN layers)")  # fmt: skip
+    divisors = full.head_divisors()
+    _option_range("--heads-divisor", args.heads_divisor, divisors,
+                  f"a divisor of H={full.num_k_heads} ({', '.join(map(str, divisors))}), so that HV // H stays "
+                  f"{full.num_v_heads // full.num_k_heads}")  # fmt: skip
     geom = full.reduced(gdn_layers=args.layers, heads_divisor=args.heads_divisor, head_dim=args.head_dim)
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.state_dtype]
     print(f"gdn-lossless check: {full.name} at reduced size", flush=True)
@@ -44,8 +121,6 @@ def _memory(args) -> int:
     from .config import get_geometry
     from .memory import GIB, format_report, format_seed_table, memory_report
 
-    if args.budget is not None and args.budget < 0:
-        raise ValueError(f"--budget must be a non-negative number of GiB, got {args.budget}")
     report = memory_report(
         get_geometry(args.model),
         drafts=args.drafts,
@@ -63,48 +138,61 @@ def _memory(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``gdn-lossless`` parser; subcommands share the option types above."""
+    from .backends import BACKENDS
     from .cases import KINDS
     from .config import MODELS
 
-    p = argparse.ArgumentParser(prog="gdn-lossless", description=__doc__)
+    p = _Parser(prog="gdn-lossless", description=__doc__)
+    p.add_argument("--version", action="version", version=version_string())
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser(
         "check",
         help="verify + commit in both record modes; report bit-exactness, naive-form drift and scratch bytes",
         description="Run verify and commit in both record modes on a named model geometry at reduced size and "
-        "report whether every output and every pool slot matched bit for bit. Exit status 1 on any mismatch.",
+        "report whether every output and every pool slot matched bit for bit. Exit status 1 on any mismatch, "
+        "2 on a bad argument.",
     )
-    c.add_argument("--model", default="qwen3.6-35b-a3b", help=f"model geometry ({', '.join(MODELS)})")
-    c.add_argument("--layers", type=int, default=3, help="GDN layers to run (default 3)")
-    c.add_argument("--heads-divisor", type=int, default=4, help="divide H and HV by this (default 4)")
-    c.add_argument("--head-dim", type=int, default=64, help="K = V for the run (default 64)")
-    c.add_argument("--requests", type=int, default=5, help="N requests (default 5)")
-    c.add_argument("--drafts", type=int, default=4, help="D draft tokens (default 4)")
+    c.add_argument("--model", type=model_name, default="qwen3.6-35b-a3b", help=f"model geometry ({', '.join(MODELS)})")
+    c.add_argument("--layers", type=positive_int, default=3,
+                   help="GDN layers to run, at most the model's (default 3)")
+    c.add_argument("--heads-divisor", type=positive_int, default=4,
+                   help="divide H and HV by this; it must divide H (default 4)")
+    c.add_argument("--head-dim", type=positive_int, default=64, help="K = V for the run (default 64)")
+    c.add_argument("--requests", type=positive_int, default=5, help="N requests (default 5)")
+    c.add_argument("--drafts", type=positive_int, default=4, help="D draft tokens (default 4)")
     c.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32")
     c.add_argument("--kind", choices=KINDS, default="mixed", help="input kind (default mixed)")
-    c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--backend", default="auto", help="auto, reference, pallas or triton")
+    c.add_argument("--seed", type=non_negative_int, default=0, help="seed of the inputs (default 0)")
+    c.add_argument("--backend", choices=("auto", *BACKENDS), default="auto", help="backend (default auto)")
     c.set_defaults(func=_check)
 
     m = sub.add_parser(
         "memory",
         help="speculative scratch per record mode for a model, D and requests, and the KV cache it could be",
-        description="Print the speculative scratch of each record mode (snapshots, our tuples, the seed's ring) "
-        "and the deduplicated conv windows for a named model, D draft tokens and R running requests (R + 1 "
-        "scratch rows, as SGLang reserves), computed from the shapes the state pool allocates; the KV cache "
-        "tokens the freed bytes hold; and, with --budget, the KV tokens left in a memory budget in each mode.",
+        description="Print the speculative scratch of each record mode (snapshots, our tuples, and the seed's "
+        "ring: the (u, k, g) ring of SGLang's lossless-verify pull request, where this design started, which "
+        "stores k once per v-head) and the deduplicated conv windows for a named model, "
+        "D draft tokens and R running requests (R + 1 scratch rows, as SGLang reserves), computed from the "
+        "shapes the state pool allocates; the KV cache tokens the freed bytes hold; and, with --budget, the KV "
+        "tokens left in a memory budget in each mode.",
     )
-    m.add_argument("--model", default="qwen3.6-35b-a3b", help=f"model geometry ({', '.join(MODELS)})")
-    m.add_argument("--drafts", "-D", type=int, default=4, help="D draft tokens per request (default 4)")
-    m.add_argument("--requests", "-R", type=int, default=25, help="R running requests (default 25)")
-    m.add_argument("--budget", type=float, default=None, metavar="GIB",
+    m.add_argument("--model", type=model_name, default="qwen3.6-35b-a3b", help=f"model geometry ({', '.join(MODELS)})")
+    m.add_argument("--drafts", "-D", type=positive_int, default=4, help="D draft tokens per request (default 4)")
+    m.add_argument("--requests", "-R", type=positive_int, default=25, help="R running requests (default 25)")
+    m.add_argument("--budget", type=positive_gib, default=None, metavar="GIB",
                    help="GiB for speculative scratch + conv windows + KV cache: report the KV tokens left per mode")
     m.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32", help="SSM state dtype")
     m.add_argument("--conv-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="conv dtype")
     m.add_argument("--kv-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="KV cache dtype")
     m.add_argument("--seed-table", action="store_true",
-                   help="also print the seed's table (SPEC section 6) recomputed, its printed GiB beside ours")
+                   help="also print the seed's table (the three setups of SGLang's lossless-verify pull request) "
+                        "recomputed from our shapes, the GiB it printed beside ours")
     m.set_defaults(func=_memory)
+
+    from .model.demo import add_parser as add_demo
+
+    add_demo(sub)
 
     from .fuzz import add_command as add_fuzz
 

@@ -68,27 +68,60 @@ class Geometry:
         """Channels of the causal conv1d: ``HV*V + 2*H*K`` (order ``[q | k | v]``)."""
         return self.num_v_heads * self.head_v_dim + 2 * self.num_k_heads * self.head_k_dim
 
-    def reduced(self, *, gdn_layers: int | None = None, heads_divisor: int = 1, head_dim: int | None = None):
-        """A smaller geometry of the same shape family, for CPU runs."""
+    def head_divisors(self) -> tuple[int, ...]:
+        """The values :meth:`reduced` accepts as ``heads_divisor``: the divisors of H."""
+        return tuple(d for d in range(1, self.num_k_heads + 1) if self.num_k_heads % d == 0)
+
+    def reduced(
+        self, *, gdn_layers: int | None = None, heads_divisor: int = 1, head_dim: int | None = None
+    ) -> "Geometry":
+        """A smaller geometry of the same shape family, for CPU runs.
+
+        Args:
+          gdn_layers: L, from 1 to this geometry's GDN layers (None: all of them).
+          heads_divisor: H and HV are both divided by it; it must divide H (one of
+            :meth:`head_divisors`), so that the v-heads per q/k head, HV // H, stay the same.
+          head_dim: K = V of the reduced geometry (None: unchanged).
+        Returns:
+          A :class:`Geometry` named ``"<name> (reduced)"``; the KV cache geometry is unchanged.
+
+        >>> g = get_geometry("qwen3.6-35b-a3b").reduced(gdn_layers=2, heads_divisor=8, head_dim=16)
+        >>> (g.gdn_layers, g.num_k_heads, g.num_v_heads, g.head_k_dim, g.conv_dim)
+        (2, 2, 4, 16, 128)
+        """
+        where = f"Geometry.reduced ({self.name})"
+        for name, value in (("gdn_layers", gdn_layers), ("heads_divisor", heads_divisor), ("head_dim", head_dim)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{where}: argument {name!r} must be a positive integer, got {value!r}")
+        if gdn_layers is not None and gdn_layers > self.gdn_layers:
+            raise ValueError(
+                f"{where}: argument 'gdn_layers' must be at most {self.gdn_layers} (the model's GDN layers), "
+                f"got {gdn_layers}"
+            )
+        if heads_divisor not in self.head_divisors():
+            raise ValueError(
+                f"{where}: argument 'heads_divisor' must divide H={self.num_k_heads} "
+                f"(one of {', '.join(map(str, self.head_divisors()))}), got {heads_divisor}"
+            )
         return dataclasses.replace(
             self,
             name=f"{self.name} (reduced)",
-            gdn_layers=gdn_layers or self.gdn_layers,
-            num_k_heads=max(1, self.num_k_heads // heads_divisor),
-            num_v_heads=max(1, self.num_v_heads // heads_divisor),
-            head_k_dim=head_dim or self.head_k_dim,
-            head_v_dim=head_dim or self.head_v_dim,
+            gdn_layers=self.gdn_layers if gdn_layers is None else gdn_layers,
+            num_k_heads=self.num_k_heads // heads_divisor,
+            num_v_heads=self.num_v_heads // heads_divisor,
+            head_k_dim=self.head_k_dim if head_dim is None else head_dim,
+            head_v_dim=self.head_v_dim if head_dim is None else head_dim,
         )
 
 
-# Sources (checked against SPEC section 8, which gives layers, GDN layers, H, HV, K, V and Kc):
+# Sources of the layers, GDN layers, H, HV, K, V, Kc and KV heads below:
 # - Qwen3-Next-80B-A3B: HF config Qwen/Qwen3-Next-80B-A3B-Instruct: num_hidden_layers 48,
 #   full_attention_interval 4 (12 full-attention layers, 36 GDN), linear_num_key_heads 16,
 #   linear_num_value_heads 32, linear_key/value_head_dim 128, linear_conv_kernel_dim 4,
 #   num_key_value_heads 2, head_dim 256.
 # - Qwen3.5/3.6-35B-A3B: Qwen's model card ("40 layers, 10 x (3 x Gated DeltaNet + 1 x Gated
 #   Attention); 32 heads for V and 16 for QK, head dim 128; 16 Q heads and 2 KV heads, head dim
-#   256"); SPEC section 6: 10 full-attention layers, 2 KV heads of 256, 20 KiB per bf16 token.
+#   256"): 10 full-attention layers x 2 (K and V) x 2 KV heads x 256 x 2 bytes = 20 KiB per bf16 token.
 # - Qwen3.5/3.8-27B: 64 layers, full_attention_interval 4 (48 GDN), linear heads 16/48 of 128,
 #   conv 4 (MAX's Qwen3_5Config defaults for the 27B); 4 KV heads (num-query-groups 4) of 256
 #   (kv-channels 256) per THUDM/slime scripts/models/qwen3.5-27B.sh.
@@ -101,7 +134,12 @@ _ALIASES = {"qwen3.5-35b-a3b": "qwen3.6-35b-a3b", "qwen3.5-27b": "qwen3.8-27b"}
 
 
 def get_geometry(name: str) -> Geometry:
-    """Look up a named geometry (case-insensitive; aliases accepted)."""
+    """Look up a named geometry (case-insensitive; aliases accepted).
+
+    >>> g = get_geometry("Qwen3.5-35B-A3B")
+    >>> g.name, g.gdn_layers, g.num_k_heads, g.num_v_heads, g.full_attention_layers
+    ('Qwen3.5/3.6-35B-A3B', 30, 16, 32, 10)
+    """
     key = name.lower()
     key = _ALIASES.get(key, key)
     if key not in MODELS:

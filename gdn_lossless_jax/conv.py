@@ -5,10 +5,10 @@ through a depthwise causal conv1d of width ``Kc`` (4 on Qwen models) before the
 recurrence. Its state per request is the last ``Kc-1`` inputs, ``[conv_dim, Kc-1]``,
 column ``j`` holding ``x_{j-(Kc-1)}`` (oldest first).
 
-Verify over D draft tokens (SGLang's ``causal_conv1d_update`` with intermediate windows,
-research section 7): the output of step t is ``silu(bias + sum_j w[:, j] * x_{t-Kc+1+j})``
-with ``x_{<0}`` read from the old state, and the *window after step t* is the
-pre-activation inputs ``(x_{t-Kc+2}, ..., x_t)``. Consecutive windows overlap, so they are
+Verify over D draft tokens (SGLang's ``causal_conv1d_update`` with intermediate windows, in
+its Triton kernel ``_causal_conv1d_update_kernel``): the output of step t is
+``silu(bias + sum_j w[:, j] * x_{t-Kc+1+j})`` with ``x_{<0}`` read from the old state, and the
+*window after step t* is the pre-activation inputs ``(x_{t-Kc+2}, ..., x_t)``. Consecutive windows overlap, so they are
 kept deduplicated, as SGLang does on CUDA for linear chains: one ``[conv_dim, D+Kc-2]``
 buffer per request with ``phys[..., c] = x_{c-(Kc-2)}`` (the first ``Kc-2`` columns are the
 old history), and window t is ``phys[..., t : t+Kc-1]``. Commit copies the accepted
@@ -30,12 +30,13 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from . import reference, rounding
-from .api import _check_float, _check_index, _check_rank, _check_shape, _fmt, _shape
+from .api import _check_float, _check_index, _check_rank, _check_shape, _fmt, _shape, as_index
 
-__all__ = ["causal_conv1d_verify", "causal_conv1d_verify_dense", "dense_windows", "conv_commit"]
+__all__ = ["causal_conv1d_verify", "causal_conv1d_verify_dense", "dense_windows", "conv_commit", "verify_from_pool"]
 
 F32 = jnp.float32
 
@@ -100,12 +101,67 @@ def causal_conv1d_verify(conv_state, x, weight, bias=None):
 # op than fused under jit, so one compiled path gives the same bits with or without an outer jit.
 @jax.jit
 def _verify(conv_state, x, weight, bias):
+    # In a caller's jit XLA:GPU could otherwise skip the rounding of x's producer (excess precision).
+    conv_state, x, weight, bias = lax.optimization_barrier((conv_state, x, weight, bias))
     D = x.shape[1]
     xt = jnp.swapaxes(x, 1, 2).astype(conv_state.dtype)  # [N, C, D], rounded as the windows store it
     cols = jnp.concatenate([conv_state, xt], axis=-1)  # x_{-(Kc-1)} .. x_{D-1}
     taps = [cols[..., j : j + D].astype(F32) for j in range(weight.shape[1])]
     out = _silu(_taps(taps, weight, bias))
     return jnp.swapaxes(out, 1, 2).astype(x.dtype), cols[..., 1:]
+
+
+def _kernel_form(backend: str) -> str | None:
+    """The rounding form of the conv kernels for ``backend``, or None where XLA runs the conv:
+    the kernels serve the ``pallas`` and ``triton`` backends on CUDA (``"ptx"``) and ``pallas``
+    in interpret mode on a CPU (``"portable"``)."""
+    from . import backends
+
+    name = backends.resolve_name(backend)
+    if name not in ("pallas", "triton") or (name == "triton" and backends.platform() != "gpu"):
+        return None
+    from .backends.pallas import kernel_form
+
+    return kernel_form()
+
+
+def verify_from_pool(conv_pool, layer, slots, x, weight, bias=None, *, windows=None, rows=None, splits=None,
+                     backend: str = "auto"):  # fmt: skip
+    """The conv of verify, reading each request's conv state from the pool by slot.
+
+    Args:
+      conv_pool: ``[L, S, conv_dim, Kc-1]``; request n's state is ``conv_pool[layer, slots[n]]``
+        (zeros for a slot outside ``[0, S)``, SGLang's padding).
+      layer: int or traced int32 scalar. slots: ``[N]`` int32.
+      x, weight, bias: as :func:`causal_conv1d_verify`.
+      windows, rows: a window buffer ``[L, R, conv_dim, >= D+Kc-2]`` (written at
+        ``[layer, rows[n]]``, in place when donated; out-of-range rows write nothing), or None
+        for fresh windows ``[N, conv_dim, D+Kc-2]``.
+      splits: channel counts to split the output into (``[q | k | v]``), or None for one.
+      backend: with ``"pallas"`` or ``"triton"`` on CUDA (or ``"pallas"`` in interpret mode on
+        a CPU), one Pallas kernel that reads the states by slot and writes the windows in
+        place; otherwise XLA (gather, :func:`causal_conv1d_verify`, scatter). Same bits.
+    Returns:
+      ``(outputs, windows)``: a list of ``[N, D, c]`` arrays (one per split), and the windows.
+    """
+    form = _kernel_form(backend)
+    if form is not None:
+        from .backends.pallas import conv_verify
+
+        accs, win = conv_verify(x, weight, bias, conv_pool, slots, layer, splits=None if splits is None else tuple(splits),
+                                windows=windows, tape_layer=None if windows is None else layer, rows=rows, form=form,
+                                interpret=form == "portable")  # fmt: skip
+        return [_silu(a).astype(x.dtype) for a in accs], win
+    S = conv_pool.shape[1]
+    idx = jnp.where((slots >= 0) & (slots < S), slots, S)
+    y, win = causal_conv1d_verify(conv_pool.at[layer, idx].get(mode="fill", fill_value=0), x, weight, bias)
+    bounds = np.cumsum([0, *(splits or (x.shape[-1],))])
+    outs = [y[..., lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+    if windows is None:
+        return outs, win
+    R = windows.shape[1]
+    r = jnp.where((rows >= 0) & (rows < R), rows, R)
+    return outs, windows.at[layer, r, :, : win.shape[-1]].set(win.astype(windows.dtype), mode="drop")
 
 
 def causal_conv1d_verify_dense(conv_state, x, weight, bias=None):
@@ -126,6 +182,7 @@ def causal_conv1d_verify_dense(conv_state, x, weight, bias=None):
 
 @jax.jit
 def _verify_dense(conv_state, x, weight, bias):
+    conv_state, x, weight, bias = lax.optimization_barrier((conv_state, x, weight, bias))
     def step(state, x_t):
         full = jnp.concatenate([state, x_t.astype(state.dtype)[..., None]], axis=-1)  # [N, C, Kc]
         return full[..., 1:], full
@@ -154,7 +211,7 @@ class _Extent:
     num_steps: int
 
 
-def conv_commit(conv_pool, windows, slots, steps, track_slots=None, track_steps=None, rows=None):
+def conv_commit(conv_pool, windows, slots, steps, track_slots=None, track_steps=None, rows=None, *, backend="auto"):
     """Copy each request's accepted (and track) conv window into the conv state pool.
 
     Args:
@@ -165,6 +222,8 @@ def conv_commit(conv_pool, windows, slots, steps, track_slots=None, track_steps=
         :func:`gdn_lossless_jax.commit`: slot ``slots[i]`` receives the window after step
         ``steps[i]`` (``windows[:, rows[i], :, steps[i] : steps[i]+Kc-1]``), and
         ``track_slots[i]`` the window after ``track_steps[i]``.
+      backend: as in :func:`verify_from_pool`: one Pallas kernel, in place on the pool, where
+        the conv kernel runs; XLA elsewhere. Same bits.
     Returns:
       The new conv pool. The same requests are skipped as in the SSM commit (out-of-range
       slot or row: the whole request; step outside ``[0, D)``: that write; out-of-range
@@ -190,14 +249,17 @@ def conv_commit(conv_pool, windows, slots, steps, track_slots=None, track_steps=
     if (track_slots is None) != (track_steps is None):
         raise ValueError(f"{fn}: give both track_slots and track_steps, or neither")
     if track_slots is None:
-        track_slots = track_steps = jnp.full((N,), -1, jnp.int32)
+        track_slots = track_steps = np.full((N,), -1, np.int32)
     if rows is None:
-        rows = jnp.arange(N, dtype=jnp.int32)
+        rows = np.arange(N, dtype=np.int32)
     for name, a in (("slots", slots), ("steps", steps), ("track_slots", track_slots), ("track_steps", track_steps), ("rows", rows)):
         _check_index(fn, name, a, N)
-    slots, steps, track_slots, track_steps, rows = (
-        jnp.asarray(a, jnp.int32) for a in (slots, steps, track_slots, track_steps, rows)
-    )
+    slots, steps, track_slots, track_steps, rows = (as_index(a) for a in (slots, steps, track_slots, track_steps, rows))
+    form = _kernel_form(backend)
+    if form is not None:
+        from .backends.pallas import conv_commit as kernel
+
+        return kernel(conv_pool, windows, slots, steps, track_slots, track_steps, rows, interpret=form == "portable")
     return _conv_commit(conv_pool, windows, slots, steps, track_slots, track_steps, rows)
 
 

@@ -695,6 +695,8 @@ def format_summary(s: Summary) -> str:
 # ---------------------------------------------------------------------------------
 def add_command(sub) -> None:
     """Add ``fuzz`` to the ``gdn-lossless`` subcommands (``sub``: argparse subparsers)."""
+    from .cli import non_negative_int, positive_int
+
     f = sub.add_parser(
         "fuzz",
         help="commit properties on many random cases: untouched slots kept, addressed slots equal to the snapshot path",
@@ -702,18 +704,20 @@ def add_command(sub) -> None:
         "rows, invalid slots, rows and steps, track crossings, IEEE specials) on a backend; check every pool slot "
         "bit for bit against the snapshot path (and the reference's commit), verify's outputs across record modes "
         "and that no input was modified; print what was tried and what held. Cases are grouped by shape so that "
-        "each shape compiles once. Exit status 1 on any violation.",
+        "each shape compiles once. Exit status 1 on any violation, 2 on a bad argument.",
     )
-    f.add_argument("--cases", type=int, default=1000, help="commit cases to run (default 1000)")
-    f.add_argument("--backend", default="reference", help="reference, pallas, triton or auto (default reference)")
-    f.add_argument("--seed", type=int, default=0, help="seed of the whole run (default 0)")
-    f.add_argument("--group-size", type=int, default=100, help="cases per shape group: one compile each (default 100)")
-    f.add_argument("--first-group", type=int, default=0,
+    f.add_argument("--cases", type=positive_int, default=1000, help="commit cases to run (default 1000)")
+    f.add_argument("--backend", choices=("auto", *backends.BACKENDS), default="reference",
+                   help="backend whose verify and commit are checked (default reference)")
+    f.add_argument("--seed", type=non_negative_int, default=0, help="seed of the whole run (default 0)")
+    f.add_argument("--group-size", type=positive_int, default=100,
+                   help="cases per shape group: one compile each (default 100)")
+    f.add_argument("--first-group", type=non_negative_int, default=0,
                    help="start at this group (default 0): splits a run over several commands, or reruns a group")
     f.add_argument("--geometry", action="append", choices=list(FAMILIES), metavar="NAME",
                    help=f"a head geometry to draw from (repeat; default: on a CPU {', '.join(CPU_FAMILIES)}; "
-                   "on a GPU all of them, the real Qwen heads included)")  # fmt: skip
-    f.add_argument("--max-work", type=int, default=None,
+                   "on a GPU all of them, the real Qwen heads included)")
+    f.add_argument("--max-work", type=positive_int, default=None,
                    help="cap on a case's snapshot-tape elements L*R*D*HV*V*K (default 2^20 on a CPU, 2^24 on a GPU)")
     f.add_argument("--no-progress", action="store_true", help="no progress bar")
     f.set_defaults(func=_command)

@@ -10,10 +10,15 @@ request and per GDN layer and draft step that is::
     seed_ring   HV*(V + K + 1) * 4              (the seed's ring: k per v-head)
     conv windows, per request and layer: conv_dim * (D + Kc - 2) * itemsize(conv)
 
+The *seed* is SGLang's lossless-verify pull request (``--enable-linear-lossless-verify``),
+where the tuple design started: its ring stores ``k`` once per v-head, where ours stores it
+once per q/k head (the ``HV // H`` v-heads of a group share it), and its description sizes
+three setups (:data:`SEED_SETUPS`), which :func:`seed_table` recomputes.
+
 SGLang reserves ``requests + 1`` scratch rows (the padding row). The freed bytes become KV
 cache at ``full_attention_layers * 2 * kv_heads * kv_head_dim * itemsize(kv)`` per token.
 Sizes are printed in GiB (2**30 bytes): the seed's table says "GB" but its numbers are GiB
-(:func:`seed_table` reproduces them; in 10**9 bytes they would not match).
+(in 10**9 bytes they would not match).
 """
 
 from __future__ import annotations
@@ -60,7 +65,14 @@ def scratch_bytes(
     geometry: Geometry, drafts: int, record: str, *, requests: int | None = None, state_dtype=jnp.float32
 ) -> int:
     """SSM scratch bytes of ``record`` mode: per request (``requests=None``) or for
-    ``requests`` running requests (``requests + 1`` rows, as allocated)."""
+    ``requests`` running requests (``requests + 1`` rows, as allocated).
+
+    >>> g = get_geometry("qwen3.6-35b-a3b")
+    >>> scratch_bytes(g, 1, "snapshots") / 2**20, scratch_bytes(g, 1, "tuples") / 2**20  # MiB per draft step
+    (60.0, 0.70678710937...)
+    >>> gib(scratch_bytes(g, 4, "snapshots", requests=25))  # 26 scratch rows of 4 steps
+    '6.09'
+    """
     _checked("scratch_bytes", geometry, drafts, requests)
     if record not in SCRATCH_MODES:
         raise ValueError(f"scratch_bytes: record must be one of {SCRATCH_MODES}, got {record!r}")
@@ -75,7 +87,11 @@ def conv_window_bytes(geometry: Geometry, drafts: int, *, requests: int | None =
 
 
 def kv_bytes_per_token(geometry: Geometry, *, kv_dtype=jnp.bfloat16) -> int:
-    """KV cache bytes per token: ``full_attention_layers * 2 (K and V) * kv_heads * kv_head_dim * itemsize``."""
+    """KV cache bytes per token: ``full_attention_layers * 2 (K and V) * kv_heads * kv_head_dim * itemsize``.
+
+    >>> kv_bytes_per_token(get_geometry("qwen3.6-35b-a3b"))  # 10 layers x 2 x 2 heads x 256 x 2 bytes
+    20480
+    """
     g = geometry
     return g.full_attention_layers * 2 * g.kv_heads * g.kv_head_dim * jnp.dtype(kv_dtype).itemsize
 
@@ -155,7 +171,7 @@ def memory_report(
 
 
 # ---------------------------------------------------------------------------------
-# The seed's table (SPEC section 6).
+# The seed's table: the three setups SGLang's lossless-verify pull request sizes.
 # ---------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class SeedSetup:
@@ -192,7 +208,8 @@ def format_seed_table() -> str:
     w = max(len(s.label) for s, _ in rows)
     mark = lambda ours, printed: "ok" if ours == printed else "DIFFERS"  # noqa: E731
     lines = [
-        "The seed's table (SPEC section 6), recomputed from the pool's shapes; GiB, (requests + 1) * D scratch steps",
+        "The seed's table (SGLang's lossless-verify pull request), recomputed from the pool's shapes; GiB, "
+        "(requests + 1) * D scratch steps",
         f"{'setup':<{w}}  {'snapshots':>16}  {'seed ring':>16}  {'our ring':>8}  {'conv win':>8}  {'KV tokens freed':>15}",
         f"{'':<{w}}  {'ours / seed':>16}  {'ours / seed':>16}  {'':>8}  {'':>8}  {'(our ring)':>15}",
     ]
@@ -234,11 +251,26 @@ def format_report(r: MemoryReport) -> str:
         f"freed         snapshots -> tuples: {gib(r.freed('tuples'))} GiB = {r.tokens_freed('tuples'):,} KV tokens"
         f" (seed's ring: {gib(r.freed('seed_ring'))} GiB = {r.tokens_freed('seed_ring'):,})"
     )
+    lines.append("note          seed's ring: the ring of SGLang's lossless-verify pull request, k once per v-head")
     if r.budget is not None:
-        ts, tt = r.budget_tokens("snapshots"), r.budget_tokens("tuples")
-        gain = f"+{tt - ts:,} tokens" + (f", +{100 * (tt - ts) / ts:.0f}%" if ts else "")
-        lines.append(
-            f"budget        {r.budget / GIB:.2f} GiB for scratch + conv windows + KV cache: "
-            f"{ts:,} KV tokens with snapshots, {tt:,} with tuples ({gain})"
-        )
+        lines.append(_format_budget(r))
     return "\n".join(lines)
+
+
+def _format_budget(r: MemoryReport) -> str:
+    """The budget line: KV tokens left per mode, or which scratch does not fit at all."""
+    head = f"budget        {r.budget / GIB:.4g} GiB for scratch + conv windows + KV cache: "
+    need = {m: r.total[m] + r.conv_total for m in ("snapshots", "tuples")}
+    if need["tuples"] > r.budget:
+        return head + (
+            f"does not fit: the scratch and conv windows alone need {need['tuples'] / GIB:.2f} GiB with tuples "
+            f"({need['snapshots'] / GIB:.2f} GiB with snapshots), so no KV token is left"
+        )
+    ts, tt = r.budget_tokens("snapshots"), r.budget_tokens("tuples")
+    if need["snapshots"] > r.budget:
+        return head + (
+            f"snapshots do not fit (with the conv windows they need {need['snapshots'] / GIB:.2f} GiB); "
+            f"{tt:,} KV tokens with tuples"
+        )
+    gain = f"+{tt - ts:,} tokens" + (f", +{100 * (tt - ts) / ts:.0f}%" if ts else "")
+    return head + f"{ts:,} KV tokens with snapshots, {tt:,} with tuples ({gain})"

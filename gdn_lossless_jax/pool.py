@@ -1,6 +1,6 @@
 """The state pool of a hybrid model's GDN layers, with the speculative scratch.
 
-Layout (SGLang's, research section 3; every tensor has a padding slot or row, the ``+1``)::
+Layout (SGLang's MambaPool; every tensor has a padding slot or row, the ``+1``)::
 
     ssm           [L, S+1, HV, V, K]            float32 or bfloat16   per-request recurrent states
     conv          [L, S+1, conv_dim, Kc-1]      conv dtype (bf16)     per-request conv states
@@ -32,10 +32,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import api
-from .api import _check_heads, _check_index, _check_linear_chain, _check_rank, _check_shape, _fmt, _shape
+from . import api, reference
+from .api import _check_heads, _check_index, _check_linear_chain, _check_rank, _check_shape, _fmt, _shape, as_index
 from .config import Geometry
-from .conv import causal_conv1d_verify, conv_commit
+from .conv import conv_commit, verify_from_pool
 from .tape import Snapshots, Tape, Tuples
 
 __all__ = [
@@ -57,7 +57,8 @@ __all__ = [
 
 #: Record modes the pool allocates (those :func:`gdn_lossless_jax.verify` records).
 POOL_RECORD_MODES = api.RECORD_MODES
-#: Record modes the memory accounting knows: the pool's, plus the seed's ring (k per v-head).
+#: Record modes the memory accounting knows: the pool's, plus ``seed_ring``, the tuple ring of SGLang's
+#: lossless-verify pull request (k stored once per v-head).
 SCRATCH_MODES = (*POOL_RECORD_MODES, "seed_ring")
 
 
@@ -211,7 +212,8 @@ def allocate(
     if record not in POOL_RECORD_MODES:
         raise ValueError(
             f"{fn}: record must be one of {POOL_RECORD_MODES}, got {record!r}"
-            + (" (the seed's ring is counted by gdn_lossless_jax.memory, not allocated)" if record == "seed_ring" else "")
+            + (" (seed_ring, the pull request's layout, is counted by gdn_lossless_jax.memory, not allocated)"
+               if record == "seed_ring" else "")
         )
     if jnp.dtype(state_dtype) not in api.STATE_DTYPES:
         raise TypeError(f"{fn}: state_dtype must be float32 or bfloat16, got {jnp.dtype(state_dtype)}")
@@ -312,9 +314,9 @@ def _check_arrays(fn: str, pool: StatePool) -> None:
 
 def _check_rows(fn: str, rows, N: int):
     if rows is None:
-        return jnp.arange(N, dtype=jnp.int32)
+        return np.arange(N, dtype=np.int32)
     _check_index(fn, "rows", rows, N)
-    return jnp.asarray(rows, jnp.int32)
+    return as_index(rows)
 
 
 def store_layer(pool: StatePool, layer, tape: Tape, windows: jax.Array, rows=None) -> StatePool:
@@ -343,15 +345,18 @@ def store_layer(pool: StatePool, layer, tape: Tape, windows: jax.Array, rows=Non
             raise TypeError(f"{fn}: argument 'tape.{f.name}' must be {want.dtype} (the pool's scratch), got {got.dtype}")
     C, Kc = pool.geometry.conv_dim, pool.geometry.conv_kernel
     _check_shape(fn, "windows", windows, (N, C, D + Kc - 2), "[N, conv_dim, D+Kc-2]", "N, D from the tape")
-    return _store_layer(pool, jnp.asarray(layer, jnp.int32), tape, windows, _check_rows(fn, rows, N))
+    return _store_layer(pool, as_index(layer), tape, windows, _check_rows(fn, rows, N))
+
+
+def _store_windows(pool: StatePool, layer, rows, windows) -> jax.Array:
+    """``conv_windows[layer, rows[n], :, :D+Kc-2] = windows[n]``; out-of-range rows are dropped."""
+    r = _in_range(rows, pool.rows)
+    return pool.conv_windows.at[layer, r, :, : windows.shape[-1]].set(windows.astype(pool.conv_windows.dtype), mode="drop")
 
 
 def _store(pool: StatePool, layer, tape: Tape, windows, rows) -> StatePool:
-    r = _in_range(rows, pool.rows)
-    D = tape.num_steps
-    new_tape = jax.tree.map(lambda dst, src: dst.at[layer, r, :D].set(src.astype(dst.dtype), mode="drop"), pool.tape, tape)
-    cw = pool.conv_windows.at[layer, r, :, : windows.shape[-1]].set(windows.astype(pool.conv_windows.dtype), mode="drop")
-    return dataclasses.replace(pool, tape=new_tape, conv_windows=cw)
+    new_tape = reference.write_rows(pool.tape, layer, rows, tape)
+    return dataclasses.replace(pool, tape=new_tape, conv_windows=_store_windows(pool, layer, rows, windows))
 
 
 _store_layer = jax.jit(_store, donate_argnums=0)
@@ -412,25 +417,31 @@ def verify_layer(
     _check_index(fn, "slots", slots, N)
     rows = _check_rows(fn, rows, N)
     return _verify_layer(
-        pool, jnp.asarray(layer, jnp.int32), mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias,
-        jnp.asarray(slots, jnp.int32), rows, scale=scale, backend=backend,
+        pool, as_index(layer), mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias,
+        as_index(slots), rows, scale=scale, backend=backend,
     )  # fmt: skip
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames=("scale", "backend"))
 def _verify_layer(pool, layer, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, slots, rows, *, scale, backend):
+    # The kernels read each request's conv and SSM states from the pool by slot and write the
+    # windows and the tape into the scratch rows in place (verify_from_pool, verify's slots=/
+    # tape= form): no gathered states, no copies of the tape or of [q | k | v] slices.
     g = pool.geometry
     N, D, _ = mixed_qkv.shape
-    s = _in_range(slots, pool.ssm.shape[1])
-    conv_state = pool.conv.at[layer, s].get(mode="fill", fill_value=0)
-    state0 = pool.ssm.at[layer, s].get(mode="fill", fill_value=0)
-    y, windows = causal_conv1d_verify(conv_state, mixed_qkv, conv_weight, conv_bias)
     HK = g.num_k_heads * g.head_k_dim
-    q = y[..., :HK].reshape(N, D, g.num_k_heads, g.head_k_dim)
-    k = y[..., HK : 2 * HK].reshape(N, D, g.num_k_heads, g.head_k_dim)
-    v = y[..., 2 * HK :].reshape(N, D, g.num_v_heads, g.head_v_dim)
-    outputs, tape = api.verify(state0, q, k, v, a, b, A_log, dt_bias, record=pool.record, scale=scale, backend=backend)
-    return outputs, _store(pool, layer, tape, windows, rows)
+    (q, k, v), windows = verify_from_pool(
+        pool.conv, layer, slots, mixed_qkv, conv_weight, conv_bias, windows=pool.conv_windows, rows=rows,
+        splits=(HK, HK, g.num_v_heads * g.head_v_dim), backend=backend,
+    )  # fmt: skip
+    q = q.reshape(N, D, g.num_k_heads, g.head_k_dim)
+    k = k.reshape(N, D, g.num_k_heads, g.head_k_dim)
+    v = v.reshape(N, D, g.num_v_heads, g.head_v_dim)
+    outputs, tape = api.verify(
+        pool.ssm, q, k, v, a, b, A_log, dt_bias, slots=slots, layer=layer, tape=pool.tape, rows=rows, scale=scale,
+        backend=backend,
+    )  # fmt: skip
+    return outputs, dataclasses.replace(pool, tape=tape, conv_windows=windows)
 
 
 def commit(
@@ -462,5 +473,5 @@ def commit(
 @functools.partial(jax.jit, donate_argnums=0, static_argnames=("backend",))
 def _commit(pool, slots, steps, track_slots, track_steps, rows, *, backend):
     ssm = api.commit(pool.ssm, pool.tape, slots, steps, track_slots, track_steps, rows, backend=backend)
-    conv = conv_commit(pool.conv, pool.conv_windows, slots, steps, track_slots, track_steps, rows)
+    conv = conv_commit(pool.conv, pool.conv_windows, slots, steps, track_slots, track_steps, rows, backend=backend)
     return dataclasses.replace(pool, ssm=ssm, conv=conv)

@@ -6,9 +6,20 @@ heads, HV v-heads, K key dim, V value dim)::
     state0 [N, HV, V, K]  q, k [N, D, H, K]  v [N, D, HV, V]  a, b [N, D, HV]
     A_log, dt_bias [HV]   outputs [N, D, HV, V]
 
-The state update goes through :func:`gdn_lossless_jax.rounding.apply_rule` (pinned
-``rn(S * exp(g))`` then ``fma(k, u, .)``), so a tuple replay reproduces the snapshots
-bit for bit on every platform. Everything else (gates, norms, the ``Sd @ k`` and
+One step, per request n, v-head hv (q/k head ``h = hv // (HV // H)``) and draft step t,
+on the fp32 state ``S [V, K]`` (the numbers are the ones other modules cite as "step N")::
+
+    1. gates    g_t = -exp(A_log) * softplus(a_t + dt_bias)   (softplus(x) = x above 20)
+                beta_t = 1 / (1 + exp(-b_t))                   (kept in fp32)
+    2. norms    q = q / sqrt(sum(q*q) + 1e-6) * scale,  k = k / sqrt(sum(k*k) + 1e-6)
+    3. decay    Sd = rn(S * exp(g_t))                          (one rounded multiply)
+    4. delta    u = beta_t * (v_t - Sd @ k)                    (a reduction over K)
+    5. update   S' = fma(k, u, Sd)  elementwise: S'[v, k] = fma(k[k], u[v], Sd[v, k])
+    6. output   o_t = S' @ q                                   (reads the updated state)
+
+The state update (steps 3 and 5) goes through :func:`gdn_lossless_jax.rounding.apply_rule`,
+pinned, so a tuple replay ``S_t = fma(k_t, u_t, rn(S_{t-1} * exp(g_t)))`` reproduces the
+snapshots bit for bit on every platform. Everything else (gates, norms, the ``Sd @ k`` and
 ``S' @ q`` reductions) is plain fp32 XLA: it feeds the tape, so replay never recomputes it.
 """
 
@@ -34,6 +45,8 @@ __all__ = [
     "replay_two",
     "commit",
     "commit_accepted_first",
+    "read_slots",
+    "write_rows",
 ]
 
 F32 = jnp.float32
@@ -42,7 +55,7 @@ L2NORM_EPS = 1e-6
 
 
 def gates(a, b, A_log, dt_bias):
-    """Decay and write gates, in fp32 (SPEC 2.1).
+    """Decay and write gates, in fp32 (step 1 of the module docstring).
 
     ``g = -exp(A_log) * softplus(a + dt_bias)`` with softplus ``log(1 + exp(x))`` up to
     ``x > 20`` and ``x`` above; ``beta = 1 / (1 + exp(-b))``, kept in fp32.
@@ -82,7 +95,7 @@ def ksum(x):
 
 
 def l2norm(x):
-    """``x / sqrt(sum(x * x) + 1e-6)`` over the last axis, in fp32 (SPEC 2.2)."""
+    """``x / sqrt(sum(x * x) + 1e-6)`` over the last axis, in fp32 (step 2)."""
     x = x.astype(F32)
     return x / jnp.sqrt(ksum(x * x)[..., None] + L2NORM_EPS)
 
@@ -104,7 +117,7 @@ def _expand_heads(x, hv: int):
 
 
 def gdn_step(S, x, *, mul: Callable = rounding.mul_rn, fma: Callable = rounding.fma_rn):
-    """One GDN step as a state transition ``S -> S'`` (SPEC 2.3-2.6), per request and v-head.
+    """One GDN step as a state transition ``S -> S'`` (steps 3-6), per request and v-head.
 
     Args:
       S: ``[..., HV, V, K]`` float32 state before the step.
@@ -154,6 +167,23 @@ def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record: str = "tuples", sca
     outputs = o.astype(out_dtype)
     tape = Snapshots(states) if record == "snapshots" else Tuples(u=u, k=kn, g=g)
     return outputs, tape
+
+
+def read_slots(pool, layer, slots):
+    """``pool[layer, slots[n]]`` for each request: ``[L, S, HV, V, K] -> [N, HV, V, K]``; a slot
+    outside ``[0, S)`` reads zeros (SGLang's padding slots)."""
+    S = pool.shape[1]
+    idx = jnp.where((slots >= 0) & (slots < S), slots, S)
+    return pool.at[layer, idx].get(mode="fill", fill_value=0)
+
+
+def write_rows(buffer, layer, rows, tape):
+    """Request n's tape ``[N, D, ...]`` into ``buffer[layer, rows[n], :D]`` (``[L, R, Dmax, ...]``);
+    out-of-range rows write nothing, everything else keeps its bits."""
+    R = jax.tree.leaves(buffer)[0].shape[1]
+    idx = jnp.where((rows >= 0) & (rows < R), rows, R)
+    D = tape.num_steps
+    return jax.tree.map(lambda b, t: b.at[layer, idx, :D].set(t.astype(b.dtype), mode="drop"), buffer, tape)
 
 
 def replay_two(state0, tuples: Tuples, steps, track_steps, *, rule: Callable = rounding.apply_rule):
@@ -250,11 +280,13 @@ def commit(pool, tape, slots, steps, track_slots, track_steps, rows, *, rule: Ca
 
 
 def commit_accepted_first(pool, tape: Tuples, slots, steps, track_slots, track_steps, rows):
-    """Control, not for use: the seed's ordering bug.
+    """Control, not for use: the accepted-first ordering bug.
 
     Writes the accepted state in place first, then replays the track state from the
     *pool* (which now holds the advanced state). The track state comes out wrong whenever
-    a request has both; tests keep this to show the suite catches it.
+    a request has both. (SGLang's lossless-verify pull request, where this design started,
+    had to order its two replays to avoid exactly this.) Tests keep it to show the suite
+    catches it.
     """
     none = jnp.full_like(slots, -1)
     pool = commit(pool, tape, slots, steps, none, none, rows)

@@ -1,6 +1,7 @@
 """The rounding rule of the library, and the forms that break it (kept as controls).
 
-The rule (SPEC section 2, steps 3 and 5) for one GDN state update is::
+The rule (steps 3 and 5 of the GDN step in :mod:`gdn_lossless_jax.reference`) for one GDN
+state update is::
 
     Sd = rn(S * exp(g))          # one separately rounded multiply (Sd has two uses)
     S' = fma(k, u, Sd)           # one fused multiply-add, one rounding
@@ -173,6 +174,14 @@ def fma_rn(a, b, c):
       a, b, c: float32 arrays (broadcastable to a common shape).
     Returns:
       float32 array of the broadcast shape.
+
+    ``a * a`` is ``1 + 2**-11 + 2**-24`` exactly below; one rounding keeps the ``2**-24`` that a
+    rounded product loses:
+
+    >>> import numpy as np
+    >>> a, c = np.float32(1 + 2**-12), np.float32(-(1 + 2**-11))
+    >>> float(fma_rn(a, a, c)) == 2**-24, float(add_rn(mul_rn(a, a), c))
+    (True, 0.0)
     """
     ua, ub, uc = _bits(a), _bits(b), _bits(c)
     ua, ub, uc = jnp.broadcast_arrays(ua, ub, uc)

@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then (optionally) tuning and benchmarks. Logs go to $OUT.
-# Usage on the device machine: bash scripts/gpu_session.sh [tests] [tune] [bench] [pattern] [upstream] [profile] [stalls] [sass]
+# Usage on the device machine: bash scripts/gpu_session.sh [tests] [tune] [bench] [step] [stepnocb] [pattern] [upstream] [profile] [stalls] [sass]
+# With PACK=1 every log goes under /tmp/gpu_out and comes back as one $OUT/results.tgz (a call returns at most 8 files).
 # Env: TEST_FILES, WORKERS, PYTEST_ARGS, PYTEST_K (a -k expression), TEST_TIMEOUT; TUNE_ARGS (verify/commit), TUNE_SHAPES,
 # TUNE_VERIFY and TUNE_COMMIT (scripts/gpu_tune.py), TUNE_TIMEOUT; BENCH_ARGS, BENCH_TIMEOUT; PROFILE_TIMEOUT, NCU_SKIP, NCU_COUNT, STALL_VARIANTS, SASS_KERNELS;
-# PATTERN_SHAPES, PATTERN_TILES (scripts/pattern_floor.py); UPSTREAM_VARIANTS, UPSTREAM_MAXNREG (scripts/upstream_regs.py)
+# PATTERN_SHAPES, PATTERN_TILES (scripts/pattern_floor.py); UPSTREAM_VARIANTS, UPSTREAM_MAXNREG (scripts/upstream_regs.py);
+# STEP_ARGS, STEP_TIMEOUT (benchmarks/step.py; stepnocb: the same with XLA's command buffers off, STEPNOCB_ARGS)
 set -u
 OUT=${OUT:-/tmp/out}
+FINAL_OUT=$OUT
+if [ "${PACK:-0}" = 1 ]; then OUT=/tmp/gpu_out; rm -rf "$OUT"; fi
 mkdir -p "$OUT"
+pack() { if [ "${PACK:-0}" = 1 ]; then tar czf "$FINAL_OUT/results.tgz" -C "$OUT" . && ls -la "$FINAL_OUT"; fi; }
+trap pack EXIT
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site
@@ -28,6 +34,9 @@ for phase in "$@"; do
     upstream) timeout ${UPSTREAM_TIMEOUT:-240} python3 scripts/upstream_regs.py ${UPSTREAM_VARIANTS:-25x4:tuples:8:1 25x4:snapshots:8:1} \
         --maxnreg ${UPSTREAM_MAXNREG:-0,96,80,64} 2>&1 | tee "$OUT/upstream_regs.log" | tail -30 ;;
     bench) timeout ${BENCH_TIMEOUT:-400} python3 -m benchmarks.run --mode h200 --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
+    step) timeout ${STEP_TIMEOUT:-300} python3 -m benchmarks.step --out "$OUT/step" ${STEP_ARGS:-} 2>&1 | tee "$OUT/step.log" | tail -45 ;;
+    stepnocb) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" timeout ${STEP_TIMEOUT:-300} python3 -m benchmarks.step \
+        --out "$OUT/step-nocb" ${STEPNOCB_ARGS:-} 2>&1 | tee "$OUT/step-nocb.log" | tail -20 ;;
     profile)
       timeout ${PROFILE_TIMEOUT:-150} ncu --clock-control none -k "regex:gdn_|_kernel" --launch-skip ${NCU_SKIP:-0} \
         --launch-count ${NCU_COUNT:-200} --section SpeedOfLight --section Occupancy --section LaunchStats \

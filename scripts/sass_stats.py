@@ -61,9 +61,11 @@ for v in json.load(open(os.path.join(work, "index.json"))):
         t = v["triton"]
         V_ = importlib.import_module("gdn_triton_kernels.verify")
         sizes, _ = V_.launch_sizes(tuple(t["state"]), tuple(t["q"]), V_.VerifyConfig(**t["config"]), t["record"])
-        consts = dict(sizes, SNAPSHOTS=t["record"] == "snapshots", EVICT=t["config"]["evict"], INTERPRET=False)
-        sig = {"state0_ptr": "*fp32", "qn_ptr": "*fp32", "kn_ptr": "*fp32", "v_ptr": "*bf16", "g_ptr": "*fp32",
-               "beta_ptr": "*fp32", "out_ptr": "*bf16", "snap_ptr": "*fp32", "u_ptr": "*fp32"}
+        consts = dict(sizes, SNAPSHOTS=t["record"] == "snapshots", EVICT=t["config"]["evict"], INTERPRET=False,
+                      DMAX=t["q"][1])  # fmt: skip
+        sig = {"state_ptr": "*fp32", "slots_ptr": "*i32", "layer_ptr": "*i32", "tape_layer_ptr": "*i32", "qn_ptr": "*fp32", "kn_ptr": "*fp32",
+               "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*fp32", "rows_ptr": "*i32", "buf_in_ptr": "*fp32",
+               "out_ptr": "*bf16", "snap_ptr": "*fp32", "u_ptr": "*fp32"}  # fmt: skip
         attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(sig))}  # 16-byte aligned pointers
         src = ASTSource(V_.verify_kernel, signature=dict(sig, **{c: "constexpr" for c in consts}), constexprs=consts,
                         attrs=attrs)

@@ -33,7 +33,7 @@ Usage (from the repository root)::
     python3.11 -m venv /tmp/tvenv   # once: torch's CPU wheel on this disk is for Python 3.11
     /tmp/tvenv/bin/python -m pip install triton==3.6.0 torch==2.13.0 'numpy<2.3'
     # (numpy 2.4 breaks the interpreter's dynamic loops: int() of a one-element array)
-    PYTHONPATH=src python3.12 scripts/triton_interpret_check.py --triton-python /tmp/tvenv/bin/python
+    .venv/bin/python scripts/triton_interpret_check.py --triton-python /tmp/tvenv/bin/python
 
 ``--quick`` runs three cases; the default runs every draft length of the CPU equivalence
 matrix (head layouts and pool setups in turn) at small head sizes, two odd (non power of
@@ -173,6 +173,7 @@ def make_inputs(spec: CaseSpec, seed: int, work: Path):
     pool = jnp.asarray(0.5 * normal(L, S, spec.HV, spec.V, spec.K)).astype(dt)
     idx = commit_indices(seed, N=N, D=D, slots_in_pool=S, rows_in_tape=R, invalid=True, permute_rows=True)
     slot_safe = np.clip(idx.slots, 0, S - 1)
+    slot_ok = ((idx.slots >= 0) & (idx.slots < S))[:, None, None, None]
     arrays = dict(
         pool=np.asarray(pool),
         slots=idx.slots, steps=idx.steps, track_slots=idx.track_slots, track_steps=idx.track_steps, rows=idx.rows,
@@ -182,7 +183,7 @@ def make_inputs(spec: CaseSpec, seed: int, work: Path):
     )  # fmt: skip
     for layer in range(L):
         x = verify_inputs(rng, shape, kind="mixed", state_dtype=dt)
-        x["state0"] = pool[layer, slot_safe]
+        x["state0"] = jnp.where(slot_ok, pool[layer, slot_safe], 0).astype(dt)  # what the kernel reads by slot
         ref = jax.jit(_reference_close, static_argnums=8)(*x.values(), spec.K**-0.5)
         for name, val in x.items():
             arrays[f"L{layer}_{name}"] = np.asarray(val)
@@ -215,24 +216,42 @@ def run_kernels(spec: CaseSpec, work: Path):
     state_dt = T["pool"].dtype
     out = {}
 
-    def verify(layer: int, snapshots: bool):
-        x = {n: T[f"L{layer}_{n}"].contiguous() for n in ("state0", "q", "k", "v", "a", "b", "A_log", "dt_bias")}
+    rows_t = T["rows"].to(torch.int32).contiguous()
+    slots_t = T["slots"].to(torch.int32).contiguous()
+
+    def verify(layer: int, snapshots: bool, bufs=None):
+        """The kernels read the state from the pool by slot; with ``bufs`` (the tape buffers
+        ``[L, R, D, ...]``) the tape goes into them at [layer, rows[n]], in place as under
+        jax-triton's aliasing (the same tensor as input and output)."""
+        x = {n: T[f"L{layer}_{n}"].contiguous() for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias")}
         unused = torch.empty(1, dtype=f32)
         cfg = V_.VerifyConfig(block_v=spec.block_v)
+        lay = torch.tensor([layer], dtype=torch.int32)
+        into = bufs is not None
+        buf_sizes = dict(INTO=True, R=R, DMAX=D) if into else {}
+
         def nan(*shape, dtype=f32):  # filled with NaN, so that a missing write shows
             return torch.full(shape, float("nan"), dtype=dtype)
 
         qn, kt, g, beta = nan(N, D, H, K), nan(N, D, H, K), nan(N, D, HV), nan(N, D, HV)
+        kbuf, gbuf = (bufs["k"], bufs["g"]) if into and not snapshots else (unused, unused)
         sizes, grid = V_.prep_launch(tuple(x["q"].shape), HV, cfg)
-        V_.verify_prep_kernel[grid](x["q"], x["k"], x["a"], x["b"], x["A_log"], x["dt_bias"], qn, kt, g, beta, **sizes,
+        V_.verify_prep_kernel[grid](x["q"], x["k"], x["a"], x["b"], x["A_log"], x["dt_bias"], rows_t, lay, kbuf, gbuf,
+                                    qn, kt, g, beta, kbuf, gbuf, **sizes, **(buf_sizes if not snapshots else {}),
                                     SCALE=float(K**-0.5), INTERPRET=True)  # fmt: skip
         o = nan(N, D, HV, V, dtype=x["q"].dtype)
-        snap = nan(N, D, HV, V, K, dtype=state_dt) if snapshots else unused
-        u = unused if snapshots else nan(N, D, HV, V)
+        if into:
+            snap = bufs["states"] if snapshots else unused
+            u = unused if snapshots else bufs["u"]
+        else:
+            snap = nan(N, D, HV, V, K, dtype=state_dt) if snapshots else unused
+            u = unused if snapshots else nan(N, D, HV, V)
+        buf = (snap if snapshots else u) if into else unused
         record = "snapshots" if snapshots else "tuples"
-        sizes, grid = V_.launch_sizes(tuple(x["state0"].shape), tuple(x["q"].shape), cfg, record)
-        V_.verify_kernel[grid](x["state0"], qn, kt, x["v"], g, beta, o, snap, u, **sizes, SNAPSHOTS=snapshots,
-                               EVICT=cfg.evict, INTERPRET=True)  # fmt: skip
+        sizes, grid = V_.launch_sizes(tuple(T["pool"].shape), tuple(x["q"].shape), cfg, record)
+        V_.verify_kernel[grid](T["pool"], slots_t, lay, lay, qn, kt, x["v"], g, beta, rows_t, buf, o, snap, u, **sizes,
+                               **(buf_sizes or dict(DMAX=D)), SNAPSHOTS=snapshots, EVICT=cfg.evict,
+                               INTERPRET=True)  # fmt: skip
         return o, (snap,) if snapshots else (u, kt, g)
 
     rows = T["rows"].numpy()
@@ -243,6 +262,7 @@ def run_kernels(spec: CaseSpec, work: Path):
         "g": T["fill_g"].clone(),
         "states": T["fill_states"].clone(),
     }
+    in_place = {name: val.clone() for name, val in tapes.items()}
     for layer in range(L):
         o_t, (u, kt, g) = verify(layer, snapshots=False)
         o_s, (snap,) = verify(layer, snapshots=True)
@@ -251,8 +271,12 @@ def run_kernels(spec: CaseSpec, work: Path):
         for i in np.nonzero(ok_rows)[0]:
             for name, val in (("u", u), ("k", kt), ("g", g), ("states", snap)):
                 tapes[name][layer, rows[i]] = val[i]
+        o_ti, _ = verify(layer, snapshots=False, bufs=in_place)
+        o_si, _ = verify(layer, snapshots=True, bufs=in_place)
+        out.update({f"L{layer}_out_into": o_ti, f"L{layer}_out_snapshots_into": o_si})
     for name, val in tapes.items():
         out[f"tape_{name}"] = val
+        out[f"tape_{name}_into"] = in_place[name]
 
     idx = [T[n].to(torch.int32).contiguous() for n in ("slots", "steps", "track_slots", "track_steps", "rows")]
     ccfg = C_.CommitConfig(block_v=spec.block_v, block=256)
@@ -382,25 +406,33 @@ def compile_kernels() -> None:
     for state in ("fp32", "bf16"):
         digests = {}
         for snapshots in (False, True):
-            sig = {"state0_ptr": f"*{state}", "qn_ptr": "*fp32", "kn_ptr": "*fp32", "v_ptr": "*bf16", "g_ptr": "*fp32",
-                   "beta_ptr": "*fp32", "out_ptr": "*bf16", "snap_ptr": f"*{state}" if snapshots else "*fp32",
+            sig = {"state_ptr": f"*{state}", "slots_ptr": "*i32", "layer_ptr": "*i32", "tape_layer_ptr": "*i32", "qn_ptr": "*fp32",
+                   "kn_ptr": "*fp32", "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*fp32", "rows_ptr": "*i32",
+                   "buf_in_ptr": "*fp32", "out_ptr": "*bf16", "snap_ptr": f"*{state}" if snapshots else "*fp32",
                    "u_ptr": "*fp32"}  # fmt: skip
             mode = "snapshots" if snapshots else "tuples"
-            sizes, _ = V_.launch_sizes((N, HV, Vd, K), (N, D, H, K), vcfg, mode)
-            ck = build(V_.verify_kernel, sig, dict(**sizes, SNAPSHOTS=snapshots, EVICT=vcfg.evict, INTERPRET=False),
-                       False, vcfg.num_warps, vcfg.num_stages)  # fmt: skip
+            sizes, _ = V_.launch_sizes((1, N, HV, Vd, K), (N, D, H, K), vcfg, mode)
+            ck = build(V_.verify_kernel, sig, dict(**sizes, SNAPSHOTS=snapshots, EVICT=vcfg.evict, INTERPRET=False,
+                                                   DMAX=D), False, vcfg.num_warps, vcfg.num_stages)  # fmt: skip
             c = ops(ck.asm["ptx"])
             digests[snapshots] = arithmetic(ck.asm["ttgir"])
             print(f"  compiled verify ({mode}, {state} state) for sm_90: {dict(sorted(c.items()))}")
             bad = [o for o in c if o.startswith(("div.full", "div.approx", "sqrt.approx", "mul.f32", "add.f32"))]
             assert not bad, f"verify ({mode}): approximate or contractible operations {bad}"
             assert c["fma.rn.f32"] > 0, "verify: no fma.rn.f32 for the update"
+            into = build(V_.verify_kernel, sig, dict(**sizes, SNAPSHOTS=snapshots, EVICT=vcfg.evict, INTERPRET=False,
+                                                     INTO=True, R=7, DMAX=D + 2), False, vcfg.num_warps,
+                         vcfg.num_stages)  # fmt: skip
+            assert ops(into.asm["ptx"]) == c, f"verify ({mode}): the tape in place changes the float operations"
         assert digests[False] == digests[True], f"verify ({state}): the record modes' TTGIR arithmetic differs"
         print(f"  verify ({state}): tuples and snapshots TTGIR arithmetic identical ({digests[False]})")
         sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "A_log_ptr": "*fp32",
-               "dt_bias_ptr": "*fp32", "qn_ptr": "*fp32", "kn_ptr": "*fp32", "g_ptr": "*fp32", "beta_ptr": "*fp32"}
+               "dt_bias_ptr": "*fp32", "rows_ptr": "*i32", "tape_layer_ptr": "*i32", "kbuf_in_ptr": "*fp32",
+               "gbuf_in_ptr": "*fp32", "qn_ptr": "*fp32", "kn_ptr": "*fp32", "g_ptr": "*fp32", "beta_ptr": "*fp32",
+               "kbuf_ptr": "*fp32", "gbuf_ptr": "*fp32"}  # fmt: skip
         sizes, _ = V_.prep_launch((N, D, H, K), HV, vcfg)
         c = ops(build(V_.verify_prep_kernel, sig, dict(**sizes, SCALE=K**-0.5, INTERPRET=False), False, 2, 1).asm["ptx"])
+        build(V_.verify_prep_kernel, sig, dict(**sizes, SCALE=K**-0.5, INTERPRET=False, INTO=True, R=7, DMAX=D + 2), False, 2, 1)
         bad = [o for o in c if o.startswith(("div.full", "div.approx", "sqrt.approx", "mul.f32", "add.f32"))]
         assert not bad, f"verify prologue: approximate or contractible operations {bad}"
 
@@ -479,6 +511,8 @@ def compare(spec: CaseSpec, work: Path) -> dict:
     for layer in range(L):
         p = f"L{layer}_"
         bitwise(p + "outputs tuples == snapshots", got[p + "out_snapshots"], got[p + "out"])
+        for mode in ("", "_snapshots"):
+            bitwise(p + f"outputs{mode} with the tape in place == fresh tape", got[p + f"out{mode}"], got[p + f"out{mode}_into"])
         # Replay of every step == the snapshot of that step (state0 for step -1).
         rep = got[p + "replay"].reshape(D + 1, N, *got[p + "replay"].shape[1:])
         bitwise(p + "replay step -1 == state0", inp[p + "state0"], rep[0])
@@ -518,6 +552,9 @@ def compare(spec: CaseSpec, work: Path) -> dict:
                     f"{spec.name}: layer {layer} {field} differs from the reference by {rel:.3g} (relative) > {tol}"
                 )
 
+    # The tape written into the buffers by the kernels (rows, layers; every other element kept).
+    for name in ("u", "k", "g", "states"):
+        bitwise(f"tape {name} in place == fresh tapes placed by hand", got[f"tape_{name}"], got[f"tape_{name}_into"])
     # Commit: tuples == snapshots == expectation from the kernel's own snapshots.
     bitwise("commit tuples == commit snapshots", got["commit_snapshots"], got["commit_tuples"])
     expected = inp["pool"].copy()

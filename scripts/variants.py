@@ -42,7 +42,7 @@ def triton_verify_config(tags, **fields):
 
 
 def commit_case(N: int, D: int, layers: int = 30):
-    """The scripts' commit case on the seed geometry (H=16, HV=32, K=V=128): ``(pool, tuples,
+    """The scripts' commit case on the benchmark geometry (H=16, HV=32, K=V=128): ``(pool, tuples,
     snapshots, index args)``, a pool of ``2 N + 8`` slots, a quarter of the requests crossing a
     track boundary."""
     from gdn_lossless_jax.cases import Shape, commit_indices, commit_tapes

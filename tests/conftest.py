@@ -37,6 +37,11 @@ def pytest_configure(config):
     os.environ.setdefault("GDN_SEED", str(random.randrange(1, 2**20)))
 
 
+def pytest_terminal_summary(terminalreporter):
+    # Also at the end: `make test` runs with -q, which hides the header.
+    terminalreporter.write_line(f"GDN_SEED={os.environ['GDN_SEED']} (set it to reproduce this run's inputs)")
+
+
 def pytest_report_header(config):
     return (
         f"jax {jax.__version__}, default backend {jax.default_backend()}; "

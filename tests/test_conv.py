@@ -112,8 +112,9 @@ def _commit_oracle(pool, windows, idx):
     return out
 
 
+@pytest.mark.parametrize("backend", ["reference", "pallas"])  # XLA, and the Pallas kernel (interpret mode on a CPU)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_conv_commit_bit_exact_with_masks(seed, dtype):
+def test_conv_commit_bit_exact_with_masks(seed, dtype, backend):
     L, N, D, C, Kc = 2, 9, 4, 8, 4
     S, R = 2 * N + 3, N + 2
     rng = np.random.default_rng(seed)
@@ -128,7 +129,7 @@ def test_conv_commit_bit_exact_with_masks(seed, dtype):
     idx.track_slots[6], idx.track_steps[6] = S, 0
     idx.steps[7] = D
     idx.track_steps[8] = min(D - 1, idx.steps[8]) if idx.steps[8] >= 0 else -1
-    got = conv.conv_commit(pool, windows, *idx.as_args())
+    got = conv.conv_commit(pool, windows, *idx.as_args(), backend=backend)
     want = _commit_oracle(pool, windows, idx)
     testing.assert_bitwise_equal(want, np.asarray(got))
     # The masking cases did something: some slots changed, and the skipped ones did not.
@@ -157,3 +158,54 @@ def test_conv_commit_defaults_and_errors(seed):
         conv.conv_commit(pool, windows, slots, steps, track_slots=slots)
     with pytest.raises(ValueError, match=r"argument 'steps' must have shape \[N\] = \[3\]"):
         conv.conv_commit(pool, windows, slots, steps[:2])
+
+
+@pytest.mark.parametrize(
+    "N, D, C, Kc, dtype, splits",
+    [
+        (3, 4, 32, 4, jnp.bfloat16, (8, 8, 16)),  # Qwen's Kc, bf16 windows, split into [q | k | v]
+        (2, 1, 16, 4, jnp.bfloat16, None),  # one draft step
+        (2, 3, 16, 2, jnp.float32, (16,)),  # Kc = 2: the windows hold the drafts only
+    ],
+)
+@pytest.mark.parametrize("backend", ["pallas", "reference"])
+def test_verify_from_pool_equals_the_gathered_conv(seed, N, D, C, Kc, dtype, splits, backend):
+    """The conv read from the pool by slot (the Pallas kernel in interpret mode on a CPU,
+    compiled on a GPU; XLA for the reference) equals the XLA conv of the gathered states, with
+    padding slots reading zeros and the windows written into a buffer at permuted rows."""
+    rng = np.random.default_rng(seed)
+    L, S, R = 2, 2 * N + 2, N + 3
+    pool = _normal(rng, (L, S, C, Kc - 1), 1.0, dtype)
+    x = _normal(rng, (N, D, C), 2.0, dtype)
+    w = _normal(rng, (C, Kc), 0.5, dtype)
+    b = _normal(rng, (C,), 0.1, np.float32)
+    slots = rng.permutation(S)[:N].astype(np.int32)
+    slots[-1] = S + 1  # a padding slot: zeros
+    rows = rng.permutation(R)[:N].astype(np.int32)
+    layer = 1
+    gathered = jnp.where(jnp.asarray(slots < S)[:, None, None], pool[layer, np.clip(slots, 0, S - 1)], 0).astype(dtype)
+    want_y, want_w = conv.causal_conv1d_verify(gathered, x, w, b)
+    bounds = np.cumsum([0, *(splits or (C,))])
+    fresh = conv.verify_from_pool(pool, layer, jnp.asarray(slots), x, w, b, splits=splits, backend=backend)
+    for (lo, hi), y in zip(zip(bounds[:-1], bounds[1:]), fresh[0]):
+        testing.assert_bitwise_equal(np.asarray(want_y)[..., lo:hi], np.asarray(y), f"outputs [{lo}:{hi}]")
+    testing.assert_bitwise_equal(want_w, fresh[1], "fresh windows")
+    buf = _normal(rng, (L, R, C, D + 1 + Kc - 2), 1.0, dtype)  # one step more than D: a column stays
+    want_buf = np.asarray(buf).copy()
+    want_buf[layer, rows, :, : D + Kc - 2] = np.asarray(want_w)
+    _, got_buf = jax.jit(lambda bf, s, r: conv.verify_from_pool(pool, layer, s, x, w, b, windows=bf, rows=r,
+                                                                 splits=splits, backend=backend), donate_argnums=0)(
+        jnp.copy(buf), jnp.asarray(slots), jnp.asarray(rows))  # fmt: skip
+    testing.assert_bitwise_equal(want_buf, np.asarray(got_buf), "windows written in place at the rows")
+    # Control: twice-rounded taps (a multiply, then an add) give other outputs (in fp32 with fp32
+    # weights: a product of two bf16 values is exact, and a bf16 output rounds a 1-ULP
+    # difference away almost always).
+    f32 = jnp.float32
+    w = _normal(rng, (C, Kc), 0.5, f32)
+    outs32, _ = conv.verify_from_pool(pool.astype(f32), layer, jnp.asarray(slots), x.astype(f32), w, b, backend=backend)
+    cols = jnp.concatenate([gathered, jnp.swapaxes(x, 1, 2).astype(dtype)], -1).astype(f32)
+    acc = jnp.broadcast_to(b[:, None], (N, C, D))
+    for j in range(Kc):
+        acc = acc + w.astype(f32)[:, j, None] * cols[..., j : j + D]  # eager: two roundings
+    twice = jnp.swapaxes(acc / (1.0 + jnp.exp(-acc)), 1, 2)
+    testing.assert_bitwise_differs(twice, outs32[0], "twice-rounded taps")

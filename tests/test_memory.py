@@ -1,4 +1,5 @@
-"""Memory accounting: equal to the pool's allocation byte for byte, and the seed's table reproduced."""
+"""Memory accounting: equal to the pool's allocation byte for byte, and the seed's table (the three setups of
+SGLang's lossless-verify pull request) reproduced."""
 
 import dataclasses
 
@@ -13,8 +14,8 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
-def test_geometries_match_spec_section_8(model):
-    spec = {  # SPEC section 8 (and section 6 for the KV heads of the 35B)
+def test_geometries_match_the_model_configs(model):
+    spec = {  # the published configs (sources in gdn_lossless_jax/config.py)
         "qwen3-next-80b-a3b": dict(layers=48, gdn_layers=36, num_k_heads=16, num_v_heads=32),
         "qwen3.6-35b-a3b": dict(layers=40, gdn_layers=30, num_k_heads=16, num_v_heads=32, kv_heads=2, kv_head_dim=256),
         "qwen3.8-27b": dict(layers=64, gdn_layers=48, num_k_heads=16, num_v_heads=48),
@@ -41,15 +42,34 @@ def test_per_request_formulas(model, D):
         assert memory.scratch_bytes(g, D, mode, requests=7) == 8 * memory.scratch_bytes(g, D, mode)
 
 
-def test_ratios_against_spec():
-    # SPEC 1: 60 MiB per draft token per request (30 layers, 32 heads, 128 x 128, fp32);
-    # the seed's ring is 63.8x smaller at K = V = 128; ours 1/64 .. 1/95 of the snapshots.
+def test_ratios():
+    # 60 MiB per draft token per request (30 layers, 32 heads, 128 x 128, fp32); the seed's ring
+    # is 63.8x smaller at K = V = 128 (its own figure); ours 1/64 .. 1/95 of the snapshots.
     g35, g27 = get_geometry("qwen3.6-35b-a3b"), get_geometry("qwen3.8-27b")
     assert memory.scratch_bytes(g35, 1, "snapshots") == 60 * memory.MIB
     ratio = lambda g, m: memory.scratch_bytes(g, 1, "snapshots") / memory.scratch_bytes(g, 1, m)  # noqa: E731
     assert f"{ratio(g35, 'seed_ring'):.1f}" == "63.8"
     assert 64 < ratio(g35, "tuples") < ratio(g27, "tuples") < 96
     assert f"{ratio(g27, 'tuples'):.1f}" == "95.4"
+
+
+def test_reduced_geometry_checks_its_arguments():
+    g = get_geometry("qwen3.8-27b")  # H=16, HV=48: a divisor of H keeps HV // H = 3
+    r = g.reduced(gdn_layers=48, heads_divisor=16, head_dim=1)
+    assert (r.gdn_layers, r.num_k_heads, r.num_v_heads, r.head_k_dim, r.head_v_dim) == (48, 1, 3, 1, 1)
+    assert g.reduced() == dataclasses.replace(g, name=g.name + " (reduced)")
+    bad = [
+        (dict(gdn_layers=0), r"argument 'gdn_layers' must be a positive integer, got 0"),
+        (dict(gdn_layers=49), r"argument 'gdn_layers' must be at most 48 \(the model's GDN layers\), got 49"),
+        (dict(heads_divisor=0), r"argument 'heads_divisor' must be a positive integer, got 0"),
+        (dict(heads_divisor=3), r"argument 'heads_divisor' must divide H=16 \(one of 1, 2, 4, 8, 16\), got 3"),
+        (dict(heads_divisor=32), r"argument 'heads_divisor' must divide H=16"),
+        (dict(head_dim=0), r"argument 'head_dim' must be a positive integer, got 0"),
+        (dict(head_dim=2.0), r"argument 'head_dim' must be a positive integer, got 2.0"),
+    ]
+    for kwargs, message in bad:
+        with pytest.raises(ValueError, match=r"Geometry.reduced \(Qwen3.5/3.8-27B\): " + message):
+            g.reduced(**kwargs)
 
 
 # Reduced geometries of each family: allocation is real here.
@@ -79,7 +99,7 @@ def test_allocation_equals_accounting_byte_for_byte(g, record, state_dtype, conv
 
 def test_kv_cache_tokens():
     g = get_geometry("qwen3.6-35b-a3b")
-    assert memory.kv_bytes_per_token(g) == 20 * 1024  # SPEC 6: 10 layers, 2 KV heads of 256, bf16
+    assert memory.kv_bytes_per_token(g) == 20 * 1024  # 10 layers, 2 KV heads of 256, bf16
     assert memory.kv_bytes_per_token(g, kv_dtype=F32) == 40 * 1024
     assert memory.kv_tokens(g, 6 * memory.GIB) == 314_572  # "6 GiB is about 300k tokens"
     assert memory.kv_tokens(g, -5) == 0

@@ -43,7 +43,7 @@ def test_adversarial_inputs_reach_their_regimes(seed):
 
 
 def gdn_f64(x, scale):
-    """An independent float64 NumPy implementation of the GDN steps (SPEC section 2)."""
+    """An independent float64 NumPy implementation of the GDN steps (the six steps of gdn_lossless_jax.reference)."""
     f = lambda n: np.asarray(x[n], np.float64)  # noqa: E731
     S = f("state0").copy()
     q, k, v, a, b = f("q"), f("k"), f("v"), f("a"), f("b")

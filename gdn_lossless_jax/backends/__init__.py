@@ -24,7 +24,7 @@ import importlib
 
 import jax
 
-__all__ = ["BACKENDS", "resolve", "platform", "BackendUnavailable"]
+__all__ = ["BACKENDS", "resolve", "resolve_name", "platform", "BackendUnavailable"]
 
 BACKENDS = ("reference", "pallas", "triton")
 
@@ -43,6 +43,11 @@ def _auto() -> str:
     # H200 run of benchmarks/results/ they led verify at every configuration; Triton's
     # commit was within the spread), elsewhere the reference.
     return "pallas" if platform() == "gpu" else "reference"
+
+
+def resolve_name(name: str) -> str:
+    """The backend ``name`` stands for (``"auto"`` picks one); the name is not checked."""
+    return _auto() if name == "auto" else name
 
 
 def resolve(name: str, op: str):

@@ -17,11 +17,13 @@ import jax.numpy as jnp
 from ...tape import Snapshots
 from .. import BackendUnavailable, platform
 from .commit import CommitConfig, commit_snapshots, commit_tuples
+from .conv import conv_commit, conv_verify
 from .rounding import CONTROL_FORMS, FORMS, default_form
 from .verify import VerifyConfig
 from .verify import verify as _verify
 
-__all__ = ["verify", "replay", "commit", "check_available", "VerifyConfig", "CommitConfig", "FORMS"]
+__all__ = ["verify", "replay", "commit", "check_available", "VerifyConfig", "CommitConfig", "FORMS", "conv_verify",
+           "conv_commit", "kernel_form"]
 
 
 def _interpret() -> bool:
@@ -46,6 +48,18 @@ def check_available(op: str) -> None:
 
 
 
+def kernel_form() -> str | None:
+    """The rounding form the conv kernel runs with here: ``"ptx"`` on CUDA, ``"portable"`` in
+    interpret mode; None where it does not run (ROCm: its division is not pinned there, so
+    the conv stays in XLA), or where Pallas Triton is missing."""
+    try:
+        check_available("conv")
+    except BackendUnavailable:
+        return None
+    form = default_form(_interpret())
+    return form if form == "ptx" or _interpret() else None
+
+
 def _form(form: str | None, allowed=FORMS) -> str:
     interpret = _interpret()
     form = form or default_form(interpret)
@@ -56,12 +70,14 @@ def _form(form: str | None, allowed=FORMS) -> str:
     return form
 
 
-def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, form=None, config=VerifyConfig()):
+def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, slots=None, layer=None, tape=None,
+           tape_layer=None, rows=None, pending=None, form=None, config=VerifyConfig(), pending_control=None):  # fmt: skip
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
         return _verify(
             state0, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, out_dtype=jnp.dtype(out_dtype),
-            config=config, form=_form(form), interpret=_interpret(),
+            config=config, form=_form(form), interpret=_interpret(), slots=slots, layer=layer, tape=tape,
+            tape_layer=tape_layer, rows=rows, pending=pending, pending_control=pending_control,
         )  # fmt: skip
 
 

@@ -6,7 +6,7 @@ loads the pre-verify state tile of its request's slot once, walks the chain up t
 g loaded during step t), and stores the track state when the chain reaches the track step and
 the accepted state when it reaches the accepted step. Both come from the pre-verify state
 held in registers, so writing the accepted state in place cannot corrupt the track state (the
-seed's ordering bug cannot happen by construction).
+accepted-first ordering bug, ``reference.commit_accepted_first``, cannot happen by construction).
 
 Snapshot tape: the same grid, a masked gather-scatter of the two snapshots.
 

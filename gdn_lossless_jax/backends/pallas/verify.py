@@ -10,8 +10,8 @@ The kernel's grid is ``(N, HV, V // BV)`` (or ``(V // BV, HV, N)``, ``VerifyConf
 one program per request, v-head and V tile, holding the ``[BV, K]`` fp32 state tile in
 registers. Two algorithms, chosen by ``VerifyConfig.algorithm``:
 
-- ``"chain"``: the D steps as written (SPEC 2.3-2.6). Per step: one pinned decay multiply,
-  one reduction over K, one pinned fma, one output reduction, and the step's store (``u``,
+- ``"chain"``: the D steps as written (steps 3-6 of :mod:`gdn_lossless_jax.reference`). Per
+  step: one pinned decay multiply, one reduction over K, one pinned fma, one output reduction, and the step's store (``u``,
   or the snapshot). Each reduction over K sums the chunks' products elementwise (fused into
   the running sums with the pinned fma by default, ``VerifyConfig.dot_fma``), then ends in a
   short tree of warp shuffles inside the serial chain.
@@ -33,14 +33,18 @@ tuple verify at D = 4, 8 and 16, and within 4% of the fastest snapshot verify (t
 both modes must share its arithmetic (``benchmarks/NOTES.md``). They differ only in the grid's
 order (``VerifyConfig.order``), which changes no arithmetic: the V tiles first for snapshots.
 
-The per-request pitch of the tape is the buffer's: with ``tape=`` the kernel writes into
-rows of a larger buffer (``D <= Dmax``).
+Where data lives: the kernels read each request's state from the pool by slot
+(``state[layer, slots[n]]``, SGLang's ``h0_indices``), never from a gathered copy, and with
+``tape=`` they write the tape straight into its buffer at ``[tape_layer, rows[n]]`` (the chain's
+``u`` or snapshots, the prologue's ``k`` and ``g``), aliased, so a step jitted with the
+buffers donated moves no byte twice. The state0 form is the same kernel on a one-layer pool.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +53,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from ...reference import L2NORM_EPS, gates
 from ._refs import grid, program_ids, store
+from .conv import scalar
 from .rounding import ops as rounding_ops
+from .rounding import replay_update
 
 __all__ = ["VerifyConfig", "verify", "ALGORITHMS"]
 
@@ -167,20 +173,49 @@ class VerifyConfig:
         return dataclasses.replace(self, block_v=min(self.block_v, V))
 
 
-def _program(refs, n_inputs: int, into: bool, r: int, BV: int, tiles_first: bool):
-    """What both verify kernels read first: their input refs, the two output refs, and the
-    program's request ``n``, v-head ``hv``, q/k head ``h``, tape row and V tile ``vs``.
+class _Where(NamedTuple):
+    """Where one verify program reads its state and writes its tape.
 
-    ``refs`` is ``inputs[, rows, tape buffer (aliased)], o, tape``; the tape row is ``rows[n]``
-    when the tape goes into a larger buffer, else ``n``.
+    ``n``, ``hv``, ``h``: request, v-head, q/k head; ``vs``: the V tile's rows. The state is
+    read from ``state[layer, slots[n], hv, vs]`` (zeros where the slot is outside
+    ``[0, S)``, as SGLang reads padding slots); the tape goes to ``tape[lead + (t, hv, vs)]``:
+    ``lead`` is ``(n,)`` for a fresh tape and ``(tape_layer, rows[n])`` into a buffer, where
+    ``row_ok`` says whether that row exists (out-of-range rows write nothing).
+    """
+
+    n: Any
+    hv: Any
+    h: Any
+    vs: Any
+    layer: Any
+    slot: Any
+    slot_ok: Any
+    lead: tuple
+    row_ok: Any
+
+
+def _program(refs, n_inputs: int, into: bool, r: int, BV: int, tiles_first: bool, n_outputs: int = 2):
+    """What both verify kernels read first: their input refs (``state``, ``slots``, ``layer``,
+    ``tape_layer`` first), the output refs ``o`` and ``tape``, and the program's :class:`_Where`.
+
+    ``refs`` is ``inputs[, rows, tape buffer (aliased)][, pending inputs], o, tape[, pool]``.
     """
     n, hv, j = program_ids(tiles_first)
-    row = refs[n_inputs][n] if into else n
-    return refs[:n_inputs], refs[-2], refs[-1], (n, hv, hv // r, row, pl.ds(j * BV, BV))
+    state_ref, slots_ref, layer_ref, tape_layer_ref = refs[:4]
+    slot = slots_ref[n]
+    slot_ok = (slot >= 0) & (slot < state_ref.shape[1])
+    row = refs[n_inputs][n] if into else None
+    o_ref, tape_ref = refs[len(refs) - n_outputs : len(refs) - n_outputs + 2]
+    if into:
+        lead, row_ok = (tape_layer_ref[0], row), (row >= 0) & (row < tape_ref.shape[1])
+    else:
+        lead, row_ok = (n,), None
+    where = _Where(n, hv, hv // r, pl.ds(j * BV, BV), layer_ref[0], jnp.where(slot_ok, slot, 0), slot_ok, lead, row_ok)
+    return refs[4:n_inputs], o_ref, tape_ref, state_ref, where
 
 
 def _unit_rows(x):
-    """l2norm of each row of a ``[rows, K]`` tile (SPEC 2.2; ``reference.l2norm``'s formula)."""
+    """l2norm of each row of a ``[rows, K]`` tile (``reference.l2norm``'s formula)."""
     return x / jnp.sqrt(jnp.sum(x * x, axis=1)[:, None] + L2NORM_EPS)
 
 
@@ -207,22 +242,111 @@ def _chunk_dot(xs, ys, fma=None):
     return jnp.sum(acc, axis=1)
 
 
-def _load_state(state_ref, n, hv, vs, cols, evict):
+def _state_tile(state_ref, w: _Where, c, evict):
+    """One ``[BV, C]`` chunk of the program's pre-verify state, fp32 (zeros for a padding slot)."""
+    shape = (w.vs.size, c.size)
+    tile = plgpu.load(state_ref.at[w.layer, w.slot, w.hv, w.vs, c], mask=jnp.broadcast_to(w.slot_ok, shape),
+                      other=0.0, eviction_policy=evict)  # fmt: skip
+    return tile.astype(F32)
+
+
+def _load_state(state_ref, w: _Where, cols, evict):
     """The program's state tile, as fp32 ``[BV, C]`` chunks (read once: ``evict``)."""
-    return [plgpu.load(state_ref.at[n, hv, vs, c], eviction_policy=evict).astype(F32) for c in cols]
+    return [_state_tile(state_ref, w, c, evict) for c in cols]
 
 
-def _store_state(tape_ref, row, into: bool, t, hv, vs, cols, S, evict):
+def _store_state(tape_ref, w: _Where, t, cols, S, evict):
     """Step ``t``'s state (its chunks ``S``) into the snapshot tape."""
     for c, tile in zip(cols, S):
-        _store_row(tape_ref, row, into, (row, t, hv, vs, c), tile.astype(tape_ref.dtype), evict=evict)
+        _store_row(tape_ref, w, (*w.lead, t, w.hv, w.vs, c), tile.astype(tape_ref.dtype), evict=evict)
+
+
+def _apply_pending(refs, pending: str, state_ref, pool_ref, w: _Where, cols, S0, form: str, control: str | None = None):
+    """The previous step's commit of this program's tile, before its verify: the state after the
+    accepted step (and the track state, to its slot), both from the pre-verify state ``S0`` with
+    the commit's rule (``fma(k, u, rn(S * exp(g)))``, the replay kernel's arithmetic element for
+    element) or from the previous snapshots; both stored to the pool (rounded to its dtype).
+    Returns the state the verify starts from: the accepted state as the pool now holds it, or
+    ``S0`` where nothing was accepted. The masks are the commit's (``reference._masks``).
+
+    ``refs``: the pending rows, steps, track slots, track steps ``[N]``, the previous tape's
+    layer ``[1]``, then the previous tape's fields (``u, k, g`` or ``states``, ``[L', R', D', ...]``).
+    ``control`` breaks it on purpose, for tests that must catch it: ``"naive"`` replays with
+    ``S * alpha + k * u`` as the compiler rounds it; ``"track_after_write"`` stores the accepted
+    state first and replays the track state from the pool it just wrote (the ordering bug of
+    SGLang's lossless-verify pull request).
+    """
+    prow_ref, pstep_ref, ptslot_ref, ptstep_ref, player_ref, *prev = refs
+    n, hv, h, vs = w.n, w.hv, w.h, w.vs
+    pl_ = player_ref[0]
+    prow, pstep, ptslot, ptstep = prow_ref[n], pstep_ref[n], ptslot_ref[n], ptstep_ref[n]
+    R, Dp = prev[0].shape[1], prev[0].shape[2]
+    S = state_ref.shape[1]
+    valid = w.slot_ok & (prow >= 0) & (prow < R)
+    accept = valid & (pstep >= 0) & (pstep < Dp)
+    track = valid & (ptstep >= 0) & (ptstep < Dp) & (ptslot >= 0) & (ptslot < S)
+    prow = jnp.where(valid, prow, 0)
+    dt = pool_ref.dtype
+
+    def store(at, tiles):
+        for c, tile in zip(cols, tiles):
+            pool_ref[w.layer, at, hv, vs, c] = tile.astype(dt)
+
+    if pending == "snapshots":
+        (states_ref,) = prev
+
+        def snap(t):
+            return [states_ref[pl_, prow, t, hv, vs, c] for c in cols]
+
+        @pl.when(track)
+        def _():
+            store(ptslot, snap(ptstep))
+
+        acc = snap(jnp.where(accept, pstep, 0))
+    else:
+        u_ref, k_ref, g_ref = prev
+        update = replay_update("naive" if control == "naive" else form)
+        late = control == "track_after_write"
+        last = jnp.maximum(jnp.where(accept, pstep, -1), jnp.where(track & ~late, ptstep, -1))
+
+        def replay(upto, S, on_step):
+            def body(t, carry):
+                Sc, Sacc = carry
+                ks = [k_ref[pl_, prow, t, pl.ds(h, 1), c] for c in cols]
+                u, alpha = u_ref[pl_, prow, t, hv, vs], jnp.exp(g_ref[pl_, prow, t, hv])
+                Sc = [update(c, alpha, kc, u) for kc, c in zip(ks, Sc)]
+                on_step(t, Sc)
+                return Sc, [jnp.where(t == pstep, a, b) for a, b in zip(Sc, Sacc)]
+
+            return jax.lax.fori_loop(0, upto + 1, body, (S, S))[1]
+
+        def track_store(t, Sc):
+            @pl.when(track & (t == ptstep))
+            def _():
+                store(ptslot, Sc)
+
+        acc = replay(last, S0, (lambda t, Sc: None) if late else track_store)
+
+    @pl.when(accept)
+    def _():
+        store(w.slot, acc)
+
+    if pending == "tuples" and late:  # the control: the track state replayed from the advanced state in the pool
+        advanced = [jnp.where(accept, a.astype(dt).astype(F32), b) for a, b in zip(acc, S0)]
+        replay(jnp.where(track, ptstep, -1), advanced, track_store)
+
+    return [jnp.where(accept, a.astype(dt).astype(F32), b) for a, b in zip(acc, S0)]
 
 
 def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bool, row_vectors: bool, one_pass: bool,
-            k_chunk: int, loop: bool, evict: str | None, prefetch_q: bool, tiles_first: bool, dot_fma: str):  # fmt: skip
-    # inputs: state, qn, kn, v, g, beta[, rows, tape buffer (aliased)]; outputs: o, tape
-    (state_ref, q_ref, k_ref, v_ref, g_ref, beta_ref), o_ref, tape_ref, (n, hv, h, row, vs) = _program(
-        refs, 6, into, r, BV, tiles_first)  # fmt: skip
+            k_chunk: int, loop: bool, evict: str | None, prefetch_q: bool, tiles_first: bool, dot_fma: str,
+            pending: str | None = None, control: str | None = None):  # fmt: skip
+    # inputs: state, slots, layer, tape_layer, qn, kn, v, g, beta[, rows, tape buffer (aliased)][, pending inputs];
+    # outputs: o, tape[, pool (aliased with state)]
+    n_out = 3 if pending else 2
+    (q_ref, k_ref, v_ref, g_ref, beta_ref), o_ref, tape_ref, state_ref, w = _program(refs, 9, into, r, BV, tiles_first,
+                                                                                     n_out)  # fmt: skip
+    n, hv, h, vs = w.n, w.hv, w.h, w.vs
     mul, fma = rounding_ops(form)
     cols = _chunks(k_ref.shape[-1], k_chunk)
     # The dots' products fused with the pinned fma instruction; the portable form keeps a multiply
@@ -252,12 +376,15 @@ def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bo
         o = sq + u * kq if one_pass else _chunk_dot(S, qs, fuse_o)
         o_ref[n, t, hv, vs] = o.astype(o_ref.dtype)
         if snapshots:
-            _store_state(tape_ref, row, into, t, hv, vs, cols, S, evict)
+            _store_state(tape_ref, w, t, cols, S, evict)
         else:
-            _store_row(tape_ref, row, into, (row, t, hv, vs), u)
+            _store_row(tape_ref, w, (*w.lead, t, hv, vs), u)
         return S
 
-    S = _load_state(state_ref, n, hv, vs, cols, evict)
+    S = _load_state(state_ref, w, cols, evict)
+    if pending:
+        start = 9 + (2 if into else 0)
+        S = _apply_pending(refs[start : len(refs) - n_out], pending, state_ref, refs[-1], w, cols, S, form, control)
     if not loop:  # unrolled, every step's inputs loaded first
         xs = [inputs(t) for t in range(D)]
         for t in range(D):
@@ -272,22 +399,35 @@ def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bo
     jax.lax.fori_loop(0, D, body, (S, inputs(0)))
 
 
-def _prep_kernel(q_ref, k_ref, a_ref, b_ref, A_log_ref, dt_bias_ref, qn_ref, kn_ref, g_ref, beta_ref,
-                 *, H: int, HV: int, hb: int, scale: float):  # fmt: skip
+def _prep_kernel(*refs, H: int, HV: int, hb: int, scale: float, into: bool):
     """Per (request, step, group of ``hb`` q/k heads): the q/k l2 norms of those heads and the
     gates of their v-heads.
 
     ``reference.prepare``'s formulas in one small kernel (XLA made six kernels of them, ~10 us
-    on the H200). Heads are padded to powers of 2 and masked.
+    on the H200). Heads are padded to powers of 2 and masked. With ``into`` the tape's ``k``
+    and ``g`` also go straight into the tape buffers at ``[tape_layer, rows[n], t]`` (aliased:
+    no copy after the kernel; an out-of-range row writes nothing).
     """
+    # inputs: q, k, a, b, A_log, dt_bias[, rows, tape_layer, k buffer, g buffer]; outputs: qn, kn, g, beta[, buffers]
+    q_ref, k_ref, a_ref, b_ref, A_log_ref, dt_bias_ref = refs[:6]
+    qn_ref, kn_ref, g_ref, beta_ref = refs[10:14] if into else refs[6:10]
     n, t, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    if into:
+        row, tape_layer = refs[6][n], refs[7][0]
+        kbuf_ref, gbuf_ref = refs[14:16]
+        row_ok = (row >= 0) & (row < kbuf_ref.shape[1])
+        row = jnp.where(row_ok, row, 0)
     r = HV // H
     K = k_ref.shape[-1]
     heads = j * hb + jax.lax.broadcasted_iota(jnp.int32, (hb, K), 0) < H
+    hs = pl.ds(j * hb, hb)
     for src, dst, mult in ((q_ref, qn_ref, scale), (k_ref, kn_ref, None)):
-        x = plgpu.load(src.at[n, t, pl.ds(j * hb, hb), :], mask=heads, other=0.0).astype(F32)  # [hb, K]
+        x = plgpu.load(src.at[n, t, hs, :], mask=heads, other=0.0).astype(F32)  # [hb, K]
         y = _unit_rows(x)
-        plgpu.store(dst.at[n, t, pl.ds(j * hb, hb), :], y if mult is None else y * jnp.asarray(mult, F32), mask=heads)
+        y = y if mult is None else y * jnp.asarray(mult, F32)
+        plgpu.store(dst.at[n, t, hs, :], y, mask=heads)
+        if into and mult is None:
+            plgpu.store(kbuf_ref.at[tape_layer, row, t, hs, :], y, mask=heads & row_ok)
     hvb = pl.next_power_of_2(hb * r)  # the group's v-heads, padded
     off = jax.lax.broadcasted_iota(jnp.int32, (hvb,), 0)
     vheads = (off < hb * r) & (j * hb * r + off < HV)
@@ -299,22 +439,32 @@ def _prep_kernel(q_ref, k_ref, a_ref, b_ref, A_log_ref, dt_bias_ref, qn_ref, kn_
     g, beta = gates(load(a_ref, n, t), load(b_ref, n, t), load(A_log_ref), load(dt_bias_ref))
     plgpu.store(g_ref.at[n, t, hvs], g, mask=vheads)
     plgpu.store(beta_ref.at[n, t, hvs], beta, mask=vheads)
+    if into:
+        plgpu.store(gbuf_ref.at[tape_layer, row, t, hvs], g, mask=vheads & row_ok)
 
 
-def _prep(q, k, a, b, A_log, dt_bias, *, scale, interpret: bool, heads: int = 0):
+def _prep(q, k, a, b, A_log, dt_bias, *, scale, interpret: bool, heads: int = 0, into=None):
     """``(qn, kn, g, beta)`` as ``reference.prepare`` computes them, in one launch: grid
-    ``(N, D, H / heads)``, ``heads`` q/k heads per program (0: all of them)."""
+    ``(N, D, H / heads)``, ``heads`` q/k heads per program (0: all of them). ``into``:
+    ``(rows, tape_layer, k buffer, g buffer)``; then the updated buffers are returned too."""
     N, D, H, K = q.shape
     HV = a.shape[-1]
     hb = min(pl.next_power_of_2(heads or H), pl.next_power_of_2(H))
+    out_shape = [jax.ShapeDtypeStruct((N, D, H, K), F32)] * 2 + [jax.ShapeDtypeStruct((N, D, HV), F32)] * 2
+    inputs, aliases = [q, k, a, b, A_log, dt_bias], {}
+    if into is not None:
+        inputs += list(into)
+        out_shape += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in into[2:]]
+        aliases = {8: 4, 9: 5}
     return pl.pallas_call(
-        functools.partial(_prep_kernel, H=H, HV=HV, hb=hb, scale=scale),
-        out_shape=[jax.ShapeDtypeStruct((N, D, H, K), F32)] * 2 + [jax.ShapeDtypeStruct((N, D, HV), F32)] * 2,
+        functools.partial(_prep_kernel, H=H, HV=HV, hb=hb, scale=scale, into=into is not None),
+        out_shape=out_shape,
         grid=(N, D, pl.cdiv(H, hb)),
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=2 if hb > 1 else 1, num_stages=1),
         interpret=interpret,
         name="gdn_verify_prep",
-    )(q, k, a, b, A_log, dt_bias)
+    )(*inputs)
 
 
 def _dot(a, b, *, trans_b=False):
@@ -338,7 +488,7 @@ def _gram_prep_kernel(q_ref, k_ref, a_ref, b_ref, A_log_ref, dt_bias_ref, qn_ref
     K = k_ref.shape[-1]
     rows = jax.lax.broadcasted_iota(jnp.int32, (Dp, K), 0) < D
 
-    def unit(ref):  # l2norm of the D rows (SPEC 2.2)
+    def unit(ref):  # l2norm of the D rows (reference.l2norm)
         return _unit_rows(plgpu.load(ref.at[n, steps, h, :], mask=rows, other=0.0).astype(F32))
 
     qn, kn = unit(q_ref) * jnp.asarray(scale, F32), unit(k_ref)
@@ -379,9 +529,10 @@ def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, int
     of K (``mma_chunk`` columns), summed (TF32x3; fp32 products in interpret mode, where
     XLA:CPU has no TF32).
     """
-    # inputs: state, qn, kn, v, g, W, C, P, beta[, rows, tape buffer (aliased)]; outputs: o, tape
-    (state_ref, q_ref, k_ref, v_ref, g_ref, W_ref, C_ref, P_ref, beta_ref), o_ref, tape_ref, (n, hv, h, row, vs) = (
-        _program(refs, 9, into, r, BV, tiles_first))  # fmt: skip
+    # inputs: state, slots, layer, tape_layer, qn, kn, v, g, W, C, P, beta[, rows, tape buffer]; outputs: o, tape
+    (q_ref, k_ref, v_ref, g_ref, W_ref, C_ref, P_ref, beta_ref), o_ref, tape_ref, state_ref, w = _program(
+        refs, 12, into, r, BV, tiles_first)
+    n, hv, h, vs = w.n, w.hv, w.h, w.vs
     mul, fma = rounding_ops(form)
     cols = _chunks(k_ref.shape[-1], k_chunk)
 
@@ -391,14 +542,14 @@ def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, int
     # With mma the products read the state chunk by chunk; the snapshot mode reads it again for
     # its states after the recurrence (an L2 hit, not held in registers across the products).
     mma = mma_chunk is not None
-    S0 = None if mma else _load_state(state_ref, n, hv, vs, cols, evict)
+    S0 = None if mma else _load_state(state_ref, w, cols, evict)
 
     def state(t, S, u):  # step t's state, from the same u, with the pinned rule, and its store
         alpha = jnp.exp(g_ref[n, t, hv])
         S = [fma(kc, u[:, None], mul(c, alpha)) for kc, c in zip(vecs(k_ref, t), S)]
         if interpret:  # XLA:CPU would fuse the whole elementwise chain of integer fmas (compiles for minutes)
             S = jax.lax.optimization_barrier(S)
-        _store_state(tape_ref, row, into, t, hv, vs, cols, S, evict)
+        _store_state(tape_ref, w, t, cols, S, evict)
         return S
 
     # Loops (Triton unrolls short ones itself). The steps' products (step t + 1's q and k loaded during step t) go into columns
@@ -426,7 +577,7 @@ def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, int
         XK = XQ = None
         for c in _chunks(k_ref.shape[-1], mma_chunk):
             live = jax.lax.broadcasted_iota(jnp.int32, (Dm, c.size), 0) < D
-            tile = plgpu.load(state_ref.at[n, hv, vs, c], eviction_policy=None if snapshots else evict).astype(F32)
+            tile = _state_tile(state_ref, w, c, None if snapshots else evict)
             xk, xq = (
                 jax.lax.dot_general(tile, plgpu.load(ref.at[n, pl.ds(0, Dm), h, c], mask=live, other=0.0),
                                     (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=F32)
@@ -445,12 +596,12 @@ def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, int
         o = P * pick(XQ, t) + jnp.sum(C_ref[n, hv, t, :][None, :] * U, axis=1)
         o_ref[n, t, hv, vs] = o.astype(o_ref.dtype)
         if not snapshots:
-            _store_row(tape_ref, row, into, (row, t, hv, vs), u)
+            _store_row(tape_ref, w, (*w.lead, t, hv, vs), u)
         return jnp.where(col == t, jax.lax.bitcast_convert_type(u, jnp.int32)[:, None], bits)
 
     bits = jax.lax.fori_loop(0, D, recurrence, jnp.zeros((BV, Dp), jnp.int32))
     if snapshots:
-        S0 = _load_state(state_ref, n, hv, vs, cols, evict) if mma else S0
+        S0 = _load_state(state_ref, w, cols, evict) if mma else S0
         jax.lax.fori_loop(0, D, lambda t, S: state(t, S, jax.lax.bitcast_convert_type(pick(bits, t), F32)), S0)
 
 
@@ -474,32 +625,50 @@ def gram_prep_warps(Dp: int) -> int:
     return 4 if Dp >= 16 else 2  # two [Dp, K] tiles per program: at Dp = 16, 2 warps spill (scripts/sass_stats.py)
 
 
-def _store_row(ref, row, into: bool, idx, value, evict=None):
-    if not into:  # rows are the requests themselves
+def _store_row(ref, w: _Where, idx, value, evict=None):
+    if w.row_ok is None:  # a fresh tape: rows are the requests themselves
         store(ref, idx, value, evict)
         return
 
-    @pl.when((row >= 0) & (row < ref.shape[0]))  # out-of-range rows write nothing
+    @pl.when(w.row_ok)  # out-of-range rows write nothing
     def _():
         store(ref, idx, value, evict)
 
 
-@functools.partial(jax.jit, static_argnames=("record", "scale", "out_dtype", "config", "form", "interpret"))
+@functools.partial(jax.jit, static_argnames=("record", "scale", "out_dtype", "config", "form", "interpret",
+                                             "pending_control"))
 def verify(
     state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, config=VerifyConfig(), form, interpret,
-    rows=None, tape=None,
+    slots=None, layer=None, tape=None, tape_layer=None, rows=None, pending=None, pending_control=None,
 ):  # fmt: skip
-    """See :func:`gdn_lossless_jax.verify`.
+    """See :func:`gdn_lossless_jax.verify` (arguments already checked there).
 
-    With ``tape`` (a ``Tuples`` or ``Snapshots`` buffer of R >= N rows and Dmax >= D
-    steps) and ``rows`` ``[N]``, request n's tape goes to row ``rows[n]`` of that buffer,
-    in place (aliased; donate it under jit); steps ``>= D`` and other rows keep their
-    contents. Returns ``(outputs, tape fields)``.
+    ``state0`` is ``[N, HV, V, K]`` (``slots`` None) or a pool ``[L, S, HV, V, K]`` that the
+    kernel reads at ``[layer, slots[n]]`` (zeros for a slot outside ``[0, S)``; no gathered
+    copy). With ``tape`` (a ``Tuples`` or ``Snapshots`` buffer ``[L', R, Dmax, ...]``, Dmax >=
+    D) request n's tape goes to ``[tape_layer, rows[n], :D]`` of that buffer, in place (aliased;
+    donate it under jit); other rows, steps and layers keep their contents, and an out-of-range
+    row writes nothing. Returns ``(outputs, tape)``: the fresh ``[N, D, ...]`` tape, or the
+    updated buffer.
+
+    With ``pending`` (``(rows, steps, track_slots, track_steps, prev_layer, prev_tape)``, the
+    previous step's commit per request, its tape ``[L', R', D', ...]`` read at ``prev_layer``)
+    each program first applies that commit to its tile of the pool (:func:`_apply_pending`) and
+    verifies from the committed state; the pool (``state0``, with ``slots``) is aliased to a
+    third output: returns ``(outputs, tape, pool)``. The chain algorithm only.
     """
     from ...tape import Snapshots, Tuples
 
-    N, HV, V, K = state0.shape
     D, H = q.shape[1], q.shape[2]
+    i32 = jnp.int32
+    pool_form = slots is not None
+    if slots is None:  # state0 form: a one-layer pool whose slot n is request n
+        state, slots, layer = state0[None], jnp.arange(state0.shape[0], dtype=i32), 0
+    else:
+        state = state0
+    N = q.shape[0]
+    _, _, HV, V, K = state.shape
+    layer, tape_layer = scalar(layer), scalar(tape_layer)
     cfg = config.fit(V)
     if V % cfg.block_v:
         raise ValueError(f"pallas verify: V={V} must be a multiple of block_v={cfg.block_v}")
@@ -507,8 +676,13 @@ def verify(
         raise ValueError(f"pallas verify: K={K} must be a multiple of k_chunk={cfg.k_chunk} (or at most it)")
     snapshots = record == "snapshots"
     into = tape is not None
+    if pending is not None and (cfg.algorithm != "chain" or not pool_form):
+        raise ValueError("pallas verify: a pending commit needs the pool form (slots=) and the chain algorithm")
+    if into and rows is None:
+        rows = jnp.arange(N, dtype=i32)
     gram = cfg.algorithm == "gram"
     tiles_first = (cfg.order or ("tiles" if snapshots else "requests")) == "tiles"
+    kbuf = gbuf = None
     if gram:
         mma_chunk = max(MMA_MIN, cfg.k_chunk) if cfg.products == "mma" else None
         # every side of a tl.dot tile is >= 16; the chunks must cover K
@@ -517,10 +691,19 @@ def verify(
                              f"and K >= {MMA_MIN} a multiple of max({MMA_MIN}, k_chunk) (got K={K}, k_chunk={cfg.k_chunk})")  # fmt: skip
         qn, kn, g, W, C, P, beta = _gram_prep(q, k, a, b, A_log, dt_bias, scale=scale, Dp=gram_steps(D),
                                               interpret=interpret)  # fmt: skip
-        inputs = [state0, qn, kn, v, g, W, C, P, beta]
+        inputs = [state, slots, layer, tape_layer, qn, kn, v, g, W, C, P, beta]
+        if into and not snapshots:  # the Gram prologue has no buffer outputs: k and g go in by XLA
+            ok = (rows >= 0) & (rows < tape.k.shape[1])
+            idx = jnp.where(ok, rows, tape.k.shape[1])  # out-of-range rows: dropped (negative would wrap)
+            kbuf = tape.k.at[tape_layer[0], idx, :D].set(kn, mode="drop")
+            gbuf = tape.g.at[tape_layer[0], idx, :D].set(g, mode="drop")
     else:
-        qn, kn, g, beta = _prep(q, k, a, b, A_log, dt_bias, scale=scale, interpret=interpret, heads=cfg.prep_heads)
-        inputs = [state0, qn, kn, v, g, beta]
+        pre = (rows, tape_layer, tape.k, tape.g) if into and not snapshots else None
+        qn, kn, g, beta, *bufs = _prep(q, k, a, b, A_log, dt_bias, scale=scale, interpret=interpret,
+                                       heads=cfg.prep_heads, into=pre)  # fmt: skip
+        if bufs:
+            kbuf, gbuf = bufs
+        inputs = [state, slots, layer, tape_layer, qn, kn, v, g, beta]
     out_shape = [jax.ShapeDtypeStruct((N, D, HV, V), out_dtype)]
     aliases = {}
     if into:
@@ -529,9 +712,16 @@ def verify(
         out_shape.append(jax.ShapeDtypeStruct(buf.shape, buf.dtype))
         aliases = {len(inputs) - 1: 1}
     elif snapshots:
-        out_shape.append(jax.ShapeDtypeStruct((N, D, HV, V, K), state0.dtype))
+        out_shape.append(jax.ShapeDtypeStruct((N, D, HV, V, K), state.dtype))
     else:
         out_shape.append(jax.ShapeDtypeStruct((N, D, HV, V), F32))
+    pending_mode = None
+    if pending is not None:
+        prows, psteps, ptslots, ptsteps, prev_layer, prev_tape = pending
+        pending_mode = "snapshots" if isinstance(prev_tape, Snapshots) else "tuples"
+        inputs += [prows, psteps, ptslots, ptsteps, scalar(prev_layer), *jax.tree.leaves(prev_tape)]
+        out_shape.append(jax.ShapeDtypeStruct(state.shape, state.dtype))
+        aliases[0] = 2
     if gram:
         kernel = functools.partial(_gram_kernel, D=D, r=HV // H, BV=cfg.block_v, snapshots=snapshots, form=form,
                                    into=into, k_chunk=cfg.k_chunk, evict=cfg.evict, interpret=interpret,
@@ -541,9 +731,9 @@ def verify(
             _kernel, D=D, r=HV // H, BV=cfg.block_v, snapshots=snapshots, form=form, into=into,
             row_vectors=cfg.row_vectors, one_pass=cfg.one_pass, k_chunk=cfg.k_chunk,
             loop=D > cfg.unroll, evict=cfg.evict, prefetch_q=cfg.prefetch_q, tiles_first=tiles_first,
-            dot_fma=cfg.dot_fma,
+            dot_fma=cfg.dot_fma, pending=pending_mode, control=pending_control,
         )  # fmt: skip
-    outputs, rec = pl.pallas_call(
+    outputs, rec, *pool = pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=grid(N, HV, V // cfg.block_v, tiles_first),
@@ -553,11 +743,9 @@ def verify(
         name=f"gdn_verify_{record}",
     )(*inputs)
     if snapshots:
-        return outputs, Snapshots(rec)
-    if into:
-        ok = (rows >= 0) & (rows < tape.k.shape[0])
-        idx = jnp.where(ok, rows, tape.k.shape[0])  # out-of-range rows: dropped (negative would wrap)
-        kbuf = tape.k.at[idx, :D].set(kn, mode="drop")
-        gbuf = tape.g.at[idx, :D].set(g, mode="drop")
-        return outputs, Tuples(rec, kbuf, gbuf)
-    return outputs, Tuples(rec, kn, g)
+        new = Snapshots(rec)
+    elif into:
+        new = Tuples(rec, kbuf, gbuf)
+    else:
+        new = Tuples(rec, kn, g)
+    return (outputs, new, *pool)

@@ -4,8 +4,8 @@ The package must import on a machine without Triton (CI runs on the CPU), so ``t
 imported here inside ``try``; where it is missing, :func:`jit` leaves the kernel functions
 as plain Python and nothing can launch them (``check_available`` refuses first).
 
-Rounding is pinned, never left to the compiler (SPEC section 3). With fp fusion on (Triton's
-and jax-triton's default) ``S * alpha + k * u`` becomes ``fma(S, alpha, rn(k * u))``, the
+Rounding is pinned, never left to the compiler (``gdn_lossless_jax.rounding`` says why).
+With fp fusion on (Triton's and jax-triton's default) ``S * alpha + k * u`` becomes ``fma(S, alpha, rn(k * u))``, the
 other product; so the update is an explicit :func:`fma` of ``k`` and ``u`` into the
 separately rounded decay, and the wrappers also launch with ``enable_fp_fusion=False``:
 every other multiply and add then rounds as written, as on XLA:GPU, which never contracts

@@ -13,7 +13,7 @@ The design of the Pallas backend's default launch (``backends/pallas/verify.py``
   ``[BV, K / C, C]`` chunks (``VerifyConfig.k_chunk``: with ``[8, 16]`` chunks Triton puts 8
   lanes across the rows and 4 across the columns, so a reduction over K sums the chunks in
   registers and ends in 2 shuffle levels, not 5 per row). It walks the D steps as a loop,
-  step t + 1's inputs loaded during step t (SPEC section 2)::
+  step t + 1's inputs loaded during step t (steps 3-6 of :mod:`gdn_lossless_jax.reference`)::
 
     alpha = exp(g_t)
     Sd    = S * alpha                      # one rounded multiply
@@ -99,10 +99,16 @@ def verify_prep_kernel(
     b_ptr,  # [N, D, HV]
     A_log_ptr,  # [HV]
     dt_bias_ptr,  # [HV]
+    rows_ptr,  # [N] i32 (INTO) | [1]
+    tape_layer_ptr,  # [1] i32: the tape buffer's layer
+    kbuf_in_ptr,  # the k buffer as an input (aliased with kbuf_ptr; not read) | [1]
+    gbuf_in_ptr,  # likewise g
     qn_ptr,  # [N, D, H, K] f32: l2norm(q) * SCALE
     kn_ptr,  # [N, D, H, K] f32: l2norm(k), the tape's k
     g_ptr,  # [N, D, HV] f32, the tape's g
     beta_ptr,  # [N, D, HV] f32
+    kbuf_ptr,  # INTO: [L, R, DMAX, H, K] f32, the tape buffer's k (aliased) | [1]
+    gbuf_ptr,  # INTO: [L, R, DMAX, HV] f32, its g (aliased) | [1]
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
@@ -111,6 +117,9 @@ def verify_prep_kernel(
     BR: tl.constexpr,  # their v-heads, padded to a power of 2
     SCALE: tl.constexpr,
     INTERPRET: tl.constexpr,
+    INTO: tl.constexpr = False,  # also write k and g at [tape_layer, rows[n], t] of the buffers
+    R: tl.constexpr = 1,  # rows of the buffers
+    DMAX: tl.constexpr = 1,  # their steps
 ):
     n = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1)
@@ -126,7 +135,13 @@ def verify_prep_kernel(
     q_norm = tl.math.sqrt_rn(tl.sum(q * q, axis=1) + 1e-6)
     k_norm = tl.math.sqrt_rn(tl.sum(k * k, axis=1) + 1e-6)
     tl.store(qn_ptr + off, tl.math.div_rn(q, tl.broadcast_to(q_norm[:, None], (PH, BK))) * SCALE, mask=m)
-    tl.store(kn_ptr + off, tl.math.div_rn(k, tl.broadcast_to(k_norm[:, None], (PH, BK))), mask=m)
+    kn = tl.math.div_rn(k, tl.broadcast_to(k_norm[:, None], (PH, BK)))
+    tl.store(kn_ptr + off, kn, mask=m)
+    if INTO:
+        row = tl.load(rows_ptr + n).to(tl.int64)
+        row_ok = (row >= 0) & (row < R)
+        lead = tl.load(tape_layer_ptr).to(tl.int64) * R + tl.where(row_ok, row, 0)
+        tl.store(kbuf_ptr + ((lead * DMAX + t) * H + heads[:, None]) * K + offs_k[None, :], kn, mask=m & row_ok)
 
     hv = tl.program_id(2) * PH * (HV // H) + tl.arange(0, BR)
     m_hv = (tl.arange(0, BR) < PH * (HV // H)) & (hv < HV)
@@ -138,7 +153,10 @@ def verify_prep_kernel(
     # 20 is reference.SOFTPLUS_THRESHOLD.
     x = a + dt_bias
     softplus = tl.where(x > 20.0, x, _log(1.0 + _exp(x, INTERPRET), INTERPRET))
-    tl.store(g_ptr + ab, -_exp(A_log, INTERPRET) * softplus, mask=m_hv)
+    g = -_exp(A_log, INTERPRET) * softplus
+    tl.store(g_ptr + ab, g, mask=m_hv)
+    if INTO:
+        tl.store(gbuf_ptr + (lead * DMAX + t) * HV + hv, g, mask=m_hv & row_ok)
     tl.store(beta_ptr + ab, tl.math.div_rn(tl.full([BR], 1.0, tl.float32), 1.0 + _exp(-b, INTERPRET)), mask=m_hv)
 
 
@@ -182,17 +200,23 @@ def _step_inputs(qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, n, t, h, hv, rows, kidx
 @jit
 def verify_kernel(
     # inputs
-    state0_ptr,  # [N, HV, V, K] f32 | bf16
+    state_ptr,  # [L, S, HV, V, K] f32 | bf16, read at [layer, slots[n]]
+    slots_ptr,  # [N] i32
+    layer_ptr,  # [1] i32
+    tape_layer_ptr,  # [1] i32
     qn_ptr,  # [N, D, H, K] f32 (verify_prep_kernel)
     kn_ptr,  # [N, D, H, K] f32
     v_ptr,  # [N, D, HV, V]
     g_ptr,  # [N, D, HV] f32
     beta_ptr,  # [N, D, HV] f32
+    rows_ptr,  # [N] i32 (INTO) | [1]
+    buf_in_ptr,  # the tape buffer as an input (INTO; aliased with snap_ptr or u_ptr, not read) | [1]
     # outputs
     out_ptr,  # [N, D, HV, V] out dtype
-    snap_ptr,  # [N, D, HV, V, K] state dtype (SNAPSHOTS) | [1] placeholder
-    u_ptr,  # [N, D, HV, V] f32 (tuples) | [1]
+    snap_ptr,  # snapshots: [N, D, HV, V, K] state dtype, or INTO the buffer [L, R, DMAX, HV, V, K] | [1]
+    u_ptr,  # tuples: [N, D, HV, V] f32, or INTO the buffer [L, R, DMAX, HV, V] | [1]
     # sizes and switches
+    NS: tl.constexpr,  # the pool's slots
     D: tl.constexpr,
     H: tl.constexpr,
     HV: tl.constexpr,
@@ -205,6 +229,9 @@ def verify_kernel(
     TILES_FIRST: tl.constexpr,
     EVICT: tl.constexpr,
     INTERPRET: tl.constexpr,
+    INTO: tl.constexpr = False,  # the tape goes to [tape_layer, rows[n]] of a buffer of R rows
+    R: tl.constexpr = 1,
+    DMAX: tl.constexpr = 1,  # the tape's steps per row: the buffer's (INTO), else D
 ):
     if TILES_FIRST:
         i_v = tl.program_id(0)
@@ -225,7 +252,19 @@ def verify_kernel(
     MASK_K: tl.constexpr = NC * C != K
     MASK_TILE: tl.constexpr = MASK_V or MASK_K
 
-    S = _to_f32(_load(state0_ptr + (n * HV + hv) * V * K + tile, m_tile, MASK_TILE, EVICT), INTERPRET)
+    # The state by slot (SGLang's h0_indices): zeros for a slot outside [0, S).
+    slot = tl.load(slots_ptr + n).to(tl.int64)
+    slot_ok = (slot >= 0) & (slot < NS)
+    base = (tl.load(layer_ptr).to(tl.int64) * NS + tl.where(slot_ok, slot, 0)) * HV + hv
+    S = _to_f32(tl.load(state_ptr + base * V * K + tile, mask=m_tile & slot_ok, other=0.0, eviction_policy=EVICT),
+                INTERPRET)  # fmt: skip
+    if INTO:  # the tape's row in the buffer; an out-of-range row writes nothing
+        row = tl.load(rows_ptr + n).to(tl.int64)
+        row_ok = (row >= 0) & (row < R)
+        lead = tl.load(tape_layer_ptr).to(tl.int64) * R + tl.where(row_ok, row, 0)
+    else:
+        lead = n
+        row_ok = n >= 0
     q, k, v, alpha, beta = _step_inputs(qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, n, 0, h, hv, rows, kidx, m_v, m_k,
                                         D, H, HV, V, K, BV, NC, C, MASK_V, MASK_K, INTERPRET)  # fmt: skip
     for t in range(D):
@@ -237,24 +276,28 @@ def verify_kernel(
         u = beta * (v - tl.sum(tl.sum(Sd * k, axis=1), axis=1))  # [BV]: the chunks in registers, then C's lanes
         S = _fma(tl.broadcast_to(k, S.shape), tl.broadcast_to(u[:, None, None], S.shape), Sd, INTERPRET)
         o = tl.sum(tl.sum(S * q, axis=1), axis=1)
-        step_v = ((n * D + t) * HV + hv) * V + rows
-        _store(out_ptr + step_v, _from_f32(o, out_ptr.dtype.element_ty, INTERPRET), m_v, MASK_V, "")
+        _store(out_ptr + ((n * D + t) * HV + hv) * V + rows, _from_f32(o, out_ptr.dtype.element_ty, INTERPRET), m_v,
+               MASK_V, "")  # fmt: skip
+        at = (lead * DMAX + t) * HV + hv
         if SNAPSHOTS:
-            _store(snap_ptr + ((n * D + t) * HV + hv) * V * K + tile, _from_f32(S, snap_ptr.dtype.element_ty, INTERPRET),
-                   m_tile, MASK_TILE, EVICT)  # fmt: skip
+            _store(snap_ptr + at * V * K + tile, _from_f32(S, snap_ptr.dtype.element_ty, INTERPRET), m_tile & row_ok,
+                   MASK_TILE or INTO, EVICT)  # fmt: skip
         else:
-            _store(u_ptr + step_v, u, m_v, MASK_V, "")
+            _store(u_ptr + at * V + rows, u, m_v & row_ok, MASK_V or INTO, "")
         q, k, v, alpha, beta = q1, k1, v1, alpha1, beta1
 
 
-def launch_sizes(state0_shape, q_shape, config: VerifyConfig, record: str = "tuples"):
-    """The chain kernel's constexpr sizes and its grid, from the shapes alone."""
-    N, HV, V, K = state0_shape
-    D, H = q_shape[1], q_shape[2]
+def launch_sizes(state_shape, q_shape, config: VerifyConfig, record: str = "tuples"):
+    """The chain kernel's constexpr sizes and its grid, from the shapes alone (``state_shape``:
+    the pool ``[L, S, HV, V, K]``, or ``[N, HV, V, K]`` for the state0 form)."""
+    HV, V, K = state_shape[-3:]
+    S = state_shape[-4] if len(state_shape) == 5 else state_shape[0]
+    N, D, H = q_shape[:3]
     BV = min(next_power_of_2(config.block_v), next_power_of_2(V))
     C = min(config.k_chunk, next_power_of_2(K))
     tiles_first = (config.order or ("tiles" if record == "snapshots" else "requests")) == "tiles"
-    sizes = {"D": D, "H": H, "HV": HV, "V": V, "K": K, "BV": BV, "C": C, "NC": -(-K // C), "TILES_FIRST": tiles_first}
+    sizes = {"NS": S, "D": D, "H": H, "HV": HV, "V": V, "K": K, "BV": BV, "C": C, "NC": -(-K // C),
+             "TILES_FIRST": tiles_first}  # fmt: skip
     NV = -(-V // BV)
     return sizes, ((NV, HV, N) if tiles_first else (N, HV, NV))
 
@@ -274,59 +317,95 @@ def _jitted():
     return jax.jit(_verify, static_argnames=("record", "scale", "out_dtype", "config"))
 
 
-def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, config: VerifyConfig = VerifyConfig()):
+def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, config: VerifyConfig = VerifyConfig(),
+           slots=None, layer=None, tape=None, tape_layer=None, rows=None):  # fmt: skip
     """jax-triton verify; arguments as :func:`gdn_lossless_jax.verify` (already checked).
 
+    ``state0`` is ``[N, HV, V, K]`` or, with ``slots``, the pool ``[L, S, HV, V, K]`` read at
+    ``[layer, slots[n]]`` inside the kernel. With ``tape`` (fields ``[L', R, Dmax, ...]``) the
+    tape goes to ``[tape_layer, rows[n]]`` of that buffer, in place (aliased).
     Returns ``(outputs [N, D, HV, V], fields)``: ``(states,)`` for ``record="snapshots"``,
-    ``(u, k, g)`` for ``record="tuples"``.
+    ``(u, k, g)`` for ``record="tuples"`` (the fresh tape, or the updated buffer).
     """
     return _jitted()(
-        state0, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, out_dtype=out_dtype, config=config
-    )
+        state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_layer, rows, record=record, scale=scale,
+        out_dtype=out_dtype, config=config,
+    )  # fmt: skip
 
 
-def _verify(state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, config):
+def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_layer, rows, *, record, scale, out_dtype,
+            config):  # fmt: skip
     import jax
     import jax.numpy as jnp
     import jax_triton as jt
 
-    N, HV, V, K = state0.shape
-    D, H = q.shape[1], q.shape[2]
+    i32, f32 = jnp.int32, jnp.float32
+    if slots is None:  # the state0 form: a one-layer pool whose slot n is request n
+        state, slots, layer = state0[None], jnp.arange(state0.shape[0], dtype=i32), 0
+    else:
+        state = state0
+    N, D, H, K = q.shape
+    HV, V = state.shape[2], state.shape[3]
     snapshots = record == "snapshots"
-    f32 = jnp.float32
+    into = tape is not None
+    unused = jax.ShapeDtypeStruct((1,), f32)
+    dummy = jnp.zeros((1,), f32)
+    as1 = lambda x: jnp.reshape(jnp.asarray(0 if x is None else x, i32), (1,))  # noqa: E731 (a reshape is free)
+    layer, tape_layer = as1(layer), as1(tape_layer)
+    rows = jnp.zeros((1,), i32) if rows is None else rows
     sizes, grid = prep_launch(q.shape, HV, config)
-    qn, kn, g, beta = jt.triton_call(
-        q, k, a, b, A_log, dt_bias,
+    pre_into = into and not snapshots
+    if pre_into:
+        buf_sizes = dict(INTO=True, R=tape.u.shape[1], DMAX=tape.u.shape[2])
+        bufs_in = (tape.k, tape.g)
+        bufs_out = [jax.ShapeDtypeStruct(tape.k.shape, f32), jax.ShapeDtypeStruct(tape.g.shape, f32)]
+    else:
+        buf_sizes, bufs_in, bufs_out = {}, (dummy, dummy), [unused, unused]
+    qn, kn, g, beta, kbuf, gbuf = jt.triton_call(
+        q, k, a, b, A_log, dt_bias, rows, tape_layer, *bufs_in,
         kernel=verify_prep_kernel,
-        out_shape=[jax.ShapeDtypeStruct((N, D, H, K), f32)] * 2 + [jax.ShapeDtypeStruct((N, D, HV), f32)] * 2,
+        out_shape=[jax.ShapeDtypeStruct((N, D, H, K), f32)] * 2 + [jax.ShapeDtypeStruct((N, D, HV), f32)] * 2 + bufs_out,
         grid=grid,
+        input_output_aliases={8: 4, 9: 5} if pre_into else {},
         enable_fp_fusion=False,
         num_warps=2 if sizes["PH"] > 1 else 1,
         num_stages=1,
         name="gdn_verify_prep",
         **sizes,
+        **buf_sizes,
         SCALE=float(scale),
         INTERPRET=False,
     )  # fmt: skip
-    unused = jax.ShapeDtypeStruct((1,), f32)
+    if into:
+        buf = tape.states if snapshots else tape.u
+        rec_shape = jax.ShapeDtypeStruct(buf.shape, buf.dtype)
+        chain_sizes = dict(INTO=True, R=buf.shape[1], DMAX=buf.shape[2])
+    else:
+        buf = dummy
+        rec_shape = jax.ShapeDtypeStruct((N, D, HV, V, K) if snapshots else (N, D, HV, V), state.dtype if snapshots else f32)
+        chain_sizes = dict(DMAX=D)
     out_shape = (
         jax.ShapeDtypeStruct((N, D, HV, V), out_dtype),
-        jax.ShapeDtypeStruct((N, D, HV, V, K), state0.dtype) if snapshots else unused,
-        unused if snapshots else jax.ShapeDtypeStruct((N, D, HV, V), f32),
+        rec_shape if snapshots else unused,
+        unused if snapshots else rec_shape,
     )
-    sizes, grid = launch_sizes(state0.shape, q.shape, config, record)
+    sizes, grid = launch_sizes(state.shape, q.shape, config, record)
     out, snap, u = jt.triton_call(
-        state0, qn, kn, v, g, beta,
+        state, slots, layer, tape_layer, qn, kn, v, g, beta, rows, buf,
         kernel=verify_kernel,
         out_shape=out_shape,
         grid=grid,
+        input_output_aliases={10: 1 if snapshots else 2} if into else {},
         enable_fp_fusion=False,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         name=f"gdn_verify_{record}",
         **sizes,
+        **chain_sizes,
         SNAPSHOTS=snapshots,
         EVICT=config.evict,
         INTERPRET=False,
     )  # fmt: skip
-    return out, ((snap,) if snapshots else (u, kn, g))
+    if snapshots:
+        return out, (snap,)
+    return out, ((u, kbuf, gbuf) if into else (u, kn, g))

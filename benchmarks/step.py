@@ -1,0 +1,445 @@
+"""The whole speculative step as users write it, beside SGLang's step, wall-clock and device time.
+
+A kernel timed alone can hide the copy, gather or loop around it. This benchmark times one
+speculative step of all GDN layers (verify of every layer, then the commit of all layers), the
+way a JAX user composes it, for each record mode and backend:
+
+``pool-python``
+    ``pool.verify_layer`` for each layer, then ``pool.commit`` (conv included), called one by
+    one from Python, the way a serving loop written against the pool module runs.
+``pool-jit``
+    the same calls inside one outer ``jax.jit`` with the pool donated.
+``pool-scan``
+    the same in one ``jax.jit``, the layers in a ``lax.scan`` with the pool as its carry.
+``scan``
+    one ``jax.jit``: ``gdn_lossless_jax.verify(ssm, ..., slots=, layer=, tape=, rows=)`` for
+    every layer in a ``lax.scan`` (the states read from the pool by slot, each layer's tape
+    written into its row of the scratch in place), then ``gdn_lossless_jax.commit``; the pool
+    and the scratch donated. No conv: the same work as SGLang's step below.
+``unrolled``
+    the same with the layers unrolled in Python inside the jit.
+``sglang`` (snapshots)
+    SGLang's own kernels on the same inputs: its verify with the intermediate-state buffer for
+    every layer, then its two scatters (accepted, track), captured in one CUDA graph.
+
+Every row is one step per invocation, blocking until the device is done; rounds are
+interleaved (:func:`benchmarks.timing.run_rounds`), nothing is subtracted: the wall-clock is
+what a user waits for. After the rounds each row is traced with the profiler: its *device
+time* is the sum of every kernel the step launched (ours and XLA's), and the kernels that are
+not ours (names without ``gdn_``) are listed, so hidden work shows. ``wall / device`` is the
+overhead of the way the step is written (launch gaps, host work).
+
+Run (H200, about 3 minutes)::
+
+    python -m benchmarks.step --out $OUT/step --configs 25x4,8x16 --backends pallas,triton
+
+``--mode cpu-small`` runs the same rows on a reduced geometry (CI keeps the harness alive;
+its timings are not results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import gdn_lossless_jax as gl
+from gdn_lossless_jax import pool as gpool
+from gdn_lossless_jax.cases import Shape
+
+from . import cases as bc
+from .suite import _draw
+from .timing import Clock, Row, device_pass, run_rounds, summarize
+from .traffic import Traffic
+
+__all__ = ["STEP_KINDS", "main", "step_rows"]
+
+RECORDS = ("tuples", "snapshots")
+STEP_KINDS = ("pool-python", "pool-jit", "pool-scan", "scan", "unrolled")
+
+
+@dataclasses.dataclass
+class StepInputs:
+    """Everything the rows of one configuration read: per-layer parameters and draft inputs,
+    and the commit indices of a few steps (each invocation takes the next set).
+
+    The layer-by-layer steps take each layer's arrays from lists (a model makes them layer by
+    layer; slicing a stacked array per layer would add a copy per input and layer that the
+    library does not make); the ``lax.scan`` steps take the stacked arrays, whose per-layer
+    slices the scan copies (as a model's scan slices its stacked weights)."""
+
+    config: bc.Config
+    geometry: object
+    shape: Shape
+    slots: int
+    params: dict  # [L, ...] stacked: conv_weight, conv_bias, A_log, dt_bias
+    pool_inputs: dict  # [L, N, D, ...]: mixed_qkv, a, b (the pool path)
+    qkv: dict  # [L, N, D, ...]: q, k, v, a, b (the direct path and SGLang)
+    index_sets: list  # each: (slots, steps, track_slots, track_steps, rows), [N] int32 on the device
+    layers: dict = dataclasses.field(default_factory=dict)  # the same, as per-layer lists
+
+    def layer(self, name: str, i: int) -> dict:
+        return self.layers[name][i]
+
+
+def make_inputs(config: bc.Config, geometry, *, seed: int) -> StepInputs:
+    g = geometry
+    s = Shape.of(g, config.requests, config.drafts)
+    L, N, D = g.gdn_layers, s.N, s.D
+    bf16 = "bfloat16"
+    specs = (
+        ((L, g.conv_dim, g.conv_kernel), "float32", "normal", 0.3),
+        ((L, g.conv_dim), "float32", "normal", 0.1),
+        ((L, s.HV), "float32", "uniform", 1.0),
+        ((L, s.HV), "float32", "normal", 0.5),
+        ((L, N, D, g.conv_dim), bf16, "normal", 1.0),
+        ((L, N, D, s.HV), bf16, "normal", 1.0),
+        ((L, N, D, s.HV), bf16, "normal", 1.0),
+        ((L, N, D, s.H, s.K), bf16, "normal", 1.0),
+        ((L, N, D, s.H, s.K), bf16, "normal", 1.0),
+        ((L, N, D, s.HV, s.V), bf16, "normal", 1.0),
+    )
+    x = _draw(jnp.uint32(seed % 2**32), specs)
+    params = dict(conv_weight=x[0], conv_bias=x[1], A_log=x[2], dt_bias=x[3])
+    pool_inputs = dict(mixed_qkv=x[4], a=x[5], b=x[6])
+    qkv = dict(q=x[7], k=x[8], v=x[9], a=x[5], b=x[6])
+    sets = [ix.as_args() for ix in bc.commit_index_sets(config, 4, seed=seed)]
+    split = lambda d: [{k: v[i] for k, v in d.items()} for i in range(L)]  # noqa: E731
+    layers = {"params": split(params), "pool_inputs": split(pool_inputs), "qkv": split(qkv)}
+    out = StepInputs(config, g, s, bc.pool_slots(config.requests), params, pool_inputs, qkv, sets, layers)
+    jax.block_until_ready(jax.tree.leaves((params, pool_inputs, qkv, sets, layers)))
+    return out
+
+
+def _filled(tree, seed: int):
+    """A pytree of arrays like ``tree`` filled with random values (never zeros)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    specs = tuple((tuple(x.shape), jnp.dtype(x.dtype).name, "normal", 0.5) for x in leaves)
+    return jax.tree.unflatten(treedef, list(_draw(jnp.uint32(seed % 2**32), specs)))
+
+
+def _allocate(inp: StepInputs, record: str, seed: int) -> gpool.StatePool:
+    s = inp.shape
+    spec = jax.eval_shape(
+        lambda: gpool.allocate(inp.geometry, slots=inp.slots - 1, requests=s.N, drafts=s.D, record=record)
+    )
+    return _filled(spec, seed)
+
+
+# ---------------------------------------------------------------------------------
+# The steps
+# ---------------------------------------------------------------------------------
+def _pool_step(p, params, xs, ix, backend):
+    """Every layer's ``pool.verify_layer`` (``params``, ``xs``: per-layer lists), then the commit."""
+    slots, steps, tslots, tsteps, rows = ix
+    outs = []
+    for layer in range(p.geometry.gdn_layers):
+        o, p = gpool.verify_layer(p, layer, **xs[layer], **params[layer], slots=slots, rows=rows, backend=backend)
+        outs.append(o)
+    return outs, gpool.commit(p, slots, steps, tslots, tsteps, rows, backend=backend)
+
+
+def _pool_scan_step(p, params, xs, ix, backend):
+    """The same with the layers in a ``lax.scan`` (``params``, ``xs``: stacked ``[L, ...]``)."""
+    slots, steps, tslots, tsteps, rows = ix
+
+    def layer(p, lx):
+        i, prm, x = lx
+        o, p = gpool.verify_layer(p, i, **x, **prm, slots=slots, rows=rows, backend=backend)
+        return p, o
+
+    p, outs = jax.lax.scan(layer, p, (jnp.arange(p.geometry.gdn_layers, dtype=jnp.int32), params, xs))
+    return outs, gpool.commit(p, slots, steps, tslots, tsteps, rows, backend=backend)
+
+
+def direct_step(backend: str, unroll: bool):
+    """The one-jit step over ``(ssm [L, S, HV, V, K], tape [L, R, D, ...])``, both donated;
+    ``params`` and ``xs`` per-layer lists (``unroll``) or stacked ``[L, ...]`` (a scan)."""
+
+    def step(ssm, tape, params, xs, ix):
+        slots, steps, tslots, tsteps, rows = ix
+
+        def layer(tape, lx):
+            i, prm, x = lx
+            out, tape = gl.verify(ssm, x["q"], x["k"], x["v"], x["a"], x["b"], prm["A_log"], prm["dt_bias"],
+                                  slots=slots, layer=i, tape=tape, rows=rows, backend=backend)  # fmt: skip
+            return tape, out
+
+        if unroll:
+            outs = []
+            for i in range(ssm.shape[0]):
+                tape, o = layer(tape, (i, params[i], xs[i]))
+                outs.append(o)
+        else:
+            prm = {k: params[k] for k in ("A_log", "dt_bias")}
+            tape, outs = jax.lax.scan(layer, tape, (jnp.arange(ssm.shape[0], dtype=jnp.int32), prm, xs))
+        ssm = gl.commit(ssm, tape, slots, steps, tslots, tsteps, rows, backend=backend)
+        return outs, ssm, tape
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def _kernels_not_ours(device: dict | None) -> list[dict]:
+    if not device:
+        return []
+    return [k for k in device["kernels"] if "gdn_" not in k["name"]]
+
+
+def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: int, kinds=STEP_KINDS) -> list[Row]:
+    """The step rows of one backend and record mode (``kinds``, of :data:`STEP_KINDS`)."""
+    cfg, L = inp.config.label, inp.geometry.gdn_layers
+    rows = []
+    p_box = [_allocate(inp, record, seed)]
+    counter = {"i": 0}
+
+    def next_ix():
+        counter["i"] += 1
+        return inp.index_sets[counter["i"] % len(inp.index_sets)]
+
+    def run_python():
+        outs, p_box[0] = _pool_step(p_box[0], inp.layers["params"], inp.layers["pool_inputs"], next_ix(), backend)
+        jax.block_until_ready((outs, p_box[0]))
+
+    pool_jit = jax.jit(lambda p, prm, xs, ix: _pool_step(p, prm, xs, ix, backend), donate_argnums=0)
+    pool_scan = jax.jit(lambda p, prm, xs, ix: _pool_scan_step(p, prm, xs, ix, backend), donate_argnums=0)
+
+    def run_pool(fn, stacked):
+        def run():
+            src = (inp.params, inp.pool_inputs) if stacked else (inp.layers["params"], inp.layers["pool_inputs"])
+            outs, p_box[0] = fn(p_box[0], *src, next_ix())
+            jax.block_until_ready((outs, p_box[0]))
+
+        return run
+
+    d_box = [(p_box[0].ssm, p_box[0].tape)]  # the direct rows own a second pool of the same shape
+    d_box[0] = _filled(d_box[0], seed + 7)
+    fns = {u: direct_step(backend, u) for u in (False, True)}
+
+    def run_direct(unroll):
+        def run():
+            src = (inp.layers["params"], inp.layers["qkv"]) if unroll else (inp.params, inp.qkv)
+            outs, ssm, tape = fns[unroll](*d_box[0], *src, next_ix())
+            d_box[0] = (ssm, tape)
+            jax.block_until_ready((outs, ssm, tape))
+
+        return run
+
+    runs = {"pool-python": run_python, "pool-jit": run_pool(pool_jit, False), "pool-scan": run_pool(pool_scan, True),
+            "scan": run_direct(False), "unrolled": run_direct(True)}  # fmt: skip
+    for kind, run in runs.items():
+        if kind not in kinds:
+            continue
+        t = time.perf_counter()
+        try:
+            run()  # compile and first call
+            first = time.perf_counter() - t
+            rows.append(Row(config=cfg, backend=backend, op=kind, record=record, calls=1, traffic=Traffic(0, 0),
+                            run=run, compile_s=first, notes=[f"{L} layers"]))  # fmt: skip
+            clock.log(f"{cfg} {backend} {record} {kind}: first call {first:.2f} s")
+        except Exception as e:  # noqa: BLE001 - report, go on
+            clock.log(f"{cfg} {backend} {record} {kind}: FAILED: {type(e).__name__}: {str(e)[:300]}")
+    return rows
+
+
+def sglang_row(inp: StepInputs, clock: Clock, src=None) -> tuple[Row | None, str]:
+    """SGLang's step (snapshot path): verify of every layer with the intermediate-state buffer,
+    then its two scatters, in one CUDA graph; or None and why."""
+    from . import peer_sglang
+
+    try:
+        peer = peer_sglang.load(src)
+        import torch
+    except Exception as e:  # noqa: BLE001
+        return None, f"{type(e).__name__}: {e}"
+    if not torch.cuda.is_available():
+        return None, "no CUDA device for torch"
+    s, L = inp.shape, inp.geometry.gdn_layers
+    N, D = s.N, s.D
+    dev = torch.device("cuda")
+    t = torch.from_dlpack
+    pool = torch.randn((L, inp.slots, s.HV, s.V, s.K), dtype=torch.float32, device=dev) * 0.5
+    buf = torch.empty((L, N + 1, D, s.HV, s.V, s.K), dtype=torch.float32, device=dev)
+    q, k, v, a, b = (t(inp.qkv[n]) for n in ("q", "k", "v", "a", "b"))
+    A_log, dt_bias = t(inp.params["A_log"]), t(inp.params["dt_bias"])
+    ix = [t(x) for x in inp.index_sets[0]]
+    slots, steps, tslots, tsteps, rows = ix
+    cu = torch.arange(0, N * D + 1, D, dtype=torch.int32, device=dev)
+    scale = s.K**-0.5
+
+    def step():
+        for layer in range(L):
+            peer_sglang.verify_call(
+                peer, state0=pool[layer], q=q[layer], k=k[layer], v=v[layer], a=a[layer], b=b[layer],
+                A_log=A_log[layer], dt_bias=dt_bias[layer], buffer=buf[layer], state_idx=slots, buffer_idx=rows,
+                cu_seqlens=cu, scale=scale,
+            )  # fmt: skip
+        peer_sglang.scatter_call(peer, pool=pool, snapshots=buf, slots=slots, steps=steps, track_slots=tslots,
+                                 track_steps=tsteps, rows=rows)  # fmt: skip
+
+    tm = time.perf_counter()
+    run, how = peer_sglang._graph_or_eager(step, torch, dev)
+    first = time.perf_counter() - tm
+    clock.log(f"{inp.config.label} sglang step: ready in {first:.2f} s ({how})")
+
+    def timed():
+        run()
+        torch.cuda.synchronize()
+
+    row = Row(config=inp.config.label, backend="sglang", op="step", record="snapshots", calls=1, traffic=Traffic(0, 0),
+              run=timed, compile_s=first, notes=[f"{peer.origin}; {L} verify launches + 2 scatters; {how}"])  # fmt: skip
+    return row, how
+
+
+def _row_dict(r: Row) -> dict:
+    d = {"config": r.config, "backend": r.backend, "kind": r.op, "record": r.record, "first_call_s": r.compile_s,
+         "notes": r.notes, "failed": r.failed, "wall": summarize(np.asarray(r.raw))}  # fmt: skip
+    if r.device:
+        d["device_us"] = r.device["us_per_call"]
+        ours = sum(k["us_per_call"] for k in r.device["kernels"] if "gdn_" in k["name"])
+        d["our_kernels_us"] = ours
+        d["other_kernels"] = [
+            {"name": k["name"], "launches": k["launches_per_call"], "us": k["us_per_call"]}
+            for k in _kernels_not_ours(r.device)
+        ]
+        d["kernels"] = [{"name": k["name"], "launches": k["launches_per_call"], "us": k["us_per_call"]}
+                        for k in r.device["kernels"]]  # fmt: skip
+        w = d["wall"].get("median_us")
+        d["wall_over_device"] = w / d["device_us"] if w and d["device_us"] else None
+    return d
+
+
+def _table(rows: list[dict]) -> list[str]:
+    out = [
+        "| config | backend | record | step | wall median us (p10-p90) | device us | ours us | wall / device | vs SGLang (wall) |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    peer = {r["config"]: r["wall"].get("median_us") for r in rows if r["backend"] == "sglang" and r["wall"].get("n")}
+    for r in rows:
+        w = r["wall"]
+        if not w.get("n"):
+            out.append(f"| {r['config']} | {r['backend']} | {r['record']} | {r['kind']} | failed: {r['failed']} | | | | |")
+            continue
+        ref = peer.get(r["config"])
+        vs = f"{ref / w['median_us']:.2f}x" if ref and r["backend"] != "sglang" else ""
+        dev = r.get("device_us")
+        out.append(
+            f"| {r['config']} | {r['backend']} | {r['record']} | {r['kind']} | {w['median_us']:.0f} "
+            f"({w['p10_us']:.0f}-{w['p90_us']:.0f}) | {dev:.0f} | {r.get('our_kernels_us', 0):.0f} | "
+            f"{r.get('wall_over_device') or 0:.2f} | {vs} |"
+            if dev
+            else f"| {r['config']} | {r['backend']} | {r['record']} | {r['kind']} | {w['median_us']:.0f} "
+            f"({w['p10_us']:.0f}-{w['p90_us']:.0f}) | - | - | - | {vs} |"
+        )
+    return out
+
+
+def write_report(result: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=1, default=str))
+    lines = [f"# Speculative step, {result['env']['device']}", "", f"Command: `{result['command']}`", ""]
+    lines += _table(result["rows"])
+    lines += ["", "## Kernels that are not ours, per step (from the profiler trace)", ""]
+    for r in result["rows"]:
+        others = r.get("other_kernels") or []
+        if r["backend"] == "sglang" or not others:
+            continue
+        total = sum(k["us"] for k in others)
+        lines.append(f"- {r['config']} {r['backend']} {r['record']} {r['kind']}: {total:.0f} us in "
+                     + ", ".join(f"{k['name'][:60]} x{k['launches']:.0f} ({k['us']:.0f} us)" for k in others[:6]))  # fmt: skip
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    try:
+        _plot(result, out / "results.png")
+    except ImportError as e:
+        print(f"no plot ({e})")
+
+
+def _plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r["wall"].get("n")]
+    configs = sorted({r["config"] for r in rows}, key=lambda c: [int(x) for x in c.split("x")])
+    fig, axes = plt.subplots(1, len(configs), figsize=(6 * len(configs), 5), squeeze=False)
+    for ax, cfg in zip(axes[0], configs):
+        rs = [r for r in rows if r["config"] == cfg]
+        labels = [f"{r['backend']} {r['record'][:4]} {r['kind']}" for r in rs]
+        wall = [r["wall"]["median_us"] / 1e3 for r in rs]
+        dev = [(r.get("device_us") or 0) / 1e3 for r in rs]
+        y = np.arange(len(rs))
+        ax.barh(y + 0.2, wall, 0.4, label="wall-clock (median)")
+        ax.barh(y - 0.2, dev, 0.4, label="device time (all kernels)")
+        peer = [r for r in rs if r["backend"] == "sglang"]
+        if peer:
+            ax.axvline(peer[0]["wall"]["median_us"] / 1e3, color="k", ls="--", lw=1, label="SGLang step (wall)")
+        ax.set_yticks(y, labels, fontsize=7)
+        ax.set_xlabel("ms per speculative step (all layers)")
+        ax.set_title(cfg)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.step", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="folder for results.json, results.md and results.png")
+    p.add_argument("--mode", choices=tuple(bc.MODES), default="h200")
+    p.add_argument("--configs", default="25x4,8x16")
+    p.add_argument("--backends", default="pallas")
+    p.add_argument("--records", default=",".join(RECORDS))
+    p.add_argument("--kinds", default=",".join(STEP_KINDS), help=f"which steps ({', '.join(STEP_KINDS)})")
+    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--device-invocations", type=int, default=3)
+    p.add_argument("--budget-s", type=float, default=60.0, help="seconds of timed rounds per configuration")
+    p.add_argument("--peer", choices=("auto", "off"), default="auto")
+    p.add_argument("--sglang-src", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    mode = bc.MODES[args.mode]
+    clock = Clock()
+    kinds = [k for k in args.kinds.split(",") if k]
+    result = {
+        "command": "python -m benchmarks.step " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+        "env": {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+                "xla_flags": os.environ.get("XLA_FLAGS", "")},  # fmt: skip
+        "rows": [],
+    }
+    out = Path(args.out)
+    for cfg in bc.parse_configs(args.configs, mode.configs):
+        inp = make_inputs(cfg, mode.geometry, seed=args.seed)
+        rows: list[Row] = []
+        for backend in [b for b in args.backends.split(",") if b]:
+            for record in [r for r in args.records.split(",") if r]:
+                rows += step_rows(inp, backend, record, clock, args.seed, kinds)
+        if args.peer != "off":
+            row, why = sglang_row(inp, clock, args.sglang_src)
+            if row is None:
+                clock.log(f"{cfg.label}: no SGLang step ({why})")
+            else:
+                rows.append(row)
+        run_rounds(rows, trials=args.rounds, min_trials=min(8, args.rounds), seed=args.seed, clock=clock,
+                   label=cfg.label, warmup=args.warmup, deadline=time.perf_counter() + args.budget_s)  # fmt: skip
+        if args.device_invocations:
+            device_pass(rows, invocations=args.device_invocations, clock=clock, label=cfg.label)
+        result["rows"] += [_row_dict(r) for r in rows]
+        write_report(result, out)
+        del rows, inp
+    print("\n".join(_table(result["rows"])))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

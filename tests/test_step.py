@@ -1,0 +1,332 @@
+"""The speculative step as users write it: verify reads the pool by slot, the tape lands in place.
+
+Every form of verify equals the state0 form on gathered states, bit for bit, on every backend
+(the Pallas kernels in interpret mode on the CPU): from a one-layer pool ``[S, HV, V, K]``
+and from all layers' ``[L, S, HV, V, K]`` with a layer index (a Python int, or traced under
+``jit``), with padding slots (outside ``[0, S)``: zero states, as SGLang reads them); with
+the tape written into a preallocated buffer at permuted rows (other rows, steps and layers
+keep their bits, out-of-range rows write nothing, D below the buffer's Dmax); fp32 and bf16
+pools. Each comparison has a control it must catch (a wrong slot mapping, a wrong row).
+
+The pool path (:func:`gdn_lossless_jax.pool.verify_layer`) equals the composition it replaced
+(gather, verify, store), and the compiled step over all layers (one jit, the pool donated)
+holds no pool-sized or tape-sized copy (read from its HLO).
+"""
+
+import dataclasses
+import importlib.util
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gdn_lossless_jax as gl
+from conftest import ON_GPU
+from gdn_lossless_jax import pool as gpool
+from gdn_lossless_jax.cases import Shape, verify_inputs
+from gdn_lossless_jax.config import get_geometry
+from gdn_lossless_jax.conv import causal_conv1d_verify
+from gdn_lossless_jax.testing import assert_bitwise_differs, assert_bitwise_equal
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+BACKENDS = ["reference", "pallas"] + (["triton"] if ON_GPU and importlib.util.find_spec("jax_triton") else [])
+K_ = 128 if ON_GPU else 16
+SHAPE = Shape(N=5, D=3, H=2, HV=4, K=K_, V=K_)
+
+
+def _pool_of(x, S: int, slots, rng, dtype):
+    """A pool ``[S, HV, V, K]`` of random states holding request n's state0 at ``slots[n]``."""
+    s0 = np.asarray(x["state0"].astype(F32))
+    pool = rng.standard_normal((S, *s0.shape[1:]), dtype=np.float32)
+    for n, slot in enumerate(slots):
+        if 0 <= slot < S:
+            pool[slot] = s0[n]
+    return jnp.asarray(pool).astype(dtype)
+
+
+def _expected_state0(x, slots, S):
+    """The gathered states the pool form must read: state0, or zeros for a padding slot."""
+    s0 = x["state0"]
+    ok = jnp.asarray([(0 <= s < S) for s in slots])[:, None, None, None]
+    return jnp.where(ok, s0, jnp.zeros_like(s0))
+
+
+def _args(x):
+    return {k: v for k, v in x.items() if k != "state0"}
+
+
+def _case(seed, dtype, shape=SHAPE):
+    rng = np.random.default_rng(seed)
+    x = verify_inputs(seed, shape, kind="mixed", state_dtype=dtype)
+    S = 2 * shape.N + 3
+    slots = rng.permutation(S)[: shape.N].astype(np.int32)
+    slots[1] = S + 2  # padding slots read zeros
+    slots[3] = -1
+    return rng, x, S, slots
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("record", gl.RECORD_MODES)
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_verify_reads_the_pool_by_slot(backend, record, dtype, seed):
+    rng, x, S, slots = _case(seed, dtype)
+    pool1 = _pool_of(x, S, slots, rng, dtype)
+    L, layer = 3, 1
+    pool = jnp.stack([pool1 + 1, pool1, pool1 - 1]).astype(dtype)
+    want = gl.verify(_expected_state0(x, slots, S), **_args(x), record=record, backend=backend)
+
+    got1 = gl.verify(pool1, **_args(x), slots=slots, record=record, backend=backend)
+    assert_bitwise_equal(want, got1, "one-layer pool [S, HV, V, K]")
+    got = gl.verify(pool, **_args(x), slots=slots, layer=layer, record=record, backend=backend)
+    assert_bitwise_equal(want, got, f"pool [L={L}, S, HV, V, K] at layer {layer}")
+    # (the inputs are arguments: closed over, XLA would fold the gates with the host's exp)
+    traced = jax.jit(lambda p, l, s, y: gl.verify(p, **y, slots=s, layer=l, record=record, backend=backend))
+    assert_bitwise_equal(want, traced(pool, jnp.int32(layer), jnp.asarray(slots), _args(x)), "traced layer under jit")
+    # Control: the neighbouring layer holds other states.
+    wrong = gl.verify(pool, **_args(x), slots=slots, layer=layer + 1, record=record, backend=backend)
+    assert_bitwise_differs(want[0], wrong[0], "the wrong layer must give other outputs")
+
+
+def _fresh_buffer(record, L, R, Dmax, s: Shape, dtype, rng):
+    """A tape buffer filled with random bits (so that any stray write shows)."""
+    if record == "snapshots":
+        return gl.Snapshots(jnp.asarray(rng.standard_normal((L, R, Dmax, s.HV, s.V, s.K), np.float32)).astype(dtype))
+    f = lambda *shp: jnp.asarray(rng.standard_normal(shp, np.float32))  # noqa: E731
+    return gl.Tuples(u=f(L, R, Dmax, s.HV, s.V), k=f(L, R, Dmax, s.H, s.K), g=f(L, R, Dmax, s.HV))
+
+
+def _expected_buffer(buf, layer, rows, tape):
+    """The buffer with request n's tape at [layer, rows[n], :D], built in NumPy."""
+
+    def put(b, t):
+        b = np.array(b)
+        for n, r in enumerate(rows):
+            if 0 <= r < b.shape[1]:
+                b[layer, r, : t.shape[1]] = np.asarray(t[n]).astype(b.dtype)
+        return jnp.asarray(b)
+
+    return jax.tree.map(put, buf, tape)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("record", gl.RECORD_MODES)
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_tape_lands_in_place(backend, record, dtype, seed):
+    rng, x, S, slots = _case(seed, dtype)
+    s = SHAPE
+    pool = jnp.stack([_pool_of(x, S, slots, rng, dtype)] * 2)
+    L, R, Dmax, layer = 2, s.N + 3, s.D + 2, 1
+    rows = rng.permutation(R)[: s.N].astype(np.int32)
+    rows[2] = R + 4  # out of range: nothing written
+    buf = _fresh_buffer(record, L, R, Dmax, s, dtype, rng)
+    out_want, tape = gl.verify(_expected_state0(x, slots, S), **_args(x), record=record, backend=backend)
+    want = _expected_buffer(buf, layer, rows, tape)
+
+    step = jax.jit(
+        lambda p, b, l, sl, rw, y: gl.verify(p, **y, slots=sl, layer=l, tape=b, rows=rw, backend=backend),
+        donate_argnums=1,
+    )
+    copy = jax.tree.map(jnp.copy, buf)
+    out, got = step(pool, copy, jnp.int32(layer), jnp.asarray(slots), jnp.asarray(rows), _args(x))
+    assert_bitwise_equal(out_want, out, "outputs with the tape written in place")
+    assert_bitwise_equal(want, got, "the buffer: request rows written, every other element kept")
+
+    # A per-layer buffer [R, Dmax, ...] (no layer axis) with the state0 form.
+    one = jax.tree.map(lambda b: b[0], buf)
+    out1, got1 = gl.verify(_expected_state0(x, slots, S), **_args(x), tape=one, rows=rows, backend=backend)
+    assert_bitwise_equal(out_want, out1)
+    assert_bitwise_equal(jax.tree.map(lambda w: w[0], _expected_buffer(buf, 0, rows, tape)), got1, "per-layer buffer")
+    # Control: rows shifted by one land elsewhere.
+    assert_bitwise_differs(want, _expected_buffer(buf, layer, np.roll(rows, 1), tape), "shifted rows")
+
+
+def test_buffer_errors_name_the_argument():
+    x = verify_inputs(0, SHAPE)
+    s = SHAPE
+    buf = gl.Tuples(u=jnp.zeros((2, s.N, s.D - 1, s.HV, s.V)), k=jnp.zeros((2, s.N, s.D - 1, s.H, s.K)),
+                    g=jnp.zeros((2, s.N, s.D - 1, s.HV)))  # fmt: skip
+    with pytest.raises(ValueError, match="Dmax=2 draft steps, fewer than D=3"):
+        gl.verify(x["state0"], **_args(x), tape=jax.tree.map(lambda b: b[0], buf))
+    with pytest.raises(ValueError, match="leading layer axis .* pass layer="):
+        gl.verify(x["state0"], **_args(x), tape=jax.tree.map(lambda b: jnp.pad(b, [(0, 0), (0, 0), (0, 1)] + [(0, 0)] * (b.ndim - 3)), buf))
+    with pytest.raises(ValueError, match="record='snapshots' but the tape buffer is a Tuples tape"):
+        gl.verify(x["state0"], **_args(x), record="snapshots", tape=jax.tree.map(lambda b: b[0], buf))
+    with pytest.raises(ValueError, match="'layer' must be in \\[0, 2\\)"):
+        gl.verify(jnp.zeros((2, 4, s.HV, s.V, s.K)), **_args(x), slots=jnp.arange(s.N), layer=2)
+    with pytest.raises(ValueError, match="rows= maps requests to rows of a tape buffer"):
+        gl.verify(x["state0"], **_args(x), rows=jnp.arange(s.N))
+
+
+# ---------------------------------------------------------------------------------------
+# The pool path
+# ---------------------------------------------------------------------------------------
+GEOMETRY = get_geometry("qwen3.6-35b-a3b").reduced(gdn_layers=2, heads_divisor=8, head_dim=K_)
+
+
+def _pool_inputs(seed, N, D, dtype=F32, g=GEOMETRY):
+    rng = np.random.default_rng(seed)
+    f = lambda *s, sc=1.0: jnp.asarray(sc * rng.standard_normal(s, np.float32))  # noqa: E731
+    layers = [dict(conv_weight=f(g.conv_dim, g.conv_kernel, sc=0.5), conv_bias=f(g.conv_dim, sc=0.1),
+                   A_log=f(g.num_v_heads, sc=0.5), dt_bias=f(g.num_v_heads, sc=0.5)) for _ in range(g.gdn_layers)]  # fmt: skip
+    steps = [dict(mixed_qkv=f(N, D, g.conv_dim).astype(BF16), a=f(N, D, g.num_v_heads).astype(BF16),
+                  b=f(N, D, g.num_v_heads).astype(BF16)) for _ in range(g.gdn_layers)]  # fmt: skip
+    return rng, layers, steps
+
+
+def _filled_pool(rng, record, dtype, slots=9, requests=4, drafts=4, g=GEOMETRY):
+    p = gpool.allocate(g, slots=slots, requests=requests, drafts=drafts, record=record, state_dtype=dtype)
+    fill = lambda x: jnp.asarray(rng.standard_normal(x.shape, np.float32)).astype(x.dtype)  # noqa: E731
+    return jax.tree.map(fill, p)
+
+
+def _old_verify_layer(p, layer, x, prm, slots, rows, backend):
+    """The pool path before: gathered states and conv states, verify, then a copy into the scratch."""
+    g = p.geometry
+    N, D, _ = x["mixed_qkv"].shape
+    s = jnp.where((slots >= 0) & (slots < p.ssm.shape[1]), slots, p.ssm.shape[1])
+    conv_state = p.conv.at[layer, s].get(mode="fill", fill_value=0)
+    state0 = p.ssm.at[layer, s].get(mode="fill", fill_value=0)
+    y, windows = causal_conv1d_verify(conv_state, x["mixed_qkv"], prm["conv_weight"], prm["conv_bias"])
+    HK = g.num_k_heads * g.head_k_dim
+    q = y[..., :HK].reshape(N, D, g.num_k_heads, g.head_k_dim)
+    k = y[..., HK : 2 * HK].reshape(N, D, g.num_k_heads, g.head_k_dim)
+    v = y[..., 2 * HK :].reshape(N, D, g.num_v_heads, g.head_v_dim)
+    out, tape = gl.verify(state0, q, k, v, x["a"], x["b"], prm["A_log"], prm["dt_bias"], record=p.record, backend=backend)
+    return out, gpool.store_layer(p, layer, tape, windows, rows)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("record", gl.RECORD_MODES)
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_pool_verify_layer_equals_the_old_path(backend, record, dtype, seed):
+    N, D = 4, 3  # D below the scratch's 4
+    rng, layers, steps = _pool_inputs(seed, N, D)
+    p = _filled_pool(rng, record, dtype)
+    slots = jnp.asarray(rng.permutation(p.slots)[:N].astype(np.int32)).at[2].set(p.slots)  # the padding slot
+    rows = jnp.asarray(rng.permutation(p.rows)[:N].astype(np.int32))
+    copy = lambda t: jax.tree.map(jnp.copy, t)  # noqa: E731
+    want_p, got_p = copy(p), copy(p)
+    for layer in range(GEOMETRY.gdn_layers):
+        want_o, want_p = _old_verify_layer(want_p, layer, steps[layer], layers[layer], slots, rows, backend)
+        got_o, got_p = gpool.verify_layer(got_p, layer, **steps[layer], **layers[layer], slots=slots, rows=rows,
+                                          backend=backend)  # fmt: skip
+        assert_bitwise_equal(want_o, got_o, f"layer {layer} outputs")
+    assert_bitwise_equal(want_p, got_p, "the whole pool (states, scratch, windows) after all layers")
+    # Control: a request mapped to another row leaves a different scratch.
+    _, other = _old_verify_layer(copy(p), 0, steps[0], layers[0], slots, jnp.roll(rows, 1), backend)
+    assert_bitwise_differs(want_p.tape, other.tape, "rows rolled by one")
+
+
+# ---------------------------------------------------------------------------------------
+# The compiled step holds no pool-sized or tape-sized copy
+# ---------------------------------------------------------------------------------------
+def step_fn(backend: str, unroll: bool):
+    """A user's whole step: every layer's ``pool.verify_layer`` in a ``lax.scan`` (or unrolled),
+    then ``pool.commit``; the pool is donated."""
+
+    def step(p, prms, xs, slots, rows, acc, tslots, tsteps):
+        def layer(p, lx):
+            i, prm, x = lx
+            out, p = gpool.verify_layer(p, i, **x, **prm, slots=slots, rows=rows, backend=backend)
+            return p, out
+
+        ids = jnp.arange(p.geometry.gdn_layers, dtype=jnp.int32)
+        if unroll:
+            outs = []
+            for i in range(p.geometry.gdn_layers):
+                p, o = layer(p, (ids[i], jax.tree.map(lambda t: t[i], prms), jax.tree.map(lambda t: t[i], xs)))
+                outs.append(o)
+            outs = jnp.stack(outs)
+        else:
+            p, outs = jax.lax.scan(layer, p, (ids, prms, xs))
+        return outs, gpool.commit(p, slots, acc, tslots, tsteps, rows, backend=backend)
+
+    return jax.jit(step, donate_argnums=0)
+
+
+_SHAPE_RE = re.compile(r"=\s*(?:f32|bf16|s32|f16)\[([\d,]+)\]")
+_COMP_RE = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_IN_PLACE = ("dynamic-update-slice", "scatter")  # fusion roots that update their operand's buffer
+
+
+def pool_copies(compiled, p) -> tuple[list[str], int]:
+    """What in a compiled step (``jax.jit(...).lower(...).compile()``, the pool donated as its
+    first argument) copies the pool or its scratch, or passes over all of it: ``copy``
+    instructions, and fusions whose root is not an in-place update (``dynamic-update-slice``,
+    ``scatter``), of a pool, tape or one layer's slice shape; donated bytes that do not alias
+    the output (a new array instead of the donated one). Returns those, and the bytes of
+    temporaries (which must not grow with the pool: see the test)."""
+    leaves = jax.tree.leaves((p.ssm, p.tape, p.conv_windows))
+    shapes = {tuple(x.shape) for x in leaves} | {tuple(x.shape[1:]) for x in jax.tree.leaves((p.ssm, p.tape))}
+    hlo = compiled.as_text()
+    roots, comp = {}, None
+    for line in hlo.splitlines():
+        m = _COMP_RE.match(line)
+        if m:
+            comp = m.group(1)
+        elif comp and line.strip().startswith("ROOT"):
+            op = re.search(r"\s([a-z][\w\-]*)\(", line.split("=", 1)[1])
+            roots[comp] = op.group(1) if op else ""
+    bad = []
+    for line in hlo.splitlines():
+        m = _SHAPE_RE.search(line)
+        if not m or tuple(int(d) for d in m.group(1).split(",")) not in shapes:
+            continue
+        op = re.search(r"\]\S*\s([a-z][\w\-]*)\(", line)
+        op = op.group(1) if op else ""
+        if op in ("copy", "copy-start"):
+            bad.append(line.strip()[:160])
+        elif op == "fusion":
+            called = re.search(r"calls=%?([\w.\-]+)", line)
+            root = roots.get(called.group(1), "") if called else ""
+            if not root.startswith(_IN_PLACE):
+                bad.append(f"[fusion, root {root}] " + line.strip()[:160])
+    mem = compiled.memory_analysis()
+    donated = sum(x.nbytes for x in jax.tree.leaves(p))
+    if mem.alias_size_in_bytes < donated:
+        bad.append(f"only {mem.alias_size_in_bytes} of the {donated} donated bytes alias the output")
+    return bad, mem.temp_size_in_bytes
+
+
+# On a CPU the Pallas kernels run in interpret mode, which emulates a kernel's refs with
+# XLA loops over copies of its operands: only the reference's HLO is the one users run there.
+# On a GPU the kernels are custom calls; the reference gathers the states by design.
+HLO_BACKENDS = [b for b in BACKENDS if b != "pallas" and b != "reference"] + (["pallas"] if ON_GPU else ["reference"])
+
+
+def _compiled_step(backend, record, unroll, seed, copy_pool=False, size=1):
+    # The same step (4 requests) on a pool and scratch of `size` times 16 slots and 8 rows.
+    N, D = 4, 4
+    rng, layers, steps = _pool_inputs(seed, N, D)
+    p = _filled_pool(rng, record, F32, slots=16 * size, requests=8 * size)
+    stack = lambda ds: jax.tree.map(lambda *t: jnp.stack(t), *ds)  # noqa: E731
+    ix = [jnp.asarray(rng.permutation(p.slots)[:N].astype(np.int32)), jnp.arange(N, dtype=jnp.int32),
+          jnp.asarray([0, 3, -1, 2], jnp.int32), jnp.asarray([p.slots - 1, -1, -1, -1], jnp.int32),
+          jnp.asarray([0, -1, -1, -1], jnp.int32)]  # fmt: skip
+    f = step_fn(backend, unroll)
+    if copy_pool:  # control: a step that passes over the whole pool (XLA folds x + 0.0, not x * 1.5)
+        g = f
+
+        def f_copy(p, *a):
+            outs, p = g(p, *a)
+            return outs, dataclasses.replace(p, ssm=p.ssm * 1.5)
+
+        f = jax.jit(f_copy, donate_argnums=0)
+    return pool_copies(f.lower(p, stack(layers), stack(steps), *ix).compile(), p)
+
+
+@pytest.mark.parametrize("backend", HLO_BACKENDS)
+@pytest.mark.parametrize("record", gl.RECORD_MODES)
+@pytest.mark.parametrize("unroll", [False, True], ids=["scan", "unrolled"])
+def test_compiled_step_has_no_pool_or_tape_copy(backend, record, unroll, seed):
+    bad, temps = _compiled_step(backend, record, unroll, seed)
+    assert not bad, "the compiled step copies the pool or its scratch:\n" + "\n".join(bad)
+    # A copy fused into other work would need temporaries that grow with the pool or the scratch
+    # by at least one layer's tape field (a few hundred bytes of alignment may move).
+    _, temps2 = _compiled_step(backend, record, unroll, seed, size=2)
+    field = min(x.nbytes // x.shape[0] for x in jax.tree.leaves(_filled_pool(np.random.default_rng(0), record, F32, slots=16, requests=8).tape))
+    assert temps2 - temps < field // 4, f"temporaries grow with the pool: {temps} bytes, {temps2} with twice the slots and rows"
+    # Control: the same check finds the copy of a step that writes a new pool.
+    assert _compiled_step(backend, record, unroll, seed, copy_pool=True)[0], "the control step's copy was not found"
