@@ -372,7 +372,8 @@ def _check_tuples(
     nl = len(lead)
     _check_rank(fn, f"{prefix}.u", tuples.u, nl + 3, f"[{lead_dims}, D, HV, V]")
     D = _shape(tuples.u)[nl]
-    _check_shape(fn, f"{prefix}.u", tuples.u, (*lead, D, HV, V), f"[{lead_dims}, D, HV, V]", "HV, V from the state")
+    source = "L, HV, V from the pool" if nl == 2 else "HV, V from the state"
+    _check_shape(fn, f"{prefix}.u", tuples.u, (*lead, D, HV, V), f"[{lead_dims}, D, HV, V]", source)
     _check_rank(fn, f"{prefix}.k", tuples.k, nl + 3, f"[{lead_dims}, D, H, K]")
     H = _shape(tuples.k)[nl + 1]
     _check_shape(fn, f"{prefix}.k", tuples.k, (*lead, D, H, K), f"[{lead_dims}, D, H, K]", "from the u field and K")

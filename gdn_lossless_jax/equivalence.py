@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import api, backends, reference, rounding
+from . import api, backends, fuzz, reference, rounding
 from .cases import CommitIndices, Shape, commit_indices, verify_inputs
 from .tape import Snapshots, Tuples, stack_tapes
 from .testing import assert_bitwise_differs, assert_bitwise_equal
@@ -158,13 +158,7 @@ def commit_both(case: Case, commit=None):
 
 def request_writes(case: Case, n: int) -> tuple[int | None, int | None]:
     """(accepted slot, track slot) request n may write by the masking rules, or None."""
-    i, S = case.idx, case.pool.shape[1]
-    R, D = case.tuples.u.shape[1], case.shape.D
-    if not (0 <= i.slots[n] < S and 0 <= i.rows[n] < R):
-        return None, None  # skipped entirely, track copy included
-    acc = int(i.slots[n]) if 0 <= i.steps[n] < D else None
-    trk = int(i.track_slots[n]) if 0 <= i.track_steps[n] < D and 0 <= i.track_slots[n] < S else None
-    return acc, trk
+    return fuzz.request_writes(case.idx, n, S=case.pool.shape[1], R=case.tuples.u.shape[1], D=case.shape.D)
 
 
 def written_slots(case: Case) -> tuple[set, set]:
@@ -179,15 +173,7 @@ def check_commit(case: Case, commit=None):
     by_tuples, by_snapshots = commit_both(case, commit)
     assert_bitwise_equal(by_snapshots, by_tuples, "pool after tuple commit vs snapshot commit")
     # Against an expectation built by hand from the snapshots.
-    expected = np.array(case.pool)
-    snap = np.asarray(case.snapshots.states)
-    i = case.idx
-    for n in range(case.shape.N):
-        acc, trk = request_writes(case, n)
-        if trk is not None:
-            expected[:, trk] = snap[:, i.rows[n], i.track_steps[n]]
-        if acc is not None:
-            expected[:, acc] = snap[:, i.rows[n], i.steps[n]]
+    expected = fuzz.expected_pool(np.asarray(case.pool), np.asarray(case.snapshots.states), case.idx)
     assert_bitwise_equal(expected, by_tuples, "pool after tuple commit vs expected")
     acc, trk = written_slots(case)
     untouched = np.array([s not in acc | trk for s in range(expected.shape[1])])
