@@ -227,11 +227,8 @@ def allocate(
     conv_dtype=jnp.bfloat16,
     topk: int = 1,
     parents: Any = None,
-<<<<<<< HEAD
     defer_commit: bool = False,
-=======
     free_bytes: int | None = None,
->>>>>>> hard
 ) -> StatePool:
     """A zero-filled pool for ``slots`` mamba slots, ``requests`` running requests and D drafts.
 
@@ -267,23 +264,20 @@ def allocate(
     window_spec = conv_window_spec(geometry, rows, drafts, conv_dtype=conv_dtype)
     sizes = {k: v.nbytes for k, v in specs.items()}
     sizes |= {"tape": sum(v.nbytes for v in tape_fields.values()), "conv_windows": window_spec.nbytes}
+    if defer_commit:  # the second scratch tape
+        sizes["deferred tape"] = sizes["tape"]
     _check_fits(fn, sizes, free_bytes)
     zeros = lambda spec: jnp.zeros(spec.shape, spec.dtype)  # noqa: E731
     states = {k: zeros(s) for k, s in specs.items()}
     fields = {k: zeros(s) for k, s in tape_fields.items()}
     tape = Snapshots(**fields) if record == "snapshots" else Tuples(**fields)
-<<<<<<< HEAD
-    windows = zeros(conv_window_spec(geometry, rows, drafts, conv_dtype=conv_dtype))
+    windows = zeros(window_spec)
     deferred = None
     if defer_commit:
         off = [jnp.full((rows,), -1, jnp.int32) for _ in range(5)]  # separate buffers: the pool is donated
         deferred = Deferred(jax.tree.map(jnp.zeros_like, tape), *off, jnp.zeros((rows,), bool))
     return StatePool(ssm=states["ssm"], conv=states["conv"], tape=tape, conv_windows=windows, geometry=geometry,
                      deferred=deferred)  # fmt: skip
-=======
-    windows = zeros(window_spec)
-    return StatePool(ssm=states["ssm"], conv=states["conv"], tape=tape, conv_windows=windows, geometry=geometry)
->>>>>>> hard
 
 
 def device_free_bytes(device: jax.Device | None = None) -> tuple[int | None, str]:
@@ -362,6 +356,11 @@ def _check_arrays(fn: str, pool: StatePool) -> None:
                 f"V={g.head_v_dim}) with {S} slots, {rows} scratch rows and D={D} (from its conv windows) has "
                 f"{spec.dtype} {_fmt(spec.shape)}: it was recorded for another geometry, record mode or pool"
             )
+    if pool.deferred is not None:
+        for got, want in zip(jax.tree.leaves(pool.deferred.tape), jax.tree.leaves(pool.tape)):
+            if _shape(got) != _shape(want) or got.dtype != want.dtype or type(pool.deferred.tape) is not type(pool.tape):
+                raise ValueError(f"{fn}: the pool's deferred tape must be shaped like its tape, "
+                                 f"got {type(pool.deferred.tape).__name__} {_fmt(_shape(got))}")  # fmt: skip
 
 
 def _check_rows(fn: str, rows, N: int):
@@ -523,12 +522,12 @@ def commit(
 ) -> StatePool:
     """Commit every layer: accepted (and track) SSM states and conv windows (the pool is donated).
 
-<<<<<<< HEAD
     Arguments and skipping rules as in :func:`gdn_lossless_jax.commit` (``[N]`` int each;
     ``steps`` are 0-based, not accepted lengths); the SSM part is that function on
     ``pool.ssm`` and ``pool.tape``, the conv part :func:`gdn_lossless_jax.conv.conv_commit`
     on ``pool.conv`` and ``pool.conv_windows``. Returns the new pool; the scratch is left
-    as it was.
+    as it was. A pool whose arrays are not those :func:`allocate` gives its geometry (a tape
+    from another geometry, record mode or pool) is rejected before anything is donated.
 
     ``checked=True`` raises instead of skipping (:mod:`gdn_lossless_jax.checked`), before
     the pool is donated, so the pool is still usable after the error. The bounds are the
@@ -537,21 +536,10 @@ def commit(
     """
     if not isinstance(pool, StatePool):
         raise TypeError(f"commit: argument 'pool' must be a StatePool, got {type(pool).__name__}")
+    _check_arrays("commit", pool)
     if checked:
         ints = api._commit_index_args("pool.commit", slots, steps, track_slots, track_steps, rows)
         checked_mode.check_commit("pool.commit", pool.ssm.shape[1], pool.rows, pool.drafts, *ints)
-=======
-    Arguments and skipping rules as in :func:`gdn_lossless_jax.commit` (``[N]`` int each);
-    the SSM part is that function on ``pool.ssm`` and ``pool.tape``, the conv part
-    :func:`gdn_lossless_jax.conv.conv_commit` on ``pool.conv`` and ``pool.conv_windows``.
-    Returns the new pool; the scratch is left as it was. A pool whose arrays are not those
-    :func:`allocate` gives its geometry (a tape from another geometry, record mode or pool)
-    is rejected before anything is donated.
-    """
-    if not isinstance(pool, StatePool):
-        raise TypeError(f"commit: argument 'pool' must be a StatePool, got {type(pool).__name__}")
-    _check_arrays("commit", pool)
->>>>>>> hard
     # Defaults (None) are filled, and every argument checked, by the two commits it calls.
     return _commit(pool, slots, steps, track_slots, track_steps, rows, backend=backend)
 
