@@ -661,7 +661,10 @@ def _run(plan: MeshPlan, name: str, call: _Static, fill_rows, names: tuple, dona
     both = {**donated, **kept}  # jit sorted the keys: back to the signature's order, for messages
     given = {k: both[k] for k in names if both.get(k) is not None}
     # The unsharded function's own checks, on the global shapes (messages name global sizes).
-    result = jax.eval_shape(lambda g: call.fn({**dict.fromkeys(names), **g}), given)
+    # Shapes without their shardings: on a mesh of Explicit axes the types carry them, and the
+    # global gathers would ask for output shardings.
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), given)
+    result = jax.eval_shape(lambda g: call.fn({**dict.fromkeys(names), **g}), shapes)
     H, HV = _heads(given)
     _check_heads_split(fn, H, HV, plan.tp, plan.tensor)
     kinds = _arg_kinds(name, given)
