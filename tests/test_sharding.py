@@ -460,3 +460,21 @@ def test_one_device_mesh_step_equals_unsharded(backend, record, seed):
         fn = jax.jit(lambda q, prm, xs, ix, pl=pl: bs._pool_scan_step(q, prm, xs, ix, backend, pl), donate_argnums=0)
         pool_results[name] = fn(jax.tree.map(jnp.copy, p), inp.params, inp.pool_inputs, ix)
     assert_bitwise_equal(pool_results["plain"], pool_results["mesh"], "pool step on a one-device mesh vs unsharded")
+
+
+@needs_mesh
+@pytest.mark.parametrize("record", ["tuples", "snapshots"])
+def test_memory_tp_table_is_what_each_device_of_a_mesh_holds(record):
+    """``gdn-lossless memory --tp``'s per-device bytes == the shard each device of a 4-way
+    tensor mesh holds of a pool from MeshPlan.allocate."""
+    from gdn_lossless_jax import memory
+
+    plan = make_plan(4, 1)
+    p = plan.allocate(GEOMETRY, slots=7, requests=3, drafts=SHAPE.D, record=record)
+    (row,) = memory.tp_table([GEOMETRY], (4,), drafts=SHAPE.D, requests=3, slots=7)
+    held = {d: 0 for d in plan.mesh.devices.flat}
+    for name in ("ssm", "conv", "tape", "conv_windows"):
+        for x in jax.tree.leaves(getattr(p, name)):
+            for shard in x.addressable_shards:
+                held[shard.device] += shard.data.nbytes
+    assert set(held.values()) == {row.total(record)}
