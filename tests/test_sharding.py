@@ -63,9 +63,9 @@ def make_plan(tp: int, dp: int) -> sharding.MeshPlan:
 def test_mesh_suite_in_subprocess():
     flags = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={MESH_DEVICES}").strip()
     env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-    # The one-device tests already ran here.
+    # The one-device and multi-process tests run here.
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", __file__, "-k",
-           "not one_device"]  # fmt: skip
+           "not one_device and not multihost"]  # fmt: skip
     t = time.perf_counter()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     run = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=600)
@@ -478,3 +478,21 @@ def test_memory_tp_table_is_what_each_device_of_a_mesh_holds(record):
             for shard in x.addressable_shards:
                 held[shard.device] += shard.data.nbytes
     assert set(held.values()) == {row.total(record)}
+
+
+# ---------------------------------------------------------------------------------
+# Several processes (jax.distributed), on this machine's CPUs.
+# ---------------------------------------------------------------------------------
+def test_multihost_example_runs_a_2x2_mesh_over_two_processes():
+    """examples/multihost.py: 2 processes x 2 CPU devices joined through a coordinator on
+    127.0.0.1; each process's shards of the sharded verify and commit (both record modes) equal
+    the single-device run bit for bit."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    cmd = [sys.executable, os.path.join(root, "examples", "multihost.py"), "--processes", "2", "--devices", "2",
+           "--timeout", "240", "--seed", str(int(os.environ["GDN_SEED"]))]  # fmt: skip
+    run = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-4000:]
+    assert out.count("shards held here bit-identical to the single-device run") == 2, out[-4000:]
+    assert "mesh 2 data x 2 tensor" in out and "multihost: OK" in out
