@@ -273,7 +273,7 @@ class MeshPlan:
     >>> import jax
     >>> plan = MeshPlan(jax.make_mesh((1, 1), ("data", "tensor")), tensor="tensor", data="data")
     >>> plan.spec("heads", 4), plan.spec("pool_state", 5)
-    (PartitionSpec('data', None, 'tensor', None), PartitionSpec(None, 'data', 'tensor', None, None))
+    (P('data', None, 'tensor', None), P(None, 'data', 'tensor', None, None))
     """
 
     mesh: Mesh
@@ -333,7 +333,7 @@ class MeshPlan:
         >>> import jax, jax.numpy as jnp
         >>> plan = MeshPlan(jax.make_mesh((1,), ("tensor",)), tensor="tensor")
         >>> plan.put(jnp.zeros((2, 3, 4)), "per_step").sharding.spec
-        PartitionSpec(None, None, 'tensor')
+        P(None, None, 'tensor')
         """
         self.check_divisible("MeshPlan.put", "tree", tree, kinds)
         return jax.device_put(tree, self.shardings(kinds, tree))
