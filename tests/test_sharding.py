@@ -39,17 +39,41 @@ from gdn_lossless_jax import reference, rounding, sharding
 from gdn_lossless_jax.cases import Shape, commit_indices, verify_inputs
 from gdn_lossless_jax.testing import assert_bitwise_differs, assert_bitwise_equal, ulp_stats
 
-MESH_DEVICES = 8
-HAVE_MESH = len(jax.devices()) >= MESH_DEVICES
-needs_mesh = pytest.mark.skipif(
-    not HAVE_MESH, reason=f"needs {MESH_DEVICES} devices: test_mesh_suite_in_subprocess runs these on simulated CPU devices"
-)
+N_DEVICES = len(jax.devices())
+SIMULATED = 8  # the CPU devices of test_mesh_suite_in_subprocess
+
+
+def needs_devices(n: int):
+    return pytest.mark.skipif(
+        N_DEVICES < n,
+        reason=f"needs {n} devices, {N_DEVICES} here (on a CPU, test_mesh_suite_in_subprocess runs this on "
+        f"{SIMULATED} simulated devices)",
+    )
+
+
+needs_mesh = needs_devices(SIMULATED)
+# Backends per shard: the reference on a CPU; on GPUs also the kernels (a host with two or more GPUs
+# runs the meshes that fit).
+BACKENDS = ["reference"] + (["pallas"] + (["triton"] if importlib.util.find_spec("jax_triton") else []) if ON_GPU else [])
+
+
+def mesh_params(meshes, backends=("reference",), extra=((),)):
+    """``(tp, dp, backend, *extra)`` parameters, each needing ``tp * dp`` devices."""
+    return [
+        pytest.param(tp, dp, b, *e, id="-".join([f"mesh-tp{tp}-dp{dp}", b, *map(str, e)]), marks=needs_devices(tp * dp))
+        for tp, dp in meshes
+        for b in backends
+        for e in extra
+    ]
+
 
 # (tensor, data) sizes of the meshes: 2- and 4-way over heads, 2-way over requests, 2 x 2.
 MESHES = [(2, 1), (4, 1), (1, 2), (2, 2)]
-# H = 4 q/k heads of 2 v-heads each (4-way: one q/k head and its two v-heads per device).
-SHAPE = Shape(N=6, D=3, H=4, HV=8, K=16, V=16)
-GEOMETRY = gl.get_geometry("qwen3.6-35b-a3b").reduced(gdn_layers=2, heads_divisor=4, head_dim=16)
+# H = 4 q/k heads of 2 v-heads each (4-way: one q/k head and its two v-heads per device); the
+# kernels' own head sizes on a GPU.
+HEAD_DIM = 128 if ON_GPU else 16
+SHAPE = Shape(N=6, D=3, H=4, HV=8, K=HEAD_DIM, V=HEAD_DIM)
+GEOMETRY = gl.get_geometry("qwen3.6-35b-a3b").reduced(gdn_layers=2, heads_divisor=4, head_dim=HEAD_DIM)
 TIE = 1e-4  # a top-2 logit gap below this is a near-tie (as tests/test_model.py counts them)
 COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")
 
@@ -59,9 +83,9 @@ def make_plan(tp: int, dp: int) -> sharding.MeshPlan:
     return sharding.MeshPlan(Mesh(devices, ("data", "tensor")), tensor="tensor", data="data")
 
 
-@pytest.mark.skipif(HAVE_MESH, reason=f"{MESH_DEVICES} devices here: the mesh tests run in this process")
+@pytest.mark.skipif(N_DEVICES >= SIMULATED, reason=f"{N_DEVICES} devices here: the mesh tests run in this process")
 def test_mesh_suite_in_subprocess():
-    flags = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={MESH_DEVICES}").strip()
+    flags = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={SIMULATED}").strip()
     env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     # The one-device and multi-process tests run here.
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", __file__, "-k",
@@ -138,14 +162,13 @@ def sharded_case(plan: sharding.MeshPlan, seed: int, *, L: int = 2, s: Shape = S
     return case, want, programs
 
 
-@needs_mesh
-@pytest.mark.parametrize("tp,dp", MESHES, ids=[f"mesh-tp{t}-dp{d}" for t, d in MESHES])
-def test_shard_equivalence_suite(tp, dp, seed):
+@pytest.mark.parametrize("tp,dp,backend", mesh_params(MESHES, BACKENDS))
+def test_shard_equivalence_suite(tp, dp, backend, seed):
     """Both record modes on the mesh: bit-identical to one device (outputs, tapes, commits), and
     the shared suite's checks on the sharded results (modes agree, every step replays to its
     snapshot, tuple commit == snapshot commit == the expected writes, untouched slots)."""
     plan = make_plan(tp, dp)
-    case, single, programs = sharded_case(plan, seed)
+    case, single, programs = sharded_case(plan, seed, backend=backend)
     for record in ("tuples", "snapshots"):
         assert_bitwise_equal(single[record], getattr(case, f"outputs_{record}"), f"{record} outputs vs one device")
     crop = jax.tree.map(lambda a: a[:, :, : SHAPE.D], single["tape"])
@@ -155,7 +178,7 @@ def test_shard_equivalence_suite(tp, dp, seed):
     programs["commit"] = Compiled(lambda p, t, ix: plan.commit(p, t, *ix, backend=case.backend))
     by_tuples = check_commit(case, commit=lambda pool, tape, *ix: programs["commit"](pool, tape, ix))
     args = case.idx.as_args()
-    assert_bitwise_equal(gl.commit(case.pool, single["tape"]["tuples"], *args, backend="reference"), by_tuples,
+    assert_bitwise_equal(gl.commit(case.pool, single["tape"]["tuples"], *args, backend=backend), by_tuples,
                          "sharded commit vs one device")  # fmt: skip
     # replay on the mesh (requests over data, heads over tensor) == the snapshots
     R = case.tuples.u.shape[1]
@@ -231,21 +254,23 @@ def run_pool_step(plan, seed, record, backend):
     return (outs_one, one), (outs_mesh, back), mesh_pool
 
 
-@needs_mesh
-@pytest.mark.parametrize("record", ["tuples", "snapshots"])
-@pytest.mark.parametrize("tp,dp", [(2, 2)], ids=["mesh-tp2-dp2"])
-def test_shard_pool_verify_layer_and_commit(tp, dp, record, seed):
+POOL_MESHES = [(2, 1), (1, 2), (2, 2)] if ON_GPU else [(2, 2)]
+
+
+@pytest.mark.parametrize("tp,dp,backend,record", mesh_params(POOL_MESHES, BACKENDS, [("tuples",), ("snapshots",)]))
+def test_shard_pool_verify_layer_and_commit(tp, dp, backend, record, seed):
     """pool.verify_layer and pool.commit on the mesh (conv included) == one device, bit for bit;
     the pool stays sharded (slots over data, heads and conv channels over tensor)."""
     plan = make_plan(tp, dp)
-    want, got, mesh_pool = run_pool_step(plan, seed, record, "reference")
+    want, got, mesh_pool = run_pool_step(plan, seed, record, backend)
     assert_bitwise_equal(want, got, f"pool step on a {tp}x{dp} mesh vs one device")
     for leaf, kind in ((mesh_pool.ssm, "pool_state"), (mesh_pool.conv, "conv_pool"), (mesh_pool.tape, "tape")):
         for x, want in zip(jax.tree.leaves(leaf), jax.tree.leaves(plan.shardings(kind, leaf))):
             assert x.sharding.is_equivalent_to(want, x.ndim), (kind, x.sharding, want)
 
 
-@needs_mesh
+@needs_devices(4)
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the pool test above runs the compiled kernels")
 def test_shard_pallas_interpret_pool_step(seed):
     """The Pallas kernels (interpret mode) per shard on a 2 x 2 mesh: conv, verify from the pool
     by slot with the tape written in place, the commit kernels: == one device."""
@@ -256,7 +281,7 @@ def test_shard_pallas_interpret_pool_step(seed):
 # ---------------------------------------------------------------------------------
 # Controls, errors, collectives, the plain functions under jit.
 # ---------------------------------------------------------------------------------
-@needs_mesh
+@needs_devices(2)
 def test_shard_controls_are_caught(seed):
     """The sharded comparisons catch (1) v-heads split from their q/k head: the same wrapper on
     v-heads in an interleaved order, so that each tensor shard holds v-heads of other shards' q/k
@@ -320,7 +345,7 @@ def test_shard_errors_name_the_argument_and_sizes():
         sharding.MeshPlan(plan.mesh, tensor="model")
 
 
-@needs_mesh
+@needs_devices(4)
 def test_plain_functions_under_jit_with_named_shardings_mesh():
     """The unsharded functions under jit, on arrays placed with the plan's shardings: XLA
     propagates them (reference backend) to the same bits. Collectives are counted, not
@@ -376,24 +401,27 @@ def decode(step, params, state, prompts, slots, rows, track_slots, n_steps, plac
     return seqs, outs, state
 
 
-@needs_mesh
-def test_model_spec_step_on_a_2x2_mesh_gives_identical_tokens(seed):
+MODEL_MESHES = [(2, 1), (1, 2), (2, 2)] if ON_GPU else [(2, 2)]
+
+
+@pytest.mark.parametrize("tp,dp,backend", mesh_params(MODEL_MESHES, ["auto"]))
+def test_model_spec_step_on_a_mesh_gives_identical_tokens(tp, dp, backend, seed):
     """The demo model's speculative step (draft, verify of every layer through the pool, accept,
     commit with prefix-cache track copies) on a 2 x 2 mesh (GDN heads over the tensor axis, batch
-    rows, slots and scratch rows over the data axis) == one device: the same tokens, accept
-    counts and top-2 gaps, and bit-identical final states (SSM, conv, KV)."""
+    rows, slots and scratch rows over the data axis; on GPUs also 2 x 1 and 1 x 2) == one device:
+    the same tokens and accept counts, and bit-identical final states (SSM, conv, KV)."""
     from gdn_lossless_jax.model import SpecStep, allocate_state, get_config, init_params
     from gdn_lossless_jax.model.decode import place_on_mesh
 
     config, D = get_config("tiny"), 4
-    plan = make_plan(2, 2)
+    plan = make_plan(tp, dp)
     rng = np.random.default_rng(seed)
     prompts = [[int(t) for t in rng.integers(0, config.vocab, n)] for n in (9, 1, 14, 5)]
     params = init_params(config, seed % 2**31)
     # Two rows per data shard: slots [0, 6) and rows [0, 3) on shard 0, [6, 12) and [3, 6) on shard 1.
     slots, track_slots, rows = (np.array(x, np.int32) for x in ([0, 1, 6, 7], [2, 3, 8, 9], [0, 1, 3, 4]))
     new = lambda: allocate_state(config, slots=11, requests=5, drafts=D, record="tuples", max_len=64)  # noqa: E731
-    single = SpecStep(config, D, track_interval=8, backend="reference")
+    single = SpecStep(config, D, track_interval=8, backend=backend)
     want, want_out, want_state = decode(single, params, new(), prompts, slots, rows, track_slots, 10)
     step = dataclasses.replace(single, mesh=plan)
     mparams, mstate = place_on_mesh(plan, config, params, new())
@@ -414,8 +442,8 @@ def test_model_spec_step_on_a_2x2_mesh_gives_identical_tokens(seed):
     assert sum(int(o.track_steps.max() >= 0) for o in want_out) >= 1, "the run must exercise a track copy"
     assert sum(int((o.accepted > o.inputs.shape[1] - 3).sum()) for o in want_out), "some drafts must be accepted"
     g, p = config.geometry, got_state.pool
-    back = dataclasses.replace(p, conv=sharding.from_tp_layout(p.conv, g, 2, -2),
-                               conv_windows=sharding.from_tp_layout(p.conv_windows, g, 2, -2))  # fmt: skip
+    back = dataclasses.replace(p, conv=sharding.from_tp_layout(p.conv, g, tp, -2),
+                               conv_windows=sharding.from_tp_layout(p.conv_windows, g, tp, -2))  # fmt: skip
     assert_bitwise_equal(want_state.pool, back, "the pool after 10 steps")
     assert_bitwise_equal(want_state.kv, got_state.kv, "the KV cache after 10 steps")
     assert p.ssm.sharding.is_equivalent_to(plan.sharding("pool_state", 5), 5)
@@ -462,7 +490,7 @@ def test_one_device_mesh_step_equals_unsharded(backend, record, seed):
     assert_bitwise_equal(pool_results["plain"], pool_results["mesh"], "pool step on a one-device mesh vs unsharded")
 
 
-@needs_mesh
+@needs_devices(4)
 @pytest.mark.parametrize("record", ["tuples", "snapshots"])
 def test_memory_tp_table_is_what_each_device_of_a_mesh_holds(record):
     """``gdn-lossless memory --tp``'s per-device bytes == the shard each device of a 4-way
