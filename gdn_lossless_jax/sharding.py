@@ -105,11 +105,13 @@ class Kind:
       data: the axis of requests, slots or rows, split over the data axis.
       tensor: the axis of heads (or conv channels), split over the tensor axis.
       what: what the data axis indexes, for messages.
+      tensor_what: what the tensor axis indexes, for messages.
     """
 
     data: int | None
     tensor: int | None
     what: str = "requests"
+    tensor_what: str = "heads"
 
 
 #: The argument kinds. Ranks may carry leading axes (a layer axis L): axes count from the end.
@@ -127,11 +129,11 @@ KINDS: dict[str, Kind] = {
     "tape_gates": Kind(-3, -1, "rows"),
     "tape_snapshots": Kind(-5, -3, "rows"),
     # the conv pool [L, S, conv_dim, Kc-1] and windows [L, R, conv_dim, D+Kc-2]
-    "conv_pool": Kind(-3, -2, "slots"),
-    "conv_windows": Kind(-3, -2, "rows"),
+    "conv_pool": Kind(-3, -2, "slots", "conv channels"),
+    "conv_windows": Kind(-3, -2, "rows", "conv channels"),
     # A_log, dt_bias [HV]; conv_bias [conv_dim]; conv_weight [conv_dim, Kc]
     "per_head": Kind(None, -1),
-    "conv_weight": Kind(None, -2),
+    "conv_weight": Kind(None, -2, tensor_what="conv channels"),
     # slots, steps, track_slots, track_steps, rows [N]
     "index": Kind(-1, None),
     # layer (a scalar), anything the same on every device
@@ -219,7 +221,9 @@ def to_tp_layout(x, geometry: Geometry, tp: int, axis: int = -1):
     """``x`` with its conv-channel axis (``conv_dim`` long) in the tensor-parallel order.
 
     Use it once at load time on the in-projection's ``[q | k | v]`` output columns, the conv
-    weight (``axis=0``) and bias, and on any conv state or window written before sharding.
+    weight (``axis=0``) and bias, and on any conv state or window written before sharding:
+    on arrays not yet placed on the mesh (a gather across the tensor axis of a placed one is a
+    collective, and on a mesh of Explicit axes JAX asks for its output sharding).
     """
     order = conv_channel_order(geometry, tp)
     _check_channels("to_tp_layout", x, axis, order.size)
@@ -343,7 +347,8 @@ class MeshPlan:
         kinds = _expand(kinds, tree)
         for (path, x), k in zip(jax.tree_util.tree_leaves_with_path(tree), jax.tree.leaves(kinds)):
             kd, shape = KINDS[k], np.shape(x)
-            for dim, axis, size, what in ((kd.data, self.data, self.dp, kd.what), (kd.tensor, self.tensor, self.tp, "heads")):
+            for dim, axis, size, what in ((kd.data, self.data, self.dp, kd.what),
+                                          (kd.tensor, self.tensor, self.tp, kd.tensor_what)):  # fmt: skip
                 if dim is None or axis is None or len(shape) < -dim or shape[dim] % size == 0:
                     continue
                 arg = name + jax.tree_util.keystr(path)
@@ -360,10 +365,10 @@ class MeshPlan:
         row) must be multiples of the data axis size; H of the tensor axis size."""
         fn = "MeshPlan.allocate"
         _check_heads_split(fn, geometry.num_k_heads, geometry.num_v_heads, self.tp, self.tensor)
-        for name, n in (("slots", slots), ("requests", requests)):
+        for name, n, pad in (("slots", slots, "slot"), ("requests", requests, "row")):
             if isinstance(n, int) and (n + 1) % self.dp:
                 raise ValueError(
-                    f"{fn}: {name} + 1 = {n + 1} (with the padding {name[:-1]}) must be a multiple of the data axis "
+                    f"{fn}: {name} + 1 = {n + 1} (with the padding {pad}) must be a multiple of the data axis "
                     f"{self.data!r} of size {self.dp}: e.g. {name}={(n + 1 + self.dp - 1) // self.dp * self.dp - 1}"
                 )
         make = functools.partial(pool_mod.allocate, geometry, slots=slots, requests=requests, drafts=drafts, **kw)
@@ -520,8 +525,7 @@ class MeshPlan:
         """
         if check and self.dp > 1:
             self._check_local(name, args)
-        args = {k: (jnp.asarray(x, jnp.int32) if ARG_KINDS[name].get(k) == "index" and x is not None else x)
-                for k, x in args.items()}  # fmt: skip
+        args = {k: _int32(x) if ARG_KINDS[name].get(k) == "index" else x for k, x in args.items()}
         static = (self, name, _Static(call), fill_rows, tuple(args))
         if donate is None:
             return _run_kept(*static, {}, args)
@@ -545,9 +549,8 @@ class MeshPlan:
             block, per = size // self.dp, n // self.dp
             owner = np.where((idx >= 0) & (idx < size), idx // block, -1)
             shard = np.arange(n) // per
-            if name in ("commit", "pool_commit") and idx_name == "track_slots":
-                active = np.asarray(args["track_steps"]) >= 0 if args.get("track_steps") is not None else owner < -1
-                owner = np.where(active, owner, -1)
+            if idx_name == "track_slots" and args.get("track_steps") is not None:  # an inactive copy moves nothing
+                owner = np.where(np.asarray(args["track_steps"]) >= 0, owner, -1)
             bad = np.flatnonzero((owner >= 0) & (owner != shard))
             if bad.size:
                 i = int(bad[0])
@@ -558,6 +561,14 @@ class MeshPlan:
                     f"{owner[i]} ({what}s [{owner[i] * block}, {(owner[i] + 1) * block}) of {size}); each request's "
                     f"slots and row must be on its own shard (no collectives move states between shards)"
                 )
+
+
+def _int32(x):
+    """Index arguments as int32: host values stay on the host (``jit`` takes them as replicated,
+    also across processes), device arrays are cast on their devices."""
+    if x is None or isinstance(x, jax.Array):
+        return x if x is None or x.dtype == jnp.int32 else x.astype(jnp.int32)
+    return np.asarray(x, np.int32)
 
 
 def _target_size(args: dict, target: str) -> int | None:
@@ -588,7 +599,9 @@ def _expand(kinds, tree):
 
 
 def _arg_kinds(name: str, args: dict) -> dict:
-    table = ARG_KINDS[name]
+    table = dict(ARG_KINDS[name])
+    if name == "verify" and args.get("slots") is not None:
+        table["state0"] = "pool_state"  # the pool itself (same split, slots for messages)
     return {k: _expand(table[k], x) for k, x in args.items() if x is not None}
 
 

@@ -78,9 +78,12 @@ TIE = 1e-4  # a top-2 logit gap below this is a near-tie (as tests/test_model.py
 COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")
 
 
-def make_plan(tp: int, dp: int) -> sharding.MeshPlan:
-    devices = np.array(jax.devices()[: tp * dp]).reshape(dp, tp)
-    return sharding.MeshPlan(Mesh(devices, ("data", "tensor")), tensor="tensor", data="data")
+def make_plan(tp: int, dp: int, explicit: bool = False) -> sharding.MeshPlan:
+    """A (data, tensor) mesh over the first devices, of Auto axes (``jax.sharding.Mesh``'s default)
+    or Explicit ones (``jax.make_mesh``'s)."""
+    kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
+    mesh = jax.make_mesh((dp, tp), ("data", "tensor"), axis_types=(kind, kind), devices=jax.devices()[: tp * dp])
+    return sharding.MeshPlan(mesh, tensor="tensor", data="data")
 
 
 @pytest.mark.skipif(N_DEVICES >= SIMULATED, reason=f"{N_DEVICES} devices here: the mesh tests run in this process")
@@ -247,7 +250,7 @@ def run_pool_step(plan, seed, record, backend):
         outs_mesh.append(o)
     mesh_pool = programs["pool_commit"](mesh_pool)
     back = dataclasses.replace(
-        mesh_pool, **{f: sharding.from_tp_layout(getattr(mesh_pool, f), g, plan.tp, -2) for f in conv}
+        mesh_pool, **{f: sharding.from_tp_layout(jax.device_get(getattr(mesh_pool, f)), g, plan.tp, -2) for f in conv}
     )
     for name, program in programs.items():
         assert not any(program.collectives().values()), (name, program.collectives())
@@ -261,7 +264,7 @@ POOL_MESHES = [(2, 1), (1, 2), (2, 2)] if ON_GPU else [(2, 2)]
 def test_shard_pool_verify_layer_and_commit(tp, dp, backend, record, seed):
     """pool.verify_layer and pool.commit on the mesh (conv included) == one device, bit for bit;
     the pool stays sharded (slots over data, heads and conv channels over tensor)."""
-    plan = make_plan(tp, dp)
+    plan = make_plan(tp, dp, explicit=record == "snapshots")  # both axis types
     want, got, mesh_pool = run_pool_step(plan, seed, record, backend)
     assert_bitwise_equal(want, got, f"pool step on a {tp}x{dp} mesh vs one device")
     for leaf, kind in ((mesh_pool.ssm, "pool_state"), (mesh_pool.conv, "conv_pool"), (mesh_pool.tape, "tape")):
@@ -286,7 +289,7 @@ def test_shard_controls_are_caught(seed):
     """The sharded comparisons catch (1) v-heads split from their q/k head: the same wrapper on
     v-heads in an interleaved order, so that each tensor shard holds v-heads of other shards' q/k
     heads; (2) a naive replay form run per shard."""
-    plan, s = make_plan(2, 1), SHAPE
+    plan, s = make_plan(2, 1, explicit=True), SHAPE
     x = verify_inputs(seed, s, kind="mixed")
     want = gl.verify(**x, backend="reference")
     assert_bitwise_equal(want, plan.verify(**x, backend="reference"), "the right grouping")
@@ -295,8 +298,9 @@ def test_shard_controls_are_caught(seed):
     wrong = {k: jnp.take(v, order, axis=axis[k]) if k in axis else v for k, v in x.items()}
     out, tape = plan.verify(**wrong, backend="reference")
     back = np.argsort(order)
-    assert_bitwise_differs(want[0], jnp.take(out, back, axis=-2), "v-heads split from their q/k head: outputs")
-    assert_bitwise_differs(want[1].u, jnp.take(tape.u, back, axis=-2), "v-heads split from their q/k head: tape")
+    out, tape = jax.device_get((out, tape))  # the host's copy: reordered outside the mesh
+    assert_bitwise_differs(want[0], np.take(out, back, axis=-2), "v-heads split from their q/k head: outputs")
+    assert_bitwise_differs(want[1].u, np.take(tape.u, back, axis=-2), "v-heads split from their q/k head: tape")
 
     _, snp = gl.verify(**x, record="snapshots", backend="reference")
     last = jnp.full((s.N,), s.D - 1, jnp.int32)
@@ -442,8 +446,9 @@ def test_model_spec_step_on_a_mesh_gives_identical_tokens(tp, dp, backend, seed)
     assert sum(int(o.track_steps.max() >= 0) for o in want_out) >= 1, "the run must exercise a track copy"
     assert sum(int((o.accepted > o.inputs.shape[1] - 3).sum()) for o in want_out), "some drafts must be accepted"
     g, p = config.geometry, got_state.pool
-    back = dataclasses.replace(p, conv=sharding.from_tp_layout(p.conv, g, tp, -2),
-                               conv_windows=sharding.from_tp_layout(p.conv_windows, g, tp, -2))  # fmt: skip
+    host = jax.device_get(p)
+    back = dataclasses.replace(host, conv=sharding.from_tp_layout(host.conv, g, tp, -2),
+                               conv_windows=sharding.from_tp_layout(host.conv_windows, g, tp, -2))  # fmt: skip
     assert_bitwise_equal(want_state.pool, back, "the pool after 10 steps")
     assert_bitwise_equal(want_state.kv, got_state.kv, "the KV cache after 10 steps")
     assert p.ssm.sharding.is_equivalent_to(plan.sharding("pool_state", 5), 5)
