@@ -66,9 +66,9 @@ def gates(a, b, A_log, dt_bias):
       ``(g, beta)``, both ``[..., HV]`` float32.
     """
     x = a.astype(F32) + dt_bias.astype(F32)
-    sp = jnp.where(x > SOFTPLUS_THRESHOLD, x, jnp.log(1.0 + jnp.exp(x)))
-    g = -jnp.exp(A_log.astype(F32)) * sp
-    beta = 1.0 / (1.0 + jnp.exp(-b.astype(F32)))
+    sp = jnp.where(x > SOFTPLUS_THRESHOLD, x, rounding.log(1.0 + rounding.exp(x)))
+    g = -rounding.exp(A_log.astype(F32)) * sp
+    beta = 1.0 / (1.0 + rounding.exp(-b.astype(F32)))
     return g, beta
 
 
@@ -129,7 +129,7 @@ def gdn_step(S, x, *, mul: Callable = rounding.mul_rn, fma: Callable = rounding.
       ``u = beta * (v - Sd @ k)``, both ``[..., HV, V]``.
     """
     q, k, v, g, beta = x
-    alpha = jnp.exp(g)
+    alpha = rounding.exp(g)
     Sd = rounding.decay(S, alpha[..., None, None], mul=mul)
     u = beta[..., None] * (v - ksum(Sd * k[..., None, :]))
     S_new = rounding.update(Sd, k, u, fma=fma)
@@ -214,7 +214,7 @@ def replay_two(state0, tuples: Tuples, steps, track_steps, *, rule: Callable = r
         u, k, g, t = x
         # The barrier keeps XLA from fusing the integer fma graph into its three consumers:
         # at D = 1 the scan is inlined and XLA:CPU's compile of a bf16 replay never ended.
-        S = lax.optimization_barrier(rule(S, jnp.exp(g), k, u))
+        S = lax.optimization_barrier(rule(S, rounding.exp(g), k, u))
         return (S, jnp.where(sel(t, steps), S, final), jnp.where(sel(t, track_steps), S, track)), None
 
     (_, final, track), _ = lax.scan(body, (S0, S0, S0), xs)

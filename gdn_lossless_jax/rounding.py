@@ -38,6 +38,8 @@ import numpy as np
 from jax import lax
 
 __all__ = [
+    "exp",
+    "log",
     "fma_rn",
     "mul_rn",
     "add_rn",
@@ -270,6 +272,45 @@ def mul_rn(x, y):
 def add_rn(x, y):
     """``rn(x + y)`` in float32, pinned (``fma_rn(x, 1, y)``): no product to contract."""
     return fma_rn(x, np.float32(1.0), y)
+
+
+# ---------------------------------------------------------------------------------
+# exp and log: one function per platform, wherever they are computed.
+# ---------------------------------------------------------------------------------
+def _float64_scope():
+    try:
+        from jax import enable_x64
+    except ImportError:  # older JAX: the experimental name
+        from jax.experimental import enable_x64
+    return enable_x64(True)
+
+
+def _through_float64(fn, x):
+    x = jnp.asarray(x, jnp.float32)
+    if jax.default_backend() != "cpu":
+        return fn(x)
+    with _float64_scope():
+        return fn(x.astype(jnp.float64)).astype(jnp.float32)
+
+
+def exp(x):
+    """``exp`` in float32 that gives the same bits for the same input wherever it is computed.
+
+    The replay recomputes the decay ``exp(g)`` that verify used, so both must call one and the
+    same function. XLA:CPU's float32 ``exp`` is not one: its result depends on where an element
+    falls in the vectorised loop XLA compiled (inside a ``lax.scan`` over 17 requests, 32 of 136
+    decays came out 1 ULP off the same ``exp`` over the whole array, jax 0.12; 8 positions of 1,000
+    in jax 0.11.2), and a batched replay then missed the snapshots. On the CPU it is therefore
+    computed in float64 and rounded once (the correctly rounded float32 exp except within 2**-52
+    of a rounding boundary, where the float64 result would have to differ by an ULP of its own);
+    on a GPU, XLA's and the kernels' ``exp`` are libdevice's, the same function everywhere.
+    """
+    return _through_float64(jnp.exp, x)
+
+
+def log(x):
+    """``log`` in float32, the same function everywhere (see :func:`exp`)."""
+    return _through_float64(jnp.log, x)
 
 
 # ---------------------------------------------------------------------------------
