@@ -2,10 +2,12 @@
 
 A :class:`MeshPlan` names a ``jax.sharding.Mesh`` and which of its axes shard what. Its methods
 (:meth:`~MeshPlan.verify`, :meth:`~MeshPlan.replay`, :meth:`~MeshPlan.commit`,
-:meth:`~MeshPlan.verify_layer`, :meth:`~MeshPlan.pool_commit`) take the same arguments as
+:meth:`~MeshPlan.commit_and_verify`, :meth:`~MeshPlan.verify_layer`,
+:meth:`~MeshPlan.pool_commit`, :meth:`~MeshPlan.flush`) take the same arguments as
 :func:`gdn_lossless_jax.verify`, :func:`~gdn_lossless_jax.replay`,
-:func:`~gdn_lossless_jax.commit`, :func:`gdn_lossless_jax.pool.verify_layer` and
-:func:`gdn_lossless_jax.pool.commit`, as *global* arrays, and run those functions per shard under
+:func:`~gdn_lossless_jax.commit`, :func:`~gdn_lossless_jax.commit_and_verify`,
+:func:`gdn_lossless_jax.pool.verify_layer`, :func:`~gdn_lossless_jax.pool.commit` and
+:func:`~gdn_lossless_jax.pool.flush`, as *global* arrays, and run those functions per shard under
 ``jax.shard_map``, with any backend (the kernels only see their shard's shapes). There are no
 collectives: each head's recurrence, replay and commit read only that head's state and inputs,
 and each request only its own shard's slots and rows. The results are bit-identical to the
@@ -47,8 +49,9 @@ once at load time with :func:`to_tp_layout`; the pool's conv states are then in 
 
 **Argument kinds.** Every argument has a kind (:data:`KINDS`): which of its axes, counted from
 the end, the data and the tensor axes split. :data:`ARG_KINDS` gives the kind of every argument
-of every method; a new entry point (e.g. a fused verify and commit) needs only its row there and
-a method that calls :meth:`MeshPlan.run`. :meth:`MeshPlan.spec`, :meth:`~MeshPlan.sharding` and
+of every method; a new entry point needs only its row there (and in ``_INDEX_TARGETS`` for its
+index arguments) and a method that calls :meth:`MeshPlan.run` (as :meth:`~MeshPlan.commit_and_verify`
+does). :meth:`MeshPlan.spec`, :meth:`~MeshPlan.sharding` and
 :meth:`~MeshPlan.put` build the ``PartitionSpec``, ``NamedSharding`` or placed array of any kind.
 
 **Plain functions under jit.** ``jax.jit`` of the unsharded functions on arrays placed with these
@@ -75,7 +78,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from . import api
 from . import pool as pool_mod
 from .config import Geometry
-from .tape import Snapshots, Tape, Tuples
+from .tape import Pending, Snapshots, Tape, Tuples
 
 __all__ = [
     "ARG_KINDS",
@@ -85,6 +88,7 @@ __all__ = [
     "conv_channel_order",
     "from_tp_layout",
     "local_geometry",
+    "pending_kinds",
     "pool_kinds",
     "shard_map",
     "tape_kinds",
@@ -154,15 +158,24 @@ ARG_KINDS: dict[str, dict[str, str]] = {
                          slots="index", rows="index", result="heads, pool"),  # fmt: skip
     "pool_commit": dict(pool="pool", slots="index", steps="index", track_slots="index", track_steps="index",
                         rows="index", result="pool"),  # fmt: skip
+    "flush": dict(pool="pool", result="pool"),
+    "commit_and_verify": dict(pool="pool_state", pending="pending", q="heads", k="heads", v="heads", a="per_step",
+                              b="per_step", A_log="per_head", dt_bias="per_head", slots="index", layer="replicated",
+                              tape="tape", rows="index", result="heads, tape, pool_state"),  # fmt: skip
 }
 
-# Which array's data axis each index argument points into (localized per shard).
+# Which array's data axis each index argument points into (made local per shard); dotted names
+# reach into an argument's fields.
 _INDEX_TARGETS: dict[str, dict[str, str]] = {
     "verify": {"slots": "state0", "rows": "tape"},
     "commit": {"slots": "pool", "track_slots": "pool", "rows": "tape"},
-    "verify_layer": {"slots": "pool", "rows": "pool.rows"},
-    "pool_commit": {"slots": "pool", "track_slots": "pool", "rows": "pool.rows"},
+    "verify_layer": {"slots": "pool", "rows": "pool.tape"},
+    "pool_commit": {"slots": "pool", "track_slots": "pool", "rows": "pool.tape"},
+    "commit_and_verify": {"slots": "pool", "rows": "tape", "pending.rows": "pending.tape",
+                          "pending.track_slots": "pool"},  # fmt: skip
 }
+# The step that decides whether a track copy happens (an inactive one needs no local slot).
+_TRACK_STEPS = {"track_slots": "track_steps", "pending.track_slots": "pending.track_steps"}
 
 
 def tape_kinds(tape: Tape) -> Tape:
@@ -175,8 +188,20 @@ def tape_kinds(tape: Tape) -> Tape:
 
 
 def pool_kinds(p: pool_mod.StatePool) -> pool_mod.StatePool:
-    """The kinds of a :class:`~gdn_lossless_jax.pool.StatePool`'s arrays, as a StatePool."""
-    return dataclasses.replace(p, ssm="pool_state", conv="conv_pool", tape=tape_kinds(p.tape), conv_windows="conv_windows")
+    """The kinds of a :class:`~gdn_lossless_jax.pool.StatePool`'s arrays, as a StatePool.
+
+    A pool that defers its commit (``allocate(..., defer_commit=True)``) keeps the pending
+    entries per scratch row (``[R+1]`` arrays: split like the rows)."""
+    d = p.deferred
+    if d is not None:
+        d = pool_mod.Deferred(tape_kinds(d.tape), *(["index"] * 6))
+    return dataclasses.replace(p, ssm="pool_state", conv="conv_pool", tape=tape_kinds(p.tape), conv_windows="conv_windows",
+                               deferred=d)  # fmt: skip
+
+
+def pending_kinds(pending: Pending) -> Pending:
+    """The kinds of a :class:`~gdn_lossless_jax.Pending` commit: its tape's, and ``[N]`` indices."""
+    return Pending(tape_kinds(pending.tape), "index", "index", "index", "index")
 
 
 def local_geometry(geometry: Geometry, tp: int) -> Geometry:
@@ -512,6 +537,59 @@ class MeshPlan:
 
         return self.run("pool_commit", call, args, check=check, fill_rows="pool", donate="pool")
 
+    def flush(self, pool: pool_mod.StatePool, *, backend: str = "auto") -> pool_mod.StatePool:
+        """:func:`gdn_lossless_jax.pool.flush` per shard (the pool is donated).
+
+        With a data axis, a pool that defers its commit keeps its pending entries in each shard's
+        own (local) indices, as :meth:`pool_commit` left them: keep such a pool on the mesh (these
+        methods) until it is flushed."""
+        if pool.deferred is None:
+            return pool
+
+        def call(x):
+            return pool_mod.flush(x["pool"], backend=backend)
+
+        return self.run("flush", call, dict(pool=pool), donate="pool")
+
+    def commit_and_verify(
+        self,
+        pool: jax.Array,
+        pending: Pending,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        a: jax.Array,
+        b: jax.Array,
+        A_log: jax.Array,
+        dt_bias: jax.Array,
+        *,
+        slots: jax.Array,
+        layer: Any = None,
+        tape: Tape | None = None,
+        rows: jax.Array | None = None,
+        record: str | None = None,
+        scale: float | None = None,
+        backend: str = "auto",
+        out_dtype: Any = None,
+        check: bool = True,
+    ) -> tuple[jax.Array, Tape, jax.Array]:
+        """:func:`gdn_lossless_jax.commit_and_verify` per shard: ``(outputs, tape, pool)``.
+
+        ``pending.rows`` are global rows of ``pending.tape`` and ``pending.track_slots`` global
+        slots of ``pool``, on each request's own data shard like ``slots`` and ``rows``."""
+        static_layer, layer_arr = _split_layer(layer)
+        args = dict(pool=pool, pending=pending, q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, slots=slots,
+                    layer=layer_arr, tape=tape, rows=rows)  # fmt: skip
+        opts = dict(record=record, scale=scale, backend=backend, out_dtype=None if out_dtype is None else
+                    jnp.dtype(out_dtype))  # fmt: skip
+
+        def call(x, static_layer=static_layer):
+            return api.commit_and_verify(x["pool"], x["pending"], x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"],
+                                         x["dt_bias"], slots=x["slots"], layer=_layer(x, static_layer), tape=x["tape"],
+                                         rows=x["rows"], **opts)  # fmt: skip
+
+        return self.run("commit_and_verify", call, args, check=check, fill_rows="tape")
+
     # -- the machinery -------------------------------------------------------------------
     def run(self, name: str, call: Callable[[dict], Any], args: dict, *, check: bool = True, fill_rows: str | None = None,
             donate: str | None = None):  # fmt: skip
@@ -526,6 +604,10 @@ class MeshPlan:
         if check and self.dp > 1:
             self._check_local(name, args)
         args = {k: _int32(x) if ARG_KINDS[name].get(k) == "index" else x for k, x in args.items()}
+        if isinstance(args.get("pending"), Pending):
+            pend = args["pending"]
+            args["pending"] = Pending(pend.tape, *(_int32(getattr(pend, f)) for f in ("rows", "steps", "track_slots",
+                                                                                       "track_steps")))  # fmt: skip
         static = (self, name, _Static(call), fill_rows, tuple(args))
         if donate is None:
             return _run_kept(*static, {}, args)
@@ -535,26 +617,26 @@ class MeshPlan:
     def _check_local(self, name: str, args: dict) -> None:
         fn = f"MeshPlan.{name}"
         targets = _INDEX_TARGETS.get(name, {})
-        n = next((np.shape(args[i])[0] for i in targets if args.get(i) is not None), None)
-        if n is None or n % self.dp:
+        given = [i for i in targets if _get(args, i) is not None]
+        if not given or np.shape(_get(args, given[0]))[0] % self.dp:
             return  # shapes are checked (with their own message) in the traced call
-        for idx_name, target in targets.items():
-            idx = args.get(idx_name)
-            if idx is None or not _is_concrete(idx):
-                continue
-            size = _target_size(args, target)
-            if size is None or size % self.dp:
+        n = np.shape(_get(args, given[0]))[0]
+        for idx_name in given:
+            idx = _get(args, idx_name)
+            size = _target_size(args, targets[idx_name])
+            if not _is_concrete(idx) or size is None or size % self.dp:
                 continue
             idx = np.asarray(idx)
             block, per = size // self.dp, n // self.dp
             owner = np.where((idx >= 0) & (idx < size), idx // block, -1)
             shard = np.arange(n) // per
-            if idx_name == "track_slots" and args.get("track_steps") is not None:  # an inactive copy moves nothing
-                owner = np.where(np.asarray(args["track_steps"]) >= 0, owner, -1)
+            steps = _get(args, _TRACK_STEPS.get(idx_name, ""))
+            if steps is not None and _is_concrete(steps):  # an inactive track copy moves nothing
+                owner = np.where(np.asarray(steps) >= 0, owner, -1)
             bad = np.flatnonzero((owner >= 0) & (owner != shard))
             if bad.size:
                 i = int(bad[0])
-                what = "tape row" if idx_name == "rows" else idx_name[:-1].replace("_", " ")
+                what = "tape row" if idx_name.endswith("rows") else idx_name.split(".")[-1][:-1].replace("_", " ")
                 raise ValueError(
                     f"{fn}: argument {idx_name!r}: request {i} is on data shard {shard[i]} of {self.dp} (requests "
                     f"[{shard[i] * per}, {(shard[i] + 1) * per})), but its {what} {idx[i]} lives on data shard "
@@ -564,18 +646,26 @@ class MeshPlan:
 
 
 def _int32(x):
-    """Index arguments as int32: host values stay on the host (``jit`` takes them as replicated,
-    also across processes), device arrays are cast on their devices."""
-    if x is None or isinstance(x, jax.Array):
-        return x if x is None or x.dtype == jnp.int32 else x.astype(jnp.int32)
-    return np.asarray(x, np.int32)
+    """Index arguments as int32 (:func:`gdn_lossless_jax.api.as_index`: host values stay on the
+    host, which ``jit`` takes as replicated, across processes too)."""
+    return None if x is None else api.as_index(x)
 
 
-def _target_size(args: dict, target: str) -> int | None:
-    if target == "pool.rows":
-        p = args["pool"]
-        return p.rows
-    x = args.get(target)
+def _get(args: Mapping, path: str):
+    """``args["a"]`` or, for ``"a.b"``, ``args["a"].b`` (None where missing)."""
+    head, _, rest = path.partition(".")
+    x = args.get(head)
+    return x if not rest or x is None else getattr(x, rest, None)
+
+
+def _set(args: dict, path: str, value) -> None:
+    head, _, rest = path.partition(".")
+    args[head] = value if not rest else dataclasses.replace(args[head], **{rest: value})
+
+
+def _target_size(args: Mapping, target: str) -> int | None:
+    """The length of the data axis an index points into: a pool's slots, a tape's rows."""
+    x = _get(args, target)
     if x is None:
         return None
     if isinstance(x, pool_mod.StatePool):
@@ -592,6 +682,8 @@ def _expand(kinds, tree):
             return _expand(tape_kinds(tree), tree)
         if kinds == "pool":
             return _expand(pool_kinds(tree), tree)
+        if kinds == "pending":
+            return _expand(pending_kinds(tree), tree)
         return jax.tree.map(lambda _: kinds, tree)
     if isinstance(kinds, dict):
         return {k: _expand(kinds[k], tree[k]) for k in tree}
@@ -686,6 +778,7 @@ def _run(plan: MeshPlan, name: str, call: _Static, fill_rows, names: tuple, dona
     out_specs = plan.specs(_result_kinds(name, result), result)
     in_specs = {k: plan.specs(kinds[k], x) for k, x in given.items()}
     sizes = {k: _target_size(given, t) for k, t in _INDEX_TARGETS.get(name, {}).items()}
+    sizes = {k: n for k, n in sizes.items() if n is not None}
     geometry = given["pool"].geometry if isinstance(given.get("pool"), pool_mod.StatePool) else None
     for k, size in sizes.items():
         if size is not None and size % plan.dp:
@@ -696,10 +789,11 @@ def _run(plan: MeshPlan, name: str, call: _Static, fill_rows, names: tuple, dona
         shard = lax.axis_index(plan.data) if plan.data else 0
         x = dict(x)
         for k, size in sizes.items():
-            if k in x:
+            if _get(x, k) is not None:
                 # One data shard: local indices are the global ones (and the traced step is the
                 # unsharded one, op for op).
-                x[k] = _localize(x[k], size // plan.dp, shard) if plan.dp > 1 else x[k]
+                if plan.dp > 1:
+                    _set(x, k, _localize(_get(x, k), size // plan.dp, shard))
             elif k == "rows" and fill_rows in x:
                 n = np.shape(next(x[i] for i in ("slots", "q") if i in x))[0]
                 x[k] = jnp.arange(n, dtype=jnp.int32)

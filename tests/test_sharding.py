@@ -208,50 +208,57 @@ def _pool_inputs(rng, g, N: int, D: int):
     return params, xs
 
 
-def _filled_pool(rng, g, record, *, slots, requests, drafts):
-    p = gpool.allocate(g, slots=slots, requests=requests, drafts=drafts, record=record)
-    return jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape, np.float32)).astype(x.dtype), p)
+def _filled_pool(rng, g, record, *, slots, requests, drafts, defer=False):
+    """A pool with random states and scratch (never zeros); a deferring pool with nothing pending."""
+    p = gpool.allocate(g, slots=slots, requests=requests, drafts=drafts, record=record, defer_commit=defer)
+    fill = lambda x: jnp.asarray(rng.standard_normal(x.shape, np.float32)).astype(x.dtype)  # noqa: E731
+    return jax.tree.map(lambda x: fill(x) if jnp.issubdtype(x.dtype, jnp.floating) else x, p)
 
 
 def _tp(plan, x, axis=-1):
     return sharding.to_tp_layout(x, GEOMETRY, plan.tp, axis)
 
 
-def run_pool_step(plan, seed, record, backend):
-    """verify_layer of every layer then pool_commit, on the mesh and on one device: the pools
-    (conv arrays read back from the tensor-parallel order) and the outputs."""
+def run_pool_step(plan, seed, record, backend, *, steps: int = 1, defer: bool = False):
+    """``steps`` decode steps (verify_layer of every layer, then pool_commit; a pool that defers
+    its commit is flushed at the end) on the mesh and on one device: the pools (conv arrays read
+    back from the tensor-parallel order) and the outputs."""
     g, N, D = GEOMETRY, 4, 3
     rng = np.random.default_rng(seed)
-    base = _filled_pool(rng, g, record, slots=11, requests=3, drafts=D)  # 12 slots, 4 rows
+    base = _filled_pool(rng, g, record, slots=11, requests=3, drafts=D, defer=defer)  # 12 slots, 4 rows
     params, xs = _pool_inputs(rng, g, N, D)
-    ix = commit_indices(seed, N=N, D=D, slots_in_pool=12, rows_in_tape=4, invalid=True, permute_rows=True,
-                        shards=plan.dp).as_args()  # fmt: skip
-    slots, steps, track_slots, track_steps, rows = ix
+    index_sets = [commit_indices(seed + t, N=N, D=D, slots_in_pool=12, rows_in_tape=4, invalid=True,
+                                 permute_rows=True, shards=plan.dp).as_args() for t in range(steps)]  # fmt: skip
     one, outs_one = jax.tree.map(jnp.copy, base), []
-    for layer in range(g.gdn_layers):
-        o, one = gpool.verify_layer(one, layer, **xs[layer], **params[layer], slots=slots, rows=rows, backend=backend)
-        outs_one.append(o)
-    one = gpool.commit(one, slots, steps, track_slots, track_steps, rows, backend=backend)
+    for slots, st, track_slots, track_steps, rows in index_sets:
+        for layer in range(g.gdn_layers):
+            o, one = gpool.verify_layer(one, layer, **xs[layer], **params[layer], slots=slots, rows=rows, backend=backend)
+            outs_one.append(o)
+        one = gpool.commit(one, slots, st, track_slots, track_steps, rows, backend=backend)
+    one = gpool.flush(one, backend=backend)
 
     conv = ("conv", "conv_windows")
     mesh_pool = plan.put(dataclasses.replace(base, **{f: _tp(plan, getattr(base, f), -2) for f in conv}), "pool")
     programs = {
-        "verify_layer": Compiled(lambda p, layer, x, prm: plan.verify_layer(p, layer, **x, **prm, slots=slots, rows=rows,
-                                                                            backend=backend)),
-        "pool_commit": Compiled(lambda p: plan.pool_commit(p, slots, steps, track_slots, track_steps, rows,
-                                                           backend=backend)),
+        "verify_layer": Compiled(lambda p, layer, x, prm, ix: plan.verify_layer(p, layer, **x, **prm, slots=ix[0],
+                                                                                rows=ix[4], backend=backend)),
+        "pool_commit": Compiled(lambda p, ix: plan.pool_commit(p, *ix, backend=backend)),
+        "flush": Compiled(lambda p: plan.flush(p, backend=backend)),
     }  # fmt: skip
     outs_mesh = []
-    for layer in range(g.gdn_layers):
-        prm = dict(params[layer], conv_weight=_tp(plan, params[layer]["conv_weight"], 0),
-                   conv_bias=_tp(plan, params[layer]["conv_bias"]))  # fmt: skip
-        x = dict(xs[layer], mixed_qkv=_tp(plan, xs[layer]["mixed_qkv"]))
-        o, mesh_pool = programs["verify_layer"](mesh_pool, jnp.int32(layer), x, prm)
-        outs_mesh.append(o)
-    mesh_pool = programs["pool_commit"](mesh_pool)
-    back = dataclasses.replace(
-        mesh_pool, **{f: sharding.from_tp_layout(jax.device_get(getattr(mesh_pool, f)), g, plan.tp, -2) for f in conv}
-    )
+    for ix in index_sets:
+        for layer in range(g.gdn_layers):
+            prm = dict(params[layer], conv_weight=_tp(plan, params[layer]["conv_weight"], 0),
+                       conv_bias=_tp(plan, params[layer]["conv_bias"]))  # fmt: skip
+            x = dict(xs[layer], mixed_qkv=_tp(plan, xs[layer]["mixed_qkv"]))
+            o, mesh_pool = programs["verify_layer"](mesh_pool, jnp.int32(layer), x, prm, ix)
+            outs_mesh.append(o)
+        mesh_pool = programs["pool_commit"](mesh_pool, ix)
+    mesh_pool = programs["flush"](mesh_pool)
+    host = jax.device_get(mesh_pool)
+    back = dataclasses.replace(host, **{f: sharding.from_tp_layout(getattr(host, f), g, plan.tp, -2) for f in conv})
+    if defer and plan.dp > 1:  # the pending entries are kept in each shard's own indices: compare their tapes
+        one, back = (dataclasses.replace(p, deferred=p.deferred.tape) for p in (one, back))
     for name, program in programs.items():
         assert not any(program.collectives().values()), (name, program.collectives())
     return (outs_one, one), (outs_mesh, back), mesh_pool
@@ -279,6 +286,28 @@ def test_shard_pallas_interpret_pool_step(seed):
     by slot with the tape written in place, the commit kernels: == one device."""
     want, got, _ = run_pool_step(make_plan(2, 2), seed, "tuples", "pallas")
     assert_bitwise_equal(want, got, "Pallas pool step on a 2x2 mesh vs one device")
+
+
+@pytest.mark.parametrize("tp,dp,backend", mesh_params([(2, 2)], BACKENDS))
+def test_shard_fused_commit_and_verify_and_a_deferring_pool(tp, dp, backend, seed):
+    """The fused entry point, commit_and_verify (the previous step's commit inside the next
+    verify), per shard == one device in both record modes; and a pool that defers its commit
+    (pool.allocate(defer_commit=True)): two steps and a flush on the mesh == one device."""
+    plan, s = make_plan(tp, dp), SHAPE
+    rng = np.random.default_rng(seed)
+    pool = jnp.asarray(0.5 * rng.standard_normal((2, 12, s.HV, s.V, s.K), np.float32))
+    prev = _buffers(rng, 2, 8, s.D, s)
+    ix = commit_indices(seed, N=s.N, D=s.D, slots_in_pool=12, rows_in_tape=8, invalid=True, permute_rows=True,
+                        shards=dp)  # fmt: skip
+    x = verify_inputs(rng, s, kind="mixed")
+    del x["state0"]
+    for record, tape in prev.items():
+        pending = gl.Pending(tape, ix.rows, ix.steps, ix.track_slots, ix.track_steps)
+        want = gl.commit_and_verify(pool, pending, **x, slots=ix.slots, layer=1, record=record, backend=backend)
+        got = plan.commit_and_verify(pool, pending, **x, slots=ix.slots, layer=1, record=record, backend=backend)
+        assert_bitwise_equal(want, got, f"commit_and_verify ({record}) on a {tp}x{dp} mesh vs one device")
+    want, got, _ = run_pool_step(plan, seed, "tuples", backend, steps=2, defer=True)
+    assert_bitwise_equal(want, got, "a deferring pool, two steps and a flush, on the mesh vs one device")
 
 
 # ---------------------------------------------------------------------------------
