@@ -132,6 +132,7 @@ def commit_indices(
     track_fraction: float = 0.25,
     invalid: bool = False,
     permute_rows: bool = False,
+    shards: int = 1,
 ) -> CommitIndices:
     """Commit indices like a speculative-decoding step produces them.
 
@@ -140,7 +141,16 @@ def commit_indices(
     ``invalid`` adds a negative step, an out-of-range slot, an out-of-range row and an
     out-of-range track slot (when N allows); ``permute_rows`` maps requests to tape rows
     out of order (pipeline-stable rows).
+
+    ``shards``: the data-parallel layout of :mod:`gdn_lossless_jax.sharding`: request block
+    ``d`` (of ``N / shards``) draws its slots and rows from block ``d`` of the pool and of the
+    tape, each block drawn as above with seed ``seed + d`` (its out-of-range indices stay out
+    of range globally). N, the slots and the rows must divide by ``shards``.
     """
+    if shards > 1:
+        return _sharded_indices(seed, N=N, D=D, slots_in_pool=slots_in_pool, rows_in_tape=rows_in_tape or N,
+                                track_fraction=track_fraction, invalid=invalid, permute_rows=permute_rows,
+                                shards=shards)  # fmt: skip
     rng = np.random.default_rng(seed)
     R = rows_in_tape or N
     if 2 * N > slots_in_pool:
@@ -163,6 +173,25 @@ def commit_indices(
             track_slots[4], track_steps[4] = -7, 0  # track slot out of range
     i32 = lambda x: np.asarray(x, np.int32)  # noqa: E731
     return CommitIndices(i32(slots), i32(steps), i32(track_slots), i32(track_steps), i32(rows))
+
+
+def _sharded_indices(seed, *, N, D, slots_in_pool, rows_in_tape, shards, **kw) -> CommitIndices:
+    S, R = slots_in_pool, rows_in_tape
+    for name, n in (("N", N), ("slots_in_pool", S), ("rows_in_tape", R)):
+        if n % shards:
+            raise ValueError(f"commit_indices: argument {name!r}={n} must be a multiple of shards={shards}")
+    B, Rb = S // shards, R // shards
+
+    def globalize(x, d, block, total):  # in range: into block d; above it: above the whole axis
+        return np.where(x < 0, x, np.where(x < block, x + d * block, x - block + total))
+
+    parts = []
+    for d in range(shards):
+        ix = commit_indices(seed + d, N=N // shards, D=D, slots_in_pool=B, rows_in_tape=Rb, **kw)
+        parts.append(CommitIndices(globalize(ix.slots, d, B, S), ix.steps, globalize(ix.track_slots, d, B, S),
+                                   ix.track_steps, globalize(ix.rows, d, Rb, R)))  # fmt: skip
+    cat = lambda f: np.concatenate([getattr(p, f) for p in parts]).astype(np.int32)  # noqa: E731
+    return CommitIndices(*(cat(f.name) for f in dataclasses.fields(CommitIndices)))
 
 
 def commit_tapes(seed: int, shape: Shape, *, layers: int, slots_in_pool: int):
