@@ -146,13 +146,15 @@ def conv_window_spec(geometry: Geometry, rows: int, drafts: int, *, conv_dtype=j
 class Deferred:
     """The SSM commit a pool has not applied yet (``allocate(..., defer_commit=True)``).
 
-    ``pool.commit`` of such a pool applies the conv part at once and keeps the SSM part here,
-    with the tape it needs (the previous step's scratch; the pool verifies the next step into
-    its other buffer); the next ``pool.verify_layer`` applies it inside the verify kernel
-    (:func:`gdn_lossless_jax.commit_and_verify`), so each state is read once per step.
+    ``pool.commit`` of such a pool applies the conv part at once and keeps the SSM part here;
+    the next ``pool.verify_layer`` applies it inside the verify kernel
+    (:func:`gdn_lossless_jax.commit_and_verify`), so each state is read once per step. The pool
+    has two scratch tapes, ``StatePool.tape`` and ``Deferred.tape``; steps alternate between
+    them (``parity``, static: the buffers never move, so a jitted step that donates the pool
+    updates both in place; each parity compiles once).
 
     Attributes:
-      tape: the previous step's tape, in the pool's record mode.
+      tape: the second scratch tape, in the pool's record mode.
       slots, steps, track_slots, track_steps, rows: ``[P]`` int32 (P scratch rows), the
         previous commit's arguments, padded with slot -1.
       applied: ``[P]`` bool: entries the current step's verify has applied (their requests
@@ -166,6 +168,11 @@ class Deferred:
     track_steps: jax.Array
     rows: jax.Array
     applied: jax.Array
+    parity: bool = dataclasses.field(default=False, metadata=dict(static=True))  # True: this step writes `tape`
+
+    def buffers(self, pool_tape):
+        """``(the tape this step writes, the tape of the pending commit)``."""
+        return (self.tape, pool_tape) if self.parity else (pool_tape, self.tape)
 
 
 @jax.tree_util.register_dataclass
@@ -500,12 +507,15 @@ def _verify_layer(pool, layer, mixed_qkv, a, b, conv_weight, conv_bias, A_log, d
     match = (slots[:, None] == d.slots[None, :]) & (d.slots[None, :] >= 0)  # [N, P]
     has, j = match.any(1), jnp.argmax(match, axis=1)
     pick = lambda x: jnp.where(has, x[j], -1)  # noqa: E731
-    pending = api.Pending(d.tape, pick(d.rows), pick(d.steps), pick(d.track_slots), pick(d.track_steps))
+    current, pending_tape = d.buffers(pool.tape)
+    pending = api.Pending(pending_tape, pick(d.rows), pick(d.steps), pick(d.track_slots), pick(d.track_steps))
     outputs, tape, ssm = api.commit_and_verify(
-        pool.ssm, pending, q, k, v, a, b, A_log, dt_bias, slots=slots, layer=layer, tape=pool.tape, rows=rows,
+        pool.ssm, pending, q, k, v, a, b, A_log, dt_bias, slots=slots, layer=layer, tape=current, rows=rows,
         scale=scale, backend=backend,
     )  # fmt: skip
     d = dataclasses.replace(d, applied=d.applied | match.any(0))
+    if d.parity:
+        return outputs, dataclasses.replace(pool, ssm=ssm, conv_windows=windows, deferred=dataclasses.replace(d, tape=tape))
     return outputs, dataclasses.replace(pool, ssm=ssm, tape=tape, conv_windows=windows, deferred=d)
 
 
@@ -551,7 +561,7 @@ def _commit(pool, slots, steps, track_slots, track_steps, rows, *, backend):
         ssm = api.commit(pool.ssm, pool.tape, slots, steps, track_slots, track_steps, rows, backend=backend)
         return dataclasses.replace(pool, ssm=ssm, conv=conv)
     # The previous step's entries no verify of this step applied (requests that left) go in now;
-    # this step's SSM commit waits for the next verify, and the scratch buffers swap.
+    # this step's SSM commit waits for the next verify, which writes the other scratch tape.
     pool = _flush(pool, backend)
     P, N = pool.rows, slots.shape[0]
     if N > P:
@@ -561,15 +571,17 @@ def _commit(pool, slots, steps, track_slots, track_steps, rows, *, backend):
         track_slots = track_steps = np.full((N,), -1, np.int32)
     if rows is None:
         rows = np.arange(N, dtype=np.int32)
-    d = Deferred(pool.tape, pad(slots), pad(steps), pad(track_slots), pad(track_steps), pad(rows), jnp.zeros((P,), bool))
-    return dataclasses.replace(pool, conv=conv, tape=pool.deferred.tape, deferred=d)
+    d = Deferred(pool.deferred.tape, pad(slots), pad(steps), pad(track_slots), pad(track_steps), pad(rows),
+                 jnp.zeros((P,), bool), parity=not pool.deferred.parity)  # fmt: skip
+    return dataclasses.replace(pool, conv=conv, deferred=d)
 
 
 def _flush(pool: StatePool, backend: str) -> StatePool:
     """Apply the deferred entries not yet applied; they are marked applied."""
     d = pool.deferred
     off = lambda x: jnp.where(d.applied, -1, x)  # noqa: E731
-    ssm = api.commit(pool.ssm, d.tape, d.slots, off(d.steps), d.track_slots, off(d.track_steps), d.rows, backend=backend)
+    _, tape = d.buffers(pool.tape)
+    ssm = api.commit(pool.ssm, tape, d.slots, off(d.steps), d.track_slots, off(d.track_steps), d.rows, backend=backend)
     return dataclasses.replace(pool, ssm=ssm, deferred=dataclasses.replace(d, applied=jnp.ones_like(d.applied)))
 
 
