@@ -6,10 +6,10 @@ used, so the committed state is bit-identical to the snapshot path.
 """
 
 from . import rounding, testing
-from .api import RECORD_MODES, commit, replay, verify
+from .api import RECORD_MODES, commit, commit_and_verify, replay, verify
 from .backends import BACKENDS, BackendUnavailable
 from .config import MODELS, Geometry, get_geometry
-from .tape import Snapshots, Tape, Tuples
+from .tape import Pending, Snapshots, Tape, Tuples
 
 __version__ = "0.1.0"
 
@@ -17,6 +17,8 @@ __all__ = [
     "verify",
     "replay",
     "commit",
+    "commit_and_verify",
+    "Pending",
     "Tuples",
     "Snapshots",
     "Tape",

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import backends
-from .tape import Snapshots, Tape, Tuples
+from .tape import Pending, Snapshots, Tape, Tuples
 
-__all__ = ["verify", "replay", "commit", "RECORD_MODES"]
+__all__ = ["verify", "replay", "commit", "commit_and_verify", "RECORD_MODES"]
 
 RECORD_MODES = ("tuples", "snapshots")
 STATE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -40,6 +40,16 @@ def _is_float(x) -> bool:
 
 def _is_int(x) -> bool:
     return jnp.issubdtype(_dtype(x), jnp.integer)
+
+
+def as_index(x):
+    """An index argument as int32 without an eager JAX op: arrays (and tracers) of int32 pass
+    through, the rest becomes NumPy, which a jitted call takes in as part of its own launch.
+    (``jnp.asarray(layer)`` of a Python int dispatched a device op of its own: a sizeable part of
+    a layer call's host time.)"""
+    if isinstance(x, jax.Array):
+        return x if x.dtype == jnp.int32 else x.astype(jnp.int32)
+    return np.asarray(x, np.int32)
 
 
 def _check_rank(fn: str, name: str, x, rank: int, dims: str):
@@ -203,7 +213,24 @@ def verify(
       (``[N, D, HV, V, K]`` in state0's dtype), or, with ``tape``, the updated buffer.
       Outputs are identical in both modes and in every form.
     """
-    fn = "verify"
+    impl, args, kw = _verify_call(
+        "verify", state0, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, backend=backend,
+        out_dtype=out_dtype, slots=slots, layer=layer, tape=tape, rows=rows, parents=parents, topk=topk,
+    )  # fmt: skip
+    outputs, new = impl.verify(*args, **kw)
+    return outputs, _strip(new, kw, tape)
+
+
+def _strip(new, kw: dict, tape):
+    """The tape as the caller gave its buffer: without the layer axis added to a per-layer buffer."""
+    if tape is not None and kw["tape"] is not tape:
+        return jax.tree.map(lambda x: x[0], new)
+    return new
+
+
+def _verify_call(fn, state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, backend, out_dtype, slots, layer, tape,
+                 rows, parents=None, topk=1):  # fmt: skip
+    """Every check of :func:`verify`; returns the backend, its positional arguments and keywords."""
     if record is not None and record not in RECORD_MODES:
         raise ValueError(f"{fn}: record must be one of {RECORD_MODES}, got {record!r}")
     _check_rank(fn, "q", q, 4, "[N, D, H, K]")
@@ -244,9 +271,9 @@ def verify(
         record, layered = _check_tape_buffer(fn, tape, record, N, D, H, HV, V, K, state0.dtype, layer)
         buf, tape_layer = (tape, layer) if layered else (jax.tree.map(lambda x: x[None], tape), 0)
         if rows is None:
-            rows = jnp.arange(N, dtype=jnp.int32)
+            rows = np.arange(N, dtype=np.int32)
         _check_index(fn, "rows", rows, N)
-        rows = jnp.asarray(rows, jnp.int32)
+        rows = as_index(rows)
     elif rows is not None:
         raise ValueError(f"{fn}: rows= maps requests to rows of a tape buffer: pass tape= too")
     record = record or "tuples"
@@ -255,13 +282,10 @@ def verify(
     out_dtype = jnp.dtype(out_dtype or q.dtype)
     kw = dict(record=record, scale=scale, out_dtype=out_dtype)
     if slots is not None:
-        kw.update(slots=jnp.asarray(slots, jnp.int32), layer=jnp.asarray(pool_layer, jnp.int32))
+        kw.update(slots=as_index(slots), layer=as_index(pool_layer))
     if buf is not None:
-        kw.update(tape=buf, tape_layer=jnp.asarray(tape_layer, jnp.int32), rows=rows)
-    outputs, new = impl.verify(state, q, k, v, a, b, A_log, dt_bias, **kw)
-    if buf is not None and buf is not tape:  # the per-layer buffer the caller gave: drop the added axis
-        new = jax.tree.map(lambda x: x[0], new)
-    return outputs, new
+        kw.update(tape=buf, tape_layer=as_index(tape_layer), rows=rows)
+    return impl, (state, q, k, v, a, b, A_log, dt_bias), kw
 
 
 def _check_tuples(
@@ -303,7 +327,7 @@ def replay(state0: jax.Array, tuples: Tuples, steps: jax.Array, *, backend: str 
     _check_tuples(fn, tuples, (N,), HV, V, K, "N")
     _check_index(fn, "steps", steps, N)
     impl = backends.resolve(backend, "replay")
-    return impl.replay(state0, tuples, jnp.asarray(steps, jnp.int32))
+    return impl.replay(state0, tuples, as_index(steps))
 
 
 def commit(
@@ -347,11 +371,11 @@ def commit(
     if (track_slots is None) != (track_steps is None):
         raise ValueError(f"{fn}: give both track_slots and track_steps, or neither")
     if track_slots is None:
-        track_slots = track_steps = jnp.full((N,), -1, jnp.int32)
+        track_slots = track_steps = np.full((N,), -1, np.int32)
     _check_index(fn, "track_slots", track_slots, N)
     _check_index(fn, "track_steps", track_steps, N)
     if rows is None:
-        rows = jnp.arange(N, dtype=jnp.int32)
+        rows = np.arange(N, dtype=np.int32)
     _check_index(fn, "rows", rows, N)
     if isinstance(tape, Snapshots):
         _check_rank(fn, "tape.states", tape.states, 6, "[L, R, D, HV, V, K]")
@@ -366,5 +390,106 @@ def commit(
     else:
         raise TypeError(f"{fn}: tape must be Tuples or Snapshots, got {type(tape).__name__}")
     impl = backends.resolve(backend, "commit")
-    ints = [jnp.asarray(x, jnp.int32) for x in (slots, steps, track_slots, track_steps, rows)]
+    ints = [as_index(x) for x in (slots, steps, track_slots, track_steps, rows)]
     return impl.commit(pool, tape, *ints)
+
+
+def _check_pending(fn: str, pending: Pending, N: int, H: int, HV: int, V: int, K: int, state_dtype, pool_layers):
+    """The pending commit's tape and indices; returns ``(tape with a layer axis, its layer or None)``."""
+    if not isinstance(pending, Pending):
+        raise TypeError(f"{fn}: argument 'pending' must be a gdn_lossless_jax.Pending, got {type(pending).__name__}")
+    for name in ("rows", "steps", "track_slots", "track_steps"):
+        _check_index(fn, f"pending.{name}", getattr(pending, name), N)
+    t = pending.tape
+    lead = 1 if pool_layers is None else 2
+    if isinstance(t, Snapshots):
+        dims = "[R, D, HV, V, K]" if lead == 1 else "[L, R, D, HV, V, K]"
+        _check_rank(fn, "pending.tape.states", t.states, lead + 4, dims)
+        pre = _shape(t.states)[:lead]
+        _check_shape(fn, "pending.tape.states", t.states, (*pre, _shape(t.states)[lead], HV, V, K), dims,
+                     "HV, V, K from the pool")  # fmt: skip
+        if jnp.dtype(t.states.dtype) != jnp.dtype(state_dtype):
+            raise TypeError(f"{fn}: argument 'pending.tape.states' must have the pool's dtype {state_dtype}, got {t.states.dtype}")
+    elif isinstance(t, Tuples):
+        _check_rank(fn, "pending.tape.u", t.u, lead + 3, "[L, R, D, HV, V]" if lead == 2 else "[R, D, HV, V]")
+        pre = _shape(t.u)[:lead]
+        _check_tuples(fn, t, pre, HV, V, K, "L, R" if lead == 2 else "R", prefix="pending.tape")
+        if _shape(t.k)[lead + 1] != H:
+            raise ValueError(f"{fn}: argument 'pending.tape.k' must have H={H} q/k heads (from q), got {_fmt(_shape(t.k))}")
+    else:
+        raise TypeError(f"{fn}: argument 'pending.tape' must be Tuples or Snapshots, got {type(t).__name__}")
+    if lead == 2 and pre[0] != pool_layers:
+        raise ValueError(f"{fn}: the pending tape has L={pre[0]} layers, the pool {pool_layers}")
+    return (t, True) if lead == 2 else (jax.tree.map(lambda x: x[None], t), False)
+
+
+def commit_and_verify(
+    pool: jax.Array,
+    pending: Pending,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    a: jax.Array,
+    b: jax.Array,
+    A_log: jax.Array,
+    dt_bias: jax.Array,
+    *,
+    slots: jax.Array,
+    layer: Any = None,
+    tape: Tape | None = None,
+    rows: jax.Array | None = None,
+    record: str | None = None,
+    scale: float | None = None,
+    backend: str = "auto",
+    out_dtype: Any = None,
+) -> tuple[jax.Array, Tape, jax.Array]:
+    """Apply the previous step's commit and verify the next drafts, reading each state once.
+
+    A decode loop with separate calls reads every request's state twice per step and writes
+    it once (``commit``, then the next ``verify``). This applies the pending commit inside
+    the verify kernel: each program replays the previous step's accepted chain from the pool
+    (the commit's rule, ``fma(k, u, rn(S * exp(g)))``, step by step, or the snapshot), writes
+    the accepted state (and the track state) to the pool, and runs the new drafts from it. The
+    pool, the outputs and the new tape are bit-identical to ``commit`` then ``verify``::
+
+        pending = gl.Pending(prev_tape, rows, steps, track_slots, track_steps)
+        out, tape, pool = gl.commit_and_verify(pool, pending, q, k, v, a, b, A_log, dt_bias, slots=slots)
+
+    Args:
+      pool: ``[S, HV, V, K]`` or ``[L, S, HV, V, K]`` (then ``layer``), float32 or bfloat16;
+        returned updated (in place when donated).
+      pending: :class:`Pending`: the previous step's tape (``[R', D', ...]``, with a leading
+        ``L`` when the pool has one) and, per request n of this call, its row, accepted step,
+        track slot and track step there (the arguments of :func:`commit`, aligned to this
+        call's requests). The commit's masks apply (a request whose slot or row is out of range
+        commits nothing; negative steps write nothing). Requests that left the batch are not
+        here: commit them with :func:`commit` before their slots are read.
+      q, k, v, a, b, A_log, dt_bias, slots, layer, tape, rows, record, scale, backend,
+        out_dtype: as in :func:`verify` (``slots`` required: request n's state is
+        ``pool[layer, slots[n]]``).
+    Returns:
+      ``(outputs [N, D, HV, V], tape, pool)``.
+    """
+    fn = "commit_and_verify"
+    if slots is None:
+        raise ValueError(f"{fn}: argument 'slots' is required (request n's state is pool[layer, slots[n]])")
+    _check_rank(fn, "q", q, 4, "[N, D, H, K]")
+    N, _, H, _ = _shape(q)
+    if len(_shape(pool)) not in (4, 5):
+        raise ValueError(f"{fn}: argument 'pool' must have rank 4 ([S, HV, V, K]) or 5 ([L, S, HV, V, K]), "
+                         f"got shape {_fmt(_shape(pool))}")  # fmt: skip
+    _check_state_dtype(fn, "pool", pool)
+    HV, V, K = _shape(pool)[-3:]
+    L = _shape(pool)[0] if len(_shape(pool)) == 5 else None
+    prev, layered = _check_pending(fn, pending, N, H, HV, V, K, pool.dtype, L)
+    # verify's checks (shapes, the pool form, the tape buffer), through its own argument handling:
+    impl, args, kw = _verify_call(
+        "commit_and_verify", pool, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, backend=backend,
+        out_dtype=out_dtype, slots=slots, layer=layer, tape=tape, rows=rows,
+    )  # fmt: skip
+    pend = tuple(as_index(getattr(pending, n)) for n in ("rows", "steps", "track_slots", "track_steps"))
+    kw["pending"] = (*pend, as_index(layer if layered else 0), prev)
+    outputs, new, new_pool = impl.verify(*args, **kw)
+    if L is None:
+        new_pool = new_pool[0]
+    return outputs, _strip(new, kw, tape), new_pool

@@ -189,6 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also print the seed's table (the three setups of SGLang's lossless-verify pull request) "
                         "recomputed from our shapes, the GiB it printed beside ours")
     m.set_defaults(func=_memory)
+
+    from .model.demo import add_parser as add_demo
+
+    add_demo(sub)
     return p
 
 

@@ -34,7 +34,7 @@ import numpy as np
 from jax import lax
 
 from . import reference, rounding
-from .api import _check_float, _check_index, _check_rank, _check_shape, _fmt, _shape
+from .api import _check_float, _check_index, _check_rank, _check_shape, _fmt, _shape, as_index
 
 __all__ = ["causal_conv1d_verify", "causal_conv1d_verify_dense", "dense_windows", "conv_commit", "verify_from_pool"]
 
@@ -249,14 +249,12 @@ def conv_commit(conv_pool, windows, slots, steps, track_slots=None, track_steps=
     if (track_slots is None) != (track_steps is None):
         raise ValueError(f"{fn}: give both track_slots and track_steps, or neither")
     if track_slots is None:
-        track_slots = track_steps = jnp.full((N,), -1, jnp.int32)
+        track_slots = track_steps = np.full((N,), -1, np.int32)
     if rows is None:
-        rows = jnp.arange(N, dtype=jnp.int32)
+        rows = np.arange(N, dtype=np.int32)
     for name, a in (("slots", slots), ("steps", steps), ("track_slots", track_slots), ("track_steps", track_steps), ("rows", rows)):
         _check_index(fn, name, a, N)
-    slots, steps, track_slots, track_steps, rows = (
-        jnp.asarray(a, jnp.int32) for a in (slots, steps, track_slots, track_steps, rows)
-    )
+    slots, steps, track_slots, track_steps, rows = (as_index(a) for a in (slots, steps, track_slots, track_steps, rows))
     form = _kernel_form(backend)
     if form is not None:
         from .backends.pallas import conv_commit as kernel

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import api, reference
-from .api import _check_heads, _check_index, _check_linear_chain, _check_rank, _check_shape, _fmt, _shape
+from .api import _check_heads, _check_index, _check_linear_chain, _check_rank, _check_shape, _fmt, _shape, as_index
 from .config import Geometry
 from .conv import conv_commit, verify_from_pool
 from .tape import Snapshots, Tape, Tuples
@@ -235,9 +235,9 @@ def _check_layer(fn: str, pool: StatePool, layer) -> None:
 
 def _check_rows(fn: str, rows, N: int):
     if rows is None:
-        return jnp.arange(N, dtype=jnp.int32)
+        return np.arange(N, dtype=np.int32)
     _check_index(fn, "rows", rows, N)
-    return jnp.asarray(rows, jnp.int32)
+    return as_index(rows)
 
 
 def store_layer(pool: StatePool, layer, tape: Tape, windows: jax.Array, rows=None) -> StatePool:
@@ -266,7 +266,7 @@ def store_layer(pool: StatePool, layer, tape: Tape, windows: jax.Array, rows=Non
             raise TypeError(f"{fn}: argument 'tape.{f.name}' must be {want.dtype} (the pool's scratch), got {got.dtype}")
     C, Kc = pool.geometry.conv_dim, pool.geometry.conv_kernel
     _check_shape(fn, "windows", windows, (N, C, D + Kc - 2), "[N, conv_dim, D+Kc-2]", "N, D from the tape")
-    return _store_layer(pool, jnp.asarray(layer, jnp.int32), tape, windows, _check_rows(fn, rows, N))
+    return _store_layer(pool, as_index(layer), tape, windows, _check_rows(fn, rows, N))
 
 
 def _store_windows(pool: StatePool, layer, rows, windows) -> jax.Array:
@@ -338,8 +338,8 @@ def verify_layer(
     _check_index(fn, "slots", slots, N)
     rows = _check_rows(fn, rows, N)
     return _verify_layer(
-        pool, jnp.asarray(layer, jnp.int32), mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias,
-        jnp.asarray(slots, jnp.int32), rows, scale=scale, backend=backend,
+        pool, as_index(layer), mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias,
+        as_index(slots), rows, scale=scale, backend=backend,
     )  # fmt: skip
 
 

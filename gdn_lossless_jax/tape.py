@@ -11,7 +11,7 @@ import dataclasses
 
 import jax
 
-__all__ = ["Tuples", "Snapshots", "Tape"]
+__all__ = ["Tuples", "Snapshots", "Tape", "Pending"]
 
 
 @jax.tree_util.register_dataclass
@@ -60,3 +60,34 @@ class Snapshots:
 
 
 Tape = Tuples | Snapshots
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    """A commit not yet applied: the previous step's tape and, per request of the *next*
+    verify, what to commit from it (:func:`gdn_lossless_jax.commit_and_verify`).
+
+    Attributes:
+      tape: the previous step's tape, :class:`Tuples` or :class:`Snapshots`, ``[L, R, D, ...]``
+        (or ``[R, D, ...]`` for a one-layer pool).
+      rows: ``[N]`` int, request n's row in ``tape``.
+      steps: ``[N]`` int, the accepted step (0-based); negative: nothing pending (a request
+        that just joined reads its state as it is).
+      track_slots, track_steps: ``[N]`` int, the track copy (negative step: none).
+
+    ``Pending.none(tape, N)`` is a pending commit that commits nothing.
+    """
+
+    tape: Tuples | Snapshots
+    rows: jax.Array
+    steps: jax.Array
+    track_slots: jax.Array
+    track_steps: jax.Array
+
+    @classmethod
+    def none(cls, tape: "Tuples | Snapshots", n: int) -> "Pending":
+        import numpy as np
+
+        off = np.full((n,), -1, np.int32)
+        return cls(tape, off, off, off, off)

@@ -55,6 +55,7 @@ from ...reference import L2NORM_EPS, gates
 from ._refs import grid, program_ids, store
 from .conv import scalar
 from .rounding import ops as rounding_ops
+from .rounding import replay_update
 
 __all__ = ["VerifyConfig", "verify", "ALGORITHMS"]
 
@@ -193,23 +194,24 @@ class _Where(NamedTuple):
     row_ok: Any
 
 
-def _program(refs, n_inputs: int, into: bool, r: int, BV: int, tiles_first: bool):
+def _program(refs, n_inputs: int, into: bool, r: int, BV: int, tiles_first: bool, n_outputs: int = 2):
     """What both verify kernels read first: their input refs (``state``, ``slots``, ``layer``,
-    ``tape_layer`` first), the two output refs, and the program's :class:`_Where`.
+    ``tape_layer`` first), the output refs ``o`` and ``tape``, and the program's :class:`_Where`.
 
-    ``refs`` is ``inputs[, rows, tape buffer (aliased)], o, tape``.
+    ``refs`` is ``inputs[, rows, tape buffer (aliased)][, pending inputs], o, tape[, pool]``.
     """
     n, hv, j = program_ids(tiles_first)
     state_ref, slots_ref, layer_ref, tape_layer_ref = refs[:4]
     slot = slots_ref[n]
     slot_ok = (slot >= 0) & (slot < state_ref.shape[1])
+    row = refs[n_inputs][n] if into else None
+    o_ref, tape_ref = refs[len(refs) - n_outputs : len(refs) - n_outputs + 2]
     if into:
-        row = refs[n_inputs][n]
-        lead, row_ok = (tape_layer_ref[0], row), (row >= 0) & (row < refs[-1].shape[1])
+        lead, row_ok = (tape_layer_ref[0], row), (row >= 0) & (row < tape_ref.shape[1])
     else:
         lead, row_ok = (n,), None
     where = _Where(n, hv, hv // r, pl.ds(j * BV, BV), layer_ref[0], jnp.where(slot_ok, slot, 0), slot_ok, lead, row_ok)
-    return refs[4:n_inputs], refs[-2], refs[-1], state_ref, where
+    return refs[4:n_inputs], o_ref, tape_ref, state_ref, where
 
 
 def _unit_rows(x):
@@ -259,10 +261,91 @@ def _store_state(tape_ref, w: _Where, t, cols, S, evict):
         _store_row(tape_ref, w, (*w.lead, t, w.hv, w.vs, c), tile.astype(tape_ref.dtype), evict=evict)
 
 
+def _apply_pending(refs, pending: str, state_ref, pool_ref, w: _Where, cols, S0, form: str, control: str | None = None):
+    """The previous step's commit of this program's tile, before its verify: the state after the
+    accepted step (and the track state, to its slot), both from the pre-verify state ``S0`` with
+    the commit's rule (``fma(k, u, rn(S * exp(g)))``, the replay kernel's arithmetic element for
+    element) or from the previous snapshots; both stored to the pool (rounded to its dtype).
+    Returns the state the verify starts from: the accepted state as the pool now holds it, or
+    ``S0`` where nothing was accepted. The masks are the commit's (``reference._masks``).
+
+    ``refs``: the pending rows, steps, track slots, track steps ``[N]``, the previous tape's
+    layer ``[1]``, then the previous tape's fields (``u, k, g`` or ``states``, ``[L', R', D', ...]``).
+    ``control`` breaks it on purpose, for tests that must catch it: ``"naive"`` replays with
+    ``S * alpha + k * u`` as the compiler rounds it; ``"track_after_write"`` stores the accepted
+    state first and replays the track state from the pool it just wrote (the ordering bug of
+    SGLang's lossless-verify pull request).
+    """
+    prow_ref, pstep_ref, ptslot_ref, ptstep_ref, player_ref, *prev = refs
+    n, hv, h, vs = w.n, w.hv, w.h, w.vs
+    pl_ = player_ref[0]
+    prow, pstep, ptslot, ptstep = prow_ref[n], pstep_ref[n], ptslot_ref[n], ptstep_ref[n]
+    R, Dp = prev[0].shape[1], prev[0].shape[2]
+    S = state_ref.shape[1]
+    valid = w.slot_ok & (prow >= 0) & (prow < R)
+    accept = valid & (pstep >= 0) & (pstep < Dp)
+    track = valid & (ptstep >= 0) & (ptstep < Dp) & (ptslot >= 0) & (ptslot < S)
+    prow = jnp.where(valid, prow, 0)
+    dt = pool_ref.dtype
+
+    def store(at, tiles):
+        for c, tile in zip(cols, tiles):
+            pool_ref[w.layer, at, hv, vs, c] = tile.astype(dt)
+
+    if pending == "snapshots":
+        (states_ref,) = prev
+
+        def snap(t):
+            return [states_ref[pl_, prow, t, hv, vs, c] for c in cols]
+
+        @pl.when(track)
+        def _():
+            store(ptslot, snap(ptstep))
+
+        acc = snap(jnp.where(accept, pstep, 0))
+    else:
+        u_ref, k_ref, g_ref = prev
+        update = replay_update("naive" if control == "naive" else form)
+        late = control == "track_after_write"
+        last = jnp.maximum(jnp.where(accept, pstep, -1), jnp.where(track & ~late, ptstep, -1))
+
+        def replay(upto, S, on_step):
+            def body(t, carry):
+                Sc, Sacc = carry
+                ks = [k_ref[pl_, prow, t, pl.ds(h, 1), c] for c in cols]
+                u, alpha = u_ref[pl_, prow, t, hv, vs], jnp.exp(g_ref[pl_, prow, t, hv])
+                Sc = [update(c, alpha, kc, u) for kc, c in zip(ks, Sc)]
+                on_step(t, Sc)
+                return Sc, [jnp.where(t == pstep, a, b) for a, b in zip(Sc, Sacc)]
+
+            return jax.lax.fori_loop(0, upto + 1, body, (S, S))[1]
+
+        def track_store(t, Sc):
+            @pl.when(track & (t == ptstep))
+            def _():
+                store(ptslot, Sc)
+
+        acc = replay(last, S0, (lambda t, Sc: None) if late else track_store)
+
+    @pl.when(accept)
+    def _():
+        store(w.slot, acc)
+
+    if pending == "tuples" and late:  # the control: the track state replayed from the advanced state in the pool
+        advanced = [jnp.where(accept, a.astype(dt).astype(F32), b) for a, b in zip(acc, S0)]
+        replay(jnp.where(track, ptstep, -1), advanced, track_store)
+
+    return [jnp.where(accept, a.astype(dt).astype(F32), b) for a, b in zip(acc, S0)]
+
+
 def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bool, row_vectors: bool, one_pass: bool,
-            k_chunk: int, loop: bool, evict: str | None, prefetch_q: bool, tiles_first: bool, dot_fma: str):  # fmt: skip
-    # inputs: state, slots, layer, tape_layer, qn, kn, v, g, beta[, rows, tape buffer (aliased)]; outputs: o, tape
-    (q_ref, k_ref, v_ref, g_ref, beta_ref), o_ref, tape_ref, state_ref, w = _program(refs, 9, into, r, BV, tiles_first)
+            k_chunk: int, loop: bool, evict: str | None, prefetch_q: bool, tiles_first: bool, dot_fma: str,
+            pending: str | None = None, control: str | None = None):  # fmt: skip
+    # inputs: state, slots, layer, tape_layer, qn, kn, v, g, beta[, rows, tape buffer (aliased)][, pending inputs];
+    # outputs: o, tape[, pool (aliased with state)]
+    n_out = 3 if pending else 2
+    (q_ref, k_ref, v_ref, g_ref, beta_ref), o_ref, tape_ref, state_ref, w = _program(refs, 9, into, r, BV, tiles_first,
+                                                                                     n_out)  # fmt: skip
     n, hv, h, vs = w.n, w.hv, w.h, w.vs
     mul, fma = rounding_ops(form)
     cols = _chunks(k_ref.shape[-1], k_chunk)
@@ -299,6 +382,9 @@ def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bo
         return S
 
     S = _load_state(state_ref, w, cols, evict)
+    if pending:
+        start = 9 + (2 if into else 0)
+        S = _apply_pending(refs[start : len(refs) - n_out], pending, state_ref, refs[-1], w, cols, S, form, control)
     if not loop:  # unrolled, every step's inputs loaded first
         xs = [inputs(t) for t in range(D)]
         for t in range(D):
@@ -549,10 +635,11 @@ def _store_row(ref, w: _Where, idx, value, evict=None):
         store(ref, idx, value, evict)
 
 
-@functools.partial(jax.jit, static_argnames=("record", "scale", "out_dtype", "config", "form", "interpret"))
+@functools.partial(jax.jit, static_argnames=("record", "scale", "out_dtype", "config", "form", "interpret",
+                                             "pending_control"))
 def verify(
     state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, config=VerifyConfig(), form, interpret,
-    slots=None, layer=None, tape=None, tape_layer=None, rows=None,
+    slots=None, layer=None, tape=None, tape_layer=None, rows=None, pending=None, pending_control=None,
 ):  # fmt: skip
     """See :func:`gdn_lossless_jax.verify` (arguments already checked there).
 
@@ -563,11 +650,18 @@ def verify(
     donate it under jit); other rows, steps and layers keep their contents, and an out-of-range
     row writes nothing. Returns ``(outputs, tape)``: the fresh ``[N, D, ...]`` tape, or the
     updated buffer.
+
+    With ``pending`` (``(rows, steps, track_slots, track_steps, prev_layer, prev_tape)``, the
+    previous step's commit per request, its tape ``[L', R', D', ...]`` read at ``prev_layer``)
+    each program first applies that commit to its tile of the pool (:func:`_apply_pending`) and
+    verifies from the committed state; the pool (``state0``, with ``slots``) is aliased to a
+    third output: returns ``(outputs, tape, pool)``. The chain algorithm only.
     """
     from ...tape import Snapshots, Tuples
 
     D, H = q.shape[1], q.shape[2]
     i32 = jnp.int32
+    pool_form = slots is not None
     if slots is None:  # state0 form: a one-layer pool whose slot n is request n
         state, slots, layer = state0[None], jnp.arange(state0.shape[0], dtype=i32), 0
     else:
@@ -582,6 +676,8 @@ def verify(
         raise ValueError(f"pallas verify: K={K} must be a multiple of k_chunk={cfg.k_chunk} (or at most it)")
     snapshots = record == "snapshots"
     into = tape is not None
+    if pending is not None and (cfg.algorithm != "chain" or not pool_form):
+        raise ValueError("pallas verify: a pending commit needs the pool form (slots=) and the chain algorithm")
     if into and rows is None:
         rows = jnp.arange(N, dtype=i32)
     gram = cfg.algorithm == "gram"
@@ -619,6 +715,13 @@ def verify(
         out_shape.append(jax.ShapeDtypeStruct((N, D, HV, V, K), state.dtype))
     else:
         out_shape.append(jax.ShapeDtypeStruct((N, D, HV, V), F32))
+    pending_mode = None
+    if pending is not None:
+        prows, psteps, ptslots, ptsteps, prev_layer, prev_tape = pending
+        pending_mode = "snapshots" if isinstance(prev_tape, Snapshots) else "tuples"
+        inputs += [prows, psteps, ptslots, ptsteps, scalar(prev_layer), *jax.tree.leaves(prev_tape)]
+        out_shape.append(jax.ShapeDtypeStruct(state.shape, state.dtype))
+        aliases[0] = 2
     if gram:
         kernel = functools.partial(_gram_kernel, D=D, r=HV // H, BV=cfg.block_v, snapshots=snapshots, form=form,
                                    into=into, k_chunk=cfg.k_chunk, evict=cfg.evict, interpret=interpret,
@@ -628,9 +731,9 @@ def verify(
             _kernel, D=D, r=HV // H, BV=cfg.block_v, snapshots=snapshots, form=form, into=into,
             row_vectors=cfg.row_vectors, one_pass=cfg.one_pass, k_chunk=cfg.k_chunk,
             loop=D > cfg.unroll, evict=cfg.evict, prefetch_q=cfg.prefetch_q, tiles_first=tiles_first,
-            dot_fma=cfg.dot_fma,
+            dot_fma=cfg.dot_fma, pending=pending_mode, control=pending_control,
         )  # fmt: skip
-    outputs, rec = pl.pallas_call(
+    outputs, rec, *pool = pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=grid(N, HV, V // cfg.block_v, tiles_first),
@@ -640,7 +743,9 @@ def verify(
         name=f"gdn_verify_{record}",
     )(*inputs)
     if snapshots:
-        return outputs, Snapshots(rec)
-    if into:
-        return outputs, Tuples(rec, kbuf, gbuf)
-    return outputs, Tuples(rec, kn, g)
+        new = Snapshots(rec)
+    elif into:
+        new = Tuples(rec, kbuf, gbuf)
+    else:
+        new = Tuples(rec, kn, g)
+    return (outputs, new, *pool)

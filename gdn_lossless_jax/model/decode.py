@@ -1,0 +1,396 @@
+"""Greedy speculative decoding in one jitted step, through the library's state pool.
+
+One call of :class:`SpecStep` does, for N batch rows at once:
+
+1. **draft**: a layer-skipping self-draft (the target's first ``draft_layers`` blocks, all
+   GDN, then the final norm and LM head) proposes the chain. It starts from the committed
+   states of those layers in the pool and carries its own copy through the chain (the
+   reference's GDN step in plain fp32: a draft's rounding cannot change what is accepted);
+   nothing of it is written back. Because the draft's blocks *are* the target's, the
+   target's commit keeps the draft in step: no draft state to manage.
+2. **verify**: the target runs the D inputs ``x_0 .. x_{D-1}`` through every block; each
+   GDN layer goes through :func:`gdn_lossless_jax.pool.verify_layer` (the pool's record
+   mode: tuples or snapshots), each attention layer writes its keys and values into the KV
+   cache at the tokens' positions.
+3. **accept**: ``x_0 .. x_{n_given-1}`` are given (the request's next known tokens: one
+   for plain decoding, up to D for a prompt chunk) and always accepted; a drafted ``x_j``
+   is accepted while it equals the target's greedy prediction after ``x_{j-1}``. With
+   ``m`` inputs accepted, the target's prediction after ``x_{m-1}`` is the bonus token.
+4. **commit**: :func:`gdn_lossless_jax.pool.commit` writes the SSM and conv states after
+   step ``m - 1``; when the request's length crosses a multiple of ``track_interval``, the
+   state at that boundary goes to the request's track slot in the same commit (the
+   prefix cache), and its KV cache row is copied there too. KV entries past the accepted
+   length need no undo: attention masks by position and the next step overwrites them.
+
+So prefill (chunks of given tokens), plain greedy decoding (D = 1) and speculative decoding
+are one function with one arithmetic. Indices follow the pool's rules: row i of the batch
+uses mamba slot ``slots[i]`` and scratch row ``rows[i]``; a negative slot marks an empty
+batch row (its reads are zeros, its writes are dropped, commit skips it).
+
+Record-mode note: the record mode is part of the pool's pytree structure, so the two modes
+are two compilations of the same step; their outputs are identical by the library's
+construction (verify's outputs do not depend on the mode), which the tests check token by
+token and pool by pool.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from .. import pool as pool_mod, reference
+from ..pool import StatePool
+from .model import ModelConfig, Params, attention, gdn_mixer, logits, mlp, rmsnorm
+
+__all__ = [
+    "KVCache",
+    "DecodeState",
+    "StepInputs",
+    "StepOutputs",
+    "CommitFn",
+    "allocate_state",
+    "copy_slot",
+    "SpecStep",
+]
+
+I32 = jnp.int32
+F32 = jnp.float32
+
+#: ``commit(pool, slots, steps, track_slots, track_steps, rows) -> pool``: the commit the
+#: step uses (``gdn_lossless_jax.pool.commit`` by default; tests inject controls here).
+CommitFn = Callable[..., StatePool]
+
+
+def _pytree(cls):
+    return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
+
+
+@_pytree
+class KVCache:
+    """The full-attention layers' cache, by mamba slot: ``k``, ``v [A, S+1, Tmax, nkv, hd]``."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+@_pytree
+class DecodeState:
+    """Everything a step reads and writes: the GDN state pool and the KV cache (donated)."""
+
+    pool: StatePool
+    kv: KVCache
+
+    @property
+    def record(self) -> str:
+        return self.pool.record
+
+
+@_pytree
+class StepInputs:
+    """One step's batch, N rows (every field ``[N]`` int32 unless noted).
+
+    Attributes:
+      slots: the request's mamba slot (its states and KV row); negative: an empty row.
+      rows: the request's scratch row in ``[0, R]`` (R: the discard row for empty rows).
+      pos: tokens already in the request's state (the position of ``tokens[:, 0]``).
+      tokens: ``[N, D]``, the given inputs in ``tokens[:, :n_given]`` (the rest is ignored).
+      n_given: given inputs, in ``[1, D]``.
+      track_slots: the slot the prefix-cache state goes to if this step crosses a multiple
+        of the track interval; negative: no tracking.
+    """
+
+    slots: jax.Array
+    rows: jax.Array
+    pos: jax.Array
+    tokens: jax.Array
+    n_given: jax.Array
+    track_slots: jax.Array
+
+
+@_pytree
+class StepOutputs:
+    """What a step decided (``[N]`` or ``[N, D]`` int32; ``gaps`` fp32).
+
+    Attributes:
+      inputs: ``[N, D]``, the verified inputs (given, then drafted).
+      predictions: ``[N, D]``, the target's greedy token after each input.
+      gaps: ``[N, D]``, the target's top-2 logit gap at each input (near-ties show here).
+      accepted: ``m`` in ``[n_given, D]``, inputs accepted (now in the state).
+      track_steps: the step whose state went to the track slot, or -1.
+    """
+
+    inputs: jax.Array
+    predictions: jax.Array
+    gaps: jax.Array
+    accepted: jax.Array
+    track_steps: jax.Array
+
+
+def allocate_state(
+    config: ModelConfig,
+    *,
+    slots: int,
+    requests: int,
+    drafts: int,
+    record: str,
+    max_len: int,
+    state_dtype=jnp.float32,
+) -> DecodeState:
+    """A zero state: the pool (:func:`gdn_lossless_jax.pool.allocate`) and the KV cache.
+
+    Args:
+      slots: S mamba slots (each holds one request's or one prefix-cache entry's states and
+        KV row). requests: R batch rows. drafts: D, the inputs a step verifies.
+      record: ``"tuples"`` or ``"snapshots"``. max_len: Tmax, KV positions per slot.
+      state_dtype: the SSM state dtype (float32 or bfloat16); the conv states and the KV
+        cache take the model's dtype.
+    """
+    if not isinstance(max_len, int) or max_len < drafts:
+        raise ValueError(f"allocate_state: argument 'max_len' must be an integer >= drafts={drafts}, got {max_len!r}")
+    p = pool_mod.allocate(
+        config.geometry, slots=slots, requests=requests, drafts=drafts, record=record,
+        state_dtype=state_dtype, conv_dtype=config.jnp_dtype,
+    )  # fmt: skip
+    shape = (config.attention_layers, slots + 1, max_len, config.kv_heads, config.attn_head_dim)
+    return DecodeState(p, KVCache(jnp.zeros(shape, config.jnp_dtype), jnp.zeros(shape, config.jnp_dtype)))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _copy_slot(state: DecodeState, src, dst) -> DecodeState:
+    def move(x):  # an out-of-range src reads zeros
+        return x.at[:, dst].set(x.at[:, src].get(mode="fill", fill_value=0))
+
+    p = state.pool
+    pool = dataclasses.replace(p, ssm=move(p.ssm), conv=move(p.conv))
+    return DecodeState(pool, KVCache(move(state.kv.k), move(state.kv.v)))
+
+
+def copy_slot(state: DecodeState, src: int | None, dst: int) -> DecodeState:
+    """Copy slot ``src``'s SSM, conv and KV states to slot ``dst``, or zero ``dst`` if
+    ``src`` is None (the state is donated).
+
+    How a request starts: from a prefix-cache entry (without consuming it) or from zeros
+    (a freed slot still holds its last request's states).
+    """
+    S = state.pool.slots
+    for name, s in (("src", src), ("dst", dst)):
+        if s is not None and not 0 <= s < S:
+            raise ValueError(f"copy_slot: argument {name!r} must be a slot in [0, {S}), got {s}")
+    return _copy_slot(state, jnp.asarray(-1 if src is None else src, I32), jnp.asarray(dst, I32))
+
+
+def _in_range(idx, n):
+    """Indices outside ``[0, n)`` become ``n``: dropped by scatters, filled by gathers."""
+    return jnp.where((idx >= 0) & (idx < n), idx, n)
+
+
+def split_qkv(y: jax.Array, config: ModelConfig):
+    """``[N, T, conv_dim] -> q, k [N, T, H, K], v [N, T, HV, V]`` (the conv's ``[q | k | v]``)."""
+    c = config
+    N, T, _ = y.shape
+    HK = c.num_k_heads * c.head_k_dim
+    q = y[..., :HK].reshape(N, T, c.num_k_heads, c.head_k_dim)
+    k = y[..., HK : 2 * HK].reshape(N, T, c.num_k_heads, c.head_k_dim)
+    v = y[..., 2 * HK :].reshape(N, T, c.num_v_heads, c.head_v_dim)
+    return q, k, v
+
+
+def _draft_gdn(c: ModelConfig, S, conv_state, mixed, a, b, p):
+    """One token through a GDN layer from a carried state, for the draft.
+
+    Plain fp32 arithmetic (the reference's step with unpinned ``*`` and ``+``, an unpinned
+    conv): the draft only proposes, the target's verify decides, so its rounding does not
+    matter, and it keeps the draft cheap to compile. Returns ``(o [N, 1, HV, V], S' [N, HV,
+    V, K] fp32, conv state [N, conv_dim, Kc-1])``.
+    """
+    x = mixed[:, 0].astype(conv_state.dtype)[..., None]  # [N, C, 1]
+    window = jnp.concatenate([conv_state, x], axis=-1)  # [N, C, Kc]
+    y = jax.nn.silu(jnp.sum(window.astype(F32) * p.conv_weight.astype(F32), axis=-1))
+    q, k, v = split_qkv(y[:, None], c)
+    qn, kn, g, beta = reference.prepare(q, k, a, b, p.A_log, p.dt_bias, c.head_k_dim**-0.5)
+    heads = lambda t: reference._expand_heads(t[:, 0], c.num_v_heads)  # noqa: E731
+    step_in = (heads(qn), heads(kn), v[:, 0].astype(F32), g[:, 0], beta[:, 0])
+    S_new, (o, _) = reference.gdn_step(S.astype(F32), step_in, mul=jnp.multiply, fma=lambda k, u, s: k * u + s)
+    return o[:, None].astype(mixed.dtype), S_new, window[..., 1:]
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecStep:
+    """The jitted step ``step(params, state, inputs) -> (state, outputs)``; the state is donated.
+
+    A frozen (hashable) description: equal steps share one compilation cache, so engines
+    with the same step compile once per record mode and batch shape.
+
+    Attributes:
+      config: the model's sizes.
+      drafts: D, inputs verified per step (one given, D - 1 drafted when decoding; D = 1 is
+        plain greedy decoding with the target alone).
+      track_interval: prefix-cache interval in tokens (0: no tracking).
+      backend: the library's backend for verify and the default commit.
+      commit: the commit to use (:data:`CommitFn`, hashable); ``gdn_lossless_jax.pool.commit``
+        if None.
+    """
+
+    config: ModelConfig
+    drafts: int
+    track_interval: int = 0
+    backend: str = "auto"
+    commit: CommitFn | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.drafts, int) or self.drafts < 1:
+            raise ValueError(f"SpecStep: argument 'drafts' must be a positive integer, got {self.drafts!r}")
+        if not isinstance(self.track_interval, int) or self.track_interval < 0:
+            raise ValueError(
+                f"SpecStep: argument 'track_interval' must be an integer >= 0, got {self.track_interval!r}"
+            )
+
+    @property
+    def traces(self) -> int:
+        """How often JAX traced this step (once per record mode and batch shape in a decode
+        loop: more means the loop retraces)."""
+        return _TRACES[self]
+
+    def __call__(self, params: Params, state: DecodeState, inputs: StepInputs) -> tuple[DecodeState, StepOutputs]:
+        D = self.drafts
+        if inputs.tokens.shape[-1] != D:
+            raise ValueError(
+                f"SpecStep: argument 'inputs.tokens' must have D={D} columns, got shape {inputs.tokens.shape}"
+            )
+        if state.pool.drafts < D:
+            raise ValueError(
+                f"SpecStep: the pool's scratch holds drafts={state.pool.drafts} steps, the step verifies D={D}"
+            )
+        return _jitted_step(self, params, state, inputs)
+
+    def _commit(self, pool, *args):
+        if self.commit is None:
+            return pool_mod.commit(pool, *args, backend=self.backend)
+        return self.commit(pool, *args)
+
+    # -- the traced step ------------------------------------------------------------
+    def _step(self, params: Params, state: DecodeState, inputs: StepInputs):
+        _TRACES[self] += 1
+        x = self._draft(params, state.pool, inputs)
+        lg, pool, kv = self._verify(params, state, x, inputs)
+        y = jnp.argmax(lg, axis=-1).astype(I32)
+        top2 = jax.lax.top_k(lg, 2)[0]
+        gaps = top2[..., 0] - top2[..., 1]
+        j = jnp.arange(1, self.drafts)[None, :]
+        ok = (j < inputs.n_given[:, None]) | (x[:, 1:] == y[:, :-1])  # [N, D-1]
+        m = 1 + jnp.sum(jnp.cumprod(ok.astype(I32), axis=1), axis=1).astype(I32)
+        track_steps = self._track_steps(inputs, m)
+        pool = self._commit(pool, inputs.slots, m - 1, inputs.track_slots, track_steps, inputs.rows)
+        kv = self._track_kv(kv, inputs, track_steps)
+        return DecodeState(pool, kv), StepOutputs(x, y, gaps, m, track_steps)
+
+    def _track_steps(self, inputs: StepInputs, m):
+        """The step at the last multiple of the interval crossed this step, or -1."""
+        T = self.track_interval
+        if not T:
+            return jnp.full_like(m, -1)
+        boundary = ((inputs.pos + m) // T) * T
+        crossed = (boundary > inputs.pos) & (inputs.track_slots >= 0) & (inputs.slots >= 0)
+        return jnp.where(crossed, boundary - inputs.pos - 1, -1).astype(I32)
+
+    def _track_kv(self, kv: KVCache, inputs: StepInputs, track_steps):
+        """The KV prefix goes with the tracked states (the whole row: positions past the
+        boundary are masked for whoever resumes from it)."""
+        if not self.track_interval or not kv.k.shape[0]:
+            return kv
+        S1 = kv.k.shape[1]
+        dst = jnp.where(track_steps >= 0, _in_range(inputs.track_slots, S1), S1)
+        src = _in_range(inputs.slots, S1)
+
+        def copy(kv):
+            move = lambda c: c.at[:, dst].set(c.at[:, src].get(mode="fill", fill_value=0), mode="drop")  # noqa: E731
+            return KVCache(move(kv.k), move(kv.v))
+
+        return jax.lax.cond(jnp.any(track_steps >= 0), copy, lambda kv: kv, kv)
+
+    def _draft(self, params: Params, pool: StatePool, inputs: StepInputs):
+        """``[N, D]`` inputs: the given ones, then the draft's greedy chain."""
+        c, D = self.config, self.drafts
+        tokens, n_given = inputs.tokens.astype(I32), inputs.n_given
+        if D == 1:
+            return tokens
+        s = _in_range(inputs.slots, pool.ssm.shape[1])
+        ssm0 = tuple(pool.ssm.at[l, s].get(mode="fill", fill_value=0) for l in range(c.draft_layers))
+        conv0 = tuple(pool.conv.at[l, s].get(mode="fill", fill_value=0) for l in range(c.draft_layers))
+
+        def body(carry, xs):
+            ssm, convs, tok = carry
+            j, given_next = xs
+            h = params.embed[tok][:, None]
+            new_ssm, new_conv = [], []
+            for l in range(c.draft_layers):
+
+                def core(mixed, a, b, p, l=l):
+                    o, S, window = _draft_gdn(c, ssm[l], convs[l], mixed, a, b, p)
+                    new_ssm.append(S)
+                    new_conv.append(window)
+                    return o
+
+                blk = params.blocks[l]
+                h = self._block(blk, h, functools.partial(gdn_mixer, blk.mixer, c, core=core))
+            proposal = jnp.argmax(logits(params, h)[:, 0], axis=-1).astype(I32)
+            nxt = jnp.where(j + 1 < n_given, given_next, proposal)
+            return (tuple(new_ssm), tuple(new_conv), nxt), nxt
+
+        xs = (jnp.arange(D - 1, dtype=I32), tokens[:, 1:].T)
+        _, chain = jax.lax.scan(body, (ssm0, conv0, tokens[:, 0]), xs)
+        return jnp.concatenate([tokens[:, :1], chain.T], axis=1)
+
+    @staticmethod
+    def _block(blk, h, mixer):
+        h = h + mixer(rmsnorm(h, blk.norm1))
+        return h + mlp(blk.mlp, rmsnorm(h, blk.norm2))
+
+    def _verify(self, params: Params, state: DecodeState, x, inputs: StepInputs):
+        """The target over ``x [N, D]``: logits ``[N, D, vocab]``, the pool with this step's
+        tape in its scratch rows, and the KV cache with this step's entries."""
+        c, D = self.config, self.drafts
+        pool, kv = state.pool, state.kv
+        positions = inputs.pos[:, None] + jnp.arange(D, dtype=I32)[None, :]
+        s_kv = _in_range(inputs.slots, kv.k.shape[1])
+        h = params.embed[x]
+        gdn_i = attn_i = 0
+        for blk, kind in zip(params.blocks, c.kinds):
+            if kind == "gdn":
+
+                def core(mixed, a, b, p, layer=gdn_i):
+                    nonlocal pool
+                    o, pool = pool_mod.verify_layer(
+                        pool, layer, mixed, a, b, p.conv_weight, None, p.A_log, p.dt_bias, inputs.slots, inputs.rows,
+                        backend=self.backend,
+                    )  # fmt: skip
+                    return o
+
+                h = self._block(blk, h, functools.partial(gdn_mixer, blk.mixer, c, core=core))
+                gdn_i += 1
+            else:
+
+                def mixer(xn, blk=blk, layer=attn_i):
+                    nonlocal kv
+                    rows_k = kv.k.at[layer, s_kv].get(mode="fill", fill_value=0)
+                    rows_v = kv.v.at[layer, s_kv].get(mode="fill", fill_value=0)
+                    out, (rows_k, rows_v) = attention(blk.mixer, c, xn, rows_k, rows_v, positions)
+                    # Only this step's entries go back (the rest of each row is unchanged).
+                    new_k = jnp.take_along_axis(rows_k, positions[:, :, None, None], axis=1, mode="clip")
+                    new_v = jnp.take_along_axis(rows_v, positions[:, :, None, None], axis=1, mode="clip")
+                    idx = (layer, s_kv[:, None], positions)
+                    kv = KVCache(kv.k.at[idx].set(new_k, mode="drop"), kv.v.at[idx].set(new_v, mode="drop"))
+                    return out
+
+                h = self._block(blk, h, mixer)
+                attn_i += 1
+        return logits(params, h), pool, kv
+
+
+_TRACES: collections.Counter = collections.Counter()
+_jitted_step = jax.jit(SpecStep._step, static_argnums=0, donate_argnums=2)

@@ -1,0 +1,344 @@
+"""The host side of decoding: requests join and leave a fixed-shape batch between steps.
+
+:class:`Engine` owns a :class:`~gdn_lossless_jax.model.decode.DecodeState` (the state pool
+and the KV cache) and calls one :class:`~gdn_lossless_jax.model.decode.SpecStep` per step on
+a batch of ``max_batch`` rows. Between steps it admits waiting requests into free rows
+(each takes a free mamba slot and a free scratch row, so slots and rows are reassigned as
+requests come and go; batch positions are compacted, so a request's batch position and its
+scratch row differ), feeds each request its next inputs (a prompt chunk of up to D tokens,
+or its last token), reads back what was accepted, and retires finished requests. Shapes
+never change, so the step is traced once per record mode (:attr:`Engine.compiles`).
+
+The prefix cache (``track_interval > 0``): each active request holds a spare *track slot*;
+when a step's commit crosses a multiple of the interval, the state at that boundary
+(SSM, conv and the KV row) lands in the track slot and the slot becomes a cache entry keyed
+by the exact token prefix; it supersedes the request's previous entry (one entry per
+request: its longest tracked prefix). A request whose prompt starts with a cached prefix
+copies that entry into its own slot and skips the prefix (:attr:`Result.resumed`). Entries
+are evicted least recently used when slots run out.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .decode import CommitFn, DecodeState, SpecStep, StepInputs, allocate_state, copy_slot
+from .model import ModelConfig, Params
+
+__all__ = ["Request", "Result", "PrefixCache", "Engine"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """A prompt to continue.
+
+    Attributes:
+      prompt: token ids (at least one).
+      max_new_tokens: tokens to generate.
+      arrival: the engine step (counted from the start of :meth:`Engine.generate`) from
+        which the request may join the batch.
+    """
+
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    arrival: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
+
+
+@dataclasses.dataclass
+class Result:
+    """What a request got.
+
+    Attributes:
+      tokens: the ``max_new_tokens`` generated tokens.
+      resumed: prompt tokens taken from the prefix cache (0: the whole prompt was computed).
+      joined, left: the engine steps at which it joined and left the batch.
+      slot, row: the mamba slot and the scratch row it held.
+      accepted: drafted tokens accepted, per step that emitted tokens.
+      proposed: drafted tokens verified, per step that emitted tokens.
+      predictions, gaps: ``[positions]``, the target's greedy token and top-2 logit gap after
+        each position the request computed (-1 and NaN for resumed positions).
+      tracked: the prefix lengths whose states went to the prefix cache.
+    """
+
+    request: Request
+    tokens: list[int]
+    resumed: int
+    joined: int
+    left: int
+    slot: int
+    row: int
+    accepted: list[int]
+    proposed: list[int]
+    predictions: np.ndarray
+    gaps: np.ndarray
+    tracked: list[int]
+
+    @property
+    def decode_steps(self) -> int:
+        return len(self.accepted)
+
+
+@dataclasses.dataclass
+class _Active:
+    request: Request
+    seq: list[int]  # prompt + generated: seq[pos:] are known tokens not yet in the state
+    pos: int
+    slot: int
+    row: int
+    track_slot: int
+    result: Result
+
+
+class PrefixCache:
+    """Token prefix -> the slot holding the state after it; least recently used first out."""
+
+    def __init__(self, interval: int):
+        self.interval = interval
+        self._entries: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+
+    @staticmethod
+    def _key(tokens: Sequence[int]) -> bytes:
+        return np.asarray(tokens, np.int32).tobytes()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def slots(self) -> list[int]:
+        return list(self._entries.values())
+
+    def insert(self, tokens: Sequence[int], slot: int, supersedes: Sequence[int] | None = None) -> list[int]:
+        """Add an entry, dropping an entry of the same tokens and the entry for
+        ``supersedes`` (a shorter prefix of the same sequence). Returns the dropped slots."""
+        key = self._key(tokens)
+        dropped = [self._entries.pop(k) for k in {key, self._key(supersedes or ())} if k in self._entries]
+        self._entries[key] = slot
+        return dropped
+
+    def lookup(self, prompt: Sequence[int]) -> tuple[int, int] | None:
+        """The longest cached prefix of ``prompt`` that leaves at least one token to feed:
+        ``(length, slot)``, or None."""
+        if not self.interval:
+            return None
+        for b in range(((len(prompt) - 1) // self.interval) * self.interval, 0, -self.interval):
+            key = self._key(prompt[:b])
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return b, self._entries[key]
+        return None
+
+    def evict(self) -> int | None:
+        """Drop the least recently used entry; returns its slot (None if empty)."""
+        if not self._entries:
+            return None
+        return self._entries.popitem(last=False)[1]
+
+
+class Engine:
+    """Batched greedy (speculative) decoding over the state pool.
+
+    Args:
+      params, config: the model (:func:`~gdn_lossless_jax.model.model.init_params`).
+      record: the pool's record mode, ``"tuples"`` or ``"snapshots"``.
+      drafts: D, inputs verified per step (1: plain greedy decoding with the target alone).
+      max_batch: R, batch rows (and scratch rows; the pool has R + 1).
+      max_len: KV positions per slot; a request needs ``len(prompt) + max_new_tokens + D``.
+      track_interval: prefix-cache interval in tokens (0: no prefix cache).
+      cache_entries: prefix-cache entries kept (default: ``2 * max_batch``).
+      backend: the library's backend (``"auto"``, ``"reference"``, ``"pallas"``, ``"triton"``).
+      commit: the commit the step uses (tests inject controls; default the pool's).
+      state_dtype: SSM state dtype.
+    """
+
+    def __init__(
+        self,
+        params: Params,
+        config: ModelConfig,
+        *,
+        record: str = "tuples",
+        drafts: int = 4,
+        max_batch: int = 4,
+        max_len: int = 1024,
+        track_interval: int = 0,
+        cache_entries: int | None = None,
+        backend: str = "auto",
+        commit: CommitFn | None = None,
+        state_dtype=jnp.float32,
+    ):
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"Engine: argument 'max_batch' must be a positive integer, got {max_batch!r}")
+        self.params, self.config = params, config
+        self.drafts, self.max_batch, self.max_len = drafts, max_batch, max_len
+        self.cache_entries = 2 * max_batch if cache_entries is None else cache_entries
+        # Each active request holds its slot and a spare track slot; the cache holds the rest.
+        n_slots = 2 * max_batch + (self.cache_entries if track_interval else 0)
+        self.step_fn = SpecStep(config, drafts, track_interval, backend, commit)
+        self.state = allocate_state(
+            config, slots=n_slots, requests=max_batch, drafts=drafts, record=record, max_len=max_len,
+            state_dtype=state_dtype,
+        )  # fmt: skip
+        self.cache = PrefixCache(track_interval)
+        self._traces0 = self.step_fn.traces
+        self._free_slots = collections.deque(range(n_slots))
+        self._free_rows = collections.deque(range(max_batch))
+        self.steps = 0  # steps run by this engine, over all generate() calls
+        self.step_seconds = 0.0
+
+    @property
+    def record(self) -> str:
+        return self.state.record
+
+    @property
+    def compiles(self) -> int:
+        """How often the step was traced since this engine was made: 1 after the first step,
+        and still 1 after any number of steps (0 if an equal engine had compiled it)."""
+        return self.step_fn.traces - self._traces0
+
+    # -- slots -------------------------------------------------------------------------
+    def _take_slot(self) -> int:
+        if not self._free_slots:
+            slot = self.cache.evict()
+            if slot is None:
+                raise RuntimeError("Engine: out of mamba slots (every slot holds a request or its track slot)")
+            self._free_slots.append(slot)
+        return self._free_slots.popleft()
+
+    def _free(self, slot: int) -> None:
+        if slot >= 0:
+            self._free_slots.append(slot)
+
+    # -- the loop ----------------------------------------------------------------------
+    def _check(self, r: Request) -> None:
+        if not isinstance(r, Request):
+            raise TypeError(f"Engine.generate: requests must be Request objects, got {type(r).__name__}")
+        if not r.prompt:
+            raise ValueError("Engine.generate: a request's prompt must hold at least one token, got an empty prompt")
+        if r.max_new_tokens < 1:
+            raise ValueError(f"Engine.generate: a request's max_new_tokens must be >= 1, got {r.max_new_tokens}")
+        bad = [t for t in r.prompt if not 0 <= t < self.config.vocab]
+        if bad:
+            raise ValueError(f"Engine.generate: prompt tokens must be in [0, vocab={self.config.vocab}), got {bad[:5]}")
+        need = len(r.prompt) + r.max_new_tokens + self.drafts
+        if need > self.max_len:
+            raise ValueError(
+                f"Engine.generate: a request needs len(prompt) + max_new_tokens + D = {len(r.prompt)} + "
+                f"{r.max_new_tokens} + {self.drafts} = {need} KV positions, but max_len={self.max_len}"
+            )
+
+    def _admit(self, r: Request, now: int) -> _Active:
+        hit = self.cache.lookup(r.prompt)  # first: a hit becomes the most recently used entry
+        resumed, src = hit if hit is not None else (0, None)
+        slot, row = self._take_slot(), self._free_rows.popleft()
+        self.state = copy_slot(self.state, src, slot)
+        track = self._take_slot() if self.cache.interval else -1
+        n = len(r.prompt) + r.max_new_tokens + self.drafts  # accepted drafts may run past the end
+        res = Result(
+            r, tokens=[], resumed=resumed, joined=now, left=-1, slot=slot, row=row, accepted=[], proposed=[],
+            predictions=np.full(n, -1, np.int32), gaps=np.full(n, np.nan, np.float32), tracked=[],
+        )  # fmt: skip
+        return _Active(r, list(r.prompt), resumed, slot, row, track, res)
+
+    def _retire(self, a: _Active, now: int) -> Result:
+        self._free(a.slot)
+        self._free(a.track_slot)
+        self._free_rows.append(a.row)
+        a.result.tokens = a.result.tokens[: a.request.max_new_tokens]
+        a.result.left = now
+        return a.result
+
+    def _inputs(self, active: list[_Active]) -> StepInputs:
+        N, D = self.max_batch, self.drafts
+        slots = np.full(N, -1, np.int32)
+        rows = np.full(N, N, np.int32)  # the discard row
+        pos = np.zeros(N, np.int32)
+        tokens = np.zeros((N, D), np.int32)
+        n_given = np.ones(N, np.int32)
+        track = np.full(N, -1, np.int32)
+        for i, a in enumerate(active):
+            given = a.seq[a.pos : a.pos + D]
+            slots[i], rows[i], pos[i], n_given[i], track[i] = a.slot, a.row, a.pos, len(given), a.track_slot
+            tokens[i, : len(given)] = given
+        return StepInputs(*(jnp.asarray(x) for x in (slots, rows, pos, tokens, n_given, track)))
+
+    def _absorb(self, a: _Active, out, i: int) -> None:
+        """Update a request from row i of the step's outputs (NumPy arrays)."""
+        m, n_given = int(out.accepted[i]), min(self.drafts, len(a.seq) - a.pos)
+        x, y, g = out.inputs[i], out.predictions[i], out.gaps[i]
+        res = a.result
+        res.predictions[a.pos : a.pos + m] = y[:m]
+        res.gaps[a.pos : a.pos + m] = g[:m]
+        ts = int(out.track_steps[i])
+        if ts >= 0:
+            b = a.pos + ts + 1
+            prefix = [*a.seq[: a.pos], *(int(t) for t in x[: b - a.pos])]
+            # A request keeps its latest tracked state: the longer prefix supersedes its last one.
+            last = prefix[: res.tracked[-1]] if res.tracked else None
+            for slot in self.cache.insert(prefix, a.track_slot, supersedes=last):
+                self._free(slot)
+            res.tracked.append(b)
+            a.track_slot = self._take_slot()
+        if a.pos + n_given == len(a.seq):  # every known token is in: this step decoded
+            drafted = [int(t) for t in x[n_given:m]]
+            a.seq.extend(drafted)
+            a.seq.append(int(y[m - 1]))
+            res.tokens.extend([*drafted, int(y[m - 1])])
+            res.accepted.append(m - n_given)
+            res.proposed.append(self.drafts - n_given)
+        a.pos += m
+
+    def warmup(self) -> float:
+        """Compile the step on an empty batch (every row empty: nothing in the pool changes
+        but scratch). Returns the seconds it took."""
+        t0 = time.perf_counter()
+        self.state, out = self.step_fn(self.params, self.state, self._inputs([]))
+        jax.block_until_ready(out)
+        return time.perf_counter() - t0
+
+    def generate(self, requests: Sequence[Request], on_step: Callable[[int], None] | None = None) -> list[Result]:
+        """Decode every request to its ``max_new_tokens``; results in the requests' order.
+
+        ``on_step(tokens)`` is called after every step with the tokens it generated (for a
+        progress bar).
+        """
+        for r in requests:
+            self._check(r)
+        waiting = collections.deque(sorted(range(len(requests)), key=lambda i: requests[i].arrival))
+        active: list[tuple[int, _Active]] = []
+        results: list[Result | None] = [None] * len(requests)
+        clock = 0
+        while waiting or active:
+            while waiting and self._free_rows and requests[waiting[0]].arrival <= clock:
+                i = waiting.popleft()
+                active.append((i, self._admit(requests[i], clock)))
+            if not active:  # nobody has arrived yet
+                clock = requests[waiting[0]].arrival
+                continue
+            t0 = time.perf_counter()
+            self.state, out = self.step_fn(self.params, self.state, self._inputs([a for _, a in active]))
+            out = jax.device_get(out)
+            self.step_seconds += time.perf_counter() - t0
+            self.steps += 1
+            clock += 1
+            emitted = 0
+            still = []
+            for b, (i, a) in enumerate(active):
+                before = len(a.result.tokens)
+                self._absorb(a, out, b)
+                emitted += min(len(a.result.tokens), a.request.max_new_tokens) - min(before, a.request.max_new_tokens)
+                if len(a.result.tokens) >= a.request.max_new_tokens:
+                    results[i] = self._retire(a, clock)
+                else:
+                    still.append((i, a))
+            active = still
+            if on_step is not None:
+                on_step(emitted)
+        return results

@@ -1,0 +1,435 @@
+"""A small hybrid GDN language model (Qwen3-Next / Qwen3.5 style) with random weights.
+
+Layers: token embedding; ``layers`` decoder blocks, each a mixer and a SwiGLU MLP behind
+pre-RMSNorms, where every ``attention_interval``-th block's mixer is gated full attention
+(q/k RMSNorm, rotary positions, grouped KV heads, a sigmoid output gate, a KV cache) and the
+others are Gated DeltaNet (GDN) layers; a final RMSNorm and an untied LM head.
+
+A GDN mixer, as in Qwen3-Next: in-projections to ``mixed_qkv = [q | k | v]``, ``z``, ``b``
+and ``a``; the causal conv (SiLU) over ``mixed_qkv``; the gates from ``a``, ``b``, ``A_log``
+and ``dt_bias``; the recurrence; a gated RMSNorm per v-head (``rmsnorm(o) * w * silu(z)``);
+the out-projection. The conv and the recurrence are *not* written here: a mixer takes a
+``core(mixed_qkv, a, b, layer_params) -> o [N, T, HV, V]`` callback, which the target fills
+with :func:`gdn_lossless_jax.pool.verify_layer` (the state pool, its scratch and, later, its
+commit) and the draft with one step of the reference recurrence from a carried state
+(:mod:`gdn_lossless_jax.model.decode`). So every state that lands in the pool comes from the
+library's verify and commit.
+
+Why plain pytrees (frozen dataclasses registered with JAX) and not Flax NNX: the model has
+no training, no dropout and no mutable module state; its state is the library's
+:class:`~gdn_lossless_jax.pool.StatePool` (already a pytree) plus a KV cache, both passed
+through one jitted, donated step function. Parameters as plain pytrees go through
+``jax.jit``, ``lax.scan`` and ``jax.tree`` without a split/merge layer, keep the package's
+dependencies to jax/numpy/chex, and make the arithmetic (which matmul, in which dtype) visible
+in a few functions.
+
+Initialisation is deterministic from a seed (``jax.random`` threefry, the same bits on
+every platform). Random weights give a random model; to make a layer-skipping draft
+*meaningful* (agreeing with the target often, but not always), the output projections of the
+blocks the draft skips are scaled by ``residual_scale`` (0.2): the residual stream is
+dominated by the embedding and the draft's own blocks, a path target and draft share, and the
+deeper blocks perturb it. On the ``tiny`` size the draft's three proposals are accepted about
+1.5 at a time, and the greedy text does not fall into a short loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..config import Geometry
+
+__all__ = [
+    "ModelConfig",
+    "SIZES",
+    "get_config",
+    "Params",
+    "GDNParams",
+    "AttentionParams",
+    "MLPParams",
+    "init_params",
+    "rmsnorm",
+    "gated_rmsnorm",
+    "mlp",
+    "gdn_mixer",
+    "attention",
+    "logits",
+]
+
+F32 = jnp.float32
+RMS_EPS = 1e-6
+ROPE_THETA = 10_000.0
+DT_RANGE = (math.log(1e-3), math.log(1e-1))  # Mamba2's dt_min, dt_max
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Sizes of the hybrid model (all static).
+
+    Attributes:
+      name: the size's name.
+      vocab: vocabulary size.
+      d_model: width of the residual stream.
+      layers: decoder blocks; block ``i`` is full attention when ``(i + 1) %
+        attention_interval == 0`` (Qwen3-Next's ``full_attention_interval``), else GDN.
+      num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel: the GDN layers
+        (H, HV, K, V, Kc).
+      attn_heads, kv_heads, attn_head_dim: the full-attention layers (grouped KV heads).
+      mlp_dim: hidden width of the SwiGLU MLPs.
+      draft_layers: the leading blocks the layer-skipping draft runs (all GDN).
+      residual_scale: scale of the output projections of the blocks the draft skips, at
+        initialisation (see the module docstring: smaller means a draft that agrees more often).
+      draft_scale: the same for the draft's blocks.
+      logit_scale: scale of the LM head (logits of a few units: top-2 gaps far above 1e-4).
+      dtype: parameter and activation dtype (norms, gates and softmax run in fp32).
+    """
+
+    name: str
+    vocab: int
+    d_model: int
+    layers: int
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    attn_heads: int
+    kv_heads: int
+    attn_head_dim: int
+    mlp_dim: int
+    conv_kernel: int = 4
+    attention_interval: int = 4
+    draft_layers: int = 1
+    residual_scale: float = 0.2
+    draft_scale: float = 1.0
+    logit_scale: float = 4.0
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        for f in ("vocab", "d_model", "layers", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim",
+                  "attn_heads", "kv_heads", "attn_head_dim", "mlp_dim", "conv_kernel", "attention_interval"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"ModelConfig {self.name!r}: {f} must be positive, got {getattr(self, f)}")
+        if self.attn_heads % self.kv_heads:
+            raise ValueError(
+                f"ModelConfig {self.name!r}: kv_heads={self.kv_heads} must divide attn_heads={self.attn_heads}"
+            )
+        if self.attn_head_dim % 2:
+            raise ValueError(
+                f"ModelConfig {self.name!r}: attn_head_dim must be even (rotary pairs), got {self.attn_head_dim}"
+            )
+        if not 0 <= self.draft_layers < self.layers:
+            raise ValueError(
+                f"ModelConfig {self.name!r}: draft_layers must be in [0, layers={self.layers}), got {self.draft_layers}"
+            )
+        attn_in_draft = [i for i in range(self.draft_layers) if self.is_attention(i)]
+        if attn_in_draft:
+            raise ValueError(
+                f"ModelConfig {self.name!r}: the draft's blocks must all be GDN layers, but block(s) {attn_in_draft} "
+                f"of the first draft_layers={self.draft_layers} are full attention "
+                f"(attention_interval={self.attention_interval})"
+            )
+        if not self.gdn_layers:
+            raise ValueError(f"ModelConfig {self.name!r}: no GDN layer (layers={self.layers}, "
+                             f"attention_interval={self.attention_interval})")
+        if jnp.dtype(self.dtype) not in (jnp.dtype(F32), jnp.dtype(jnp.bfloat16)):
+            raise ValueError(f"ModelConfig {self.name!r}: dtype must be float32 or bfloat16, got {self.dtype!r}")
+
+    def is_attention(self, block: int) -> bool:
+        return (block + 1) % self.attention_interval == 0
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """``"gdn"`` or ``"attention"`` per block."""
+        return tuple("attention" if self.is_attention(i) else "gdn" for i in range(self.layers))
+
+    @property
+    def gdn_layers(self) -> int:
+        return self.kinds.count("gdn")
+
+    @property
+    def attention_layers(self) -> int:
+        return self.kinds.count("attention")
+
+    @property
+    def geometry(self) -> Geometry:
+        """The GDN part, as the state pool takes it."""
+        return Geometry(
+            f"model-{self.name}",
+            gdn_layers=self.gdn_layers,
+            num_k_heads=self.num_k_heads,
+            num_v_heads=self.num_v_heads,
+            head_k_dim=self.head_k_dim,
+            head_v_dim=self.head_v_dim,
+            conv_kernel=self.conv_kernel,
+            layers=self.layers,
+            kv_heads=self.kv_heads,
+            kv_head_dim=self.attn_head_dim,
+        )
+
+    @property
+    def jnp_dtype(self):
+        return jnp.dtype(self.dtype)
+
+    def describe(self) -> str:
+        return (
+            f"{self.name}: {self.layers} blocks ({self.gdn_layers} GDN H={self.num_k_heads} HV={self.num_v_heads} "
+            f"K={self.head_k_dim} V={self.head_v_dim}, {self.attention_layers} attention {self.attn_heads}q/"
+            f"{self.kv_heads}kv x {self.attn_head_dim}), d_model {self.d_model}, vocab {self.vocab}, {self.dtype}; "
+            f"draft: the first {self.draft_layers} block(s)"
+        )
+
+
+#: Named sizes. ``tiny`` decodes in seconds on a CPU; ``gpu`` has the real head geometry
+#: of Qwen3-Next / Qwen3.5 (H=16, HV=32, K=V=128; attention 16 q and 2 KV heads of 256) at
+#: four blocks.
+SIZES: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(
+        "tiny", vocab=512, d_model=64, layers=4, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16,
+        attn_heads=4, kv_heads=2, attn_head_dim=16, mlp_dim=128,
+    ),
+    "gpu": ModelConfig(
+        "gpu", vocab=4096, d_model=2048, layers=4, num_k_heads=16, num_v_heads=32, head_k_dim=128,
+        head_v_dim=128, attn_heads=16, kv_heads=2, attn_head_dim=256, mlp_dim=4096, dtype="bfloat16",
+    ),
+}  # fmt: skip
+
+
+def get_config(name: str) -> ModelConfig:
+    """Look up a named size."""
+    if name not in SIZES:
+        raise KeyError(f"unknown model size {name!r}; known sizes: {', '.join(SIZES)}")
+    return SIZES[name]
+
+
+def _pytree(cls):
+    return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
+
+
+@_pytree
+class GDNParams:
+    """One GDN mixer. ``w_qkv [d, 2*H*K + HV*V]``, ``w_z [d, HV*V]``, ``w_b``, ``w_a [d, HV]``,
+    ``conv_weight [conv_dim, Kc]``, ``A_log``, ``dt_bias [HV]`` (fp32), ``norm [V]``,
+    ``w_out [HV*V, d]``."""
+
+    w_qkv: jax.Array
+    w_z: jax.Array
+    w_b: jax.Array
+    w_a: jax.Array
+    conv_weight: jax.Array
+    A_log: jax.Array
+    dt_bias: jax.Array
+    norm: jax.Array
+    w_out: jax.Array
+
+
+@_pytree
+class AttentionParams:
+    """One gated full-attention mixer. ``w_q``, ``w_gate [d, nq*hd]``, ``w_k``, ``w_v
+    [d, nkv*hd]``, ``q_norm``, ``k_norm [hd]``, ``w_o [nq*hd, d]``."""
+
+    w_q: jax.Array
+    w_gate: jax.Array
+    w_k: jax.Array
+    w_v: jax.Array
+    q_norm: jax.Array
+    k_norm: jax.Array
+    w_o: jax.Array
+
+
+@_pytree
+class MLPParams:
+    """SwiGLU: ``w_gate``, ``w_up [d, mlp_dim]``, ``w_down [mlp_dim, d]``."""
+
+    w_gate: jax.Array
+    w_up: jax.Array
+    w_down: jax.Array
+
+
+@_pytree
+class Block:
+    """One decoder block: ``norm1``, ``norm2 [d]``, a mixer and an MLP."""
+
+    norm1: jax.Array
+    mixer: GDNParams | AttentionParams
+    norm2: jax.Array
+    mlp: MLPParams
+
+
+@_pytree
+class Params:
+    """The whole model: ``embed [vocab, d]``, ``blocks``, ``final_norm [d]``, ``head [d, vocab]``."""
+
+    embed: jax.Array
+    blocks: tuple[Block, ...]
+    final_norm: jax.Array
+    head: jax.Array
+
+
+def _inverse_softplus(y):
+    return y + jnp.log(-jnp.expm1(-y))
+
+
+def init_params(config: ModelConfig, seed: int = 0) -> Params:
+    """Random weights, deterministic in ``seed`` (fan-in scaled normals).
+
+    Gates as Mamba2 initialises them: ``A_log = log(U(1, 16))`` and ``dt_bias`` the inverse
+    softplus of ``dt = exp(U(log 1e-3, log 1e-1))``, so the decays ``exp(g)`` sit mostly in
+    0.6-0.999 and the states remember many tokens (Qwen3-Next's placeholder ``dt_bias = 1``
+    decays by ``exp(-1.3 A)`` per token: a state that forgets within a token or two would
+    hide a wrong committed state). Output projections (the GDN and attention
+    out-projections, the MLP's down-projection) are scaled by ``draft_scale`` in the draft's
+    blocks and ``residual_scale`` in the others.
+    """
+    c = config
+    dt = c.jnp_dtype
+    keys = iter(jax.random.split(jax.random.key(seed), 16 * c.layers + 4))
+
+    def normal(shape, std):
+        return (std * jax.random.normal(next(keys), shape, F32)).astype(dt)
+
+    def dense(fan_in, fan_out, scale=1.0):
+        return normal((fan_in, fan_out), scale / math.sqrt(fan_in))
+
+    d, g = c.d_model, c.geometry
+    blocks = []
+    for i, kind in enumerate(c.kinds):
+        out_scale = c.draft_scale if i < c.draft_layers else c.residual_scale
+        if kind == "gdn":
+            HV, V = c.num_v_heads, c.head_v_dim
+            mixer = GDNParams(
+                w_qkv=dense(d, g.conv_dim),
+                w_z=dense(d, HV * V),
+                w_b=dense(d, HV),
+                w_a=dense(d, HV),
+                conv_weight=(jax.random.uniform(next(keys), (g.conv_dim, c.conv_kernel), F32, -1.0, 1.0)
+                             / math.sqrt(c.conv_kernel)).astype(dt),
+                A_log=jnp.log(jax.random.uniform(next(keys), (HV,), F32, 1.0, 16.0)),
+                dt_bias=_inverse_softplus(jnp.exp(jax.random.uniform(next(keys), (HV,), F32, *DT_RANGE))),
+                norm=jnp.ones((V,), dt),
+                w_out=dense(HV * V, d, out_scale),
+            )  # fmt: skip
+        else:
+            nq, nkv, hd = c.attn_heads, c.kv_heads, c.attn_head_dim
+            mixer = AttentionParams(
+                w_q=dense(d, nq * hd),
+                w_gate=dense(d, nq * hd),
+                w_k=dense(d, nkv * hd),
+                w_v=dense(d, nkv * hd),
+                q_norm=jnp.ones((hd,), dt),
+                k_norm=jnp.ones((hd,), dt),
+                w_o=dense(nq * hd, d, out_scale),
+            )
+        mlp_p = MLPParams(dense(d, c.mlp_dim), dense(d, c.mlp_dim), dense(c.mlp_dim, d, out_scale))
+        blocks.append(Block(jnp.ones((d,), dt), mixer, jnp.ones((d,), dt), mlp_p))
+    return Params(
+        embed=normal((c.vocab, d), 1.0),
+        blocks=tuple(blocks),
+        final_norm=jnp.ones((d,), dt),
+        head=dense(d, c.vocab, c.logit_scale),
+    )
+
+
+# ---------------------------------------------------------------------------------
+# Layer functions. Activations ``[N, T, ...]``: N rows, T tokens per row.
+# ---------------------------------------------------------------------------------
+def rmsnorm(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last axis, in fp32; x's dtype out."""
+    xf = x.astype(F32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + RMS_EPS)
+    return (y * weight.astype(F32)).astype(x.dtype)
+
+
+def gated_rmsnorm(o: jax.Array, z: jax.Array, weight: jax.Array, dtype) -> jax.Array:
+    """Qwen3-Next's output gate: ``rmsnorm(o) * weight * silu(z)`` per v-head.
+
+    Args: o, z ``[N, T, HV, V]``; weight ``[V]``. Returns ``[N, T, HV * V]`` in ``dtype``.
+    """
+    of = o.astype(F32)
+    y = of * jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + RMS_EPS) * weight.astype(F32)
+    y = y * jax.nn.silu(z.astype(F32))
+    return y.reshape(*y.shape[:-2], -1).astype(dtype)
+
+
+def mlp(p: MLPParams, x: jax.Array) -> jax.Array:
+    """SwiGLU: ``(silu(x Wg) * (x Wu)) Wd``; ``x [N, T, d]``."""
+    return (jax.nn.silu(x @ p.w_gate) * (x @ p.w_up)) @ p.w_down
+
+
+def gdn_mixer(p: GDNParams, config: ModelConfig, x: jax.Array, core) -> jax.Array:
+    """A GDN mixer over T tokens per row.
+
+    Args:
+      p: the layer's parameters; x: ``[N, T, d]``, the normalised residual stream.
+      core: ``core(mixed_qkv [N, T, conv_dim], a [N, T, HV], b [N, T, HV], p) -> o
+        [N, T, HV, V]``: the causal conv and the recurrence (the state pool's verify for the
+        target, a carried-state step for the draft).
+    Returns:
+      ``[N, T, d]``, the mixer's contribution to the residual stream.
+    """
+    c = config
+    N, T, _ = x.shape
+    o = core(x @ p.w_qkv, x @ p.w_a, x @ p.w_b, p)
+    z = (x @ p.w_z).reshape(N, T, c.num_v_heads, c.head_v_dim)
+    return gated_rmsnorm(o, z, p.norm, x.dtype) @ p.w_out
+
+
+def _rope(x: jax.Array, positions: jax.Array) -> jax.Array:
+    """Rotary embedding (rotate-half form) of ``x [N, T, heads, hd]`` at ``positions [N, T]``."""
+    hd = x.shape[-1]
+    inv = 1.0 / (ROPE_THETA ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
+    ang = positions.astype(F32)[..., None, None] * jnp.asarray(inv)  # [N, T, 1, hd/2]
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    xf = x.astype(F32)
+    x1, x2 = xf[..., : hd // 2], xf[..., hd // 2 :]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def attention(
+    p: AttentionParams,
+    config: ModelConfig,
+    x: jax.Array,
+    cache_k: jax.Array,
+    cache_v: jax.Array,
+    positions: jax.Array,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """Gated causal attention of T new tokens per row over the row's KV cache.
+
+    The new keys and values are written into the cache at ``positions`` first (speculative
+    entries past the accepted length are never read: the mask is by position, and a later
+    step overwrites them), then every query attends to the cache up to its own position.
+
+    Args:
+      x: ``[N, T, d]``, the normalised residual stream.
+      cache_k, cache_v: ``[N, Tmax, nkv, hd]``, each row's cache (gathered by slot).
+      positions: ``[N, T]`` int32, the tokens' absolute positions.
+    Returns:
+      ``(out [N, T, d], (cache_k, cache_v) with the new entries)``.
+    """
+    c = config
+    N, T, _ = x.shape
+    nq, nkv, hd = c.attn_heads, c.kv_heads, c.attn_head_dim
+    q = rmsnorm((x @ p.w_q).reshape(N, T, nq, hd), p.q_norm)
+    k = rmsnorm((x @ p.w_k).reshape(N, T, nkv, hd), p.k_norm)
+    v = (x @ p.w_v).reshape(N, T, nkv, hd)
+    q, k = _rope(q, positions), _rope(k, positions)
+    n_idx = jnp.arange(N)[:, None]
+    cache_k = cache_k.at[n_idx, positions].set(k.astype(cache_k.dtype), mode="drop")
+    cache_v = cache_v.at[n_idx, positions].set(v.astype(cache_v.dtype), mode="drop")
+    Tmax = cache_k.shape[1]
+    qg = q.reshape(N, T, nkv, nq // nkv, hd)
+    scores = jnp.einsum("ntgrh,nsgh->ngrts", qg, cache_k, preferred_element_type=F32) / math.sqrt(hd)
+    mask = jnp.arange(Tmax)[None, None, :] <= positions[:, :, None]  # [N, T, Tmax]
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("ngrts,nsgh->ntgrh", probs.astype(cache_v.dtype), cache_v, preferred_element_type=F32)
+    out = out.reshape(N, T, nq * hd) * jax.nn.sigmoid((x @ p.w_gate).astype(F32))
+    return out.astype(x.dtype) @ p.w_o, (cache_k, cache_v)
+
+
+def logits(params: Params, h: jax.Array) -> jax.Array:
+    """``[N, T, d] -> [N, T, vocab]`` fp32 logits (final norm, LM head)."""
+    return jnp.matmul(rmsnorm(h, params.final_norm), params.head, preferred_element_type=F32)

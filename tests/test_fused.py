@@ -1,0 +1,195 @@
+"""The commit fused into the next verify (``gdn_lossless_jax.commit_and_verify``), bit for bit.
+
+A decode of several steps run two ways on the same inputs: separately (``verify`` of every
+layer from the pool, then ``commit``) and fused (``commit_and_verify`` applying the previous
+step's commit inside each layer's verify, the last one flushed with ``commit``). The pool after
+every step's commit, the outputs and the tapes must be identical, and identical to the snapshot
+path's pool. The sequence has track crossings, a padding slot, requests that join and leave
+between steps, D changing between steps, both record modes of the previous step, fp32 and bf16
+pools. Controls: a naive replay inside the fused kernel, and the track state replayed after the
+accepted state was written in place (the Pallas kernel's test switches), must be caught.
+"""
+
+import dataclasses
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gdn_lossless_jax as gl
+from conftest import ON_GPU
+from gdn_lossless_jax import api, backends
+from gdn_lossless_jax.cases import Shape, verify_inputs
+from gdn_lossless_jax.testing import assert_bitwise_differs, assert_bitwise_equal
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+BACKENDS = ["reference", "pallas"] + (["triton"] if ON_GPU and importlib.util.find_spec("jax_triton") else [])
+K_ = 128 if ON_GPU else 16
+H, HV, L = 2, 4, 2
+S, R, DMAX = 12, 7, 4
+
+
+@dataclasses.dataclass
+class Step:
+    slots: np.ndarray  # [N] this step's requests
+    rows: np.ndarray  # their tape rows
+    D: int
+    accept: np.ndarray  # [N] accepted step (what the sampler decided), -1: nothing
+    track_slots: np.ndarray
+    track_steps: np.ndarray
+    inputs: list  # per layer: q, k, v, a, b
+
+
+def _steps(seed: int) -> list[Step]:
+    """Three steps: 4 requests, then one leaves and one joins (D 3 -> 2), then one more joins (D 4)."""
+    rng = np.random.default_rng(seed)
+    plan = [([0, 3, 5, 7], 3), ([3, 5, 7, 9], 2), ([9, 3, 5, 7, S + 2], 4)]  # slot S + 2: padding, reads zeros
+    steps = []
+    for slots, D in plan:
+        N = len(slots)
+        rows = rng.permutation(R)[:N].astype(np.int32)
+        accept = rng.integers(-1, D, N).astype(np.int32)
+        accept[0] = D - 1
+        track_slots = np.full(N, -1, np.int32)
+        track_steps = np.full(N, -1, np.int32)
+        track_slots[1], track_steps[1] = 10 + len(steps) % 2, rng.integers(0, D)  # a crossing into a spare slot
+        accept[1] = max(accept[1], track_steps[1])
+        shape = Shape(N=N, D=D, H=H, HV=HV, K=K_, V=K_)
+        inputs = [{k: v for k, v in verify_inputs(rng, shape, kind="mixed").items() if k != "state0"} for _ in range(L)]
+        steps.append(Step(np.asarray(slots, np.int32), rows, D, accept, track_slots, track_steps, inputs))
+    return steps
+
+
+def _buffer(record, dtype):
+    if record == "snapshots":
+        return gl.Snapshots(jnp.zeros((L, R, DMAX, HV, K_, K_), dtype))
+    return gl.Tuples(u=jnp.zeros((L, R, DMAX, HV, K_)), k=jnp.zeros((L, R, DMAX, H, K_)), g=jnp.zeros((L, R, DMAX, HV)))
+
+
+def _commit_args(st: Step):
+    return st.slots, st.accept, st.track_slots, st.track_steps, st.rows
+
+
+def separate(pool, steps, records, backend):
+    """verify every layer from the pool, then commit; the pool after every step and all outputs."""
+    pools, outs, tapes = [], [], []
+    for st, record in zip(steps, records):
+        buf = _buffer(record, pool.dtype)
+        for layer in range(L):
+            o, buf = gl.verify(pool, **st.inputs[layer], slots=st.slots, layer=layer, tape=buf, rows=st.rows,
+                               backend=backend)  # fmt: skip
+            outs.append(o)
+        tapes.append(buf)
+        pool = gl.commit(pool, buf, *_commit_args(st), backend=backend)
+        pools.append(pool)
+    return pools, outs, tapes
+
+
+def _pending_for(prev: Step | None, tape, st: Step) -> gl.Pending:
+    """The previous step's commit, aligned to this step's requests by slot."""
+    N = len(st.slots)
+    if prev is None:
+        return gl.Pending.none(tape, N)
+    where = {int(s): i for i, s in enumerate(prev.slots)}
+    idx = np.array([where.get(int(s), -1) for s in st.slots])
+    pick = lambda a: np.where(idx >= 0, a[np.maximum(idx, 0)], -1).astype(np.int32)  # noqa: E731
+    return gl.Pending(tape, pick(prev.rows), pick(prev.accept), pick(prev.track_slots), pick(prev.track_steps))
+
+
+def _left(prev: Step, st: Step):
+    """The previous step's commit arguments of the requests that left (not in this step)."""
+    gone = ~np.isin(prev.slots, st.slots)
+    return tuple(a[gone] for a in _commit_args(prev))
+
+
+def fused(pool, steps, records, backend, control=None):
+    """commit_and_verify for every layer (the previous step's commit inside); requests that left
+    are committed before the step, and the last step is flushed with commit. Returns the pool
+    after each step's commit has been applied (before the next verify's), and all outputs."""
+    pools, outs, tapes = [], [], []
+    prev, prev_tape = None, None
+    for st, record in zip(steps, records):
+        if prev is not None:
+            left = _left(prev, st)
+            if len(left[0]):
+                pool = gl.commit(pool, prev_tape, *left, backend=backend)
+        buf = _buffer(record, pool.dtype)
+        pending = _pending_for(prev, prev_tape if prev_tape is not None else _buffer("tuples", pool.dtype), st)
+        for layer in range(L):
+            if control is None:
+                o, buf, pool = gl.commit_and_verify(pool, pending, **st.inputs[layer], slots=st.slots, layer=layer,
+                                                    tape=buf, rows=st.rows, backend=backend)  # fmt: skip
+            else:
+                o, buf, pool = _control_call(pool, pending, st, layer, buf, control)
+            outs.append(o)
+        if prev is not None:
+            pools.append(pool)  # holds the previous step's commit of every layer now
+        prev, prev_tape = st, buf
+        tapes.append(buf)
+    pools.append(gl.commit(pool, prev_tape, *_commit_args(prev), backend=backend))
+    return pools, outs, tapes
+
+
+def _control_call(pool, pending, st, layer, buf, control):
+    """The Pallas kernel with a control switch (what commit_and_verify would call, broken)."""
+    impl, args, kw = api._verify_call("control", pool, **st.inputs[layer], record=None, scale=None, backend="pallas",
+                                      out_dtype=None, slots=st.slots, layer=layer, tape=buf, rows=st.rows)  # fmt: skip
+    prev = pending.tape
+    pend = tuple(api.as_index(getattr(pending, n)) for n in ("rows", "steps", "track_slots", "track_steps"))
+    return impl.verify(*args, **kw, pending=(*pend, api.as_index(layer), prev), pending_control=control)
+
+
+def _pool(seed, dtype):
+    rng = np.random.default_rng(seed + 1)
+    return jnp.asarray(0.5 * rng.standard_normal((L, S, HV, K_, K_), np.float32)).astype(dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("records", [("tuples",) * 3, ("snapshots", "tuples", "snapshots")], ids=["tuples", "mixed"])
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_fused_steps_equal_separate_steps(backend, records, dtype, seed):
+    steps = _steps(seed)
+    pool = _pool(seed, dtype)
+    want_pools, want_outs, want_tapes = separate(pool, steps, records, backend)
+    got_pools, got_outs, got_tapes = fused(pool, steps, records, backend)
+    assert_bitwise_equal(want_outs, got_outs, "outputs of every step and layer")
+    assert_bitwise_equal(want_tapes, got_tapes, "every step's tape")
+    assert_bitwise_equal(want_pools, got_pools, "the pool after every step's commit")
+    # The snapshot path gives the same pools.
+    snap_pools, _, _ = separate(pool, steps, ("snapshots",) * 3, backend)
+    assert_bitwise_equal(snap_pools[-1], got_pools[-1], "the final pool against the snapshot path")
+    # Something was committed, and the slots nobody addresses kept their bits.
+    touched = set()
+    for st in steps:
+        touched |= {int(s) for s in st.slots} | {int(s) for s in st.track_slots if s >= 0}
+    untouched = [s for s in range(S) if s not in touched]
+    assert_bitwise_equal(pool[:, untouched], got_pools[-1][:, untouched], "untouched slots")
+    assert_bitwise_differs(pool[:, list(steps[0].slots)], got_pools[-1][:, list(steps[0].slots)], "committed slots")
+
+
+@pytest.mark.parametrize("control", ["naive", "track_after_write"])
+def test_controls_in_the_fused_kernel_are_caught(control, seed):
+    steps = _steps(seed)
+    pool = _pool(seed, F32)  # fp32: a bf16 pool rounds a 1-ULP drift away almost always
+    records = ("tuples",) * 3
+    want_pools, _, _ = separate(pool, steps, records, "pallas")
+    got_pools, _, _ = fused(pool, steps, records, "pallas", control=control)
+    assert_bitwise_differs(want_pools, got_pools, f"the {control} control")
+
+
+def test_fused_errors_name_the_argument():
+    st = _steps(0)[0]
+    pool = _pool(0, F32)
+    tape = _buffer("tuples", F32)
+    with pytest.raises(ValueError, match="argument 'slots' is required"):
+        gl.commit_and_verify(pool, gl.Pending.none(tape, 4), **st.inputs[0], slots=None, layer=0)
+    with pytest.raises(TypeError, match="'pending' must be a gdn_lossless_jax.Pending"):
+        gl.commit_and_verify(pool, tape, **st.inputs[0], slots=st.slots, layer=0)
+    bad = gl.Pending.none(jax.tree.map(lambda x: x[:1], tape), 4)
+    with pytest.raises(ValueError, match="the pending tape has L=1 layers, the pool 2"):
+        gl.commit_and_verify(pool, bad, **st.inputs[0], slots=st.slots, layer=0)
+    with pytest.raises(ValueError, match=r"'pending.steps' must have shape \[N\] = \[4\]"):
+        gl.commit_and_verify(pool, dataclasses.replace(gl.Pending.none(tape, 4), steps=np.zeros(3, np.int32)),
+                             **st.inputs[0], slots=st.slots, layer=0)  # fmt: skip
