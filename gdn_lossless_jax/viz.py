@@ -204,7 +204,8 @@ def _probe_inputs(samples: int, seed: int):
     u = rng.standard_normal(n, F32)
     f = evaluate_forms(S, alpha, k, u, _PINNED)
     b = {name: bits(v) for name, v in f.items()}
-    keep = (b["rule"] != b["twice_rounded"]) & (b["rule"] != b["other_product"]) & (b["twice_rounded"] != b["other_product"])
+    r, t, o = b["rule"], b["twice_rounded"], b["other_product"]
+    keep = (r != t) & (r != o) & (t != o)
     idx = np.resize(np.nonzero(keep)[0], samples)  # a power of two: Pallas on a GPU needs one
     return S[idx], alpha[idx], k[idx], u[idx]
 
@@ -418,9 +419,9 @@ class Disagreements:
     examples: list[dict]
 
     def __str__(self) -> str:
-        head = (f"{self.form_a} vs {self.form_b}, regime {self.regime!r}: {self.differing:,} of {self.tried:,} "
-                f"inputs differ ({100 * self.differing / max(self.tried, 1):.2f}%), max {self.max_ulp:,} ULP")  # fmt: skip
-        lines = [head]
+        share = 100 * self.differing / max(self.tried, 1)
+        lines = [f"{self.form_a} vs {self.form_b}, regime {self.regime!r}: {self.differing:,} of {self.tried:,} "
+                 f"inputs differ ({share:.2f}%), max {self.max_ulp:,} ULP"]  # fmt: skip
         for e in self.examples:
             hx = lambda v: f"{float(v):.9g} (0x{int(bits(np.float32(v))):08x})"  # noqa: E731
             lines.append(
@@ -630,12 +631,19 @@ def find_results(root: str | Path) -> list[ResultFile]:
         else:
             continue
         found.append(ResultFile(path, kind, _when(path, data), data))
-    return sorted(found, key=lambda r: (r.when, str(r.path)))
+    # Results of one day without a time of their own: a folder named "final..." is the later one,
+    # "final" itself before its variants ("final-no-command-buffers").
+    name = lambda r: r.path.parent.name  # noqa: E731
+    return sorted(found, key=lambda r: (r.when, name(r).startswith("final"), -len(name(r)), str(r.path)))
 
 
-def newest_results(root: str | Path) -> dict[str, ResultFile]:
-    """The newest :class:`ResultFile` of each kind under ``root`` (a kind with none is absent)."""
-    return {r.kind: r for r in find_results(root)}
+def newest_results(root: str | Path, *, device: str | None = None) -> dict[str, ResultFile]:
+    """The newest :class:`ResultFile` of each kind under ``root`` (a kind with none is absent),
+    among those measured on a device whose name contains ``device`` (e.g. ``"H200"``), if given."""
+    def on(r: ResultFile) -> str:
+        return str((r.data.get("meta") or r.data.get("env") or {}).get("device", ""))
+
+    return {r.kind: r for r in find_results(root) if device is None or device in on(r)}
 
 
 # ---------------------------------------------------------------------------------
@@ -739,12 +747,11 @@ def plot_exp_differences(g, results: Mapping[str, np.ndarray], reference: np.nda
     fig, (ax_w, ax_h) = _figure_and_axes(axes, 2)
     ng = -np.asarray(g, np.float64)
     decades = np.floor(np.log10(ng)).astype(int)
-    for name, r in results.items():
-        d = ulp_distance(np.asarray(reference, F32), np.asarray(r, F32))
-        xs = np.unique(decades)
+    dist = {name: ulp_distance(np.asarray(reference, F32), np.asarray(r, F32)) for name, r in results.items()}
+    xs = np.unique(decades)
+    for name, d in dist.items():
         ax_w.plot(10.0**xs, [100 * np.mean(d[decades == x] > 0) for x in xs], marker="o", label=name)
-    plot_ulp_histogram({n: ulp_distance(np.asarray(reference, F32), np.asarray(r, F32)) for n, r in results.items()}, ax=ax_h,
-                       title="ULP distance of exp")  # fmt: skip
+    plot_ulp_histogram(dist, ax=ax_h, title="ULP distance of exp")
     ax_w.set_xscale("log")
     ax_w.set_xlabel("-g (per decade)")
     ax_w.set_ylabel("% of exp(g) that differ")
@@ -754,8 +761,9 @@ def plot_exp_differences(g, results: Mapping[str, np.ndarray], reference: np.nda
 
 
 def plot_scratch(
-    geometries: Sequence[Geometry], *, x: str = "drafts", values: Sequence[int] = tuple(range(1, 17)), drafts: int = 4,
-    requests: int = 25, records: Sequence[str] = ("snapshots", "seed_ring", "tuples"), state_dtype=jnp.float32, axes=None,
+    geometries: Sequence[Geometry], *, x: str = "drafts", values: Sequence[int] = tuple(range(1, 17)),
+    drafts: int = 4, requests: int = 25, records: Sequence[str] = ("snapshots", "seed_ring", "tuples"),
+    state_dtype=jnp.float32, axes=None,
 ):  # fmt: skip
     """Speculative SSM scratch (GiB, log scale) of each record mode, one panel per model,
     against the draft tokens D (``x="drafts"``, at ``requests``) or the running requests
@@ -802,7 +810,8 @@ def plot_kv_budget(
     snap, tup = np.asarray(snap), np.asarray(tup)
     gain = tup - snap
     # Where the snapshots leave no KV token at all the relative gain is unbounded: not drawn.
-    ax_gain.plot(budgets_gib, np.where(snap > 0, 100 * gain / np.maximum(snap, 1), np.nan), marker=".", color="tab:green")
+    pct = np.where(snap > 0, 100 * gain / np.maximum(snap, 1), np.nan)
+    ax_gain.plot(budgets_gib, pct, marker=".", color="tab:green")
     ax_gain.set_yscale("log")
     ax_gain.set_ylabel("KV tokens gained with tuples, %")
     for a in (ax, ax_gain):
@@ -859,7 +868,8 @@ def plot_step(result: Mapping, *, axes=None):
     every step variant, SGLang's step as a dashed line."""
     rows = [r for r in result["rows"] if (r.get("wall") or {}).get("n")]
     configs = sorted({r["config"] for r in rows}, key=lambda c: [int(x) for x in c.split("x")])
-    fig, axs = _figure_and_axes(axes, max(len(configs), 1), figsize=(6.0, 0.35 * max(len(rows), 8)))
+    per = max((sum(r["config"] == c for r in rows) for c in configs), default=1)
+    fig, axs = _figure_and_axes(axes, max(len(configs), 1), figsize=(6.0, 1.5 + 0.28 * per))
     for ax, cfg in zip(axs, configs):
         rs = [r for r in rows if r["config"] == cfg]
         y = np.arange(len(rs))
@@ -869,9 +879,11 @@ def plot_step(result: Mapping, *, axes=None):
         if peer:
             ax.axvline(peer[0]["wall"]["median_us"] / 1e3, color="black", ls="--", lw=1, label="SGLang step (wall)")
         ax.set_yticks(y, [f"{r['backend']} {r['record'][:4]} {r['kind']}" for r in rs], fontsize=7)
+        ax.invert_yaxis()  # the rows in the table's order, top down
         ax.set_xlabel("ms per speculative step (all layers)")
         ax.set_title(cfg)
         ax.grid(axis="x", alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(f"speculative step, {(result.get('env') or {}).get('device', '?')}")
+    fig.tight_layout()
     return fig
