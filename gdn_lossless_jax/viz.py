@@ -11,7 +11,9 @@ Rounding, on one state element at a time (flat float32 arrays ``S, alpha, k, u``
 * :func:`evaluate_forms` applies the forms of :data:`gdn_lossless_jax.rounding.FORMS`;
   :func:`match_forms` says which pinned form a result equals bit for bit;
 * :func:`probe_platform` asks the current platform what it does with ``S*alpha + k*u``
-  written plainly (eagerly, under ``jit``, in a ``lax.scan`` body, in a Pallas kernel);
+  written plainly (eagerly, under ``jit``, in a ``lax.scan`` body, in a Pallas kernel), and
+  :func:`probe_two_uses` what becomes of verify's update, where the decayed state has two uses;
+* :func:`exp_on` computes ``exp`` on a given platform, on :func:`exp_grid`'s log-decays;
 * :data:`REGIMES`, :func:`find_disagreements`, :func:`disagreement_map` and
   :func:`decay_sweep` find where on the number line two forms give other bits;
 * :func:`replay_states` and :func:`drift_along_chain` replay a whole tape with each form and
@@ -106,6 +108,14 @@ def _figure_and_axes(axes, n: int = 1, *, figsize=(6.4, 4.0)):
     if len(axes) != n:
         raise ValueError(f"argument 'axes' must hold {n} axes, got {len(axes)}")
     return axes[0].figure, axes
+
+
+def _finish(axes, xlabel: str, *, legend: bool = True) -> None:
+    for ax in axes:
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3, which="both")
+        if legend:
+            ax.legend(fontsize=8)
 
 
 # ---------------------------------------------------------------------------------
@@ -680,10 +690,7 @@ def plot_drift(drift: Mapping[str, Mapping[str, np.ndarray]], *, axes=None, titl
     ax_max.set_yscale("log")
     ax_max.set_ylabel("largest ULP distance (none drawn: 0)")
     ax_frac.set_ylabel("% of state elements that differ")
-    for ax in (ax_max, ax_frac):
-        ax.set_xlabel("replayed steps")
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=8)
+    _finish((ax_max, ax_frac), "replayed steps")
     if title:
         fig.suptitle(title)
     return fig
@@ -729,11 +736,9 @@ def plot_decay_sweep(sweep: Mapping, *, axes=None):
     tiny = float(np.log(np.finfo(F32).tiny))  # where exp(g) leaves the normal range (-87.3)
     for ax in (ax_f, ax_m):
         ax.set_xscale("log")
-        ax.set_xlabel("-g  (decay alpha = exp(g))")
         ax.axvline(6e-8, color="grey", ls=":", lw=1)
         ax.axvline(-tiny, color="grey", ls="--", lw=1)
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=8)
+    _finish((ax_f, ax_m), "-g  (decay alpha = exp(g))")
     ax_f.set_ylabel(f"% of samples that differ from {sweep['reference']}")
     ax_m.set_yscale("log")
     ax_m.set_ylabel("largest ULP distance")
@@ -753,10 +758,8 @@ def plot_exp_differences(g, results: Mapping[str, np.ndarray], reference: np.nda
         ax_w.plot(10.0**xs, [100 * np.mean(d[decades == x] > 0) for x in xs], marker="o", label=name)
     plot_ulp_histogram(dist, ax=ax_h, title="ULP distance of exp")
     ax_w.set_xscale("log")
-    ax_w.set_xlabel("-g (per decade)")
     ax_w.set_ylabel("% of exp(g) that differ")
-    ax_w.grid(alpha=0.3, which="both")
-    ax_w.legend(fontsize=8)
+    _finish((ax_w,), "-g (per decade)")
     return fig
 
 
@@ -814,9 +817,7 @@ def plot_kv_budget(
     ax_gain.plot(budgets_gib, pct, marker=".", color="tab:green")
     ax_gain.set_yscale("log")
     ax_gain.set_ylabel("KV tokens gained with tuples, %")
-    for a in (ax, ax_gain):
-        a.set_xlabel("budget for scratch + conv windows + KV cache, GiB")
-        a.grid(alpha=0.3, which="both")
+    _finish((ax, ax_gain), "budget for scratch + conv windows + KV cache, GiB", legend=False)
     ax.legend(fontsize=8)
     ax.set_title(f"{geometry.name}: D={drafts}, {requests} requests", fontsize=9)
     ax_gain.set_title(f"+{gain[-1]:,} tokens at any budget that fits both", fontsize=9)
