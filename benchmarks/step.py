@@ -18,6 +18,14 @@ way a JAX user composes it, for each record mode and backend:
     and the scratch donated. No conv: the same work as SGLang's step below.
 ``unrolled``
     the same with the layers unrolled in Python inside the jit.
+``fused``
+    the ``scan`` step with the commit fused into the next verify
+    (``gdn_lossless_jax.commit_and_verify``): each layer's kernel applies the previous step's
+    commit (the same indices every step: the steady state of a decode) and verifies from it; no
+    separate commit launch. Two tape buffers alternate.
+``pool-deferred``
+    ``pool-scan`` on a pool allocated with ``defer_commit=True`` (``pool.commit`` keeps the SSM
+    part for the next ``pool.verify_layer``).
 ``sglang`` (snapshots)
     SGLang's own kernels on the same inputs: its verify with the intermediate-state buffer for
     every layer, then its two scatters (accepted, track), captured in one CUDA graph.
@@ -63,7 +71,7 @@ from .traffic import Traffic
 __all__ = ["STEP_KINDS", "main", "step_rows"]
 
 RECORDS = ("tuples", "snapshots")
-STEP_KINDS = ("pool-python", "pool-jit", "pool-scan", "scan", "unrolled")
+STEP_KINDS = ("pool-python", "pool-jit", "pool-scan", "scan", "unrolled", "fused", "pool-deferred")
 
 
 @dataclasses.dataclass
@@ -187,6 +195,30 @@ def direct_step(backend: str, unroll: bool):
     return jax.jit(step, donate_argnums=(0, 1))
 
 
+def fused_step(backend: str):
+    """The steady-state step with the commit inside the next verify: ``(ssm, tape, prev_tape)``
+    donated; returns the new ``(ssm, prev_tape, tape)`` (the buffers swap roles)."""
+
+    def step(ssm, tape, prev, params, xs, ix):
+        slots, steps, tslots, tsteps, rows = ix
+        pending = gl.Pending(prev, rows, steps, tslots, tsteps)
+
+        def layer(carry, lx):
+            ssm, tape = carry
+            i, prm, x = lx
+            out, tape, ssm = gl.commit_and_verify(
+                ssm, pending, x["q"], x["k"], x["v"], x["a"], x["b"], prm["A_log"], prm["dt_bias"], slots=slots,
+                layer=i, tape=tape, rows=rows, backend=backend,
+            )  # fmt: skip
+            return (ssm, tape), out
+
+        prm = {k: params[k] for k in ("A_log", "dt_bias")}
+        (ssm, tape), outs = jax.lax.scan(layer, (ssm, tape), (jnp.arange(ssm.shape[0], dtype=jnp.int32), prm, xs))
+        return outs, ssm, prev, tape
+
+    return jax.jit(step, donate_argnums=(0, 1, 2))
+
+
 def _kernels_not_ours(device: dict | None) -> list[dict]:
     if not device:
         return []
@@ -232,8 +264,33 @@ def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: in
 
         return run
 
+    f_box = [None]
+    fused_fn = fused_step(backend)
+
+    def run_fused():
+        if f_box[0] is None:  # a second pool and two tape buffers, made on the first call
+            f_box[0] = _filled((p_box[0].ssm, p_box[0].tape, p_box[0].tape), seed + 11)
+        outs, *f_box[0] = fused_fn(*f_box[0], inp.params, inp.qkv, inp.index_sets[0])
+        jax.block_until_ready((outs, f_box[0]))
+
+    q_box = [None]
+
+    def run_deferred():
+        if q_box[0] is None:
+            spec = jax.eval_shape(lambda: gpool.allocate(inp.geometry, slots=inp.slots - 1, requests=inp.shape.N,
+                                                         drafts=inp.shape.D, record=record, defer_commit=True))  # fmt: skip
+            q_box[0] = _filled(spec, seed + 13)
+            d = q_box[0].deferred  # no pending commit at the start
+            off = jnp.full(d.slots.shape, -1, jnp.int32)
+            q_box[0] = dataclasses.replace(q_box[0], deferred=dataclasses.replace(
+                d, slots=off, steps=off + 0, track_slots=off + 0, track_steps=off + 0, rows=off + 0,
+                applied=jnp.zeros(d.slots.shape, bool)))  # fmt: skip
+        outs, q_box[0] = pool_scan(q_box[0], inp.params, inp.pool_inputs, next_ix())
+        jax.block_until_ready((outs, q_box[0]))
+
     runs = {"pool-python": run_python, "pool-jit": run_pool(pool_jit, False), "pool-scan": run_pool(pool_scan, True),
-            "scan": run_direct(False), "unrolled": run_direct(True)}  # fmt: skip
+            "scan": run_direct(False), "unrolled": run_direct(True), "fused": run_fused,
+            "pool-deferred": run_deferred}  # fmt: skip
     for kind, run in runs.items():
         if kind not in kinds:
             continue

@@ -46,6 +46,8 @@ __all__ = [
     "allocate",
     "check_supported",
     "commit",
+    "flush",
+    "Deferred",
     "conv_window_spec",
     "scratch_rows",
     "state_specs",
@@ -140,6 +142,33 @@ def conv_window_spec(geometry: Geometry, rows: int, drafts: int, *, conv_dtype=j
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class Deferred:
+    """The SSM commit a pool has not applied yet (``allocate(..., defer_commit=True)``).
+
+    ``pool.commit`` of such a pool applies the conv part at once and keeps the SSM part here,
+    with the tape it needs (the previous step's scratch; the pool verifies the next step into
+    its other buffer); the next ``pool.verify_layer`` applies it inside the verify kernel
+    (:func:`gdn_lossless_jax.commit_and_verify`), so each state is read once per step.
+
+    Attributes:
+      tape: the previous step's tape, in the pool's record mode.
+      slots, steps, track_slots, track_steps, rows: ``[P]`` int32 (P scratch rows), the
+        previous commit's arguments, padded with slot -1.
+      applied: ``[P]`` bool: entries the current step's verify has applied (their requests
+        are in this step's batch); the others are flushed by the next ``commit`` or ``flush``.
+    """
+
+    tape: Tape
+    slots: jax.Array
+    steps: jax.Array
+    track_slots: jax.Array
+    track_steps: jax.Array
+    rows: jax.Array
+    applied: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class StatePool:
     """All GDN layers' states and the speculative scratch (see the module docstring).
 
@@ -151,6 +180,7 @@ class StatePool:
     tape: Tape
     conv_windows: jax.Array
     geometry: Geometry = dataclasses.field(metadata=dict(static=True))
+    deferred: Deferred | None = None
 
     @property
     def record(self) -> str:
@@ -192,8 +222,13 @@ def allocate(
     conv_dtype=jnp.bfloat16,
     topk: int = 1,
     parents: Any = None,
+    defer_commit: bool = False,
 ) -> StatePool:
     """A zero-filled pool for ``slots`` mamba slots, ``requests`` running requests and D drafts.
+
+    ``defer_commit``: :func:`commit` applies the SSM states with the next :func:`verify_layer`
+    (one read of each state per step instead of two; a second scratch tape); call :func:`flush`
+    before reading ``ssm`` or writing a slot yourself (:class:`Deferred`).
 
     Everything is checked before any array is allocated: positive sizes, a GDN geometry whose
     heads divide, a record mode the pool can hold, fp32 or bf16 state, a linear chain
@@ -218,7 +253,12 @@ def allocate(
     fields = {k: zeros(s) for k, s in tape_specs(geometry, rows, drafts, record, state_dtype=state_dtype).items()}
     tape = Snapshots(**fields) if record == "snapshots" else Tuples(**fields)
     windows = zeros(conv_window_spec(geometry, rows, drafts, conv_dtype=conv_dtype))
-    return StatePool(ssm=states["ssm"], conv=states["conv"], tape=tape, conv_windows=windows, geometry=geometry)
+    deferred = None
+    if defer_commit:
+        off = [jnp.full((rows,), -1, jnp.int32) for _ in range(5)]  # separate buffers: the pool is donated
+        deferred = Deferred(jax.tree.map(jnp.zeros_like, tape), *off, jnp.zeros((rows,), bool))
+    return StatePool(ssm=states["ssm"], conv=states["conv"], tape=tape, conv_windows=windows, geometry=geometry,
+                     deferred=deferred)  # fmt: skip
 
 
 def _in_range(idx, n):
@@ -358,11 +398,25 @@ def _verify_layer(pool, layer, mixed_qkv, a, b, conv_weight, conv_bias, A_log, d
     q = q.reshape(N, D, g.num_k_heads, g.head_k_dim)
     k = k.reshape(N, D, g.num_k_heads, g.head_k_dim)
     v = v.reshape(N, D, g.num_v_heads, g.head_v_dim)
-    outputs, tape = api.verify(
-        pool.ssm, q, k, v, a, b, A_log, dt_bias, slots=slots, layer=layer, tape=pool.tape, rows=rows, scale=scale,
-        backend=backend,
+    d = pool.deferred
+    if d is None:
+        outputs, tape = api.verify(
+            pool.ssm, q, k, v, a, b, A_log, dt_bias, slots=slots, layer=layer, tape=pool.tape, rows=rows, scale=scale,
+            backend=backend,
+        )  # fmt: skip
+        return outputs, dataclasses.replace(pool, tape=tape, conv_windows=windows)
+    # The previous step's commit of each request's slot, applied inside this layer's verify.
+    # (Every layer of the step applies its own layer's part: `applied` only tells the next flush.)
+    match = (slots[:, None] == d.slots[None, :]) & (d.slots[None, :] >= 0)  # [N, P]
+    has, j = match.any(1), jnp.argmax(match, axis=1)
+    pick = lambda x: jnp.where(has, x[j], -1)  # noqa: E731
+    pending = api.Pending(d.tape, pick(d.rows), pick(d.steps), pick(d.track_slots), pick(d.track_steps))
+    outputs, tape, ssm = api.commit_and_verify(
+        pool.ssm, pending, q, k, v, a, b, A_log, dt_bias, slots=slots, layer=layer, tape=pool.tape, rows=rows,
+        scale=scale, backend=backend,
     )  # fmt: skip
-    return outputs, dataclasses.replace(pool, tape=tape, conv_windows=windows)
+    d = dataclasses.replace(d, applied=d.applied | match.any(0))
+    return outputs, dataclasses.replace(pool, ssm=ssm, tape=tape, conv_windows=windows, deferred=d)
 
 
 def commit(
@@ -390,6 +444,40 @@ def commit(
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames=("backend",))
 def _commit(pool, slots, steps, track_slots, track_steps, rows, *, backend):
-    ssm = api.commit(pool.ssm, pool.tape, slots, steps, track_slots, track_steps, rows, backend=backend)
     conv = conv_commit(pool.conv, pool.conv_windows, slots, steps, track_slots, track_steps, rows, backend=backend)
-    return dataclasses.replace(pool, ssm=ssm, conv=conv)
+    if pool.deferred is None:
+        ssm = api.commit(pool.ssm, pool.tape, slots, steps, track_slots, track_steps, rows, backend=backend)
+        return dataclasses.replace(pool, ssm=ssm, conv=conv)
+    # The previous step's entries no verify of this step applied (requests that left) go in now;
+    # this step's SSM commit waits for the next verify, and the scratch buffers swap.
+    pool = _flush(pool, backend)
+    P, N = pool.rows, slots.shape[0]
+    if N > P:
+        raise ValueError(f"commit: a pool that defers its commit holds {P} requests' commits (its scratch rows), got {N}")
+    pad = lambda x: jnp.full((P,), -1, jnp.int32).at[:N].set(jnp.asarray(x, jnp.int32))  # noqa: E731
+    if track_slots is None:
+        track_slots = track_steps = np.full((N,), -1, np.int32)
+    if rows is None:
+        rows = np.arange(N, dtype=np.int32)
+    d = Deferred(pool.tape, pad(slots), pad(steps), pad(track_slots), pad(track_steps), pad(rows), jnp.zeros((P,), bool))
+    return dataclasses.replace(pool, conv=conv, tape=pool.deferred.tape, deferred=d)
+
+
+def _flush(pool: StatePool, backend: str) -> StatePool:
+    """Apply the deferred entries not yet applied; they are marked applied."""
+    d = pool.deferred
+    off = lambda x: jnp.where(d.applied, -1, x)  # noqa: E731
+    ssm = api.commit(pool.ssm, d.tape, d.slots, off(d.steps), d.track_slots, off(d.track_steps), d.rows, backend=backend)
+    return dataclasses.replace(pool, ssm=ssm, deferred=dataclasses.replace(d, applied=jnp.ones_like(d.applied)))
+
+
+def flush(pool: StatePool, *, backend: str = "auto") -> StatePool:
+    """Apply a deferred commit (:class:`Deferred`) now: after it, ``pool.ssm`` holds every
+    committed state. A pool that does not defer its commit is returned as it is. Call it after
+    the last step, and before reading ``ssm`` or writing a slot outside this module."""
+    if not isinstance(pool, StatePool):
+        raise TypeError(f"flush: argument 'pool' must be a StatePool, got {type(pool).__name__}")
+    return pool if pool.deferred is None else _flush_jit(pool, backend=backend)
+
+
+_flush_jit = jax.jit(_flush, donate_argnums=0, static_argnames=("backend",))

@@ -249,7 +249,8 @@ def run_kernels(spec: CaseSpec, work: Path):
         buf = (snap if snapshots else u) if into else unused
         record = "snapshots" if snapshots else "tuples"
         sizes, grid = V_.launch_sizes(tuple(T["pool"].shape), tuple(x["q"].shape), cfg, record)
-        V_.verify_kernel[grid](T["pool"], slots_t, lay, lay, qn, kt, x["v"], g, beta, rows_t, buf, o, snap, u, **sizes,
+        V_.verify_kernel[grid](T["pool"], slots_t, lay, lay, qn, kt, x["v"], g, beta, rows_t, buf, *[rows_t] * 4, lay,
+                               *[unused] * 4, o, snap, u, unused, **sizes,
                                **(buf_sizes or dict(DMAX=D)), SNAPSHOTS=snapshots, EVICT=cfg.evict,
                                INTERPRET=True)  # fmt: skip
         return o, (snap,) if snapshots else (u, kt, g)
@@ -408,8 +409,10 @@ def compile_kernels() -> None:
         for snapshots in (False, True):
             sig = {"state_ptr": f"*{state}", "slots_ptr": "*i32", "layer_ptr": "*i32", "tape_layer_ptr": "*i32", "qn_ptr": "*fp32",
                    "kn_ptr": "*fp32", "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*fp32", "rows_ptr": "*i32",
-                   "buf_in_ptr": "*fp32", "out_ptr": "*bf16", "snap_ptr": f"*{state}" if snapshots else "*fp32",
-                   "u_ptr": "*fp32"}  # fmt: skip
+                   "buf_in_ptr": "*fp32", "prows_ptr": "*i32", "psteps_ptr": "*i32", "ptslots_ptr": "*i32",
+                   "ptsteps_ptr": "*i32", "player_ptr": "*i32", "pu_ptr": "*fp32", "pk_ptr": "*fp32", "pg_ptr": "*fp32",
+                   "pstates_ptr": f"*{state}", "out_ptr": "*bf16", "snap_ptr": f"*{state}" if snapshots else "*fp32",
+                   "u_ptr": "*fp32", "pool_out_ptr": f"*{state}"}  # fmt: skip
             mode = "snapshots" if snapshots else "tuples"
             sizes, _ = V_.launch_sizes((1, N, HV, Vd, K), (N, D, H, K), vcfg, mode)
             ck = build(V_.verify_kernel, sig, dict(**sizes, SNAPSHOTS=snapshots, EVICT=vcfg.evict, INTERPRET=False,
@@ -424,6 +427,14 @@ def compile_kernels() -> None:
                                                      INTO=True, R=7, DMAX=D + 2), False, vcfg.num_warps,
                          vcfg.num_stages)  # fmt: skip
             assert ops(into.asm["ptx"]) == c, f"verify ({mode}): the tape in place changes the float operations"
+            for pending in (1, 2):  # the previous step's commit first (commit_and_verify): it compiles, rule pinned
+                fused = build(V_.verify_kernel, sig, dict(**sizes, SNAPSHOTS=snapshots, EVICT=vcfg.evict, INTERPRET=False,
+                                                          INTO=True, R=7, DMAX=D + 2, PENDING=pending, PR=7, PD=D),
+                              False, vcfg.num_warps, vcfg.num_stages)  # fmt: skip
+                cf = ops(fused.asm["ptx"])
+                assert not [o for o in cf if o.startswith(("mul.f32", "add.f32", "div.full", "div.approx"))], cf
+                print(f"  compiled fused verify ({mode}, pending {('tuples', 'snapshots')[pending - 1]}, {state}): "
+                      f"fma.rn {cf['fma.rn.f32']} (plain {c['fma.rn.f32']})")
         assert digests[False] == digests[True], f"verify ({state}): the record modes' TTGIR arithmetic differs"
         print(f"  verify ({state}): tuples and snapshots TTGIR arithmetic identical ({digests[False]})")
         sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "A_log_ptr": "*fp32",

@@ -193,3 +193,39 @@ def test_fused_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"'pending.steps' must have shape \[N\] = \[4\]"):
         gl.commit_and_verify(pool, dataclasses.replace(gl.Pending.none(tape, 4), steps=np.zeros(3, np.int32)),
                              **st.inputs[0], slots=st.slots, layer=0)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------
+# The pool module: a pool that defers its commit to the next verify, and flush
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("record", gl.RECORD_MODES)
+def test_pool_deferred_commit_equals_immediate(backend, record, seed):
+    from gdn_lossless_jax import pool as gpool
+    from test_step import GEOMETRY, _pool_inputs
+
+    g = GEOMETRY
+    rng = np.random.default_rng(seed)
+    plan = [([0, 3, 5, 7], 3), ([3, 5, 7, 9], 2), ([9, 3, 5, 7], 4)]  # slot 0 leaves after step 1, 9 joins
+    pools = {}
+    for defer in (False, True):
+        p = gpool.allocate(g, slots=12, requests=4, drafts=4, record=record, defer_commit=defer)
+        fill = lambda x: jnp.asarray(np.random.default_rng(seed).standard_normal(x.shape, np.float32)).astype(x.dtype)  # noqa: E731
+        p = dataclasses.replace(p, ssm=fill(p.ssm), conv=fill(p.conv))
+        step_rng = np.random.default_rng(seed + 5)
+        outs = []
+        for slots, D in plan:
+            _, layers, xs = _pool_inputs(int(step_rng.integers(1 << 30)), len(slots), D)
+            slots = np.asarray(slots, np.int32)
+            rows = step_rng.permutation(p.rows)[: len(slots)].astype(np.int32)
+            for layer in range(g.gdn_layers):
+                o, p = gpool.verify_layer(p, layer, **xs[layer], **layers[layer], slots=slots, rows=rows, backend=backend)
+                outs.append(o)
+            accept = step_rng.integers(0, D, len(slots)).astype(np.int32)
+            tslots = np.array([10, -1, -1, -1], np.int32)
+            tsteps = np.array([int(step_rng.integers(0, accept[0] + 1)), -1, -1, -1], np.int32)
+            p = gpool.commit(p, slots, accept, tslots, tsteps, rows, backend=backend)
+        p = gpool.flush(p, backend=backend)
+        pools[defer] = (p.ssm, p.conv, outs)
+    assert_bitwise_equal(pools[False], pools[True], "states, conv states and outputs: deferred vs immediate commit")
+    del rng

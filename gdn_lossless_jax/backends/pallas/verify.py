@@ -307,7 +307,7 @@ def _apply_pending(refs, pending: str, state_ref, pool_ref, w: _Where, cols, S0,
         u_ref, k_ref, g_ref = prev
         update = replay_update("naive" if control == "naive" else form)
         late = control == "track_after_write"
-        last = jnp.maximum(jnp.where(accept, pstep, -1), jnp.where(track & ~late, ptstep, -1))
+        last = jnp.maximum(jnp.where(accept, pstep, -1), -1 if late else jnp.where(track, ptstep, -1))
 
         def replay(upto, S, on_step):
             def body(t, carry):

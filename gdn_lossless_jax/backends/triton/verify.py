@@ -198,6 +198,51 @@ def _step_inputs(qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, n, t, h, hv, rows, kidx
 
 
 @jit
+def _apply_pending(S, pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr, pk_ptr, pg_ptr,
+                   pstates_ptr, n, h, hv, layer, slot, slot_ok, rows, kidx, tile, m_v, m_k, m_tile,
+                   NS: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
+                   BV: tl.constexpr, NC: tl.constexpr, C: tl.constexpr, PR: tl.constexpr, PD: tl.constexpr,
+                   PENDING: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    """The previous step's commit of this program's tile, before its verify (the Pallas kernel's
+    ``_apply_pending``): replay the pending chain from ``S`` with the rule (``PENDING`` 1) or copy
+    the previous snapshots (2), store the track and accepted states to the pool, and return the
+    state the verify starts from (the accepted state as the pool holds it, or ``S``)."""
+    prow = tl.load(prows_ptr + n).to(tl.int64)
+    pstep = tl.load(psteps_ptr + n)
+    ptslot = tl.load(ptslots_ptr + n).to(tl.int64)
+    ptstep = tl.load(ptsteps_ptr + n)
+    valid = slot_ok & (prow >= 0) & (prow < PR)
+    accept = valid & (pstep >= 0) & (pstep < PD)
+    track = valid & (ptstep >= 0) & (ptstep < PD) & (ptslot >= 0) & (ptslot < NS)
+    lead = tl.load(player_ptr).to(tl.int64) * PR + tl.where(valid, prow, 0)
+    dst_acc = pool_out_ptr + ((layer * NS + slot) * HV + hv) * V * K + tile
+    dst_trk = pool_out_ptr + ((layer * NS + tl.where(track, ptslot, 0)) * HV + hv) * V * K + tile
+    if PENDING == 2:
+        at_t = ((lead * PD + tl.where(track, ptstep, 0)) * HV + hv) * V * K + tile
+        tl.store(dst_trk, tl.load(pstates_ptr + at_t, mask=m_tile & track, other=0.0), mask=m_tile & track)
+        at_a = ((lead * PD + tl.where(accept, pstep, 0)) * HV + hv) * V * K + tile
+        acc = tl.load(pstates_ptr + at_a, mask=m_tile & accept, other=0.0)
+        tl.store(dst_acc, acc, mask=m_tile & accept)
+        acc = _to_f32(acc, INTERPRET)
+    else:
+        last = tl.maximum(tl.where(accept, pstep, -1), tl.where(track, ptstep, -1))
+        Sc = S
+        acc = S
+        for t in range(last + 1):
+            kt = tl.load(pk_ptr + tl.broadcast_to(((lead * PD + t) * H + h) * K + kidx, (BV, NC, C)), mask=m_tile,
+                         other=0.0)  # fmt: skip
+            u = tl.load(pu_ptr + ((lead * PD + t) * HV + hv) * V + rows, mask=m_v, other=0.0)
+            Sd = Sc * _exp(tl.load(pg_ptr + (lead * PD + t) * HV + hv), INTERPRET)
+            Sc = _fma(kt, tl.broadcast_to(u[:, None, None], Sc.shape), Sd, INTERPRET)
+            tl.store(dst_trk, _from_f32(Sc, pool_out_ptr.dtype.element_ty, INTERPRET), mask=m_tile & track & (t == ptstep))
+            acc = tl.where(t == pstep, Sc, acc)
+        acc = _from_f32(acc, pool_out_ptr.dtype.element_ty, INTERPRET)
+        tl.store(dst_acc, acc, mask=m_tile & accept)
+        acc = _to_f32(acc, INTERPRET)
+    return tl.where(accept, acc, S)
+
+
+@jit
 def verify_kernel(
     # inputs
     state_ptr,  # [L, S, HV, V, K] f32 | bf16, read at [layer, slots[n]]
@@ -211,10 +256,20 @@ def verify_kernel(
     beta_ptr,  # [N, D, HV] f32
     rows_ptr,  # [N] i32 (INTO) | [1]
     buf_in_ptr,  # the tape buffer as an input (INTO; aliased with snap_ptr or u_ptr, not read) | [1]
+    prows_ptr,  # PENDING: the previous step's commit per request: rows, steps, track slots, track steps [N] i32
+    psteps_ptr,
+    ptslots_ptr,
+    ptsteps_ptr,
+    player_ptr,  # [1] i32: the previous tape's layer
+    pu_ptr,  # PENDING 1: the previous tape's u [L', PR, PD, HV, V], k [L', PR, PD, H, K], g [L', PR, PD, HV] | [1]
+    pk_ptr,
+    pg_ptr,
+    pstates_ptr,  # PENDING 2: the previous snapshots [L', PR, PD, HV, V, K] | [1]
     # outputs
     out_ptr,  # [N, D, HV, V] out dtype
     snap_ptr,  # snapshots: [N, D, HV, V, K] state dtype, or INTO the buffer [L, R, DMAX, HV, V, K] | [1]
     u_ptr,  # tuples: [N, D, HV, V] f32, or INTO the buffer [L, R, DMAX, HV, V] | [1]
+    pool_out_ptr,  # PENDING: the pool again (aliased with state_ptr) | [1]
     # sizes and switches
     NS: tl.constexpr,  # the pool's slots
     D: tl.constexpr,
@@ -232,6 +287,9 @@ def verify_kernel(
     INTO: tl.constexpr = False,  # the tape goes to [tape_layer, rows[n]] of a buffer of R rows
     R: tl.constexpr = 1,
     DMAX: tl.constexpr = 1,  # the tape's steps per row: the buffer's (INTO), else D
+    PENDING: tl.constexpr = 0,  # the previous step's commit first: 0 none, 1 a tuple tape, 2 snapshots
+    PR: tl.constexpr = 1,  # the previous tape's rows
+    PD: tl.constexpr = 1,  # and steps
 ):
     if TILES_FIRST:
         i_v = tl.program_id(0)
@@ -255,9 +313,15 @@ def verify_kernel(
     # The state by slot (SGLang's h0_indices): zeros for a slot outside [0, S).
     slot = tl.load(slots_ptr + n).to(tl.int64)
     slot_ok = (slot >= 0) & (slot < NS)
-    base = (tl.load(layer_ptr).to(tl.int64) * NS + tl.where(slot_ok, slot, 0)) * HV + hv
+    layer = tl.load(layer_ptr).to(tl.int64)
+    slot = tl.where(slot_ok, slot, 0)
+    base = (layer * NS + slot) * HV + hv
     S = _to_f32(tl.load(state_ptr + base * V * K + tile, mask=m_tile & slot_ok, other=0.0, eviction_policy=EVICT),
                 INTERPRET)  # fmt: skip
+    if PENDING:  # (an unset constexpr reads as None where the kernel is built without jax-triton)
+        S = _apply_pending(S, pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr, pk_ptr,
+                           pg_ptr, pstates_ptr, n, h, hv, layer, slot, slot_ok, rows, kidx, tile, m_v, m_k, m_tile, NS,
+                           H, HV, V, K, BV, NC, C, PR, PD, PENDING, INTERPRET)  # fmt: skip
     if INTO:  # the tape's row in the buffer; an out-of-range row writes nothing
         row = tl.load(rows_ptr + n).to(tl.int64)
         row_ok = (row >= 0) & (row < R)
@@ -318,23 +382,25 @@ def _jitted():
 
 
 def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, config: VerifyConfig = VerifyConfig(),
-           slots=None, layer=None, tape=None, tape_layer=None, rows=None):  # fmt: skip
+           slots=None, layer=None, tape=None, tape_layer=None, rows=None, pending=None):  # fmt: skip
     """jax-triton verify; arguments as :func:`gdn_lossless_jax.verify` (already checked).
 
     ``state0`` is ``[N, HV, V, K]`` or, with ``slots``, the pool ``[L, S, HV, V, K]`` read at
     ``[layer, slots[n]]`` inside the kernel. With ``tape`` (fields ``[L', R, Dmax, ...]``) the
     tape goes to ``[tape_layer, rows[n]]`` of that buffer, in place (aliased).
     Returns ``(outputs [N, D, HV, V], fields)``: ``(states,)`` for ``record="snapshots"``,
-    ``(u, k, g)`` for ``record="tuples"`` (the fresh tape, or the updated buffer).
+    ``(u, k, g)`` for ``record="tuples"`` (the fresh tape, or the updated buffer). With
+    ``pending`` (as in the Pallas backend) the previous step's commit is applied first and the
+    pool comes back as a third element.
     """
     return _jitted()(
-        state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_layer, rows, record=record, scale=scale,
+        state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_layer, rows, pending, record=record, scale=scale,
         out_dtype=out_dtype, config=config,
     )  # fmt: skip
 
 
-def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_layer, rows, *, record, scale, out_dtype,
-            config):  # fmt: skip
+def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_layer, rows, pending, *, record, scale,
+            out_dtype, config):  # fmt: skip
     import jax
     import jax.numpy as jnp
     import jax_triton as jt
@@ -388,24 +454,39 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
         jax.ShapeDtypeStruct((N, D, HV, V), out_dtype),
         rec_shape if snapshots else unused,
         unused if snapshots else rec_shape,
+        jax.ShapeDtypeStruct(state.shape, state.dtype) if pending is not None else unused,
     )
+    aliases = {10: 1 if snapshots else 2} if into else {}
+    pend_sizes = {}
+    if pending is None:
+        pend_in = [rows] * 4 + [layer] + [dummy] * 4
+    else:
+        from ...tape import Snapshots
+
+        prows, psteps, ptslots, ptsteps, prev_layer, prev = pending
+        snap_prev = isinstance(prev, Snapshots)
+        lead = prev.states if snap_prev else prev.u
+        fields = [dummy] * 3 + [prev.states] if snap_prev else [prev.u, prev.k, prev.g, dummy]
+        pend_in = [prows, psteps, ptslots, ptsteps, as1(prev_layer), *fields]
+        pend_sizes = dict(PENDING=2 if snap_prev else 1, PR=lead.shape[1], PD=lead.shape[2])
+        aliases[0] = 3
     sizes, grid = launch_sizes(state.shape, q.shape, config, record)
-    out, snap, u = jt.triton_call(
-        state, slots, layer, tape_layer, qn, kn, v, g, beta, rows, buf,
+    out, snap, u, new_pool = jt.triton_call(
+        state, slots, layer, tape_layer, qn, kn, v, g, beta, rows, buf, *pend_in,
         kernel=verify_kernel,
         out_shape=out_shape,
         grid=grid,
-        input_output_aliases={10: 1 if snapshots else 2} if into else {},
+        input_output_aliases=aliases,
         enable_fp_fusion=False,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         name=f"gdn_verify_{record}",
         **sizes,
         **chain_sizes,
+        **pend_sizes,
         SNAPSHOTS=snapshots,
         EVICT=config.evict,
         INTERPRET=False,
     )  # fmt: skip
-    if snapshots:
-        return out, (snap,)
-    return out, ((u, kbuf, gbuf) if into else (u, kn, g))
+    fields = (snap,) if snapshots else ((u, kbuf, gbuf) if into else (u, kn, g))
+    return (out, fields) if pending is None else (out, fields, new_pool)
