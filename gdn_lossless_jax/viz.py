@@ -851,7 +851,9 @@ def plot_kernels_vs_floor(result: Mapping, *, time: str = "device_us", axes=None
             xs = [i - 0.4 + width * (j + 0.5) for i, _ in pts]
             ax.bar(xs, [r[time] / 1e3 for _, r in pts], width, color=colors(j % 10),
                    hatch="//" if rec == "snapshots" else None, edgecolor="white", label=f"{be} {rec}")  # fmt: skip
-            ax.scatter(xs, [r["floor_us"] / 1e3 for _, r in pts], marker="_", s=200, color="black", zorder=3)
+            floors = [(x, r["floor_us"] / 1e3) for x, (_, r) in zip(xs, pts) if r.get("floor_us")]
+            if floors:
+                ax.scatter(*zip(*floors), marker="_", s=200, color="black", zorder=3)
         ax.set_xticks(range(len(configs)), configs)
         ax.set_xlabel("requests x drafts")
         ax.set_ylabel(f"ms ({'device time' if time == 'device_us' else 'wall-clock median'})")
