@@ -26,6 +26,10 @@ way a JAX user composes it, for each record mode and backend:
 ``pool-deferred``
     ``pool-scan`` on a pool allocated with ``defer_commit=True`` (``pool.commit`` keeps the SSM
     part for the next ``pool.verify_layer``).
+``scan-mesh``, ``pool-scan-mesh`` (not run unless named in ``--kinds``)
+    ``scan`` and ``pool-scan`` through :class:`gdn_lossless_jax.sharding.MeshPlan` (verify and
+    commit per shard under ``jax.shard_map``) on the mesh ``--mesh TPxDP`` (default ``1x1``: one
+    device, where the step must cost what ``scan`` costs), every input placed on the mesh first.
 ``sglang`` (snapshots)
     SGLang's own kernels on the same inputs: its verify with the intermediate-state buffer for
     every layer, then its two scatters (accepted, track), captured in one CUDA graph.
@@ -40,6 +44,11 @@ overhead of the way the step is written (launch gaps, host work).
 Run (H200, about 3 minutes)::
 
     python -m benchmarks.step --out $OUT/step --configs 25x4,8x16 --backends pallas,triton
+
+The sharded code path on a one-device mesh beside the unsharded one::
+
+    python -m benchmarks.step --out $OUT/step-mesh --configs 25x4,8x4 --backends pallas \
+        --kinds scan,scan-mesh,pool-scan,pool-scan-mesh --mesh 1x1 --peer off
 
 ``--mode cpu-small`` runs the same rows on a reduced geometry (CI keeps the harness alive;
 its timings are not results).
@@ -60,6 +69,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import gdn_lossless_jax as gl
+from gdn_lossless_jax import cases, sharding
 from gdn_lossless_jax import pool as gpool
 from gdn_lossless_jax.cases import Shape
 
@@ -72,6 +82,8 @@ __all__ = ["STEP_KINDS", "main", "step_rows"]
 
 RECORDS = ("tuples", "snapshots")
 STEP_KINDS = ("pool-python", "pool-jit", "pool-scan", "scan", "unrolled", "fused", "pool-deferred")
+#: The same steps through a MeshPlan (``--mesh``); run only when ``--kinds`` names them.
+MESH_KINDS = ("pool-scan-mesh", "scan-mesh")
 
 
 @dataclasses.dataclass
@@ -155,30 +167,67 @@ def _pool_step(p, params, xs, ix, backend):
     return outs, gpool.commit(p, slots, steps, tslots, tsteps, rows, backend=backend)
 
 
-def _pool_scan_step(p, params, xs, ix, backend):
-    """The same with the layers in a ``lax.scan`` (``params``, ``xs``: stacked ``[L, ...]``)."""
+def _pool_scan_step(p, params, xs, ix, backend, plan: sharding.MeshPlan | None = None):
+    """The same with the layers in a ``lax.scan`` (``params``, ``xs``: stacked ``[L, ...]``);
+    with ``plan``, through ``plan.verify_layer`` and ``plan.pool_commit``."""
     slots, steps, tslots, tsteps, rows = ix
+    verify, commit = (gpool.verify_layer, gpool.commit) if plan is None else (plan.verify_layer, plan.pool_commit)
 
     def layer(p, lx):
         i, prm, x = lx
-        o, p = gpool.verify_layer(p, i, **x, **prm, slots=slots, rows=rows, backend=backend)
+        o, p = verify(p, i, **x, **prm, slots=slots, rows=rows, backend=backend)
         return p, o
 
     p, outs = jax.lax.scan(layer, p, (jnp.arange(p.geometry.gdn_layers, dtype=jnp.int32), params, xs))
-    return outs, gpool.commit(p, slots, steps, tslots, tsteps, rows, backend=backend)
+    return outs, commit(p, slots, steps, tslots, tsteps, rows, backend=backend)
 
 
-def direct_step(backend: str, unroll: bool):
+def parse_mesh(text: str) -> sharding.MeshPlan:
+    """``TPxDP`` (tensor x data sizes) -> a MeshPlan over the first TP*DP devices."""
+    try:
+        tp, dp = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--mesh must be TPxDP (e.g. 1x1, 2x1), got {text!r}") from None
+    devices = jax.devices()
+    if tp < 1 or dp < 1 or tp * dp > len(devices):
+        raise ValueError(f"--mesh {text}: needs {tp}x{dp} devices, {len(devices)} here")
+    mesh = jax.sharding.Mesh(np.array(devices[: tp * dp]).reshape(dp, tp), ("data", "tensor"))
+    return sharding.MeshPlan(mesh, tensor="tensor", data="data")
+
+
+def _mesh_inputs(inp: StepInputs, plan: sharding.MeshPlan, record: str, seed: int):
+    """The mesh rows' pools (rows rounded up to a multiple of DP), shard-local index sets and
+    inputs, placed on the mesh."""
+    s = inp.shape
+    requests = -(-(s.N + 1) // plan.dp) * plan.dp - 1
+    spec = jax.eval_shape(
+        lambda: gpool.allocate(inp.geometry, slots=inp.slots - 1, requests=requests, drafts=s.D, record=record)
+    )
+    pools = [plan.put(_filled(spec, seed + i), "pool") for i in (11, 13)]
+    sets = [
+        cases.commit_indices(seed * 1000 + r, N=s.N, D=s.D, slots_in_pool=inp.slots, rows_in_tape=requests + 1,
+                             track_fraction=bc.TRACK_FRACTION, shards=plan.dp).as_args()
+        for r in range(len(inp.index_sets))
+    ]  # fmt: skip
+    kinds = {"conv_weight": "conv_weight", "conv_bias": "per_head", "A_log": "per_head", "dt_bias": "per_head",
+             "mixed_qkv": "per_step", "a": "per_step", "b": "per_step", "q": "heads", "k": "heads", "v": "heads"}
+    put = lambda d: {k: plan.put(v, kinds[k]) for k, v in d.items()}  # noqa: E731
+    return pools, [plan.put(ix, "index") for ix in sets], put(inp.params), put(inp.pool_inputs), put(inp.qkv)
+
+
+def direct_step(backend: str, unroll: bool, plan: sharding.MeshPlan | None = None):
     """The one-jit step over ``(ssm [L, S, HV, V, K], tape [L, R, D, ...])``, both donated;
-    ``params`` and ``xs`` per-layer lists (``unroll``) or stacked ``[L, ...]`` (a scan)."""
+    ``params`` and ``xs`` per-layer lists (``unroll``) or stacked ``[L, ...]`` (a scan). With
+    ``plan``, verify and commit run through ``plan.verify`` and ``plan.commit`` (shard_map)."""
+    verify, commit = (gl.verify, gl.commit) if plan is None else (plan.verify, plan.commit)
 
     def step(ssm, tape, params, xs, ix):
         slots, steps, tslots, tsteps, rows = ix
 
         def layer(tape, lx):
             i, prm, x = lx
-            out, tape = gl.verify(ssm, x["q"], x["k"], x["v"], x["a"], x["b"], prm["A_log"], prm["dt_bias"],
-                                  slots=slots, layer=i, tape=tape, rows=rows, backend=backend)  # fmt: skip
+            out, tape = verify(ssm, x["q"], x["k"], x["v"], x["a"], x["b"], prm["A_log"], prm["dt_bias"],
+                               slots=slots, layer=i, tape=tape, rows=rows, backend=backend)  # fmt: skip
             return tape, out
 
         if unroll:
@@ -189,7 +238,7 @@ def direct_step(backend: str, unroll: bool):
         else:
             prm = {k: params[k] for k in ("A_log", "dt_bias")}
             tape, outs = jax.lax.scan(layer, tape, (jnp.arange(ssm.shape[0], dtype=jnp.int32), prm, xs))
-        ssm = gl.commit(ssm, tape, slots, steps, tslots, tsteps, rows, backend=backend)
+        ssm = commit(ssm, tape, slots, steps, tslots, tsteps, rows, backend=backend)
         return outs, ssm, tape
 
     return jax.jit(step, donate_argnums=(0, 1))
@@ -225,8 +274,10 @@ def _kernels_not_ours(device: dict | None) -> list[dict]:
     return [k for k in device["kernels"] if "gdn_" not in k["name"]]
 
 
-def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: int, kinds=STEP_KINDS) -> list[Row]:
-    """The step rows of one backend and record mode (``kinds``, of :data:`STEP_KINDS`)."""
+def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: int, kinds=STEP_KINDS,
+              plan: sharding.MeshPlan | None = None) -> list[Row]:  # fmt: skip
+    """The step rows of one backend and record mode (``kinds``, of :data:`STEP_KINDS` and
+    :data:`MESH_KINDS`; the latter on ``plan``, a one-device mesh if None)."""
     cfg, L = inp.config.label, inp.geometry.gdn_layers
     rows = []
     p_box = [_allocate(inp, record, seed)]
@@ -291,6 +342,12 @@ def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: in
     runs = {"pool-python": run_python, "pool-jit": run_pool(pool_jit, False), "pool-scan": run_pool(pool_scan, True),
             "scan": run_direct(False), "unrolled": run_direct(True), "fused": run_fused,
             "pool-deferred": run_deferred}  # fmt: skip
+    if any(k in kinds for k in MESH_KINDS):
+        plan = plan or parse_mesh("1x1")
+        runs.update(_mesh_runs(inp, backend, record, seed, plan))
+
+    def mesh_note(kind):
+        return [f"mesh {plan.tp}x{plan.dp} (tensor x data)"] if kind in MESH_KINDS else []
     for kind, run in runs.items():
         if kind not in kinds:
             continue
@@ -299,11 +356,34 @@ def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: in
             run()  # compile and first call
             first = time.perf_counter() - t
             rows.append(Row(config=cfg, backend=backend, op=kind, record=record, calls=1, traffic=Traffic(0, 0),
-                            run=run, compile_s=first, notes=[f"{L} layers"]))  # fmt: skip
+                            run=run, compile_s=first, notes=[f"{L} layers"] + mesh_note(kind)))  # fmt: skip
             clock.log(f"{cfg} {backend} {record} {kind}: first call {first:.2f} s")
         except Exception as e:  # noqa: BLE001 - report, go on
             clock.log(f"{cfg} {backend} {record} {kind}: FAILED: {type(e).__name__}: {str(e)[:300]}")
     return rows
+
+
+def _mesh_runs(inp: StepInputs, backend: str, record: str, seed: int, plan: sharding.MeshPlan) -> dict:
+    """``scan-mesh`` and ``pool-scan-mesh``: ``scan`` and ``pool-scan`` through ``plan``."""
+    (pool, direct), index_sets, params, pool_inputs, qkv = _mesh_inputs(inp, plan, record, seed)
+    box = {"pool": pool, "direct": (direct.ssm, direct.tape), "i": 0}
+    pool_scan = jax.jit(lambda p, prm, xs, ix: _pool_scan_step(p, prm, xs, ix, backend, plan), donate_argnums=0)
+    scan = direct_step(backend, False, plan)
+
+    def next_ix():
+        box["i"] += 1
+        return index_sets[box["i"] % len(index_sets)]
+
+    def run_pool():
+        outs, box["pool"] = pool_scan(box["pool"], params, pool_inputs, next_ix())
+        jax.block_until_ready((outs, box["pool"]))
+
+    def run_scan():
+        outs, ssm, tape = scan(*box["direct"], params, qkv, next_ix())
+        box["direct"] = (ssm, tape)
+        jax.block_until_ready((outs, ssm, tape))
+
+    return {"pool-scan-mesh": run_pool, "scan-mesh": run_scan}
 
 
 def sglang_row(inp: StepInputs, clock: Clock, src=None) -> tuple[Row | None, str]:
@@ -438,7 +518,9 @@ def parse_args(argv=None):
     p.add_argument("--configs", default="25x4,8x16")
     p.add_argument("--backends", default="pallas")
     p.add_argument("--records", default=",".join(RECORDS))
-    p.add_argument("--kinds", default=",".join(STEP_KINDS), help=f"which steps ({', '.join(STEP_KINDS)})")
+    p.add_argument("--kinds", default=",".join(STEP_KINDS),
+                   help=f"which steps ({', '.join(STEP_KINDS + MESH_KINDS)}; the mesh ones only when named)")
+    p.add_argument("--mesh", default="1x1", help="TPxDP: the mesh of the *-mesh steps (default 1x1, one device)")
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device-invocations", type=int, default=3)
@@ -454,10 +536,14 @@ def main(argv=None) -> int:
     mode = bc.MODES[args.mode]
     clock = Clock()
     kinds = [k for k in args.kinds.split(",") if k]
+    unknown = [k for k in kinds if k not in STEP_KINDS + MESH_KINDS]
+    if unknown:
+        raise SystemExit(f"--kinds: unknown step kinds {unknown}; choose from {STEP_KINDS + MESH_KINDS}")
+    plan = parse_mesh(args.mesh) if any(k in MESH_KINDS for k in kinds) else None
     result = {
         "command": "python -m benchmarks.step " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
         "env": {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-                "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                "xla_flags": os.environ.get("XLA_FLAGS", ""), "mesh": args.mesh if plan else None,
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},  # fmt: skip
         "rows": [],
     }
@@ -467,7 +553,7 @@ def main(argv=None) -> int:
         rows: list[Row] = []
         for backend in [b for b in args.backends.split(",") if b]:
             for record in [r for r in args.records.split(",") if r]:
-                rows += step_rows(inp, backend, record, clock, args.seed, kinds)
+                rows += step_rows(inp, backend, record, clock, args.seed, kinds, plan)
         if args.peer != "off":
             row, why = sglang_row(inp, clock, args.sglang_src)
             if row is None:

@@ -6,7 +6,8 @@ import argparse
 import math
 import sys
 
-__all__ = ["main", "build_parser", "positive_int", "non_negative_int", "positive_gib", "model_name", "version_string"]
+__all__ = ["main", "build_parser", "positive_int", "non_negative_int", "positive_gib", "model_name", "tensor_sizes",
+           "version_string"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,6 +45,16 @@ def positive_gib(text: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive number of GiB, got {text}")
     return value
+
+
+def tensor_sizes(text: str) -> tuple[int, ...]:
+    """Tensor sizes: N (the powers of two up to N, and N) or a list like ``1,2,4,8``."""
+    from .memory import tp_sizes
+
+    try:
+        return tp_sizes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def model_name(text: str) -> str:
@@ -119,10 +130,19 @@ def _memory(args) -> int:
     import jax.numpy as jnp
 
     from .config import get_geometry
-    from .memory import GIB, format_report, format_seed_table, memory_report
+    from .memory import GIB, format_report, format_seed_table, format_tp_table, memory_report, tp_table
 
+    if args.tp is not None:
+        slots = 2 * args.requests if args.slots is None else args.slots
+        kw = dict(drafts=args.drafts, requests=args.requests, slots=slots, state_dtype=jnp.dtype(args.state_dtype),
+                  conv_dtype=jnp.dtype(args.conv_dtype))  # fmt: skip
+        print(format_tp_table(tp_table(None if args.model is None else [get_geometry(args.model)], args.tp, **kw), **kw))
+        if args.seed_table:
+            print()
+            print(format_seed_table())
+        return 0
     report = memory_report(
-        get_geometry(args.model),
+        get_geometry(args.model or "qwen3.6-35b-a3b"),
         drafts=args.drafts,
         requests=args.requests,
         state_dtype=jnp.dtype(args.state_dtype),
@@ -177,7 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
         "shapes the state pool allocates; the KV cache tokens the freed bytes hold; and, with --budget, the KV "
         "tokens left in a memory budget in each mode.",
     )
-    m.add_argument("--model", type=model_name, default="qwen3.6-35b-a3b", help=f"model geometry ({', '.join(MODELS)})")
+    m.add_argument("--model", type=model_name, default=None,
+                   help=f"model geometry ({', '.join(MODELS)}; default qwen3.6-35b-a3b, or all of them with --tp)")
     m.add_argument("--drafts", "-D", type=positive_int, default=4, help="D draft tokens per request (default 4)")
     m.add_argument("--requests", "-R", type=positive_int, default=25, help="R running requests (default 25)")
     m.add_argument("--budget", type=positive_gib, default=None, metavar="GIB",
@@ -185,6 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32", help="SSM state dtype")
     m.add_argument("--conv-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="conv dtype")
     m.add_argument("--kv-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="KV cache dtype")
+    m.add_argument("--tp", type=tensor_sizes, nargs="?", const=(1, 2, 4, 8), default=None, metavar="SIZES",
+                   help="print the pool and scratch bytes per device with the heads split over a tensor axis of these "
+                        "sizes instead (N: the powers of two up to N; or a list like 1,2,4,8; alone: 1,2,4,8), for "
+                        "--model or every named model")
+    m.add_argument("--slots", type=positive_int, default=None,
+                   help="mamba slots of the pool, for --tp (default 2 x requests: each request's own and a track slot)")
     m.add_argument("--seed-table", action="store_true",
                    help="also print the seed's table (the three setups of SGLang's lossless-verify pull request) "
                         "recomputed from our shapes, the GiB it printed beside ours")
@@ -193,6 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .model.demo import add_parser as add_demo
 
     add_demo(sub)
+
+    from .fuzz import add_command as add_fuzz
+
+    add_fuzz(sub)
     return p
 
 

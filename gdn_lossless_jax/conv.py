@@ -77,7 +77,7 @@ def _taps(taps, weight, bias):
 
 
 def _silu(acc):
-    return acc / (1.0 + jnp.exp(-acc))
+    return acc / (1.0 + rounding.exp(-acc))
 
 
 def causal_conv1d_verify(conv_state, x, weight, bias=None):

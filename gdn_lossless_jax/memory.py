@@ -27,8 +27,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from .config import Geometry, get_geometry
-from .pool import SCRATCH_MODES, _positive, check_supported, conv_window_spec, scratch_rows, tape_specs
+from .config import MODELS, Geometry, get_geometry
+from .pool import SCRATCH_MODES, _positive, check_supported, conv_window_spec, scratch_rows, state_specs, tape_specs
 
 __all__ = [
     "GIB",
@@ -45,6 +45,10 @@ __all__ = [
     "format_report",
     "format_seed_table",
     "gib",
+    "TPRow",
+    "tp_sizes",
+    "tp_table",
+    "format_tp_table",
 ]
 
 GIB = 2**30
@@ -274,3 +278,113 @@ def _format_budget(r: MemoryReport) -> str:
         )
     gain = f"+{tt - ts:,} tokens" + (f", +{100 * (tt - ts) / ts:.0f}%" if ts else "")
     return head + f"{ts:,} KV tokens with snapshots, {tt:,} with tuples ({gain})"
+
+
+# ---------------------------------------------------------------------------------
+# Per device under tensor parallelism (gdn_lossless_jax.sharding: heads over a tensor axis).
+# ---------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class TPRow:
+    """One model at one tensor size: bytes per device, or why the heads do not split.
+
+    ``ssm``, ``conv``: the state pool (``slots + 1`` slots); ``tuples``, ``snapshots``: the SSM
+    scratch of each record mode and ``conv_windows`` (``requests + 1`` rows), each for the
+    H/tp q/k heads and HV/tp v-heads one device holds (:func:`gdn_lossless_jax.sharding.local_geometry`).
+    """
+
+    geometry: Geometry
+    tp: int
+    ssm: int | None = None
+    conv: int | None = None
+    tuples: int | None = None
+    snapshots: int | None = None
+    conv_windows: int | None = None
+    error: str | None = None
+
+    def total(self, record: str) -> int:
+        """Pool plus ``record``'s scratch plus the conv windows, per device."""
+        return self.ssm + self.conv + getattr(self, record) + self.conv_windows
+
+
+def tp_sizes(text: str) -> tuple[int, ...]:
+    """Tensor sizes from ``"1,2,4,8"`` (as given) or ``"N"`` (the powers of two up to N, and N).
+
+    >>> tp_sizes("8"), tp_sizes("6"), tp_sizes("1,3")
+    ((1, 2, 4, 8), (1, 2, 4, 6), (1, 3))
+    """
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"tensor sizes must be integers (N or a list like 1,2,4,8), got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"tensor sizes must be positive integers, got {text!r}")
+    if len(values) > 1:
+        return tuple(values)
+    n = values[0]
+    return tuple(sorted({*(2**i for i in range(n.bit_length()) if 2**i <= n), n}))
+
+
+def tp_table(
+    models=None,
+    sizes=(1, 2, 4, 8),
+    *,
+    drafts: int,
+    requests: int,
+    slots: int,
+    state_dtype=jnp.float32,
+    conv_dtype=jnp.bfloat16,
+) -> list[TPRow]:
+    """Per-device pool and scratch bytes for each model (default: every named model) and tensor size.
+
+    The bytes come from the pool's own shape functions (:func:`~gdn_lossless_jax.pool.state_specs`,
+    :func:`~gdn_lossless_jax.pool.tape_specs`, :func:`~gdn_lossless_jax.pool.conv_window_spec`) of
+    the geometry one device holds, so they equal the shard each device allocates byte for byte.
+
+    >>> r = tp_table([get_geometry("qwen3.6-35b-a3b")], (1, 2), drafts=4, requests=25, slots=50)
+    >>> [x.snapshots // 2**20 for x in r], r[0].ssm == 2 * r[1].ssm
+    ([6240, 3120], True)
+    """
+    from .sharding import local_geometry
+
+    _positive("tp_table", drafts=drafts, requests=requests, slots=slots)
+    rows, geometries = [], [MODELS[m] if isinstance(m, str) else m for m in (models or MODELS)]
+    for g in geometries:
+        check_supported("tp_table", g, drafts=drafts)
+        for tp in sizes:
+            try:
+                local = local_geometry(g, tp)
+            except ValueError:
+                rows.append(TPRow(g, tp, error=f"H={g.num_k_heads} is not a multiple of {tp}"))
+                continue
+            state = state_specs(local, slots, state_dtype=state_dtype, conv_dtype=conv_dtype)
+            n = scratch_rows(requests)
+            tape = {m: sum(x.nbytes for x in tape_specs(local, n, drafts, m, state_dtype=state_dtype).values())
+                    for m in ("tuples", "snapshots")}  # fmt: skip
+            windows = conv_window_spec(local, n, drafts, conv_dtype=conv_dtype).nbytes
+            rows.append(TPRow(g, tp, state["ssm"].nbytes, state["conv"].nbytes, tape["tuples"], tape["snapshots"], windows))
+    return rows
+
+
+def format_tp_table(rows: list[TPRow], *, drafts: int, requests: int, slots: int, state_dtype="float32",
+                    conv_dtype="bfloat16") -> str:  # fmt: skip
+    """The per-device table of :func:`tp_table` (MiB per device)."""
+    head = (
+        f"per device, heads over a tensor axis of size tp: D={drafts} draft tokens, {requests} requests "
+        f"({scratch_rows(requests)} scratch rows), {slots} slots (+1 padding), state {jnp.dtype(state_dtype).name}, "
+        f"conv {jnp.dtype(conv_dtype).name}; MiB per device"
+    )
+    w = max(len(r.geometry.name) for r in rows)
+    cols = ("ssm pool", "conv pool", "tuples", "snapshots", "conv win", "total tuples", "total snaps")
+    lines = [head, f"{'model':<{w}}  {'tp':>2} {'H':>3} {'HV':>3}" + "".join(f"{c:>13}" for c in cols)]
+    for r in rows:
+        g = r.geometry
+        lead = f"{g.name:<{w}}  {r.tp:>2}"
+        if r.error:
+            lines.append(f"{lead}   -   -  heads do not split: {r.error}")
+            continue
+        vals = (r.ssm, r.conv, r.tuples, r.snapshots, r.conv_windows, r.total("tuples"), r.total("snapshots"))
+        lines.append(f"{lead} {g.num_k_heads // r.tp:>3} {g.num_v_heads // r.tp:>3}"
+                     + "".join(f"{v / MIB:>13,.1f}" for v in vals))  # fmt: skip
+    lines.append("total: the pool (ssm + conv) + that record mode's scratch + the conv windows; the data axis, if "
+                 "any, divides the slots and the rows further")  # fmt: skip
+    return "\n".join(lines)

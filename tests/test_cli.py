@@ -188,3 +188,22 @@ def test_check_progress_and_bf16_ulp(seed):
         assert (st["differing"] == 0) == (st["max_ulp"] == 0), name
         assert st["max_ulp"] < 2**10, (name, st)  # in bf16 ULP: a few at most
     assert "naive forms   replay of the last step vs the pinned rule (ULP of bfloat16):" in check.format_result(r)
+
+
+def test_memory_tp_table(capsys):
+    assert main(["memory", "--tp"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("per device, heads over a tensor axis of size tp: D=4 draft tokens, 25 requests (26 scratch")
+    rows = [line.split() for line in out if line.startswith("Qwen")]
+    assert [(r[0], r[1]) for r in rows[:4]] == [("Qwen3-Next-80B-A3B", t) for t in ("1", "2", "4", "8")]
+    assert len(rows) == 12
+    # Qwen3.5/3.6-35B-A3B at tp 1 and 8: the snapshots scratch (26 rows x 4 drafts x 60 MiB) and its eighth
+    snaps = {r[1]: r[7] for r in rows if r[0] == "Qwen3.5/3.6-35B-A3B"}
+    assert snaps["1"] == "6,240.0" and snaps["8"] == "780.0"
+    assert main(["memory", "--model", "qwen3.8-27b", "--tp", "3,4"]) == 0
+    out = capsys.readouterr().out
+    assert "Qwen3.5/3.8-27B   3   -   -  heads do not split: H=16 is not a multiple of 3" in out
+    with pytest.raises(SystemExit) as exit_:
+        main(["memory", "--tp", "0"])
+    assert exit_.value.code == 2
+    assert "argument --tp: tensor sizes must be positive integers, got '0'" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 SGLang's lossless-verify pull request) reproduced."""
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -139,3 +140,33 @@ def test_rejections():
         memory.scratch_bytes(get_geometry("qwen3.8-27b"), 4, "ring")
     with pytest.raises(ValueError, match=r"memory_report: argument 'requests' must be a positive integer, got 0"):
         memory.memory_report(get_geometry("qwen3.8-27b"), drafts=4, requests=0)
+
+
+@pytest.mark.parametrize("record", P.POOL_RECORD_MODES)
+def test_tp_table_is_each_tensor_shard_of_the_pool(record):
+    """Per-device bytes under tensor parallelism (gdn-lossless memory --tp) equal the pool that
+    one device's H/tp heads allocate (sharding.local_geometry), and 1/tp of the whole pool."""
+    from gdn_lossless_jax.sharding import local_geometry
+
+    kw = dict(drafts=4, requests=5, slots=9)
+    rows = memory.tp_table(None, (1, 2, 4, 8, 32), **kw)
+    assert len(rows) == 5 * len(MODELS)
+    whole = {r.geometry.name: r for r in rows if r.tp == 1}
+    for r in rows:
+        if r.tp == 32:  # H = 16 on every named model
+            assert r.error == "H=16 is not a multiple of 32" and r.ssm is None
+            continue
+        local = jax.eval_shape(lambda r=r: P.allocate(local_geometry(r.geometry, r.tp), slots=9, requests=5, drafts=4,
+                                                      record=record))  # fmt: skip
+        nbytes = lambda x: math.prod(x.shape) * x.dtype.itemsize  # noqa: E731
+        assert (r.ssm, r.conv, r.conv_windows) == (nbytes(local.ssm), nbytes(local.conv), nbytes(local.conv_windows))
+        assert getattr(r, record) == sum(nbytes(x) for x in jax.tree.leaves(local.tape))
+        w = whole[r.geometry.name]
+        assert r.tp * r.total(record) == w.total(record)
+
+
+def test_tp_sizes():
+    assert memory.tp_sizes("8") == (1, 2, 4, 8) and memory.tp_sizes("1") == (1,) and memory.tp_sizes("2,6") == (2, 6)
+    for bad in ("0", "a", "1,,2", "-2"):
+        with pytest.raises(ValueError, match="tensor sizes must be"):
+            memory.tp_sizes(bad)

@@ -43,7 +43,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from .. import pool as pool_mod, reference
+from .. import pool as pool_mod, reference, sharding
 from ..pool import StatePool
 from .model import ModelConfig, Params, attention, gdn_mixer, logits, mlp, rmsnorm
 
@@ -56,6 +56,7 @@ __all__ = [
     "allocate_state",
     "copy_slot",
     "SpecStep",
+    "place_on_mesh",
 ]
 
 I32 = jnp.int32
@@ -184,6 +185,41 @@ def copy_slot(state: DecodeState, src: int | None, dst: int) -> DecodeState:
     return _copy_slot(state, jnp.asarray(-1 if src is None else src, I32), jnp.asarray(dst, I32))
 
 
+def place_on_mesh(plan: sharding.MeshPlan, config: ModelConfig, params: Params, state: DecodeState,
+                  inputs: StepInputs | None = None):  # fmt: skip
+    """Parameters, state (and a step's inputs) laid out for ``SpecStep(..., mesh=plan)``.
+
+    The GDN conv channels go to the tensor-parallel order (:func:`gdn_lossless_jax.sharding.to_tp_layout`:
+    the ``[q | k | v]`` columns of ``w_qkv``, the rows of ``conv_weight``, the pool's conv states and
+    windows); the pool is split as :meth:`~gdn_lossless_jax.sharding.MeshPlan.put` does (heads over
+    the tensor axis, slots and rows over the data axis), the KV cache's slots and the inputs' rows
+    over the data axis, the parameters replicated. A request's slot, track slot and scratch row
+    must live on its row's data shard (see :mod:`gdn_lossless_jax.sharding`).
+
+    Returns:
+      ``(params, state)``, or ``(params, state, inputs)`` when ``inputs`` is given.
+    """
+    g, tp = config.geometry, plan.tp
+    blocks = tuple(
+        dataclasses.replace(blk, mixer=dataclasses.replace(
+            blk.mixer, w_qkv=sharding.to_tp_layout(blk.mixer.w_qkv, g, tp, -1),
+            conv_weight=sharding.to_tp_layout(blk.mixer.conv_weight, g, tp, 0)))
+        if kind == "gdn" else blk
+        for blk, kind in zip(params.blocks, config.kinds)
+    )  # fmt: skip
+    replicated = jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec())
+    params = jax.device_put(dataclasses.replace(params, blocks=blocks), replicated)
+    p = state.pool
+    p = dataclasses.replace(p, conv=sharding.to_tp_layout(p.conv, g, tp, -2),
+                            conv_windows=sharding.to_tp_layout(p.conv_windows, g, tp, -2))  # fmt: skip
+    rows = jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec(None, plan.data))
+    state = DecodeState(plan.put(p, "pool"), jax.device_put(state.kv, rows))
+    if inputs is None:
+        return params, state
+    by_row = jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec(plan.data))
+    return params, state, jax.device_put(inputs, by_row)
+
+
 def _in_range(idx, n):
     """Indices outside ``[0, n)`` become ``n``: dropped by scatters, filled by gathers."""
     return jnp.where((idx >= 0) & (idx < n), idx, n)
@@ -200,7 +236,7 @@ def split_qkv(y: jax.Array, config: ModelConfig):
     return q, k, v
 
 
-def _draft_gdn(c: ModelConfig, S, conv_state, mixed, a, b, p):
+def _draft_gdn(c: ModelConfig, S, conv_state, mixed, a, b, p, mesh=None):
     """One token through a GDN layer from a carried state, for the draft.
 
     Plain fp32 arithmetic (the reference's step with unpinned ``*`` and ``+``, an unpinned
@@ -211,6 +247,8 @@ def _draft_gdn(c: ModelConfig, S, conv_state, mixed, a, b, p):
     x = mixed[:, 0].astype(conv_state.dtype)[..., None]  # [N, C, 1]
     window = jnp.concatenate([conv_state, x], axis=-1)  # [N, C, Kc]
     y = jax.nn.silu(jnp.sum(window.astype(F32) * p.conv_weight.astype(F32), axis=-1))
+    if mesh is not None:  # the conv channels are in the mesh's tensor-parallel order
+        y = sharding.from_tp_layout(y, c.geometry, mesh.tp)
     q, k, v = split_qkv(y[:, None], c)
     qn, kn, g, beta = reference.prepare(q, k, a, b, p.A_log, p.dt_bias, c.head_k_dim**-0.5)
     heads = lambda t: reference._expand_heads(t[:, 0], c.num_v_heads)  # noqa: E731
@@ -234,6 +272,12 @@ class SpecStep:
       backend: the library's backend for verify and the default commit.
       commit: the commit to use (:data:`CommitFn`, hashable); ``gdn_lossless_jax.pool.commit``
         if None.
+      mesh: a :class:`gdn_lossless_jax.sharding.MeshPlan`, or None (one device). On a mesh the
+        GDN layers' verify and commit run per shard (``MeshPlan.verify_layer`` and
+        ``pool_commit``: heads over the tensor axis, rows over the data axis), the parameters
+        and state come from :func:`place_on_mesh`, and every other activation is split over
+        the data axis only (the same arithmetic as on one device: the tokens and states are
+        identical).
     """
 
     config: ModelConfig
@@ -241,6 +285,7 @@ class SpecStep:
     track_interval: int = 0
     backend: str = "auto"
     commit: CommitFn | None = None
+    mesh: sharding.MeshPlan | None = None
 
     def __post_init__(self):
         if not isinstance(self.drafts, int) or self.drafts < 1:
@@ -269,9 +314,30 @@ class SpecStep:
         return _jitted_step(self, params, state, inputs)
 
     def _commit(self, pool, *args):
-        if self.commit is None:
-            return pool_mod.commit(pool, *args, backend=self.backend)
-        return self.commit(pool, *args)
+        if self.commit is not None:
+            return self.commit(pool, *args)
+        if self.mesh is not None:
+            return self.mesh.pool_commit(pool, *args, backend=self.backend)
+        return pool_mod.commit(pool, *args, backend=self.backend)
+
+    def _verify_layer(self, pool, layer, mixed, a, b, p, inputs: StepInputs):
+        if self.mesh is None:
+            args = (pool, layer, mixed, a, b, p.conv_weight, None, p.A_log, p.dt_bias, inputs.slots, inputs.rows)
+            return pool_mod.verify_layer(*args, backend=self.backend)
+        # The projections are computed whole on each device of the tensor axis (XLA would
+        # otherwise split their columns over it, a differently blocked matmul: other bits).
+        mixed, a, b = (self._rows_only(x) for x in (mixed, a, b))
+        args = (pool, layer, mixed, a, b, p.conv_weight, None, p.A_log, p.dt_bias, inputs.slots, inputs.rows)
+        o, pool = self.mesh.verify_layer(*args, backend=self.backend)
+        return self._rows_only(o), pool
+
+    def _rows_only(self, x):
+        """On a mesh: ``x`` split over the data axis (its leading batch axis) only, so that what
+        follows (the out-projection's sum over all v-heads) runs as on one device."""
+        if self.mesh is None:
+            return x
+        spec = jax.sharding.PartitionSpec(self.mesh.data)
+        return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(self.mesh.mesh, spec))
 
     # -- the traced step ------------------------------------------------------------
     def _step(self, params: Params, state: DecodeState, inputs: StepInputs):
@@ -320,8 +386,8 @@ class SpecStep:
         if D == 1:
             return tokens
         s = _in_range(inputs.slots, pool.ssm.shape[1])
-        ssm0 = tuple(pool.ssm.at[l, s].get(mode="fill", fill_value=0) for l in range(c.draft_layers))
-        conv0 = tuple(pool.conv.at[l, s].get(mode="fill", fill_value=0) for l in range(c.draft_layers))
+        ssm0 = tuple(self._rows_only(pool.ssm.at[l, s].get(mode="fill", fill_value=0)) for l in range(c.draft_layers))
+        conv0 = tuple(self._rows_only(pool.conv.at[l, s].get(mode="fill", fill_value=0)) for l in range(c.draft_layers))
 
         def body(carry, xs):
             ssm, convs, tok = carry
@@ -331,7 +397,7 @@ class SpecStep:
             for l in range(c.draft_layers):
 
                 def core(mixed, a, b, p, l=l):
-                    o, S, window = _draft_gdn(c, ssm[l], convs[l], mixed, a, b, p)
+                    o, S, window = _draft_gdn(c, ssm[l], convs[l], mixed, a, b, p, self.mesh)
                     new_ssm.append(S)
                     new_conv.append(window)
                     return o
@@ -365,10 +431,7 @@ class SpecStep:
 
                 def core(mixed, a, b, p, layer=gdn_i):
                     nonlocal pool
-                    o, pool = pool_mod.verify_layer(
-                        pool, layer, mixed, a, b, p.conv_weight, None, p.A_log, p.dt_bias, inputs.slots, inputs.rows,
-                        backend=self.backend,
-                    )  # fmt: skip
+                    o, pool = self._verify_layer(pool, layer, mixed, a, b, p, inputs)
                     return o
 
                 h = self._block(blk, h, functools.partial(gdn_mixer, blk.mixer, c, core=core))

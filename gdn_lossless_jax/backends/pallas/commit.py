@@ -25,6 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ._refs import grid, program_ids, store
+from ... import rounding
 from .rounding import replay_update
 
 __all__ = ["CommitConfig", "commit_tuples", "commit_snapshots"]
@@ -98,7 +99,7 @@ def _tuples_kernel(*refs, HV: int, r: int, BV: int, form: str, evict: str | None
     update = replay_update(form)
 
     def inputs(t):  # step t's tape: k (a [1, K] row of the tile's layout), u, the decay
-        return k_ref[l, row, t, pl.ds(h, 1), :], u_ref[l, row, t, hv, vs], jnp.exp(g_ref[l, row, t, hv])
+        return k_ref[l, row, t, pl.ds(h, 1), :], u_ref[l, row, t, hv, vs], rounding.exp(g_ref[l, row, t, hv])
 
     def store_state(at, S):
         store(pool_out, (l, at, hv, vs, slice(None)), S.astype(pool_out.dtype), evict)

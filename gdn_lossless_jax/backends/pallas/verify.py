@@ -52,6 +52,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ...reference import L2NORM_EPS, gates
+from ... import rounding
 from ._refs import grid, program_ids, store
 from .conv import scalar
 from .rounding import ops as rounding_ops
@@ -313,7 +314,7 @@ def _apply_pending(refs, pending: str, state_ref, pool_ref, w: _Where, cols, S0,
             def body(t, carry):
                 Sc, Sacc = carry
                 ks = [k_ref[pl_, prow, t, pl.ds(h, 1), c] for c in cols]
-                u, alpha = u_ref[pl_, prow, t, hv, vs], jnp.exp(g_ref[pl_, prow, t, hv])
+                u, alpha = u_ref[pl_, prow, t, hv, vs], rounding.exp(g_ref[pl_, prow, t, hv])
                 Sc = [update(c, alpha, kc, u) for kc, c in zip(ks, Sc)]
                 on_step(t, Sc)
                 return Sc, [jnp.where(t == pstep, a, b) for a, b in zip(Sc, Sacc)]
@@ -362,7 +363,7 @@ def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bo
         qs = None if late_q else [vec(q_ref, t, c) for c in cols]
         ks = [vec(k_ref, t, c) for c in cols]
         kq = _chunk_dot(ks, qs) if one_pass else None  # [1]
-        return qs, ks, v_ref[n, t, hv, vs].astype(F32), jnp.exp(g_ref[n, t, hv]), beta_ref[n, t, hv], kq
+        return qs, ks, v_ref[n, t, hv, vs].astype(F32), rounding.exp(g_ref[n, t, hv]), beta_ref[n, t, hv], kq
 
     def step(t, S, x):
         qs, ks, v, alpha, beta, kq = x
@@ -507,10 +508,10 @@ def _gram_prep_kernel(q_ref, k_ref, a_ref, b_ref, A_log_ref, dt_bias_ref, qn_ref
         g, beta = jnp.where(live, g, 0.0), jnp.where(live, beta, 0.0)
         plgpu.store(g_ref.at[n, steps, hv], g, mask=live)
         upto = jnp.where(s_ <= t_, g[None, :], 0.0)  # [t, j]: g_j for j <= t
-        G = jnp.exp(_dot(upto, jnp.where(t_ > s_, 1.0, 0.0)))  # [t, s]: exp(sum of g_j for s < j <= t)
+        G = rounding.exp(_dot(upto, jnp.where(t_ > s_, 1.0, 0.0)))  # [t, s]: exp(sum of g_j for s < j <= t)
         W_ref[n, hv, :, :] = jnp.where(s_ < t_, beta[:, None] * (G * KK), 0.0)
         C_ref[n, hv, :, :] = jnp.where((s_ <= t_) & (t_ < D), G * QK, 0.0)
-        P_ref[n, hv, :] = jnp.where(live, jnp.exp(jnp.sum(upto, axis=1)), 0.0)
+        P_ref[n, hv, :] = jnp.where(live, rounding.exp(jnp.sum(upto, axis=1)), 0.0)
         beta_ref[n, hv, :] = beta
 
 
@@ -545,7 +546,7 @@ def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, int
     S0 = None if mma else _load_state(state_ref, w, cols, evict)
 
     def state(t, S, u):  # step t's state, from the same u, with the pinned rule, and its store
-        alpha = jnp.exp(g_ref[n, t, hv])
+        alpha = rounding.exp(g_ref[n, t, hv])
         S = [fma(kc, u[:, None], mul(c, alpha)) for kc, c in zip(vecs(k_ref, t), S)]
         if interpret:  # XLA:CPU would fuse the whole elementwise chain of integer fmas (compiles for minutes)
             S = jax.lax.optimization_barrier(S)

@@ -1,0 +1,836 @@
+"""Verify, replay and commit on a device mesh: heads over a tensor axis, requests over a data axis.
+
+A :class:`MeshPlan` names a ``jax.sharding.Mesh`` and which of its axes shard what. Its methods
+(:meth:`~MeshPlan.verify`, :meth:`~MeshPlan.replay`, :meth:`~MeshPlan.commit`,
+:meth:`~MeshPlan.commit_and_verify`, :meth:`~MeshPlan.verify_layer`,
+:meth:`~MeshPlan.pool_commit`, :meth:`~MeshPlan.flush`) take the same arguments as
+:func:`gdn_lossless_jax.verify`, :func:`~gdn_lossless_jax.replay`,
+:func:`~gdn_lossless_jax.commit`, :func:`~gdn_lossless_jax.commit_and_verify`,
+:func:`gdn_lossless_jax.pool.verify_layer`, :func:`~gdn_lossless_jax.pool.commit` and
+:func:`~gdn_lossless_jax.pool.flush`, as *global* arrays, and run those functions per shard under
+``jax.shard_map``, with any backend (the kernels only see their shard's shapes). There are no
+collectives: each head's recurrence, replay and commit read only that head's state and inputs,
+and each request only its own shard's slots and rows. The results are bit-identical to the
+single-device run (the same functions on the same bits of every head and request).
+
+The rules
+---------
+**Tensor axis** (size ``tp``), over heads. Device ``r`` of the axis holds q/k heads
+``[r*H/tp, (r+1)*H/tp)`` *together with their v-heads* ``[r*HV/tp, (r+1)*HV/tp)``: v-heads
+``[h*HV/H, (h+1)*HV/H)`` share q/k head ``h``'s key, so a group must not be split. H must be a
+multiple of ``tp`` (then HV and the conv channels are too); otherwise every method raises a
+ValueError naming H, the axis and the sizes that fit. Each device runs a GDN layer of H/tp and
+HV/tp heads (:func:`local_geometry`), as SGLang and vLLM shard GDN over tensor-parallel ranks.
+
+**Data axis** (size ``dp``), over requests and the pool. The requests (N, a multiple of ``dp``),
+the slot axis of a pool (S slots, a multiple of ``dp``) and the rows of a tape buffer (R, a
+multiple of ``dp``) are each split into ``dp`` contiguous blocks. A *global* slot ``g`` lives on
+data shard ``g // (S/dp)`` at local slot ``g % (S/dp)``; rows likewise. Request ``n`` is on shard
+``n // (N/dp)``, and its slot, track slot and tape row must live on that same shard (an engine
+assigns slots and rows per shard): the methods check this when the indices are concrete (called
+outside ``jit``) and raise a ValueError naming the request, its shard and the index. Under
+``jit`` the indices are traced and cannot be checked: an index that lives on another shard is
+then treated like an out-of-range one (its state reads zeros, its writes are skipped), so the
+result would differ from a single device's. Indices out of range globally stay out of range on
+every shard. ``rows=None`` means, per shard, its own first rows in order (request ``i`` of shard
+``d`` uses global row ``d*R/dp + i``), which is the single-device default when ``dp == 1``.
+A pool from :func:`gdn_lossless_jax.pool.allocate` has ``slots + 1`` slots and ``requests + 1``
+rows (the padding slot and row): :meth:`MeshPlan.allocate` checks both divide and places the pool.
+
+**Conv channels** (the pool methods only). The conv runs over the ``conv_dim = 2*H*K + HV*V``
+channels ``[q | k | v]``; a tensor shard needs its heads' q, k and v channels, which are not
+contiguous in that order. With ``tp > 1`` the pool methods take every conv array (``mixed_qkv``,
+``conv_weight``, ``conv_bias``, the pool's ``conv`` and ``conv_windows``) in the
+*tensor-parallel order*: block ``r`` of ``conv_dim / tp`` channels is ``[q_r | k_r | v_r]``, shard
+``r``'s own ``[q | k | v]`` (what each rank of SGLang or vLLM holds). The conv is per channel, so
+the order changes no bit. Permute the in-projection's output columns and the conv weight and bias
+once at load time with :func:`to_tp_layout`; the pool's conv states are then in that order too
+(:func:`from_tp_layout` reads them back). With ``tp == 1`` the order is the usual one.
+
+**Argument kinds.** Every argument has a kind (:data:`KINDS`): which of its axes, counted from
+the end, the data and the tensor axes split. :data:`ARG_KINDS` gives the kind of every argument
+of every method; a new entry point needs only its row there (and in ``_INDEX_TARGETS`` for its
+index arguments) and a method that calls :meth:`MeshPlan.run` (as :meth:`~MeshPlan.commit_and_verify`
+does). :meth:`MeshPlan.spec`, :meth:`~MeshPlan.sharding` and
+:meth:`~MeshPlan.put` build the ``PartitionSpec``, ``NamedSharding`` or placed array of any kind.
+
+**Plain functions under jit.** ``jax.jit`` of the unsharded functions on arrays placed with these
+shardings also gives the same bits with the reference backend (tested on 8 CPU devices): XLA
+propagates the shardings, with no collective in verify and replay, but all-gathers in commit (its
+gathers by slot cannot know that each request's slot is on its own shard). The Pallas kernels in
+the CPU's interpret mode compiled to 48 all-gathers and 36 collective-permutes and a replicated
+result. On a GPU the Pallas and Triton kernels are custom calls with no partitioning rule, which
+XLA's partitioner runs whole on replicated operands (not measured here: no GPU mesh was at hand).
+Use the methods here (``shard_map``) for the kernels; no ``custom_partitioning`` rule is provided.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from . import api
+from . import pool as pool_mod
+from .config import Geometry
+from .tape import Pending, Snapshots, Tape, Tuples
+
+__all__ = [
+    "ARG_KINDS",
+    "KINDS",
+    "Kind",
+    "MeshPlan",
+    "conv_channel_order",
+    "from_tp_layout",
+    "local_geometry",
+    "pending_kinds",
+    "pool_kinds",
+    "shard_map",
+    "tape_kinds",
+    "to_tp_layout",
+]
+
+#: ``jax.shard_map`` (jax >= 0.7); older releases had it in ``jax.experimental.shard_map``.
+shard_map = getattr(jax, "shard_map", None)
+if shard_map is None:  # pragma: no cover - the supported jax has jax.shard_map
+    from jax.experimental.shard_map import shard_map  # type: ignore[no-redef]
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """Which axes of an argument the mesh axes split, counted from the end (None: not split).
+
+    Attributes:
+      data: the axis of requests, slots or rows, split over the data axis.
+      tensor: the axis of heads (or conv channels), split over the tensor axis.
+      what: what the data axis indexes, for messages.
+      tensor_what: what the tensor axis indexes, for messages.
+    """
+
+    data: int | None
+    tensor: int | None
+    what: str = "requests"
+    tensor_what: str = "heads"
+
+
+#: The argument kinds. Ranks may carry leading axes (a layer axis L): axes count from the end.
+KINDS: dict[str, Kind] = {
+    # state0 [N, HV, V, K]; a pool [L?, S, HV, V, K]; replay's result
+    "state": Kind(-4, -3),
+    "pool_state": Kind(-4, -3, "slots"),
+    # q, k [N, D, H, K]; v and verify's outputs [N, D, HV, V]
+    "heads": Kind(-4, -2),
+    # a, b [N, D, HV]; mixed_qkv [N, D, conv_dim] (conv channels in the tensor-parallel order)
+    "per_step": Kind(-3, -1),
+    # a tape: u [L?, R, D, HV, V], k [L?, R, D, H, K] (tape_heads), g [L?, R, D, HV] (tape_gates),
+    # states [L?, R, D, HV, V, K] (tape_snapshots); R requests (fresh tapes) or buffer rows
+    "tape_heads": Kind(-4, -2, "rows"),
+    "tape_gates": Kind(-3, -1, "rows"),
+    "tape_snapshots": Kind(-5, -3, "rows"),
+    # the conv pool [L, S, conv_dim, Kc-1] and windows [L, R, conv_dim, D+Kc-2]
+    "conv_pool": Kind(-3, -2, "slots", "conv channels"),
+    "conv_windows": Kind(-3, -2, "rows", "conv channels"),
+    # A_log, dt_bias [HV]; conv_bias [conv_dim]; conv_weight [conv_dim, Kc]
+    "per_head": Kind(None, -1),
+    "conv_weight": Kind(None, -2, tensor_what="conv channels"),
+    # slots, steps, track_slots, track_steps, rows [N]
+    "index": Kind(-1, None),
+    # layer (a scalar), anything the same on every device
+    "replicated": Kind(None, None),
+}
+
+#: The kind of every argument (and result) of every method; ``"tape"`` and ``"pool"`` stand for
+#: the trees :func:`tape_kinds` and :func:`pool_kinds` give for the value passed.
+ARG_KINDS: dict[str, dict[str, str]] = {
+    "verify": dict(state0="state", q="heads", k="heads", v="heads", a="per_step", b="per_step", A_log="per_head",
+                   dt_bias="per_head", slots="index", layer="replicated", tape="tape", rows="index",
+                   result="heads, tape"),  # fmt: skip
+    "replay": dict(state0="state", tuples="tape", steps="index", result="state"),
+    "commit": dict(pool="pool_state", tape="tape", slots="index", steps="index", track_slots="index",
+                   track_steps="index", rows="index", result="pool_state"),  # fmt: skip
+    "verify_layer": dict(pool="pool", layer="replicated", mixed_qkv="per_step", a="per_step", b="per_step",
+                         conv_weight="conv_weight", conv_bias="per_head", A_log="per_head", dt_bias="per_head",
+                         slots="index", rows="index", result="heads, pool"),  # fmt: skip
+    "pool_commit": dict(pool="pool", slots="index", steps="index", track_slots="index", track_steps="index",
+                        rows="index", result="pool"),  # fmt: skip
+    "flush": dict(pool="pool", result="pool"),
+    "commit_and_verify": dict(pool="pool_state", pending="pending", q="heads", k="heads", v="heads", a="per_step",
+                              b="per_step", A_log="per_head", dt_bias="per_head", slots="index", layer="replicated",
+                              tape="tape", rows="index", result="heads, tape, pool_state"),  # fmt: skip
+}
+
+# Which array's data axis each index argument points into (made local per shard); dotted names
+# reach into an argument's fields.
+_INDEX_TARGETS: dict[str, dict[str, str]] = {
+    "verify": {"slots": "state0", "rows": "tape"},
+    "commit": {"slots": "pool", "track_slots": "pool", "rows": "tape"},
+    "verify_layer": {"slots": "pool", "rows": "pool.tape"},
+    "pool_commit": {"slots": "pool", "track_slots": "pool", "rows": "pool.tape"},
+    "commit_and_verify": {"slots": "pool", "rows": "tape", "pending.rows": "pending.tape",
+                          "pending.track_slots": "pool"},  # fmt: skip
+}
+# The step that decides whether a track copy happens (an inactive one needs no local slot).
+_TRACK_STEPS = {"track_slots": "track_steps", "pending.track_slots": "pending.track_steps"}
+
+
+def tape_kinds(tape: Tape) -> Tape:
+    """The kinds of a tape's fields, as a tape of the same type (a pytree prefix)."""
+    if isinstance(tape, Snapshots):
+        return Snapshots(states="tape_snapshots")
+    if isinstance(tape, Tuples):
+        return Tuples(u="tape_heads", k="tape_heads", g="tape_gates")
+    raise TypeError(f"tape_kinds: expected a Tuples or Snapshots tape, got {type(tape).__name__}")
+
+
+def pool_kinds(p: pool_mod.StatePool) -> pool_mod.StatePool:
+    """The kinds of a :class:`~gdn_lossless_jax.pool.StatePool`'s arrays, as a StatePool.
+
+    A pool that defers its commit (``allocate(..., defer_commit=True)``) keeps the pending
+    entries per scratch row (``[R+1]`` arrays: split like the rows)."""
+    d = p.deferred
+    if d is not None:
+        d = pool_mod.Deferred(tape_kinds(d.tape), *(["index"] * 6))
+    return dataclasses.replace(p, ssm="pool_state", conv="conv_pool", tape=tape_kinds(p.tape), conv_windows="conv_windows",
+                               deferred=d)  # fmt: skip
+
+
+def pending_kinds(pending: Pending) -> Pending:
+    """The kinds of a :class:`~gdn_lossless_jax.Pending` commit: its tape's, and ``[N]`` indices."""
+    return Pending(tape_kinds(pending.tape), "index", "index", "index", "index")
+
+
+def local_geometry(geometry: Geometry, tp: int) -> Geometry:
+    """The GDN layer one tensor shard runs: H/tp q/k heads, HV/tp v-heads, the rest unchanged.
+
+    >>> from gdn_lossless_jax import get_geometry
+    >>> g = local_geometry(get_geometry("qwen3.6-35b-a3b"), 4)
+    >>> (g.num_k_heads, g.num_v_heads, g.conv_dim)
+    (4, 8, 2048)
+    """
+    _check_heads_split("local_geometry", geometry.num_k_heads, geometry.num_v_heads, tp, "tp")
+    if tp == 1:
+        return geometry
+    return dataclasses.replace(
+        geometry, name=f"{geometry.name} (1/{tp} of the heads)",
+        num_k_heads=geometry.num_k_heads // tp, num_v_heads=geometry.num_v_heads // tp,
+    )  # fmt: skip
+
+
+def conv_channel_order(geometry: Geometry, tp: int) -> np.ndarray:
+    """The conv channels in the tensor-parallel order: ``tp_layout = standard[order]``.
+
+    Block ``r`` of ``conv_dim / tp`` channels is shard ``r``'s ``[q_r | k_r | v_r]``: the q and
+    k channels of its q/k heads (``H/tp * K`` each) and the v channels of its v-heads.
+
+    Returns:
+      ``[conv_dim]`` int, a permutation (the identity when ``tp == 1``).
+
+    >>> from gdn_lossless_jax import Geometry
+    >>> conv_channel_order(Geometry("toy", 1, num_k_heads=2, num_v_heads=2, head_k_dim=1, head_v_dim=1), 2)
+    array([0, 2, 4, 1, 3, 5])
+    """
+    g = geometry
+    _check_heads_split("conv_channel_order", g.num_k_heads, g.num_v_heads, tp, "tp")
+    HK, HVV = g.num_k_heads * g.head_k_dim, g.num_v_heads * g.head_v_dim
+    q, k, v = np.arange(HK), HK + np.arange(HK), 2 * HK + np.arange(HVV)
+    blocks = [np.concatenate([q.reshape(tp, -1)[r], k.reshape(tp, -1)[r], v.reshape(tp, -1)[r]]) for r in range(tp)]
+    return np.concatenate(blocks)
+
+
+def to_tp_layout(x, geometry: Geometry, tp: int, axis: int = -1):
+    """``x`` with its conv-channel axis (``conv_dim`` long) in the tensor-parallel order.
+
+    Use it once at load time on the in-projection's ``[q | k | v]`` output columns, the conv
+    weight (``axis=0``) and bias, and on any conv state or window written before sharding:
+    on arrays not yet placed on the mesh (a gather across the tensor axis of a placed one is a
+    collective, and on a mesh of Explicit axes JAX asks for its output sharding).
+    """
+    order = conv_channel_order(geometry, tp)
+    _check_channels("to_tp_layout", x, axis, order.size)
+    return jnp.take(x, jnp.asarray(order), axis=axis) if tp > 1 else x
+
+
+def from_tp_layout(x, geometry: Geometry, tp: int, axis: int = -1):
+    """The inverse of :func:`to_tp_layout`: the usual ``[q | k | v]`` order back."""
+    order = conv_channel_order(geometry, tp)
+    _check_channels("from_tp_layout", x, axis, order.size)
+    return jnp.take(x, jnp.asarray(np.argsort(order)), axis=axis) if tp > 1 else x
+
+
+def _check_channels(fn, x, axis, C):
+    if np.shape(x)[axis] != C:
+        raise ValueError(f"{fn}: axis {axis} of the array must be the conv_dim={C} channels, got shape "
+                         f"{api._fmt(np.shape(x))}")  # fmt: skip
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _check_heads_split(fn: str, H: int, HV: int, tp: int, axis: str) -> None:
+    if H % tp:
+        raise ValueError(
+            f"{fn}: H={H} q/k heads cannot be split over the tensor axis {axis!r} of size {tp}: H must be a multiple "
+            f"of the axis size, so that every device holds whole q/k heads with their HV/H={HV // H} v-heads "
+            f"(v-heads [h*{HV // H}, (h+1)*{HV // H}) share q/k head h); tensor sizes that fit: {_divisors(H)}"
+        )
+
+
+def _is_concrete(x) -> bool:
+    if isinstance(x, jax.core.Tracer):
+        return False
+    return not isinstance(x, jax.Array) or x.is_fully_addressable
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshPlan:
+    """A mesh and the axes that shard heads (``tensor``) and requests (``data``).
+
+    Either axis may be None (not sharded); an axis of the mesh that neither names replicates
+    the work. Hashable: it is a static argument of the jitted methods.
+
+    Attributes:
+      mesh: the ``jax.sharding.Mesh`` (``Auto`` or ``Explicit`` axis types).
+      tensor: the axis name over heads, or None.
+      data: the axis name over requests, pool slots and tape rows, or None.
+
+    >>> import jax
+    >>> plan = MeshPlan(jax.make_mesh((1, 1), ("data", "tensor")), tensor="tensor", data="data")
+    >>> plan.spec("heads", 4), plan.spec("pool_state", 5)
+    (P('data', None, 'tensor', None), P(None, 'data', 'tensor', None, None))
+    """
+
+    mesh: Mesh
+    tensor: str | None = None
+    data: str | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.mesh, Mesh):
+            raise TypeError(f"MeshPlan: argument 'mesh' must be a jax.sharding.Mesh, got {type(self.mesh).__name__}")
+        for role in ("tensor", "data"):
+            name = getattr(self, role)
+            if name is not None and name not in self.mesh.axis_names:
+                raise ValueError(f"MeshPlan: argument {role!r} must be one of the mesh's axes "
+                                 f"{tuple(self.mesh.axis_names)} or None, got {name!r}")  # fmt: skip
+        if self.tensor is not None and self.tensor == self.data:
+            raise ValueError(f"MeshPlan: the tensor and data axes must differ, both are {self.tensor!r}")
+
+    @property
+    def tp(self) -> int:
+        """The tensor axis size (1 without a tensor axis)."""
+        return self.mesh.shape[self.tensor] if self.tensor else 1
+
+    @property
+    def dp(self) -> int:
+        """The data axis size (1 without a data axis)."""
+        return self.mesh.shape[self.data] if self.data else 1
+
+    # -- shardings ---------------------------------------------------------------------
+    def spec(self, kind: str, ndim: int) -> PartitionSpec:
+        """The ``PartitionSpec`` of an array of ``kind`` (:data:`KINDS`) and rank ``ndim``."""
+        if kind not in KINDS:
+            raise ValueError(f"MeshPlan.spec: kind must be one of {tuple(KINDS)}, got {kind!r}")
+        k, axes = KINDS[kind], [None] * ndim
+        for dim, name in ((k.data, self.data), (k.tensor, self.tensor)):
+            if dim is not None and name is not None:
+                if ndim < -dim:
+                    raise ValueError(f"MeshPlan.spec: an array of kind {kind!r} has rank >= {-dim}, got rank {ndim}")
+                axes[ndim + dim] = name
+        return PartitionSpec(*axes)
+
+    def sharding(self, kind: str, ndim: int) -> NamedSharding:
+        """The ``NamedSharding`` of an array of ``kind`` and rank ``ndim`` on this mesh."""
+        return NamedSharding(self.mesh, self.spec(kind, ndim))
+
+    def specs(self, kinds, tree):
+        """A pytree of PartitionSpecs for ``tree`` (arrays or shape structs), ``kinds`` a
+        prefix tree of kind names (``"tape"``/``"pool"`` expand for the value given)."""
+        return jax.tree.map(lambda k, x: self.spec(k, np.ndim(x)), _expand(kinds, tree), tree)
+
+    def shardings(self, kinds, tree):
+        """Like :meth:`specs`, as NamedShardings."""
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.specs(kinds, tree))
+
+    def put(self, tree, kinds):
+        """``jax.device_put`` of ``tree`` with the shardings of ``kinds`` (a kind name, or a tree).
+
+        >>> import jax, jax.numpy as jnp
+        >>> plan = MeshPlan(jax.make_mesh((1,), ("tensor",)), tensor="tensor")
+        >>> plan.put(jnp.zeros((2, 3, 4)), "per_step").sharding.spec
+        P(None, None, 'tensor')
+        """
+        self.check_divisible("MeshPlan.put", "tree", tree, kinds)
+        return jax.device_put(tree, self.shardings(kinds, tree))
+
+    def check_divisible(self, fn: str, name: str, tree, kinds) -> None:
+        """Raise a ValueError naming the argument if an axis the mesh splits does not divide."""
+        kinds = _expand(kinds, tree)
+        for (path, x), k in zip(jax.tree_util.tree_leaves_with_path(tree), jax.tree.leaves(kinds)):
+            kd, shape = KINDS[k], np.shape(x)
+            for dim, axis, size, what in ((kd.data, self.data, self.dp, kd.what),
+                                          (kd.tensor, self.tensor, self.tp, kd.tensor_what)):  # fmt: skip
+                if dim is None or axis is None or len(shape) < -dim or shape[dim] % size == 0:
+                    continue
+                arg = name + jax.tree_util.keystr(path)
+                raise ValueError(
+                    f"{fn}: argument {arg!r} has {shape[dim]} {what} on axis {len(shape) + dim} (shape "
+                    f"{api._fmt(shape)}), not a multiple of the {'data' if axis == self.data else 'tensor'} axis "
+                    f"{axis!r} of size {size}: each device must hold the same number"
+                )
+
+    # -- pools -------------------------------------------------------------------------
+    def allocate(self, geometry: Geometry, *, slots: int, requests: int, drafts: int, **kw) -> pool_mod.StatePool:
+        """:func:`gdn_lossless_jax.pool.allocate`, created in place on the mesh (each device
+        allocates its own shard). ``slots + 1`` and ``requests + 1`` (with the padding slot and
+        row) must be multiples of the data axis size; H of the tensor axis size."""
+        fn = "MeshPlan.allocate"
+        _check_heads_split(fn, geometry.num_k_heads, geometry.num_v_heads, self.tp, self.tensor)
+        for name, n, pad in (("slots", slots, "slot"), ("requests", requests, "row")):
+            if isinstance(n, int) and (n + 1) % self.dp:
+                raise ValueError(
+                    f"{fn}: {name} + 1 = {n + 1} (with the padding {pad}) must be a multiple of the data axis "
+                    f"{self.data!r} of size {self.dp}: e.g. {name}={(n + 1 + self.dp - 1) // self.dp * self.dp - 1}"
+                )
+        make = functools.partial(pool_mod.allocate, geometry, slots=slots, requests=requests, drafts=drafts, **kw)
+        spec = jax.eval_shape(make)
+        return jax.jit(make, out_shardings=self.shardings("pool", spec))()
+
+    # -- the methods ---------------------------------------------------------------------
+    def verify(
+        self,
+        state0: jax.Array,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        a: jax.Array,
+        b: jax.Array,
+        A_log: jax.Array,
+        dt_bias: jax.Array,
+        *,
+        record: str | None = None,
+        scale: float | None = None,
+        backend: str = "auto",
+        out_dtype: Any = None,
+        slots: jax.Array | None = None,
+        layer: Any = None,
+        tape: Tape | None = None,
+        rows: jax.Array | None = None,
+        parents: Any = None,
+        topk: int = 1,
+        check: bool = True,
+    ) -> tuple[jax.Array, Tape]:
+        """:func:`gdn_lossless_jax.verify` per shard (arguments, shapes and results as there, global).
+
+        With ``slots``, ``state0`` is the pool ``[L?, S, HV, V, K]`` and ``slots`` global slot
+        indices; with ``tape``, ``rows`` are global rows of the buffer (``None``: each shard's own
+        rows in order). ``check``: check that every request's slot and row lives on its data
+        shard when the indices are concrete (see the module docstring).
+        Returns:
+          ``(outputs [N, D, HV, V], tape)``, sharded as :data:`ARG_KINDS` says.
+        """
+        args = dict(state0=state0, q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, slots=slots, tape=tape,
+                    rows=rows)  # fmt: skip
+        opts = dict(record=record, scale=scale, backend=backend, out_dtype=None if out_dtype is None else
+                    jnp.dtype(out_dtype), parents=_freeze(parents), topk=topk)  # fmt: skip
+        static_layer, args["layer"] = _split_layer(layer)
+
+        def call(x, static_layer=static_layer):
+            return api.verify(x["state0"], x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"],
+                              slots=x["slots"], layer=_layer(x, static_layer), tape=x["tape"], rows=x["rows"],
+                              **{**opts, "parents": _thaw(opts["parents"])})  # fmt: skip
+
+        return self.run("verify", call, args, check=check, fill_rows="tape")
+
+    def replay(self, state0: jax.Array, tuples: Tuples, steps: jax.Array, *, backend: str = "auto") -> jax.Array:
+        """:func:`gdn_lossless_jax.replay` per shard: ``[N, HV, V, K]``, sharded like ``state0``."""
+
+        def call(x):
+            return api.replay(x["state0"], x["tuples"], x["steps"], backend=backend)
+
+        return self.run("replay", call, dict(state0=state0, tuples=tuples, steps=steps))
+
+    def commit(
+        self,
+        pool: jax.Array,
+        tape: Tape,
+        slots: jax.Array,
+        steps: jax.Array,
+        track_slots: jax.Array | None = None,
+        track_steps: jax.Array | None = None,
+        rows: jax.Array | None = None,
+        *,
+        backend: str = "auto",
+        check: bool = True,
+    ) -> jax.Array:
+        """:func:`gdn_lossless_jax.commit` per shard: the new pool ``[L, S, HV, V, K]``.
+
+        ``slots``, ``track_slots``: global slots of ``pool``; ``rows``: global rows of ``tape``
+        (``None``: each shard's own rows in order). Not donated (as the unsharded commit).
+        """
+        args = dict(pool=pool, tape=tape, slots=slots, steps=steps, track_slots=track_slots, track_steps=track_steps,
+                    rows=rows)  # fmt: skip
+
+        def call(x):
+            return api.commit(x["pool"], x["tape"], x["slots"], x["steps"], x["track_slots"], x["track_steps"],
+                              x["rows"], backend=backend)  # fmt: skip
+
+        return self.run("commit", call, args, check=check, fill_rows="tape")
+
+    def verify_layer(
+        self,
+        pool: pool_mod.StatePool,
+        layer,
+        mixed_qkv: jax.Array,
+        a: jax.Array,
+        b: jax.Array,
+        conv_weight: jax.Array,
+        conv_bias: jax.Array | None,
+        A_log: jax.Array,
+        dt_bias: jax.Array,
+        slots: jax.Array,
+        rows: jax.Array | None = None,
+        *,
+        scale: float | None = None,
+        backend: str = "auto",
+        check: bool = True,
+    ) -> tuple[jax.Array, pool_mod.StatePool]:
+        """:func:`gdn_lossless_jax.pool.verify_layer` per shard (the pool is donated).
+
+        The conv arrays (``mixed_qkv [N, D, conv_dim]``, ``conv_weight``, ``conv_bias`` and the
+        pool's conv states) are in the tensor-parallel channel order when ``tp > 1``
+        (:func:`to_tp_layout`). Returns ``(outputs [N, D, HV, V], the new pool)``.
+        """
+        static_layer, layer_arr = _split_layer(layer)
+        args = dict(pool=pool, layer=layer_arr, mixed_qkv=mixed_qkv, a=a, b=b, conv_weight=conv_weight,
+                    conv_bias=conv_bias, A_log=A_log, dt_bias=dt_bias, slots=slots, rows=rows)  # fmt: skip
+
+        def call(x, static_layer=static_layer):
+            return pool_mod.verify_layer(x["pool"], _layer(x, static_layer), x["mixed_qkv"], x["a"], x["b"],
+                                         x["conv_weight"], x["conv_bias"], x["A_log"], x["dt_bias"], x["slots"],
+                                         x["rows"], scale=scale, backend=backend)  # fmt: skip
+
+        return self.run("verify_layer", call, args, check=check, fill_rows="pool", donate="pool")
+
+    def pool_commit(
+        self,
+        pool: pool_mod.StatePool,
+        slots: jax.Array,
+        steps: jax.Array,
+        track_slots: jax.Array | None = None,
+        track_steps: jax.Array | None = None,
+        rows: jax.Array | None = None,
+        *,
+        backend: str = "auto",
+        check: bool = True,
+    ) -> pool_mod.StatePool:
+        """:func:`gdn_lossless_jax.pool.commit` per shard (SSM and conv; the pool is donated)."""
+        args = dict(pool=pool, slots=slots, steps=steps, track_slots=track_slots, track_steps=track_steps, rows=rows)
+
+        def call(x):
+            return pool_mod.commit(x["pool"], x["slots"], x["steps"], x["track_slots"], x["track_steps"], x["rows"],
+                                   backend=backend)  # fmt: skip
+
+        return self.run("pool_commit", call, args, check=check, fill_rows="pool", donate="pool")
+
+    def flush(self, pool: pool_mod.StatePool, *, backend: str = "auto") -> pool_mod.StatePool:
+        """:func:`gdn_lossless_jax.pool.flush` per shard (the pool is donated).
+
+        With a data axis, a pool that defers its commit keeps its pending entries in each shard's
+        own (local) indices, as :meth:`pool_commit` left them: keep such a pool on the mesh (these
+        methods) until it is flushed."""
+        if pool.deferred is None:
+            return pool
+
+        def call(x):
+            return pool_mod.flush(x["pool"], backend=backend)
+
+        return self.run("flush", call, dict(pool=pool), donate="pool")
+
+    def commit_and_verify(
+        self,
+        pool: jax.Array,
+        pending: Pending,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        a: jax.Array,
+        b: jax.Array,
+        A_log: jax.Array,
+        dt_bias: jax.Array,
+        *,
+        slots: jax.Array,
+        layer: Any = None,
+        tape: Tape | None = None,
+        rows: jax.Array | None = None,
+        record: str | None = None,
+        scale: float | None = None,
+        backend: str = "auto",
+        out_dtype: Any = None,
+        check: bool = True,
+    ) -> tuple[jax.Array, Tape, jax.Array]:
+        """:func:`gdn_lossless_jax.commit_and_verify` per shard: ``(outputs, tape, pool)``.
+
+        ``pending.rows`` are global rows of ``pending.tape`` and ``pending.track_slots`` global
+        slots of ``pool``, on each request's own data shard like ``slots`` and ``rows``."""
+        static_layer, layer_arr = _split_layer(layer)
+        args = dict(pool=pool, pending=pending, q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, slots=slots,
+                    layer=layer_arr, tape=tape, rows=rows)  # fmt: skip
+        opts = dict(record=record, scale=scale, backend=backend, out_dtype=None if out_dtype is None else
+                    jnp.dtype(out_dtype))  # fmt: skip
+
+        def call(x, static_layer=static_layer):
+            return api.commit_and_verify(x["pool"], x["pending"], x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"],
+                                         x["dt_bias"], slots=x["slots"], layer=_layer(x, static_layer), tape=x["tape"],
+                                         rows=x["rows"], **opts)  # fmt: skip
+
+        return self.run("commit_and_verify", call, args, check=check, fill_rows="tape")
+
+    # -- the machinery -------------------------------------------------------------------
+    def run(self, name: str, call: Callable[[dict], Any], args: dict, *, check: bool = True, fill_rows: str | None = None,
+            donate: str | None = None):  # fmt: skip
+        """Run ``call`` (the unsharded function on a dict of arguments) per shard.
+
+        ``args`` maps the names of :data:`ARG_KINDS` ``[name]`` to global arrays (None: not
+        given). Global shapes are checked first by ``call`` itself (under ``jax.eval_shape``),
+        then the divisions the mesh needs; index arguments of ``_INDEX_TARGETS[name]`` are made
+        local per shard (and checked when concrete); ``rows=None`` becomes each shard's own
+        rows when ``fill_rows`` names the array they index. ``donate``: an argument to donate.
+        """
+        if check and self.dp > 1:
+            self._check_local(name, args)
+        args = {k: _int32(x) if ARG_KINDS[name].get(k) == "index" else x for k, x in args.items()}
+        if isinstance(args.get("pending"), Pending):
+            pend = args["pending"]
+            args["pending"] = Pending(pend.tape, *(_int32(getattr(pend, f)) for f in ("rows", "steps", "track_slots",
+                                                                                       "track_steps")))  # fmt: skip
+        static = (self, name, _Static(call), fill_rows, tuple(args))
+        if donate is None:
+            return _run_kept(*static, {}, args)
+        kept = {k: x for k, x in args.items() if k != donate}
+        return _run_donated(*static, {donate: args[donate]}, kept)
+
+    def _check_local(self, name: str, args: dict) -> None:
+        fn = f"MeshPlan.{name}"
+        targets = _INDEX_TARGETS.get(name, {})
+        given = [i for i in targets if _get(args, i) is not None]
+        if not given or np.shape(_get(args, given[0]))[0] % self.dp:
+            return  # shapes are checked (with their own message) in the traced call
+        n = np.shape(_get(args, given[0]))[0]
+        for idx_name in given:
+            idx = _get(args, idx_name)
+            size = _target_size(args, targets[idx_name])
+            if not _is_concrete(idx) or size is None or size % self.dp:
+                continue
+            idx = np.asarray(idx)
+            block, per = size // self.dp, n // self.dp
+            owner = np.where((idx >= 0) & (idx < size), idx // block, -1)
+            shard = np.arange(n) // per
+            steps = _get(args, _TRACK_STEPS.get(idx_name, ""))
+            if steps is not None and _is_concrete(steps):  # an inactive track copy moves nothing
+                owner = np.where(np.asarray(steps) >= 0, owner, -1)
+            bad = np.flatnonzero((owner >= 0) & (owner != shard))
+            if bad.size:
+                i = int(bad[0])
+                what = "tape row" if idx_name.endswith("rows") else idx_name.split(".")[-1][:-1].replace("_", " ")
+                raise ValueError(
+                    f"{fn}: argument {idx_name!r}: request {i} is on data shard {shard[i]} of {self.dp} (requests "
+                    f"[{shard[i] * per}, {(shard[i] + 1) * per})), but its {what} {idx[i]} lives on data shard "
+                    f"{owner[i]} ({what}s [{owner[i] * block}, {(owner[i] + 1) * block}) of {size}); each request's "
+                    f"slots and row must be on its own shard (no collectives move states between shards)"
+                )
+
+
+def _int32(x):
+    """Index arguments as int32 (:func:`gdn_lossless_jax.api.as_index`: host values stay on the
+    host, which ``jit`` takes as replicated, across processes too)."""
+    return None if x is None else api.as_index(x)
+
+
+def _get(args: Mapping, path: str):
+    """``args["a"]`` or, for ``"a.b"``, ``args["a"].b`` (None where missing)."""
+    head, _, rest = path.partition(".")
+    x = args.get(head)
+    return x if not rest or x is None else getattr(x, rest, None)
+
+
+def _set(args: dict, path: str, value) -> None:
+    head, _, rest = path.partition(".")
+    args[head] = value if not rest else dataclasses.replace(args[head], **{rest: value})
+
+
+def _target_size(args: Mapping, target: str) -> int | None:
+    """The length of the data axis an index points into: a pool's slots, a tape's rows."""
+    x = _get(args, target)
+    if x is None:
+        return None
+    if isinstance(x, pool_mod.StatePool):
+        return x.ssm.shape[1]
+    if isinstance(x, (Tuples, Snapshots)):
+        return x.num_rows
+    return np.shape(x)[-4]
+
+
+def _expand(kinds, tree):
+    """Kind names to a full tree: ``"tape"``, ``"pool"`` and kinds given for a subtree broadcast."""
+    if isinstance(kinds, str):
+        if kinds == "tape":
+            return _expand(tape_kinds(tree), tree)
+        if kinds == "pool":
+            return _expand(pool_kinds(tree), tree)
+        if kinds == "pending":
+            return _expand(pending_kinds(tree), tree)
+        return jax.tree.map(lambda _: kinds, tree)
+    if isinstance(kinds, dict):
+        return {k: _expand(kinds[k], tree[k]) for k in tree}
+    return jax.tree.map(lambda k, t: _expand(k, t), kinds, tree, is_leaf=lambda x: isinstance(x, str))
+
+
+def _arg_kinds(name: str, args: dict) -> dict:
+    table = dict(ARG_KINDS[name])
+    if name == "verify" and args.get("slots") is not None:
+        table["state0"] = "pool_state"  # the pool itself (same split, slots for messages)
+    return {k: _expand(table[k], x) for k, x in args.items() if x is not None}
+
+
+def _result_kinds(name: str, result):
+    kinds = [s.strip() for s in ARG_KINDS[name]["result"].split(",")]
+    if len(kinds) == 1:
+        return _expand(kinds[0], result)
+    return tuple(_expand(k, r) for k, r in zip(kinds, result))
+
+
+def _split_layer(layer):
+    """A Python int stays static (closed over); an array travels replicated."""
+    if layer is None or isinstance(layer, (int, np.integer)):
+        return layer, None
+    return None, layer
+
+
+def _layer(x: dict, static_layer):
+    return x["layer"] if x.get("layer") is not None else static_layer
+
+
+def _freeze(parents):
+    return None if parents is None else tuple(map(tuple, np.atleast_2d(np.asarray(parents)).tolist()))
+
+
+def _thaw(parents):
+    return None if parents is None else np.asarray(parents)
+
+
+class _Static:
+    """A callable as a static jit argument, hashed by its code and the values it closes over,
+    so that a method called again with the same options reuses the compilation."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        cells = tuple(c.cell_contents for c in (fn.__closure__ or ()))
+        defaults = fn.__defaults__ or ()
+        self.key = (fn.__code__, _hashable(cells), _hashable(defaults))
+
+    def __hash__(self):
+        return hash(self.key)
+
+    def __eq__(self, other):
+        return isinstance(other, _Static) and self.key == other.key
+
+
+def _hashable(values):
+    out = []
+    for v in values:
+        if isinstance(v, dict):
+            out.append(tuple(sorted((k, _hashable((x,))) for k, x in v.items())))
+        elif isinstance(v, (list, tuple)):
+            out.append(_hashable(v))
+        else:
+            out.append(v)
+    return tuple(out)
+
+
+def _localize(idx, block: int, shard):
+    """Global indices to this shard's: its own block ``[shard*block, (shard+1)*block)`` maps to
+    ``[0, block)``; everything else (other shards, out of range) to -1, which every function
+    treats as out of range (reads zeros, writes nothing)."""
+    lo = shard * block
+    return jnp.where((idx >= lo) & (idx < lo + block), idx - lo, -1).astype(jnp.int32)
+
+
+def _run(plan: MeshPlan, name: str, call: _Static, fill_rows, names: tuple, donated: dict, kept: dict):
+    """The traced body of :meth:`MeshPlan.run` (jitted twice below: with and without donation)."""
+    fn = f"MeshPlan.{name}"
+    both = {**donated, **kept}  # jit sorted the keys: back to the signature's order, for messages
+    given = {k: both[k] for k in names if both.get(k) is not None}
+    # The unsharded function's own checks, on the global shapes (messages name global sizes).
+    # Shapes without their shardings: on a mesh of Explicit axes the types carry them, and the
+    # global gathers would ask for output shardings.
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), given)
+    result = jax.eval_shape(lambda g: call.fn({**dict.fromkeys(names), **g}), shapes)
+    H, HV = _heads(given)
+    _check_heads_split(fn, H, HV, plan.tp, plan.tensor)
+    kinds = _arg_kinds(name, given)
+    for k, x in given.items():
+        plan.check_divisible(fn, k, x, kinds[k])
+    out_specs = plan.specs(_result_kinds(name, result), result)
+    in_specs = {k: plan.specs(kinds[k], x) for k, x in given.items()}
+    sizes = {k: _target_size(given, t) for k, t in _INDEX_TARGETS.get(name, {}).items()}
+    sizes = {k: n for k, n in sizes.items() if n is not None}
+    geometry = given["pool"].geometry if isinstance(given.get("pool"), pool_mod.StatePool) else None
+    for k, size in sizes.items():
+        if size is not None and size % plan.dp:
+            raise ValueError(f"{fn}: the {k} index {_INDEX_TARGETS[name][k]!r} holds {size}, not a multiple of "
+                             f"the data axis {plan.data!r} of size {plan.dp}")  # fmt: skip
+
+    def local(x):
+        shard = lax.axis_index(plan.data) if plan.data else 0
+        x = dict(x)
+        for k, size in sizes.items():
+            if _get(x, k) is not None:
+                # One data shard: local indices are the global ones (and the traced step is the
+                # unsharded one, op for op).
+                if plan.dp > 1:
+                    _set(x, k, _localize(_get(x, k), size // plan.dp, shard))
+            elif k == "rows" and fill_rows in x:
+                n = np.shape(next(x[i] for i in ("slots", "q") if i in x))[0]
+                x[k] = jnp.arange(n, dtype=jnp.int32)
+        if geometry is not None:  # the shard's pool is a pool of H/tp heads
+            x["pool"] = dataclasses.replace(x["pool"], geometry=local_geometry(geometry, plan.tp))
+        out = call.fn({**dict.fromkeys(names), **x})
+        is_pool = lambda o: isinstance(o, pool_mod.StatePool)  # noqa: E731
+        return jax.tree.map(lambda o: dataclasses.replace(o, geometry=geometry) if is_pool(o) else o, out,
+                            is_leaf=is_pool)  # fmt: skip
+
+    # Inputs placed elsewhere (one device, another layout) move to the plan's layout first; on a
+    # mesh of Explicit axes shard_map requires the types to match already.
+    given = jax.tree.map(lambda x, s: _place(plan.mesh, x, s), given, in_specs)
+    # check_vma=False: Pallas and Triton calls declare no varying mesh axes for their outputs.
+    return shard_map(local, mesh=plan.mesh, in_specs=(in_specs,), out_specs=out_specs, check_vma=False)(given)
+
+
+def _place(mesh: Mesh, x, spec: PartitionSpec):
+    if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+        return jax.sharding.reshard(x, NamedSharding(mesh, spec))
+    return lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+_run_kept = jax.jit(_run, static_argnums=(0, 1, 2, 3, 4))
+_run_donated = jax.jit(_run, static_argnums=(0, 1, 2, 3, 4), donate_argnums=5)
+
+
+def _heads(given: Mapping) -> tuple[int, int]:
+    """(H, HV) from whichever argument carries both."""
+    if "q" in given:
+        return np.shape(given["q"])[-2], np.shape(given["v"])[-2]
+    if "pool" in given and isinstance(given["pool"], pool_mod.StatePool):
+        g = given["pool"].geometry
+        return g.num_k_heads, g.num_v_heads
+    tape = given.get("tape", given.get("tuples"))
+    if isinstance(tape, Tuples):
+        return np.shape(tape.k)[-2], np.shape(tape.u)[-2]
+    HV = np.shape(tape.states)[-3]
+    return HV, HV  # a snapshot tape has no q/k heads: any split of whole v-heads is exact
