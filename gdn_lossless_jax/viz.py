@@ -13,7 +13,7 @@ Rounding, on one state element at a time (flat float32 arrays ``S, alpha, k, u``
 * :func:`probe_platform` asks the current platform what it does with ``S*alpha + k*u``
   written plainly (eagerly, under ``jit``, in a ``lax.scan`` body, in a Pallas kernel), and
   :func:`probe_two_uses` what becomes of verify's update, where the decayed state has two uses;
-* :func:`exp_on` computes ``exp`` on a given platform, on :func:`exp_grid`'s log-decays;
+* :func:`exp_on` computes the library's ``exp`` (or XLA's) on :func:`exp_grid`'s log-decays;
 * :data:`REGIMES`, :func:`find_disagreements`, :func:`disagreement_map` and
   :func:`decay_sweep` find where on the number line two forms give other bits;
 * :func:`replay_states` and :func:`drift_along_chain` replay a whole tape with each form and
@@ -345,16 +345,29 @@ def exp_grid(n: int = 1 << 16) -> np.ndarray:
     return (-np.logspace(-9, np.log10(104.0), n)).astype(F32)
 
 
-def exp_on(g, platform: str | None = None) -> np.ndarray:
-    """``jnp.exp(g)`` in float32 as ``platform`` (``"cpu"``, ``"gpu"``; default: the default
-    backend) computes it under ``jax.jit``. Raises ``RuntimeError`` naming the platforms
-    present if there is no such device."""
+def exp_on(g, platform: str | None = None, *, library: bool = True) -> np.ndarray:
+    """``exp(g)`` in float32, under ``jax.jit``.
+
+    Args:
+      g: float32 log-decays.
+      platform: ``"cpu"``, ``"gpu"``, ...; default: the default backend.
+      library: ``True``: :func:`gdn_lossless_jax.rounding.exp`, the ``exp`` verify and replay
+        call (on the CPU, float64 ``exp`` rounded once; on a GPU, libdevice's); only on the
+        default backend, where it runs. ``False``: XLA's own ``jnp.exp`` on ``platform``.
+    Raises:
+      RuntimeError naming the platform when there is no such device, or when ``library`` asks
+      for another platform than the default backend.
+    """
+    here = jax.default_backend()
     try:
         dev = jax.devices(platform)[0] if platform else jax.devices()[0]
     except RuntimeError as e:
-        raise RuntimeError(f"exp_on: no {platform!r} device here (JAX platforms: {jax.default_backend()})") from e
+        raise RuntimeError(f"exp_on: no {platform!r} device here (JAX's default backend: {here})") from e
+    if library and dev.platform != here:
+        raise RuntimeError(f"exp_on: the library's exp runs on the default backend ({here}), not on {platform!r}; "
+                           "pass library=False for XLA's exp there")  # fmt: skip
     x = jax.device_put(jnp.asarray(np.asarray(g, F32)), dev)
-    return np.asarray(jax.jit(jnp.exp)(x))
+    return np.asarray(jax.jit(rounding.exp if library else jnp.exp)(x))
 
 
 # ---------------------------------------------------------------------------------
@@ -524,7 +537,7 @@ def _replay_states(state0, u, k, g, *, form: str):
 
     def body(S, x):
         u_t, k_t, g_t = x
-        S = rounding.FORMS[form](S, jnp.exp(g_t), k_t, u_t)
+        S = rounding.FORMS[form](S, rounding.exp(g_t), k_t, u_t)
         return S, S
 
     xs = tuple(jnp.moveaxis(t, 1, 0) for t in (u, k, g))

@@ -2,10 +2,10 @@
 
 Writes ``platform.json`` (``gdn_lossless_jax.viz.probe_platform``: ``S*alpha + k*u`` written
 plainly, eagerly, under jit, in a scan body and in a Pallas kernel, matched against the pinned
-forms; whether subnormals survive) and ``exp.npz`` (the bits of ``jnp.exp`` on
-``viz.exp_grid(16384)`` on every platform present, ``uint32`` per platform name). On a GPU
-machine both the GPU and the host CPU are recorded, so the notebook can compare a GPU's ``exp``
-with the CPU it runs on, bit for bit.
+forms; whether subnormals survive) and ``exp.npz`` (the bits of ``exp`` on
+``viz.exp_grid(16384)``, ``uint32``: the library's ``exp`` under the default backend's name, XLA's
+own ``jnp.exp`` as ``"<platform>_xla"`` for every platform present). The notebook compares a
+recorded GPU's ``exp`` with the CPU it runs on, bit for bit.
 
     python scripts/platform_facts.py --out benchmarks/results/h200-DATE-platform
 """
@@ -34,10 +34,11 @@ def main(argv=None) -> int:
     facts = viz.probe_platform()
     facts["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     g = viz.exp_grid(EXP_POINTS)
-    platforms = {}
+    # The library's exp on this platform (what verify and replay call), XLA's own on each one.
+    platforms = {jax.default_backend(): viz.exp_on(g).view(np.uint32)}
     for platform in ("gpu", "cpu"):
         try:
-            platforms[platform] = viz.exp_on(g, platform).view(np.uint32)
+            platforms[f"{platform}_xla"] = viz.exp_on(g, platform, library=False).view(np.uint32)
         except RuntimeError:
             continue
     ref = np.exp(g.astype(np.float64)).astype(np.float32).view(np.uint32)

@@ -120,12 +120,23 @@ def test_platform_probe_and_script(tmp_path):
     assert uses["verify: Sd = S*alpha; u = beta*(v - Sd@k); k*u + Sd"] == viz.FORM_LABELS["rule"]
     exp = np.load(tmp_path / "exp.npz")
     g = viz.exp_grid(facts["exp"]["points"])
-    np.testing.assert_array_equal(exp["cpu"], bits(viz.exp_on(g, "cpu")))
+    np.testing.assert_array_equal(exp["cpu"], bits(viz.exp_on(g)))
+    np.testing.assert_array_equal(exp["cpu_xla"], bits(viz.exp_on(g, "cpu", library=False)))
+    # The library's exp on the CPU is float64's, rounded once, except that XLA:CPU flushes the
+    # subnormal results to zero; XLA:CPU's float32 exp differs elsewhere too.
+    f64 = np.exp(g.astype(np.float64)).astype(np.float32)
+    normal = f64 >= np.finfo(np.float32).tiny
+    np.testing.assert_array_equal(exp["cpu"][normal], bits(f64[normal]))
+    assert not exp["cpu"][~normal].any() and (~normal).any()
+    assert np.mean(exp["cpu_xla"][normal] != exp["cpu"][normal]) > 0.01
 
 
 def test_exp_on_names_missing_platforms():
     with pytest.raises(RuntimeError, match=r"no 'tpu' device here"):
         viz.exp_on(viz.exp_grid(8), "tpu")
+    if not ON_CPU:
+        with pytest.raises(RuntimeError, match=r"the library's exp runs on the default backend"):
+            viz.exp_on(viz.exp_grid(8), "cpu")
 
 
 def _kernel_result(date, configs=("2x2",), peer=True):
