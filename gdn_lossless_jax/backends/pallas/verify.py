@@ -611,15 +611,19 @@ def _gram_prep(q, k, a, b, A_log, dt_bias, *, scale, Dp: int, interpret: bool):
     N, D, H, K = q.shape
     HV = a.shape[-1]
     kernel = functools.partial(_gram_prep_kernel, D=D, Dp=Dp, r=HV // H, scale=scale)
-    return pl.pallas_call(
+    # The kernel reads and writes whole [Dp] step tiles (masked past D): the step axis is padded to
+    # Dp, so that every slice is in bounds (jax 0.12 checks them), and the outputs cut back to D.
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, Dp - D)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+    qn, kn, g, *rest = pl.pallas_call(
         kernel,
-        out_shape=[jax.ShapeDtypeStruct((N, D, H, K), F32)] * 2 + [jax.ShapeDtypeStruct((N, D, HV), F32)]
+        out_shape=[jax.ShapeDtypeStruct((N, Dp, H, K), F32)] * 2 + [jax.ShapeDtypeStruct((N, Dp, HV), F32)]
         + [jax.ShapeDtypeStruct((N, HV, Dp, Dp), F32)] * 2 + [jax.ShapeDtypeStruct((N, HV, Dp), F32)] * 2,
         grid=(N, H),
         compiler_params=plgpu.CompilerParams(num_warps=gram_prep_warps(Dp), num_stages=1),
         interpret=interpret,
         name="gdn_verify_gram_prep",
-    )(q, k, a, b, A_log, dt_bias)
+    )(pad(q), pad(k), pad(a), pad(b), A_log, dt_bias)
+    return (qn[:, :D], kn[:, :D], g[:, :D], *rest)
 
 
 def gram_prep_warps(Dp: int) -> int:
@@ -692,7 +696,11 @@ def verify(
                              f"and K >= {MMA_MIN} a multiple of max({MMA_MIN}, k_chunk) (got K={K}, k_chunk={cfg.k_chunk})")  # fmt: skip
         qn, kn, g, W, C, P, beta = _gram_prep(q, k, a, b, A_log, dt_bias, scale=scale, Dp=gram_steps(D),
                                               interpret=interpret)  # fmt: skip
-        inputs = [state, slots, layer, tape_layer, qn, kn, v, g, W, C, P, beta]
+        # The mma products read whole [Dm] step tiles of q and k (masked past D): pad them to Dm so
+        # that the slices are in bounds (jax 0.12 checks them); the tape keeps kn's D steps.
+        Dm = gram_steps(D, cfg.products)
+        pad = lambda x: jnp.pad(x, [(0, 0), (0, Dm - D), (0, 0), (0, 0)])  # noqa: E731
+        inputs = [state, slots, layer, tape_layer, pad(qn), pad(kn), v, g, W, C, P, beta]
         if into and not snapshots:  # the Gram prologue has no buffer outputs: k and g go in by XLA
             ok = (rows >= 0) & (rows < tape.k.shape[1])
             idx = jnp.where(ok, rows, tape.k.shape[1])  # out-of-range rows: dropped (negative would wrap)
