@@ -145,8 +145,9 @@ KINDS: dict[str, Kind] = {
     "replicated": Kind(None, None),
 }
 
-#: The kind of every argument (and result) of every method; ``"tape"`` and ``"pool"`` stand for
-#: the trees :func:`tape_kinds` and :func:`pool_kinds` give for the value passed.
+#: The kind of every argument (and result) of every method; ``"tape"``, ``"pool"`` and ``"pending"``
+#: stand for the trees :func:`tape_kinds`, :func:`pool_kinds` and :func:`pending_kinds` give for
+#: the value passed.
 ARG_KINDS: dict[str, dict[str, str]] = {
     "verify": dict(state0="state", q="heads", k="heads", v="heads", a="per_step", b="per_step", A_log="per_head",
                    dt_bias="per_head", slots="index", layer="replicated", tape="tape", rows="index",
