@@ -245,7 +245,8 @@ def direct_step(backend: str, unroll: bool, plan: sharding.MeshPlan | None = Non
 
 def fused_step(backend: str):
     """The steady-state step with the commit inside the next verify: ``(ssm, tape, prev_tape)``
-    donated; returns the new ``(ssm, prev_tape, tape)`` (the buffers swap roles)."""
+    donated, returned in the same places (the caller swaps the two tapes' roles between calls:
+    swapped inside the jit, XLA would copy both to keep each donated buffer in its place)."""
 
     def step(ssm, tape, prev, params, xs, ix):
         slots, steps, tslots, tsteps, rows = ix
@@ -262,7 +263,7 @@ def fused_step(backend: str):
 
         prm = {k: params[k] for k in ("A_log", "dt_bias")}
         (ssm, tape), outs = jax.lax.scan(layer, (ssm, tape), (jnp.arange(ssm.shape[0], dtype=jnp.int32), prm, xs))
-        return outs, ssm, prev, tape
+        return outs, ssm, tape, prev
 
     return jax.jit(step, donate_argnums=(0, 1, 2))
 
@@ -320,7 +321,8 @@ def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: in
     def run_fused():
         if f_box[0] is None:  # a second pool and two tape buffers, made on the first call
             f_box[0] = _filled((p_box[0].ssm, p_box[0].tape, p_box[0].tape), seed + 11)
-        outs, *f_box[0] = fused_fn(*f_box[0], inp.params, inp.qkv, inp.index_sets[0])
+        outs, ssm, written, old = fused_fn(*f_box[0], inp.params, inp.qkv, inp.index_sets[0])
+        f_box[0] = (ssm, old, written)  # the next step writes the old buffer and commits from this one
         jax.block_until_ready((outs, f_box[0]))
 
     q_box = [None]

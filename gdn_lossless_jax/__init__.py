@@ -5,11 +5,11 @@ replays the accepted chain from the untouched pool state with exactly the roundi
 used, so the committed state is bit-identical to the snapshot path.
 """
 
-from . import rounding, testing
+from . import autodiff, cases, checked, conv, memory, pool, reference, rounding, testing
 from .api import RECORD_MODES, commit, commit_and_verify, replay, verify
 from .backends import BACKENDS, BackendUnavailable
 from .config import MODELS, Geometry, get_geometry
-from .tape import Pending, Snapshots, Tape, Tuples
+from .tape import Pending, Snapshots, Tape, Tuples, stack_tapes
 
 __version__ = "0.1.0"
 
@@ -22,12 +22,20 @@ __all__ = [
     "Tuples",
     "Snapshots",
     "Tape",
+    "stack_tapes",
     "RECORD_MODES",
     "BACKENDS",
     "BackendUnavailable",
     "Geometry",
     "MODELS",
     "get_geometry",
+    "autodiff",
+    "cases",
+    "checked",
+    "conv",
+    "memory",
+    "pool",
+    "reference",
     "rounding",
     "testing",
 ]

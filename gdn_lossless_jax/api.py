@@ -7,13 +7,14 @@ so errors name the argument, the expected and the actual shape or dtype, also un
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import backends
+from . import autodiff, backends, checked as checked_mode
 from .tape import Pending, Snapshots, Tape, Tuples
 
 __all__ = ["verify", "replay", "commit", "commit_and_verify", "RECORD_MODES"]
@@ -64,9 +65,46 @@ def _check_shape(fn: str, name: str, x, expected: Sequence[int], dims: str, sour
         )
 
 
+def _as_array(fn: str, name: str, x):
+    """Arrays (and tracers) pass; nested lists, tuples and numbers become ``jnp`` arrays of
+    JAX's default dtypes (float32 and int32 unless x64 is on); anything else is rejected."""
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        return x
+    if isinstance(x, (list, tuple, int, float)) and not isinstance(x, bool):
+        try:
+            return jnp.asarray(x)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"{fn}: argument {name!r} could not be converted to an array ({e})") from e
+    raise TypeError(
+        f"{fn}: argument {name!r} must be an array (jax.Array, numpy array, or a nested list of numbers), "
+        f"got {type(x).__name__}"
+    )
+
+
+def _as_arrays(fn: str, optional: tuple[str, ...] = (), **xs):
+    """:func:`_as_array` of each keyword; None passes for the ``optional`` ones."""
+    return [None if x is None and name in optional else _as_array(fn, name, x) for name, x in xs.items()]
+
+
 def _check_float(fn: str, name: str, x):
     if not _is_float(x):
         raise TypeError(f"{fn}: argument {name!r} must be a floating-point array, got dtype {_dtype(x)}")
+    if jnp.dtype(_dtype(x)).itemsize > 4:
+        # Rejected like a float64 state0: everything is computed in fp32, so the library
+        # would round the input silently, and results would not be reproducible from it.
+        raise TypeError(
+            f"{fn}: argument {name!r} must be at most 32-bit (the library computes in float32), got dtype "
+            f"{_dtype(x)}; cast it with {name}.astype(jnp.float32)"
+        )
+
+
+def _check_static(fn: str, name: str, x):
+    if isinstance(x, jax.core.Tracer):
+        raise TypeError(
+            f"{fn}: argument {name!r} is traced (an outer jax.jit made it an array), but it must be a Python "
+            f"value: mark it static, e.g. jax.jit({fn}, static_argnames=(\"record\", \"backend\", \"scale\", "
+            f"\"out_dtype\")), or bind it with functools.partial"
+        )
 
 
 def _check_index(fn: str, name: str, x, n: int):
@@ -77,7 +115,26 @@ def _check_index(fn: str, name: str, x, n: int):
 
 def _check_state_dtype(fn: str, name: str, x):
     if jnp.dtype(x.dtype) not in STATE_DTYPES:
-        raise TypeError(f"{fn}: argument {name!r} must be float32 or bfloat16, got dtype {x.dtype}")
+        hint = f"; cast it with {name}.astype(jnp.float32)" if jnp.dtype(x.dtype) == jnp.float64 else ""
+        raise TypeError(f"{fn}: argument {name!r} must be float32 or bfloat16, got dtype {x.dtype}{hint}")
+
+
+def _check_not_transposed(fn: str, q, k, v, a) -> None:
+    """q or k passed as ``[N, H, D, K]`` instead of ``[N, D, H, K]`` are named as transposed
+    (D from v and a), instead of the mismatch being blamed on v. (When D == H the shapes
+    cannot tell.)"""
+    N, D, H, K = _shape(q)
+    others = {_shape(x)[1] for x, rank in ((v, 4), (a, 3)) if len(_shape(x)) == rank}
+    if len(others) == 1 and D not in others and H in others:
+        raise ValueError(
+            f"{fn}: argument 'q' has shape {_fmt(_shape(q))}, which reads as [N, H, D, K]: v and a have "
+            f"D={H} draft steps on axis 1. q and k must be [N, D, H, K]: pass jnp.swapaxes(q, 1, 2)"
+        )
+    if H != D and _shape(k) == (N, H, D, K):
+        raise ValueError(
+            f"{fn}: argument 'k' has shape {_fmt(_shape(k))}, which reads as [N, H, D, K] (q has D={D} draft "
+            f"steps and H={H} heads). k must be [N, D, H, K] like q: pass jnp.swapaxes(k, 1, 2)"
+        )
 
 
 def _check_heads(fn: str, H: int, HV: int):
@@ -212,12 +269,25 @@ def verify(
       ``k [N, D, H, K]``, ``g [N, D, HV]``, fp32) or :class:`Snapshots`
       (``[N, D, HV, V, K]`` in state0's dtype), or, with ``tape``, the updated buffer.
       Outputs are identical in both modes and in every form.
+
+    Arrays may be given as nested lists (converted with ``jnp.asarray``). float64 is
+    rejected for every input, state0 and the parameters alike: the computation is fp32
+    and would round it silently (cast with ``.astype(jnp.float32)``).
+
+    Under ``jax.jit``, the non-array arguments must be static:
+    ``jax.jit(gl.verify, static_argnames=("record", "backend", "scale", "out_dtype"))``
+    (JAX rejects a string it would trace), or bind them with ``functools.partial``.
+
+    Differentiable with respect to every floating input (``jax.grad``, ``jax.vjp``,
+    ``jax.jvp``, on every backend and in every form): the values are the backend's exact
+    ones, the derivatives those of the plain-float formulation of the same math
+    (:func:`gdn_lossless_jax.autodiff.plain_verify`; see :mod:`gdn_lossless_jax.autodiff`).
     """
     impl, args, kw = _verify_call(
         "verify", state0, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, backend=backend,
         out_dtype=out_dtype, slots=slots, layer=layer, tape=tape, rows=rows, parents=parents, topk=topk,
     )  # fmt: skip
-    outputs, new = impl.verify(*args, **kw)
+    outputs, new = autodiff.verify(impl, *args, **kw)
     return outputs, _strip(new, kw, tape)
 
 
@@ -233,7 +303,13 @@ def _verify_call(fn, state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, ba
     """Every check of :func:`verify`; returns the backend, its positional arguments and keywords."""
     if record is not None and record not in RECORD_MODES:
         raise ValueError(f"{fn}: record must be one of {RECORD_MODES}, got {record!r}")
+    _check_static(fn, "scale", scale)
+    _check_static(fn, "topk", topk)
+    state0, q, k, v, a, b, A_log, dt_bias = _as_arrays(
+        fn, state0=state0, q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias
+    )
     _check_rank(fn, "q", q, 4, "[N, D, H, K]")
+    _check_not_transposed(fn, q, k, v, a)
     N, D, H = _shape(q)[:3]
     if slots is None:
         _check_rank(fn, "state0", state0, 4, "[N, HV, V, K]")
@@ -296,7 +372,8 @@ def _check_tuples(
     nl = len(lead)
     _check_rank(fn, f"{prefix}.u", tuples.u, nl + 3, f"[{lead_dims}, D, HV, V]")
     D = _shape(tuples.u)[nl]
-    _check_shape(fn, f"{prefix}.u", tuples.u, (*lead, D, HV, V), f"[{lead_dims}, D, HV, V]", "HV, V from the state")
+    source = "L, HV, V from the pool" if nl == 2 else "HV, V from the state"
+    _check_shape(fn, f"{prefix}.u", tuples.u, (*lead, D, HV, V), f"[{lead_dims}, D, HV, V]", source)
     _check_rank(fn, f"{prefix}.k", tuples.k, nl + 3, f"[{lead_dims}, D, H, K]")
     H = _shape(tuples.k)[nl + 1]
     _check_shape(fn, f"{prefix}.k", tuples.k, (*lead, D, H, K), f"[{lead_dims}, D, H, K]", "from the u field and K")
@@ -308,62 +385,63 @@ def _check_tuples(
     _check_heads(fn, H, HV)
 
 
-def replay(state0: jax.Array, tuples: Tuples, steps: jax.Array, *, backend: str = "auto") -> jax.Array:
+def _tape_arrays(fn: str, tape, prefix: str):
+    """The tape with list-valued fields converted (see :func:`_as_array`)."""
+    if not isinstance(tape, (Tuples, Snapshots)):
+        return tape
+    fields = {f.name: getattr(tape, f.name) for f in dataclasses.fields(tape)}
+    return tape.replace(**{name: _as_array(fn, f"{prefix}.{name}", x) for name, x in fields.items()})
+
+
+def replay(
+    state0: jax.Array, tuples: Tuples, steps: jax.Array, *, backend: str = "auto", checked: bool = False
+) -> jax.Array:
     """Rebuild the state after draft step ``steps[i]`` from the pre-verify state.
 
     Args:
       state0: ``[N, HV, V, K]`` float32 or bfloat16 (upcast; the result is rounded back).
       tuples: a :class:`Tuples` tape from :func:`verify` (``u [N, D, HV, V]``,
         ``k [N, D, H, K]``, ``g [N, D, HV]``).
-      steps: ``[N]`` int, 0-based; a value outside ``[0, D)`` (a negative step) means no
-        step: state0 is returned for that request.
+      steps: ``[N]`` int, 0-based: the last draft step to apply, *not* an accepted length
+        (a request that accepted n drafts has step n - 1). A value outside ``[0, D)`` (a
+        negative step) means no step: state0 is returned for that request, so a length
+        passed by mistake returns one step too many, or state0 for a fully accepted chain.
+      backend: as in :func:`verify`.
+      checked: raise instead: a step outside ``[-1, D)`` names its request
+        (:mod:`gdn_lossless_jax.checked`; under ``jax.jit``, functionalize with
+        ``jax.experimental.checkify.checkify``).
     Returns:
       ``[N, HV, V, K]`` in state0's dtype, bit-identical to verify's snapshot of that step.
+      Differentiable with respect to state0 and the tape (see :func:`verify`).
     """
     fn = "replay"
+    state0, steps = _as_arrays(fn, state0=state0, steps=steps)
+    tuples = _tape_arrays(fn, tuples, "tuples")
     _check_rank(fn, "state0", state0, 4, "[N, HV, V, K]")
     _check_state_dtype(fn, "state0", state0)
     N, HV, V, K = _shape(state0)
     _check_tuples(fn, tuples, (N,), HV, V, K, "N")
     _check_index(fn, "steps", steps, N)
     impl = backends.resolve(backend, "replay")
-    return impl.replay(state0, tuples, as_index(steps))
+    steps = as_index(steps)
+    if checked:
+        checked_mode.check_steps(fn, "steps", steps, tuples.num_steps)
+    return autodiff.replay(impl, state0, tuples, steps)
 
 
-def commit(
-    pool: jax.Array,
-    tape: Tape,
-    slots: jax.Array,
-    steps: jax.Array,
-    track_slots: jax.Array | None = None,
-    track_steps: jax.Array | None = None,
-    rows: jax.Array | None = None,
-    *,
-    backend: str = "auto",
-) -> jax.Array:
-    """Write each request's accepted state (and its track state) into the state pool.
-
-    Args:
-      pool: ``[L, S, HV, V, K]`` float32 or bfloat16, all GDN layers' states.
-      tape: from :func:`verify` per layer, stacked with a leading layer axis:
-        :class:`Tuples` (``u [L, R, D, HV, V]``, ``k [L, R, D, H, K]``, ``g [L, R, D, HV]``)
-        or :class:`Snapshots` (``[L, R, D, HV, V, K]``, the pool's dtype); R >= rows used.
-      slots: ``[N]`` int, the pool slot of each request (holds its pre-verify state).
-      steps: ``[N]`` int, the last accepted draft step (0-based); negative: nothing written.
-      track_slots, track_steps: ``[N]`` int or None, the mamba-track (prefix-cache) copy:
-        the state after ``track_steps[i]`` goes to ``track_slots[i]``; negative step: none.
-      rows: ``[N]`` int or None, the tape row of request i (default ``i``).
-    Returns:
-      The new pool. Request i is skipped entirely (track copy included) if ``slots[i]`` or
-      ``rows[i]`` is out of range; its accepted write is skipped if ``steps[i]`` is not in
-      ``[0, D)``; its track write if ``track_steps[i]`` is not in ``[0, D)`` or
-      ``track_slots[i]`` is out of range. Both states come from the pre-verify state.
-      Every other element keeps its bits. Duplicate destination slots are undefined.
-    """
-    fn = "commit"
-    _check_rank(fn, "pool", pool, 5, "[L, S, HV, V, K]")
-    _check_state_dtype(fn, "pool", pool)
-    L, _, HV, V, K = _shape(pool)
+def _commit_index_args(fn: str, slots, steps, track_slots=None, track_steps=None, rows=None) -> list[jax.Array]:
+    """Commit's index arguments checked (``[N]`` int each) and completed: no track copies
+    (-1) and rows ``i`` by default. Returns ``[slots, steps, track_slots, track_steps, rows]``
+    as int32."""
+    slots, steps, track_slots, track_steps, rows = _as_arrays(
+        fn,
+        ("track_slots", "track_steps", "rows"),
+        slots=slots,
+        steps=steps,
+        track_slots=track_slots,
+        track_steps=track_steps,
+        rows=rows,
+    )
     _check_rank(fn, "slots", slots, 1, "[N]")
     N = _shape(slots)[0]
     _check_index(fn, "slots", slots, N)
@@ -377,6 +455,59 @@ def commit(
     if rows is None:
         rows = np.arange(N, dtype=np.int32)
     _check_index(fn, "rows", rows, N)
+    return [as_index(x) for x in (slots, steps, track_slots, track_steps, rows)]
+
+
+def commit(
+    pool: jax.Array,
+    tape: Tape,
+    slots: jax.Array,
+    steps: jax.Array,
+    track_slots: jax.Array | None = None,
+    track_steps: jax.Array | None = None,
+    rows: jax.Array | None = None,
+    *,
+    backend: str = "auto",
+    checked: bool = False,
+) -> jax.Array:
+    """Write each request's accepted state (and its track state) into the state pool.
+
+    Args:
+      pool: ``[L, S, HV, V, K]`` float32 or bfloat16, all GDN layers' states.
+      tape: from :func:`verify` per layer, stacked with a leading layer axis:
+        :class:`Tuples` (``u [L, R, D, HV, V]``, ``k [L, R, D, H, K]``, ``g [L, R, D, HV]``)
+        or :class:`Snapshots` (``[L, R, D, HV, V, K]``, the pool's dtype); R >= rows used.
+      slots: ``[N]`` int, the pool slot of each request (holds its pre-verify state).
+      steps: ``[N]`` int, the last accepted draft step (0-based); negative: nothing written.
+        **Not the accepted length**: a request that accepted n drafts has step n - 1. A
+        length passed by mistake writes one step too many, and nothing at all for a fully
+        accepted request (step D is out of range); ``checked=True`` catches step == D.
+      track_slots, track_steps: ``[N]`` int or None, the mamba-track (prefix-cache) copy:
+        the state after ``track_steps[i]`` (0-based, like steps) goes to
+        ``track_slots[i]``; negative step: none.
+      rows: ``[N]`` int or None, the tape row of request i (default ``i``).
+      backend: as in :func:`verify`.
+      checked: raise instead of skipping: every index below must be valid, and the first
+        request that is not is named in the error (:mod:`gdn_lossless_jax.checked`: slots,
+        rows, steps in ``[-1, D)``, track slots where a track step is given, and distinct
+        destination slots). Eager calls raise ``checkify.JaxRuntimeError`` at once; under
+        ``jax.jit``, functionalize with ``jax.experimental.checkify.checkify``.
+    Returns:
+      The new pool. The skipping rules (``checked=False``, SGLang's masking): request i is
+      skipped entirely (track copy included) if ``slots[i]`` or ``rows[i]`` is out of
+      range; its accepted write is skipped if ``steps[i]`` is not in ``[0, D)``; its track
+      write if ``track_steps[i]`` is not in ``[0, D)`` or ``track_slots[i]`` is out of
+      range. Both states come from the pre-verify state. Every other element keeps its
+      bits. Duplicate destination slots are undefined. Differentiable with respect to
+      the pool and the tape (see :func:`verify`).
+    """
+    fn = "commit"
+    (pool,) = _as_arrays(fn, pool=pool)
+    tape = _tape_arrays(fn, tape, "tape")
+    _check_rank(fn, "pool", pool, 5, "[L, S, HV, V, K]")
+    _check_state_dtype(fn, "pool", pool)
+    L, _, HV, V, K = _shape(pool)
+    ints = _commit_index_args(fn, slots, steps, track_slots, track_steps, rows)
     if isinstance(tape, Snapshots):
         _check_rank(fn, "tape.states", tape.states, 6, "[L, R, D, HV, V, K]")
         R, D = _shape(tape.states)[1:3]
@@ -390,8 +521,9 @@ def commit(
     else:
         raise TypeError(f"{fn}: tape must be Tuples or Snapshots, got {type(tape).__name__}")
     impl = backends.resolve(backend, "commit")
-    ints = [as_index(x) for x in (slots, steps, track_slots, track_steps, rows)]
-    return impl.commit(pool, tape, *ints)
+    if checked:
+        checked_mode.check_commit(fn, pool.shape[1], tape.num_rows, tape.num_steps, *ints)
+    return autodiff.commit(impl, pool, tape, *ints)
 
 
 def _check_pending(fn: str, pending: Pending, N: int, H: int, HV: int, V: int, K: int, state_dtype, pool_layers):
@@ -468,7 +600,8 @@ def commit_and_verify(
         out_dtype: as in :func:`verify` (``slots`` required: request n's state is
         ``pool[layer, slots[n]]``).
     Returns:
-      ``(outputs [N, D, HV, V], tape, pool)``.
+      ``(outputs [N, D, HV, V], tape, pool)``. Differentiable like :func:`verify` (with
+      respect to the pool, the pending tape and the inputs).
     """
     fn = "commit_and_verify"
     if slots is None:
@@ -489,7 +622,7 @@ def commit_and_verify(
     )  # fmt: skip
     pend = tuple(as_index(getattr(pending, n)) for n in ("rows", "steps", "track_slots", "track_steps"))
     kw["pending"] = (*pend, as_index(layer if layered else 0), prev)
-    outputs, new, new_pool = impl.verify(*args, **kw)
+    outputs, new, new_pool = autodiff.verify(impl, *args, **kw)
     if L is None:
         new_pool = new_pool[0]
     return outputs, _strip(new, kw, tape), new_pool

@@ -15,7 +15,7 @@ import numpy as np
 
 from .config import Geometry
 
-__all__ = ["Shape", "KINDS", "verify_inputs", "commit_indices", "commit_tapes", "CommitIndices"]
+__all__ = ["Shape", "KINDS", "verify_inputs", "verify_inputs_numpy", "commit_indices", "commit_tapes", "CommitIndices"]
 
 Kind = Literal["normal", "cancel", "decay_extremes", "subnormal", "mixed"]
 KINDS: tuple[str, ...] = ("normal", "cancel", "decay_extremes", "subnormal", "mixed")
@@ -48,7 +48,8 @@ def verify_inputs(
 ) -> dict[str, jax.Array]:
     """Arguments of :func:`gdn_lossless_jax.verify` as a dict (``state0, q, k, v, a, b, A_log, dt_bias``).
 
-    Drawn with NumPy (fast on any shape: no per-shape compilation) from ``seed``.
+    Drawn with NumPy (fast on any shape: no per-shape compilation) from ``seed``
+    (:func:`verify_inputs_numpy`), then cast on the device.
 
     Kinds:
       normal: states and inputs ~ N(0, 1) (state scaled by 0.5), gates in their usual range.
@@ -60,14 +61,20 @@ def verify_inputs(
         ``k * u`` products are subnormal.
       mixed: request i draws kind ``i % 4`` of the four above.
     """
+    x = verify_inputs_numpy(seed, shape, kind=kind)
+    cast = lambda a, dtype: jnp.asarray(a).astype(dtype)  # noqa: E731
+    out = {n: cast(x[n], input_dtype) for n in ("q", "k", "v", "a", "b")}
+    return dict(state0=cast(x["state0"], state_dtype), **out, A_log=jnp.asarray(x["A_log"]), dt_bias=jnp.asarray(x["dt_bias"]))
+
+
+def verify_inputs_numpy(seed: int | np.random.Generator, shape: Shape, *, kind: Kind = "normal") -> dict[str, np.ndarray]:
+    """The float32 NumPy arrays :func:`verify_inputs` casts (same keys, same kinds), with no
+    device work: for callers that draw many cases (the fuzz command) or cast themselves."""
     rng = np.random.default_rng(seed)
     s = shape
     if kind == "mixed":
-        parts = [
-            verify_inputs(rng, dataclasses.replace(s, N=1), kind=KINDS[i % 4], state_dtype=state_dtype, input_dtype=input_dtype)
-            for i in range(s.N)
-        ]
-        out = {n: jnp.concatenate([p[n] for p in parts]) for n in ("state0", "q", "k", "v", "a", "b")}
+        parts = [verify_inputs_numpy(rng, dataclasses.replace(s, N=1), kind=KINDS[i % 4]) for i in range(s.N)]
+        out = {n: np.concatenate([p[n] for p in parts]) for n in ("state0", "q", "k", "v", "a", "b")}
         out["A_log"], out["dt_bias"] = parts[0]["A_log"], parts[0]["dt_bias"]
         return out
 
@@ -98,18 +105,7 @@ def verify_inputs(
         a = a - f32(3.0)
     elif kind != "normal":
         raise ValueError(f"verify_inputs: unknown kind {kind!r}; choose one of {KINDS}")
-
-    cast = lambda x: jnp.asarray(x).astype(input_dtype)  # noqa: E731
-    return dict(
-        state0=jnp.asarray(state0).astype(state_dtype),
-        q=cast(q),
-        k=cast(k),
-        v=cast(v),
-        a=cast(a),
-        b=cast(b),
-        A_log=jnp.asarray(A_log),
-        dt_bias=jnp.asarray(dt_bias),
-    )
+    return dict(state0=state0, q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
 
 
 @dataclasses.dataclass(frozen=True)

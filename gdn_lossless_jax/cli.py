@@ -220,6 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .model.demo import add_parser as add_demo
 
     add_demo(sub)
+
+    from .fuzz import add_command as add_fuzz
+
+    add_fuzz(sub)
     return p
 
 

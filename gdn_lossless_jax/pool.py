@@ -32,11 +32,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import api, reference
+from . import api, checked as checked_mode, reference
 from .api import _check_heads, _check_index, _check_linear_chain, _check_rank, _check_shape, _fmt, _shape, as_index
 from .config import Geometry
 from .conv import conv_commit, verify_from_pool
-from .tape import Snapshots, Tape, Tuples
+from .tape import Snapshots, Tape, Tuples, replace_fields
 
 __all__ = [
     "ArraySpec",
@@ -49,6 +49,7 @@ __all__ = [
     "flush",
     "Deferred",
     "conv_window_spec",
+    "device_free_bytes",
     "scratch_rows",
     "state_specs",
     "store_layer",
@@ -145,13 +146,15 @@ def conv_window_spec(geometry: Geometry, rows: int, drafts: int, *, conv_dtype=j
 class Deferred:
     """The SSM commit a pool has not applied yet (``allocate(..., defer_commit=True)``).
 
-    ``pool.commit`` of such a pool applies the conv part at once and keeps the SSM part here,
-    with the tape it needs (the previous step's scratch; the pool verifies the next step into
-    its other buffer); the next ``pool.verify_layer`` applies it inside the verify kernel
-    (:func:`gdn_lossless_jax.commit_and_verify`), so each state is read once per step.
+    ``pool.commit`` of such a pool applies the conv part at once and keeps the SSM part here;
+    the next ``pool.verify_layer`` applies it inside the verify kernel
+    (:func:`gdn_lossless_jax.commit_and_verify`), so each state is read once per step. The pool
+    has two scratch tapes, ``StatePool.tape`` and ``Deferred.tape``; steps alternate between
+    them (``parity``, static: the buffers never move, so a jitted step that donates the pool
+    updates both in place; each parity compiles once).
 
     Attributes:
-      tape: the previous step's tape, in the pool's record mode.
+      tape: the second scratch tape, in the pool's record mode.
       slots, steps, track_slots, track_steps, rows: ``[P]`` int32 (P scratch rows), the
         previous commit's arguments, padded with slot -1.
       applied: ``[P]`` bool: entries the current step's verify has applied (their requests
@@ -165,6 +168,11 @@ class Deferred:
     track_steps: jax.Array
     rows: jax.Array
     applied: jax.Array
+    parity: bool = dataclasses.field(default=False, metadata=dict(static=True))  # True: this step writes `tape`
+
+    def buffers(self, pool_tape):
+        """``(the tape this step writes, the tape of the pending commit)``."""
+        return (self.tape, pool_tape) if self.parity else (pool_tape, self.tape)
 
 
 @jax.tree_util.register_dataclass
@@ -210,6 +218,10 @@ class StatePool:
         """Bytes of the SSM scratch (the tape) alone."""
         return sum(x.nbytes for x in jax.tree.leaves(self.tape))
 
+    def replace(self, **fields: Any) -> "StatePool":
+        """A copy with the given fields replaced, e.g. ``pool.replace(ssm=new_ssm)``."""
+        return replace_fields(self, fields)
+
 
 def allocate(
     geometry: Geometry,
@@ -223,6 +235,7 @@ def allocate(
     topk: int = 1,
     parents: Any = None,
     defer_commit: bool = False,
+    free_bytes: int | None = None,
 ) -> StatePool:
     """A zero-filled pool for ``slots`` mamba slots, ``requests`` running requests and D drafts.
 
@@ -232,7 +245,12 @@ def allocate(
 
     Everything is checked before any array is allocated: positive sizes, a GDN geometry whose
     heads divide, a record mode the pool can hold, fp32 or bf16 state, a linear chain
-    (``topk == 1``, ``parents`` None or ``[-1, 0, ..., D-2]``).
+    (``topk == 1``, ``parents`` None or ``[-1, 0, ..., D-2]``), and that the pool fits: a
+    :class:`MemoryError` gives the bytes asked and the bytes free.
+
+    Args:
+      free_bytes: the bytes the pool may take; None: what the default device has free
+        (:func:`device_free_bytes`; no check where the device does not say).
     """
     fn = "allocate"
     _positive(fn, slots=slots, requests=requests, drafts=drafts)
@@ -248,17 +266,68 @@ def allocate(
     if not jnp.issubdtype(conv_dtype, jnp.floating):
         raise TypeError(f"{fn}: conv_dtype must be a floating-point dtype, got {jnp.dtype(conv_dtype)}")
     rows = scratch_rows(requests)
+    specs = state_specs(geometry, slots, state_dtype=state_dtype, conv_dtype=conv_dtype)
+    tape_fields = tape_specs(geometry, rows, drafts, record, state_dtype=state_dtype)
+    window_spec = conv_window_spec(geometry, rows, drafts, conv_dtype=conv_dtype)
+    sizes = {k: v.nbytes for k, v in specs.items()}
+    sizes |= {"tape": sum(v.nbytes for v in tape_fields.values()), "conv_windows": window_spec.nbytes}
+    if defer_commit:  # the second scratch tape
+        sizes["deferred tape"] = sizes["tape"]
+    _check_fits(fn, sizes, free_bytes)
     zeros = lambda spec: jnp.zeros(spec.shape, spec.dtype)  # noqa: E731
-    states = {k: zeros(s) for k, s in state_specs(geometry, slots, state_dtype=state_dtype, conv_dtype=conv_dtype).items()}
-    fields = {k: zeros(s) for k, s in tape_specs(geometry, rows, drafts, record, state_dtype=state_dtype).items()}
+    states = {k: zeros(s) for k, s in specs.items()}
+    fields = {k: zeros(s) for k, s in tape_fields.items()}
     tape = Snapshots(**fields) if record == "snapshots" else Tuples(**fields)
-    windows = zeros(conv_window_spec(geometry, rows, drafts, conv_dtype=conv_dtype))
+    windows = zeros(window_spec)
     deferred = None
     if defer_commit:
         off = [jnp.full((rows,), -1, jnp.int32) for _ in range(5)]  # separate buffers: the pool is donated
         deferred = Deferred(jax.tree.map(jnp.zeros_like, tape), *off, jnp.zeros((rows,), bool))
     return StatePool(ssm=states["ssm"], conv=states["conv"], tape=tape, conv_windows=windows, geometry=geometry,
                      deferred=deferred)  # fmt: skip
+
+
+def device_free_bytes(device: jax.Device | None = None) -> tuple[int | None, str]:
+    """``(bytes free, where the figure comes from)`` on ``device`` (default: JAX's first device).
+
+    An accelerator's allocator limit less its bytes in use (``memory_stats()``); on a CPU the
+    host's available memory (``MemAvailable`` in ``/proc/meminfo``); ``(None, ...)`` where
+    neither is known.
+    """
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats:
+        limit, used = stats["bytes_limit"], stats.get("bytes_in_use", 0)
+        return limit - used, f"on device {device} (bytes_limit {limit:,} - bytes_in_use {used:,})"
+    if device.platform == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+            return kib * 1024, f"on the host of {device} (MemAvailable)"
+        except (OSError, StopIteration, ValueError):
+            pass
+    return None, f"on device {device} (free memory unknown)"
+
+
+def _size(n: int) -> str:
+    unit = next((u for u in range(4, 0, -1) if n >= 1 << (10 * u)), 0)
+    return f"{n / (1 << (10 * unit)):,.2f} {('B', 'KiB', 'MiB', 'GiB', 'TiB')[unit]}" if unit else f"{n} B"
+
+
+def _check_fits(fn: str, sizes: dict[str, int], free_bytes: int | None) -> None:
+    """Raise MemoryError, naming the bytes asked (per array) and free, if ``sizes`` cannot fit."""
+    need = sum(sizes.values())
+    where = "(the free_bytes argument)"
+    if free_bytes is None:
+        free_bytes, where = device_free_bytes()
+    if free_bytes is None or need <= free_bytes:
+        return
+    detail = ", ".join(f"{k} {_size(v)}" for k, v in sizes.items())
+    raise MemoryError(
+        f"{fn}: the pool needs {need:,} bytes ({_size(need)}: {detail}) but {free_bytes:,} bytes "
+        f"({_size(free_bytes)}) are free {where}; nothing was allocated. Allocate fewer slots, requests or "
+        "drafts, or a smaller geometry"
+    )
 
 
 def _in_range(idx, n):
@@ -271,6 +340,34 @@ def _check_layer(fn: str, pool: StatePool, layer) -> None:
         raise TypeError(f"{fn}: argument 'pool' must be a StatePool, got {type(pool).__name__}")
     if isinstance(layer, (int, np.integer)) and not 0 <= layer < pool.geometry.gdn_layers:
         raise ValueError(f"{fn}: argument 'layer' must be in [0, {pool.geometry.gdn_layers}), got {layer}")
+
+
+def _check_arrays(fn: str, pool: StatePool) -> None:
+    """Every array must be what :func:`allocate` gives the pool's geometry (scratch rows and D
+    from the conv windows). A tape from another geometry (k heads included), record mode or
+    pool would replay with the wrong heads, or commit the SSM and conv states under different
+    masks (another D or row count), silently."""
+    g, cw = pool.geometry, pool.conv_windows
+    if len(_shape(cw)) != 4:
+        raise ValueError(f"{fn}: the pool's conv_windows must have rank 4 ([L, R, conv_dim, D+Kc-2]), got {_fmt(_shape(cw))}")
+    S, rows, D = pool.slots, cw.shape[1], cw.shape[3] - g.conv_kernel + 2
+    want = state_specs(g, S, state_dtype=pool.ssm.dtype, conv_dtype=pool.conv.dtype)
+    want |= {f"tape.{k}": v for k, v in tape_specs(g, rows, D, pool.record, state_dtype=pool.ssm.dtype).items()}
+    want["conv_windows"] = conv_window_spec(g, rows, D, conv_dtype=pool.conv.dtype)
+    for name, spec in want.items():
+        x = getattr(pool.tape, name[5:]) if name.startswith("tape.") else getattr(pool, name)
+        if _shape(x) != spec.shape or jnp.dtype(x.dtype) != spec.dtype:
+            raise ValueError(
+                f"{fn}: the pool's {name} is {jnp.dtype(x.dtype)} {_fmt(_shape(x))}, but a {pool.record} pool of "
+                f"{g.name!r} (L={g.gdn_layers}, H={g.num_k_heads}, HV={g.num_v_heads}, K={g.head_k_dim}, "
+                f"V={g.head_v_dim}) with {S} slots, {rows} scratch rows and D={D} (from its conv windows) has "
+                f"{spec.dtype} {_fmt(spec.shape)}: it was recorded for another geometry, record mode or pool"
+            )
+    if pool.deferred is not None:
+        for got, want in zip(jax.tree.leaves(pool.deferred.tape), jax.tree.leaves(pool.tape)):
+            if _shape(got) != _shape(want) or got.dtype != want.dtype or type(pool.deferred.tape) is not type(pool.tape):
+                raise ValueError(f"{fn}: the pool's deferred tape must be shaped like its tape, "
+                                 f"got {type(pool.deferred.tape).__name__} {_fmt(_shape(got))}")  # fmt: skip
 
 
 def _check_rows(fn: str, rows, N: int):
@@ -410,12 +507,15 @@ def _verify_layer(pool, layer, mixed_qkv, a, b, conv_weight, conv_bias, A_log, d
     match = (slots[:, None] == d.slots[None, :]) & (d.slots[None, :] >= 0)  # [N, P]
     has, j = match.any(1), jnp.argmax(match, axis=1)
     pick = lambda x: jnp.where(has, x[j], -1)  # noqa: E731
-    pending = api.Pending(d.tape, pick(d.rows), pick(d.steps), pick(d.track_slots), pick(d.track_steps))
+    current, pending_tape = d.buffers(pool.tape)
+    pending = api.Pending(pending_tape, pick(d.rows), pick(d.steps), pick(d.track_slots), pick(d.track_steps))
     outputs, tape, ssm = api.commit_and_verify(
-        pool.ssm, pending, q, k, v, a, b, A_log, dt_bias, slots=slots, layer=layer, tape=pool.tape, rows=rows,
+        pool.ssm, pending, q, k, v, a, b, A_log, dt_bias, slots=slots, layer=layer, tape=current, rows=rows,
         scale=scale, backend=backend,
     )  # fmt: skip
     d = dataclasses.replace(d, applied=d.applied | match.any(0))
+    if d.parity:
+        return outputs, dataclasses.replace(pool, ssm=ssm, conv_windows=windows, deferred=dataclasses.replace(d, tape=tape))
     return outputs, dataclasses.replace(pool, ssm=ssm, tape=tape, conv_windows=windows, deferred=d)
 
 
@@ -428,16 +528,28 @@ def commit(
     rows: jax.Array | None = None,
     *,
     backend: str = "auto",
+    checked: bool = False,
 ) -> StatePool:
     """Commit every layer: accepted (and track) SSM states and conv windows (the pool is donated).
 
-    Arguments and skipping rules as in :func:`gdn_lossless_jax.commit` (``[N]`` int each);
-    the SSM part is that function on ``pool.ssm`` and ``pool.tape``, the conv part
-    :func:`gdn_lossless_jax.conv.conv_commit` on ``pool.conv`` and ``pool.conv_windows``.
-    Returns the new pool; the scratch is left as it was.
+    Arguments and skipping rules as in :func:`gdn_lossless_jax.commit` (``[N]`` int each;
+    ``steps`` are 0-based, not accepted lengths); the SSM part is that function on
+    ``pool.ssm`` and ``pool.tape``, the conv part :func:`gdn_lossless_jax.conv.conv_commit`
+    on ``pool.conv`` and ``pool.conv_windows``. Returns the new pool; the scratch is left
+    as it was. A pool whose arrays are not those :func:`allocate` gives its geometry (a tape
+    from another geometry, record mode or pool) is rejected before anything is donated.
+
+    ``checked=True`` raises instead of skipping (:mod:`gdn_lossless_jax.checked`), before
+    the pool is donated, so the pool is still usable after the error. The bounds are the
+    allocated ones: slots ``[0, S+1)`` and rows ``[0, R+1)`` (the padding slot and row
+    count), so padding requests that share the padding slot fail as duplicate slots.
     """
     if not isinstance(pool, StatePool):
         raise TypeError(f"commit: argument 'pool' must be a StatePool, got {type(pool).__name__}")
+    _check_arrays("commit", pool)
+    if checked:
+        ints = api._commit_index_args("pool.commit", slots, steps, track_slots, track_steps, rows)
+        checked_mode.check_commit("pool.commit", pool.ssm.shape[1], pool.rows, pool.drafts, *ints)
     # Defaults (None) are filled, and every argument checked, by the two commits it calls.
     return _commit(pool, slots, steps, track_slots, track_steps, rows, backend=backend)
 
@@ -449,7 +561,7 @@ def _commit(pool, slots, steps, track_slots, track_steps, rows, *, backend):
         ssm = api.commit(pool.ssm, pool.tape, slots, steps, track_slots, track_steps, rows, backend=backend)
         return dataclasses.replace(pool, ssm=ssm, conv=conv)
     # The previous step's entries no verify of this step applied (requests that left) go in now;
-    # this step's SSM commit waits for the next verify, and the scratch buffers swap.
+    # this step's SSM commit waits for the next verify, which writes the other scratch tape.
     pool = _flush(pool, backend)
     P, N = pool.rows, slots.shape[0]
     if N > P:
@@ -459,15 +571,17 @@ def _commit(pool, slots, steps, track_slots, track_steps, rows, *, backend):
         track_slots = track_steps = np.full((N,), -1, np.int32)
     if rows is None:
         rows = np.arange(N, dtype=np.int32)
-    d = Deferred(pool.tape, pad(slots), pad(steps), pad(track_slots), pad(track_steps), pad(rows), jnp.zeros((P,), bool))
-    return dataclasses.replace(pool, conv=conv, tape=pool.deferred.tape, deferred=d)
+    d = Deferred(pool.deferred.tape, pad(slots), pad(steps), pad(track_slots), pad(track_steps), pad(rows),
+                 jnp.zeros((P,), bool), parity=not pool.deferred.parity)  # fmt: skip
+    return dataclasses.replace(pool, conv=conv, deferred=d)
 
 
 def _flush(pool: StatePool, backend: str) -> StatePool:
     """Apply the deferred entries not yet applied; they are marked applied."""
     d = pool.deferred
     off = lambda x: jnp.where(d.applied, -1, x)  # noqa: E731
-    ssm = api.commit(pool.ssm, d.tape, d.slots, off(d.steps), d.track_slots, off(d.track_steps), d.rows, backend=backend)
+    _, tape = d.buffers(pool.tape)
+    ssm = api.commit(pool.ssm, tape, d.slots, off(d.steps), d.track_slots, off(d.track_steps), d.rows, backend=backend)
     return dataclasses.replace(pool, ssm=ssm, deferred=dataclasses.replace(d, applied=jnp.ones_like(d.applied)))
 
 

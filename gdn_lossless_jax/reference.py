@@ -47,6 +47,7 @@ __all__ = [
     "commit_accepted_first",
     "read_slots",
     "write_rows",
+    "verify_form",
 ]
 
 F32 = jnp.float32
@@ -95,8 +96,11 @@ def ksum(x):
 
 
 def l2norm(x):
-    """``x / sqrt(sum(x * x) + 1e-6)`` over the last axis, in fp32 (step 2)."""
-    x = x.astype(F32)
+    """``x / sqrt(sum(x * x) + 1e-6)`` over the last axis, in fp32 (step 2).
+
+    (In float64 for a float64 ``x``: the plain formulation of gdn_lossless_jax.autodiff.)
+    """
+    x = x.astype(jnp.promote_types(F32, x.dtype))
     return x / jnp.sqrt(ksum(x * x)[..., None] + L2NORM_EPS)
 
 
@@ -144,14 +148,23 @@ def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record: str = "tuples", sca
     q/k head, ``g``; fp32) or a :class:`Snapshots` tape (the state after every step,
     rounded to ``state0.dtype``). The outputs do not depend on ``record``.
     """
-    out_dtype = out_dtype or q.dtype
-    HV = v.shape[2]
     qn, kn, g, beta = prepare(q, k, a, b, A_log, dt_bias, scale)
-    xs = (_expand_heads(qn, HV), _expand_heads(kn, HV), v.astype(F32), g, beta)
+    return chain(state0, qn, kn, v, g, beta, record=record, out_dtype=out_dtype or q.dtype)
+
+
+def chain(state0, qn, kn, v, g, beta, *, record: str, out_dtype, step: Callable = gdn_step):
+    """The state chain of :func:`verify` from prepared inputs (:func:`prepare`), in ``qn``'s dtype.
+
+    ``step`` is the state transition (:func:`gdn_step` with the pinned rule; the plain-float
+    formulation of :mod:`gdn_lossless_jax.autodiff` passes one without pinned rounding).
+    """
+    dtype = qn.dtype
+    HV = v.shape[2]
+    xs = (_expand_heads(qn, HV), _expand_heads(kn, HV), v.astype(dtype), g, beta)
     xs = jax.tree.map(lambda t: jnp.moveaxis(t, 1, 0), xs)  # scan over D
 
     def body(S, x):
-        S_new, (o, u) = gdn_step(S, x)
+        S_new, (o, u) = step(S, x)
         return S_new, (o, u, S_new)
 
     # One program for both record modes: the scan emits the outputs, u and the fp32 states,
@@ -161,7 +174,7 @@ def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record: str = "tuples", sca
     # to the pool dtype after the loop: rounding bf16 inside it made XLA:CPU's compile hang.
     # The reference thus materialises the snapshots in tuples mode too: it is the
     # specification, not the memory-lean path.
-    _, ys = lax.scan(body, state0.astype(F32), xs)
+    _, ys = lax.scan(body, state0.astype(dtype), xs)
     o, u, states = (jnp.moveaxis(y, 0, 1) for y in lax.optimization_barrier(ys))
     states = states.astype(state0.dtype)
     outputs = o.astype(out_dtype)
@@ -186,6 +199,33 @@ def write_rows(buffer, layer, rows, tape):
     return jax.tree.map(lambda b, t: b.at[layer, idx, :D].set(t.astype(b.dtype), mode="drop"), buffer, tape)
 
 
+def verify_form(
+    state0, q, k, v, a, b, A_log, dt_bias, *, record: str, scale: float, out_dtype, slots=None, layer=None, tape=None,
+    tape_layer=None, rows=None, pending=None, verify_fn: Callable = verify, commit_fn: Callable | None = None,
+):  # fmt: skip
+    """:func:`verify` in every form of :func:`gdn_lossless_jax.verify`, as the backends take it.
+
+    With ``pending`` (``(rows, steps, track_slots, track_steps, tape layer, tape)``), the
+    previous step's commit of this layer first (:func:`commit`), then the verify from the pool
+    it leaves; with ``slots`` (and ``layer``), the states gathered from the pool
+    (:func:`read_slots`); with ``tape``, the tape scattered into that buffer at ``rows``
+    (:func:`write_rows`). Returns ``(outputs, tape)``, and the pool after the pending commit
+    when there is one. ``verify_fn`` and ``commit_fn`` (default :func:`verify` and
+    :func:`commit`) are what runs: gdn_lossless_jax.autodiff passes its plain formulations.
+    """
+    commit_fn = commit_fn or commit
+    if pending is not None:  # the previous step's commit of this layer, then the verify from the pool it leaves
+        prows, psteps, ptslots, ptsteps, prev_layer, prev = pending
+        one = jax.tree.map(lambda x: x[prev_layer][None], prev)
+        committed = commit_fn(state0[layer][None], one, slots, psteps, ptslots, ptsteps, prows)
+        state0 = lax.dynamic_update_index_in_dim(state0, committed[0], layer, 0)
+    state = state0 if slots is None else read_slots(state0, layer, slots)
+    outputs, new = verify_fn(state, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, out_dtype=out_dtype)
+    if tape is not None:
+        new = write_rows(tape, tape_layer, rows, new)
+    return (outputs, new) if pending is None else (outputs, new, state0)
+
+
 def replay_two(state0, tuples: Tuples, steps, track_steps, *, rule: Callable = rounding.apply_rule):
     """One pass over the chain that yields the states after ``steps`` and ``track_steps``.
 
@@ -199,13 +239,16 @@ def replay_two(state0, tuples: Tuples, steps, track_steps, *, rule: Callable = r
       state0's dtype.
     """
     D, HV = tuples.u.shape[1], tuples.u.shape[2]
+    # The chain runs in the tape's precision: float32 (the library's tapes are fp32); the
+    # plain formulation of gdn_lossless_jax.autodiff runs it in float64 under x64.
+    dtype = jnp.promote_types(F32, tuples.u.dtype)
     xs = (
         jnp.moveaxis(tuples.u, 1, 0),
         jnp.moveaxis(_expand_heads(tuples.k, HV), 1, 0),
         jnp.moveaxis(tuples.g, 1, 0),
         jnp.arange(D, dtype=jnp.int32),
     )
-    S0 = state0.astype(F32)
+    S0 = state0.astype(dtype)
     steps, track_steps = jnp.asarray(steps, jnp.int32), jnp.asarray(track_steps, jnp.int32)
     sel = lambda t, idx: (t == idx)[:, None, None, None]  # noqa: E731
 

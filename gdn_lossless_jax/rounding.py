@@ -19,6 +19,9 @@ product. So every form here is pinned:
   subnormals (as the GPU does), work with x64 off, and lower in XLA on any platform, in
   Pallas interpret mode and in Pallas Triton. On CUDA they are bit-identical to
   ``mul.rn.f32`` / ``fma.rn.f32`` (tested on the H200).
+* All three are differentiable (``jax.custom_jvp``): the derivative is that of the exact
+  operation they round (``a * b + c``, ``x * y``, ``x + y``), never the silent zero that
+  autodiff would find through the integer bit manipulation.
 * :func:`apply_rule` is the rule itself, written once and used by verify, replay and
   every backend (backends may pass hardware instructions for ``mul``/``fma``).
 * The naive forms (:func:`naive_update`, :func:`twice_rounded_update`,
@@ -164,8 +167,8 @@ def _float(bits):
 # ---------------------------------------------------------------------------------
 # The exactly rounded fused multiply-add, from integer operations.
 # ---------------------------------------------------------------------------------
-def fma_rn(a, b, c):
-    """``rn(a * b + c)`` in float32 with one rounding (round to nearest even).
+def _fma_rn(a, b, c):
+    """``rn(a * b + c)`` from integer operations; see :func:`fma_rn` (this one has no derivative).
 
     Portable and compiler-proof: the product is formed exactly as a 48-bit integer, the
     sum in a 64-bit (two-word) fixed-point accumulator with a sticky bit, and the result
@@ -259,19 +262,93 @@ def fma_rn(a, b, c):
     return _float(out)
 
 
+def _mul_rn(x, y):
+    # -0.0 is the additive identity that also keeps the sign of a zero product.
+    return _fma_rn(x, y, np.float32(-0.0))
+
+
+def _add_rn(x, y):
+    return _fma_rn(x, np.float32(1.0), y)
+
+
+# ---------------------------------------------------------------------------------
+# The public primitives: the exact values above, with the derivatives of the exact
+# operations they round (``a*b + c``, ``x*y``, ``x+y``). The bit manipulation inside has
+# no useful derivative (a bitcast to an integer is a constant to autodiff, so it would
+# give a silent zero). Kernels call the underscored functions: a kernel is never
+# differentiated (gdn_lossless_jax.autodiff gives verify, replay and commit their
+# derivatives), and its lowering stays as it was (Pallas Triton's lowering of a
+# custom_jvp call rejects a body with closed-over constants).
+# ---------------------------------------------------------------------------------
+def _f32_tangent(t, shape):
+    """A tangent as float32 of the result's shape (a float0 tangent of an integer input is 0)."""
+    if jax.dtypes.issubdtype(jnp.result_type(t), jax.dtypes.float0):
+        return jnp.zeros(shape, jnp.float32)
+    return jnp.broadcast_to(jnp.asarray(t, jnp.float32), shape)
+
+
+def _f32(x):
+    return jnp.asarray(x, jnp.float32)
+
+
+@jax.custom_jvp
+def fma_rn(a, b, c):
+    """``rn(a * b + c)`` in float32 with one rounding (round to nearest even).
+
+    Portable and compiler-proof: the product is formed exactly as a 48-bit integer, the
+    sum in a 64-bit (two-word) fixed-point accumulator with a sticky bit, and the result
+    is rounded once. Subnormal inputs and results are kept; overflow gives infinity;
+    NaN results are the canonical NaN ``0x7FFFFFFF`` (as ``fma.rn.f32`` returns).
+    Differentiable: the derivative is that of ``a * b + c`` (``jax.grad``, ``jax.jvp``).
+
+    Args:
+      a, b, c: float32 arrays (broadcastable to a common shape).
+    Returns:
+      float32 array of the broadcast shape.
+    """
+    return _fma_rn(a, b, c)
+
+
+@fma_rn.defjvp
+def _fma_rn_jvp(primals, tangents):
+    out = fma_rn(*primals)
+    a, b, _ = (_f32(x) for x in primals)
+    da, db, dc = (_f32_tangent(t, out.shape) for t in tangents)
+    return out, da * b + a * db + dc
+
+
+@jax.custom_jvp
 def mul_rn(x, y):
-    """``rn(x * y)`` in float32, keeping subnormals: ``fma_rn(x, y, -0.0)``.
+    """``rn(x * y)`` in float32, keeping subnormals (``fma_rn(x, y, -0.0)``).
 
     A plain ``x * y`` is not enough on XLA:CPU, which flushes subnormal products and
-    inputs to zero; the GPU keeps them. ``-0.0`` is the additive identity that also keeps
-    the sign of a zero product.
+    inputs to zero; the GPU keeps them. Differentiable: the derivative is that of ``x * y``.
     """
-    return fma_rn(x, y, np.float32(-0.0))
+    return _mul_rn(x, y)
 
 
+@mul_rn.defjvp
+def _mul_rn_jvp(primals, tangents):
+    out = mul_rn(*primals)
+    x, y = (_f32(v) for v in primals)
+    dx, dy = (_f32_tangent(t, out.shape) for t in tangents)
+    return out, dx * y + x * dy
+
+
+@jax.custom_jvp
 def add_rn(x, y):
-    """``rn(x + y)`` in float32, pinned (``fma_rn(x, 1, y)``): no product to contract."""
-    return fma_rn(x, np.float32(1.0), y)
+    """``rn(x + y)`` in float32, pinned (``fma_rn(x, 1, y)``): no product to contract.
+
+    Differentiable: the derivative is that of ``x + y``.
+    """
+    return _add_rn(x, y)
+
+
+@add_rn.defjvp
+def _add_rn_jvp(primals, tangents):
+    out = add_rn(*primals)
+    dx, dy = (_f32_tangent(t, out.shape) for t in tangents)
+    return out, dx + dy
 
 
 # ---------------------------------------------------------------------------------

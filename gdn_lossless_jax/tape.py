@@ -8,10 +8,24 @@ Shapes are given per layer; a tape for ``commit`` carries a leading layer axis `
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
-__all__ = ["Tuples", "Snapshots", "Tape", "Pending"]
+__all__ = ["Tuples", "Snapshots", "Tape", "Pending", "stack_tapes", "replace_fields"]
+
+
+def replace_fields(obj: Any, fields: dict[str, Any]) -> Any:
+    """``dataclasses.replace(obj, **fields)``, with an error that lists the fields on a typo."""
+    names = [f.name for f in dataclasses.fields(obj)]
+    unknown = [n for n in fields if n not in names]
+    if unknown:
+        raise TypeError(
+            f"{type(obj).__name__}.replace: unknown field {unknown[0]!r}; the fields are {', '.join(names)}"
+        )
+    return dataclasses.replace(obj, **fields)
 
 
 @jax.tree_util.register_dataclass
@@ -34,6 +48,10 @@ class Tuples:
     def num_steps(self) -> int:
         return self.u.shape[-3]
 
+    def replace(self, **fields: jax.Array) -> "Tuples":
+        """A copy with the given fields replaced, e.g. ``tape.replace(g=g2)``."""
+        return replace_fields(self, fields)
+
     @property
     def num_rows(self) -> int:
         return self.u.shape[-4]
@@ -53,6 +71,10 @@ class Snapshots:
     @property
     def num_steps(self) -> int:
         return self.states.shape[-4]
+
+    def replace(self, **fields: jax.Array) -> "Snapshots":
+        """A copy with the given fields replaced, e.g. ``tape.replace(states=s2)``."""
+        return replace_fields(self, fields)
 
     @property
     def num_rows(self) -> int:
@@ -91,3 +113,41 @@ class Pending:
 
         off = np.full((n,), -1, np.int32)
         return cls(tape, off, off, off, off)
+
+    def replace(self, **fields: Any) -> "Pending":
+        """A copy with the given fields replaced, e.g. ``pending.replace(steps=s2)``."""
+        return replace_fields(self, fields)
+
+
+def stack_tapes(tapes: Sequence[Tape]) -> Tape:
+    """Stack per-layer tapes into one with a leading layer axis, as ``commit`` takes it.
+
+    Args:
+      tapes: one tape per GDN layer, all from :func:`gdn_lossless_jax.verify` in one record
+        mode and of one shape: :class:`Tuples` (``u [N, D, HV, V]``, ``k [N, D, H, K]``,
+        ``g [N, D, HV]``) or :class:`Snapshots` (``states [N, D, HV, V, K]``).
+    Returns:
+      The same kind of tape with every field stacked: ``[L, N, ...]`` for L tapes
+      (``jnp.stack``; dtypes kept).
+    """
+    tapes = list(tapes)
+    if not tapes:
+        raise ValueError("stack_tapes: need at least one layer's tape, got an empty sequence")
+    kind = type(tapes[0])
+    if kind not in (Tuples, Snapshots):
+        raise TypeError(f"stack_tapes: layer 0 must be a Tuples or Snapshots tape, got {kind.__name__}")
+    for layer, tape in enumerate(tapes[1:], start=1):
+        if type(tape) is not kind:
+            raise TypeError(
+                f"stack_tapes: layer {layer} is a {type(tape).__name__} tape but layer 0 a {kind.__name__} tape; "
+                "record every layer in one mode"
+            )
+        for f in dataclasses.fields(kind):
+            x, x0 = getattr(tape, f.name), getattr(tapes[0], f.name)
+            if np.shape(x) != np.shape(x0) or jnp.result_type(x) != jnp.result_type(x0):
+                raise ValueError(
+                    f"stack_tapes: layer {layer}'s field {f.name!r} is {jnp.result_type(x)}{list(np.shape(x))}, "
+                    f"layer 0's {jnp.result_type(x0)}{list(np.shape(x0))}; every layer's tape must have one shape "
+                    "and dtype"
+                )
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *tapes)

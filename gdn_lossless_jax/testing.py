@@ -8,12 +8,17 @@ The oracles here share no code with the library: the fused multiply-add is compu
 float64 with round-to-odd (an f64 product of two f32 is exact; a sum rounded to odd in 53
 bits and then to nearest in 24 bits is correctly rounded), in NumPy, which keeps
 subnormals.
+
+The shared equivalence suite ships here too: :func:`run_equivalence_suite` checks a
+backend (yours: any object with ``verify``, ``replay`` and ``commit``) against its own
+snapshot path (:mod:`gdn_lossless_jax.equivalence`, loaded on first use).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import chex
 import jax
 import numpy as np
 
@@ -23,7 +28,10 @@ __all__ = [
     "BitwiseReport",
     "compare_bitwise",
     "assert_bitwise_equal",
+    "assert_trees_bitwise_equal",
     "assert_bitwise_differs",
+    "run_equivalence_suite",
+    "DEFAULT_SHAPES",
     "fma_oracle",
     "mul_oracle",
     "replay_oracle",
@@ -85,6 +93,27 @@ def _leaf_name(path) -> str:
     return jax.tree_util.keystr(path) or "<root>"
 
 
+def _leaf_mismatch(e, a) -> tuple[str, int, int] | None:
+    """None if two arrays are bitwise equal; else (message, differing elements, largest ULP)."""
+    e, a = np.asarray(e), np.asarray(a)
+    if e.shape != a.shape or e.dtype != a.dtype:
+        return f"expected {e.dtype}{list(e.shape)}, got {a.dtype}{list(a.shape)}", 0, 0
+    diff = bits(e) != bits(a)
+    n = int(diff.sum())
+    if not n:
+        return None
+    idx = np.unravel_index(int(np.argmax(diff)), e.shape) if e.ndim else ()
+    msg = (
+        f"{n} of {e.size} elements differ; first at index {tuple(int(i) for i in idx)}: "
+        f"expected {e[idx]!s} (0x{int(bits(e)[idx]):x}), got {a[idx]!s} (0x{int(bits(a)[idx]):x})"
+    )
+    ulp = 0
+    if e.dtype.kind == "f" or e.dtype.name == "bfloat16":
+        ulp = int(ulp_distance(e, a).max())
+        msg += f"; largest distance {ulp} ULP"
+    return msg, n, ulp
+
+
 def compare_bitwise(expected: Any, actual: Any) -> BitwiseReport:
     """Compare two pytrees leaf by leaf on bit patterns; see :func:`assert_bitwise_equal`."""
     e_leaves, e_tree = jax.tree_util.tree_flatten_with_path(expected)
@@ -93,26 +122,13 @@ def compare_bitwise(expected: Any, actual: Any) -> BitwiseReport:
         return BitwiseReport([f"tree structures differ: {e_tree} vs {a_tree}"], len(e_leaves), 0, 0)
     mismatches, max_ulp, differing = [], 0, 0
     for (path, e), (_, a) in zip(e_leaves, a_leaves):
-        name = _leaf_name(path)
-        e, a = np.asarray(e), np.asarray(a)
-        if e.shape != a.shape or e.dtype != a.dtype:
-            mismatches.append(f"{name}: expected {e.dtype}{list(e.shape)}, got {a.dtype}{list(a.shape)}")
+        found = _leaf_mismatch(e, a)
+        if found is None:
             continue
-        diff = bits(e) != bits(a)
-        n = int(diff.sum())
-        if not n:
-            continue
+        msg, n, ulp = found
+        mismatches.append(f"{_leaf_name(path)}: {msg}")
         differing += n
-        idx = np.unravel_index(int(np.argmax(diff)), e.shape) if e.ndim else ()
-        msg = (
-            f"{name}: {n} of {e.size} elements differ; first at index {tuple(int(i) for i in idx)}: "
-            f"expected {e[idx]!r} (0x{int(bits(e)[idx]):x}), got {a[idx]!r} (0x{int(bits(a)[idx]):x})"
-        )
-        if e.dtype.kind == "f" or e.dtype.name == "bfloat16":
-            ulp = int(ulp_distance(e, a).max())
-            max_ulp = max(max_ulp, ulp)
-            msg += f"; largest distance {ulp} ULP"
-        mismatches.append(msg)
+        max_ulp = max(max_ulp, ulp)
     return BitwiseReport(mismatches, len(e_leaves), max_ulp, differing)
 
 
@@ -126,6 +142,27 @@ def assert_bitwise_equal(expected: Any, actual: Any, msg: str = "") -> None:
     report = compare_bitwise(expected, actual)
     if not report.equal:
         raise AssertionError((msg + ": " if msg else "") + str(report))
+
+
+def assert_trees_bitwise_equal(*trees: Any) -> None:
+    """Assert that all trees equal the first one bit for bit: chex's
+    ``assert_trees_all_equal``, on bit patterns.
+
+    Named and reported as chex does (it is built on
+    ``chex.assert_trees_all_equal_comparator``, so ``chex.disable_asserts`` turns it off
+    too): on failure, ``Trees 0 and 1 differ in leaves 'u': 2 of 6 elements differ; first
+    at index (0, 1): expected 1.0 (0x3f800000), got 1.0000002 (0x3f800002); largest distance
+    2 ULP.`` Unlike ``chex.assert_trees_all_equal``, ``+0`` and ``-0`` differ, and so do NaNs
+    with different payloads; shapes and dtypes must match exactly.
+
+    Args:
+      *trees: at least two pytrees of arrays with one structure.
+    Raises:
+      AssertionError: naming the first tree and leaf that differ.
+    """
+    chex.assert_trees_all_equal_comparator(
+        lambda e, a: _leaf_mismatch(e, a) is None, lambda e, a: _leaf_mismatch(e, a)[0], *trees
+    )
 
 
 def assert_bitwise_differs(expected: Any, actual: Any, msg: str = "") -> BitwiseReport:
@@ -199,3 +236,13 @@ def replay_oracle(state0, u, k, alpha, steps, *, heads_per_group: int | None = N
                 Sd = mul_oracle(S[n, hv], alpha[n, t, hv])
                 S[n, hv] = fma_oracle(k[n, t, hv // r][None, :], u[n, t, hv][:, None], Sd)
     return S.astype(state0.dtype)
+
+
+def __getattr__(name: str):
+    # The suite imports the whole library; loaded on first use, so that the library can
+    # import this module (and this module stays light for tests that only compare bits).
+    if name in ("run_equivalence_suite", "DEFAULT_SHAPES"):
+        from . import equivalence
+
+        return getattr(equivalence, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

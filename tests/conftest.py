@@ -4,9 +4,27 @@ import zlib
 
 import jax
 import pytest
+from hypothesis import HealthCheck, settings
 
 # Tests compare bit patterns of float32 work: keep JAX's defaults (x64 off) everywhere.
 jax.config.update("jax_enable_x64", False)
+
+# Hypothesis profiles: "ci" (the default) keeps the property tests to a few minutes on 2 cores;
+# "long" (HYPOTHESIS_PROFILE=long) runs LONG_FACTOR times the examples (tests set their CI
+# count through examples(); others get 1000). Every example may compile new shapes (seconds
+# on the CPU): no deadline.
+LONG_FACTOR = 25
+_SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
+settings.register_profile("ci", deadline=None, print_blob=True, suppress_health_check=_SLOW_OK)
+settings.register_profile("long", parent=settings.get_profile("ci"), max_examples=1000)
+HYPOTHESIS_PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+settings.load_profile(HYPOTHESIS_PROFILE)
+
+
+def examples(ci: int) -> int:
+    """A property test's example count: ``ci`` in the CI profile, LONG_FACTOR times that in "long"."""
+    return ci * (LONG_FACTOR if HYPOTHESIS_PROFILE == "long" else 1)
+
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -27,7 +45,8 @@ def pytest_terminal_summary(terminalreporter):
 def pytest_report_header(config):
     return (
         f"jax {jax.__version__}, default backend {jax.default_backend()}; "
-        f"GDN_SEED={os.environ['GDN_SEED']} (set it to reproduce this run's inputs)"
+        f"GDN_SEED={os.environ['GDN_SEED']} (set it to reproduce this run's inputs); "
+        f"hypothesis profile {HYPOTHESIS_PROFILE!r}"
     )
 
 

@@ -1,11 +1,15 @@
-"""Argument checks: clear errors before anything is computed."""
+"""Argument checks: clear errors before anything is computed; the small helpers."""
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import gdn_lossless_jax as gl
 from gdn_lossless_jax.cases import Shape, verify_inputs
+from gdn_lossless_jax.testing import assert_trees_bitwise_equal
 
 SHAPE = Shape(N=2, D=3, H=2, HV=4, K=8, V=4)
 
@@ -85,3 +89,94 @@ def test_replay_and_commit_reject(x):
         gl.commit(pool, gl.Snapshots(jnp.ones((1, 2, 3, 4, 4, 8), jnp.bfloat16)), idx, idx)
     with pytest.raises(ValueError, match=r"'pool' must have rank 5"):
         gl.commit(pool[0], stacked, idx, idx)
+
+
+# ---------------------------------------------------------------------------------
+# Argument traps a user runs into: each is named, with the way out.
+# ---------------------------------------------------------------------------------
+def test_transposed_q_and_k_are_named(x):
+    qt, kt = jnp.swapaxes(x["q"], 1, 2), jnp.swapaxes(x["k"], 1, 2)  # [N, H, D, K]
+    with pytest.raises(ValueError, match=r"'q' has shape \[2, 2, 3, 8\], which reads as \[N, H, D, K\].*swapaxes\(q, 1, 2\)"):
+        gl.verify(**dict(x, q=qt, k=kt))
+    with pytest.raises(ValueError, match=r"'k' has shape \[2, 2, 3, 8\], which reads as \[N, H, D, K\].*swapaxes\(k, 1, 2\)"):
+        gl.verify(**dict(x, k=kt))
+
+
+def test_lists_are_converted_or_rejected(x):
+    as_f32 = {n: a.astype(jnp.float32) for n, a in x.items()}
+    lists = {n: np.asarray(a).tolist() for n, a in as_f32.items()}
+    assert_trees_bitwise_equal(gl.verify(**as_f32), gl.verify(**lists))
+    out, tape = gl.verify(**as_f32)
+    steps = [2, -1]
+    assert_trees_bitwise_equal(gl.replay(as_f32["state0"], tape, jnp.asarray(steps)), gl.replay(lists["state0"], tape, steps))
+    stacked = gl.stack_tapes([tape])
+    pool = as_f32["state0"][None]
+    assert_trees_bitwise_equal(
+        gl.commit(pool, stacked, jnp.asarray([1, 0]), jnp.asarray(steps)), gl.commit(pool.tolist(), stacked, [1, 0], steps)
+    )
+    with pytest.raises(TypeError, match=r"argument 'q' could not be converted to an array"):
+        gl.verify(**dict(x, q=[[1.0, 2.0], [3.0]]))
+    with pytest.raises(TypeError, match=r"argument 'A_log' must be an array .* got str"):
+        gl.verify(**dict(x, A_log="zeros"))
+    with pytest.raises(TypeError, match=r"argument 'slots' must be an array .* got NoneType"):
+        gl.commit(pool, stacked, None, steps)
+
+
+@pytest.mark.parametrize("name", ["state0", "A_log", "dt_bias", "q", "v"])
+def test_float64_is_rejected_for_every_input(x, name):
+    """state0 and the parameters alike: fp32 computation would round them silently."""
+    f64 = np.asarray(x[name], np.float64)  # a numpy array keeps float64 with x64 off
+    with pytest.raises(TypeError, match=rf"'{name}' must be .*got dtype float64; cast it with {name}.astype\(jnp.float32\)"):
+        gl.verify(**dict(x, **{name: f64}))
+    gl.verify(**dict(x, **{name: f64.astype(np.float32)}))  # the cast it asks for works
+
+
+def test_jit_needs_static_keywords(x):
+    with pytest.raises(TypeError, match=r"static_argnames.*|path record"):
+        jax.jit(gl.verify)(**x, record="snapshots")
+    jitted = jax.jit(gl.verify, static_argnames=("record", "backend", "scale", "out_dtype"))
+    assert_trees_bitwise_equal(gl.verify(**x, record="snapshots", scale=0.3), jitted(**x, record="snapshots", scale=0.3))
+    with pytest.raises(TypeError, match=r"'scale' is traced .* static_argnames"):
+        jax.jit(functools.partial(gl.verify, record="snapshots"))(**x, scale=0.3)
+
+
+# ---------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------
+def test_stack_tapes(x):
+    tapes = [gl.verify(**dict(x, v=x["v"] * (i + 1)))[1] for i in range(3)]
+    stacked = gl.stack_tapes(tapes)
+    assert_trees_bitwise_equal(jax.tree.map(lambda *t: jnp.stack(t), *tapes), stacked)
+    assert stacked.u.shape == (3, 2, 3, 4, 4) and stacked.num_rows == 2 and stacked.num_steps == 3
+    snaps = gl.stack_tapes([gl.verify(**x, record="snapshots")[1]] * 2)
+    assert snaps.states.shape == (2, 2, 3, 4, 4, 8)
+    with pytest.raises(ValueError, match="need at least one layer's tape"):
+        gl.stack_tapes([])
+    with pytest.raises(TypeError, match=r"layer 1 is a Snapshots tape but layer 0 a Tuples tape"):
+        gl.stack_tapes([tapes[0], snaps.replace(states=snaps.states[0])])
+    with pytest.raises(ValueError, match=r"layer 2's field 'u' is float32\[2, 2, 4, 4\], layer 0's float32\[2, 3, 4, 4\]"):
+        gl.stack_tapes([tapes[0], tapes[1], tapes[2].replace(u=tapes[2].u[:, :2])])
+
+
+def test_replace(x):
+    _, tape = gl.verify(**x)
+    g2 = tape.g * 2
+    new = tape.replace(g=g2)
+    assert new.g is g2 and new.u is tape.u and isinstance(new, gl.Tuples)
+    _, snp = gl.verify(**x, record="snapshots")
+    assert snp.replace(states=snp.states[:1]).num_rows == 1
+    with pytest.raises(TypeError, match=r"Tuples.replace: unknown field 'G'; the fields are u, k, g"):
+        tape.replace(G=g2)
+    geometry = gl.get_geometry("qwen3.6-35b-a3b").reduced(gdn_layers=1, heads_divisor=16, head_dim=8)
+    p = gl.pool.allocate(geometry, slots=2, requests=1, drafts=2)
+    ssm = p.ssm + 1
+    assert p.replace(ssm=ssm).ssm is ssm and p.replace(ssm=ssm).geometry == geometry
+    with pytest.raises(TypeError, match=r"StatePool.replace: unknown field 'states'"):
+        p.replace(states=ssm)
+
+
+def test_submodules_are_attributes():
+    import gdn_lossless_jax
+
+    for name in ("pool", "cases", "conv", "memory", "reference", "rounding", "testing", "autodiff", "checked"):
+        assert getattr(gdn_lossless_jax, name).__name__ == f"gdn_lossless_jax.{name}"

@@ -1,11 +1,19 @@
 """The bitwise assertion helpers must see what tolerances and chex hide."""
 
+import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from gdn_lossless_jax import Tuples
-from gdn_lossless_jax.testing import assert_bitwise_differs, assert_bitwise_equal, compare_bitwise, ulp_distance
+from gdn_lossless_jax.testing import (
+    assert_bitwise_differs,
+    assert_bitwise_equal,
+    assert_trees_bitwise_equal,
+    compare_bitwise,
+    ulp_distance,
+)
 
 
 def test_signed_zero_and_nan_payload_are_differences():
@@ -50,3 +58,24 @@ def test_differs_helper():
     assert_bitwise_differs(np.float32([1.0]), np.float32([-1.0]))
     with pytest.raises(AssertionError, match="expected a bitwise difference"):
         assert_bitwise_differs(np.float32([1.0]), np.float32([1.0]))
+
+
+def test_trees_bitwise_equal_chex_style():
+    a = Tuples(u=jnp.ones((2, 3)), k=jnp.zeros((2, 3)) + 2, g=jnp.full((2,), 0.5))
+    assert_trees_bitwise_equal(a, a, jax.tree.map(jnp.copy, a))
+    b_u = np.ones((2, 3), np.float32)
+    b_u[0, 1] = np.nextafter(np.nextafter(np.float32(1), np.float32(2)), np.float32(2))
+    b = Tuples(u=jnp.asarray(b_u), k=a.k, g=a.g)
+    with pytest.raises(AssertionError) as e:
+        assert_trees_bitwise_equal(a, a, b)
+    msg = str(e.value)
+    assert "Trees 0 and 2 differ in leaves 'u': 1 of 6 elements differ; first at index (0, 1)" in msg
+    assert "expected 1.0 (0x3f800000), got 1.0000002 (0x3f800002); largest distance 2 ULP" in msg
+    # What chex's own assertion lets through, this one catches.
+    chex.assert_trees_all_equal(np.float32([0.0]), np.float32([-0.0]))
+    with pytest.raises(AssertionError, match=r"Trees \(arrays\) 0 and 1 differ: 1 of 1 elements differ"):
+        assert_trees_bitwise_equal(np.float32([0.0]), np.float32([-0.0]))
+    with pytest.raises(AssertionError, match=r"expected float32\[2\], got bfloat16\[2\]"):
+        assert_trees_bitwise_equal(np.zeros(2, np.float32), jnp.zeros(2, jnp.bfloat16))
+    with pytest.raises(AssertionError, match="trees 0 and 1 do not match"):
+        assert_trees_bitwise_equal(a, (a.u, a.k, a.g))

@@ -16,6 +16,11 @@ and optionally ``check_available(op: str) -> None``, which raises
 :class:`BackendUnavailable` with a message naming the backend, the platform and the
 alternatives when it cannot run here. Semantics are those of the reference
 (:mod:`gdn_lossless_jax.reference`), bit for bit where the reference is pinned.
+
+A backend of your own is any object with these functions (a module, a class, a
+``types.SimpleNamespace``), passed as ``backend=`` instead of a name; it must be hashable
+to be passed through ``gdn_lossless_jax.pool`` (a module is). Check it with
+:func:`gdn_lossless_jax.testing.run_equivalence_suite`.
 """
 
 from __future__ import annotations
@@ -45,13 +50,28 @@ def _auto() -> str:
     return "pallas" if platform() == "gpu" else "reference"
 
 
-def resolve_name(name: str) -> str:
-    """The backend ``name`` stands for (``"auto"`` picks one); the name is not checked."""
-    return _auto() if name == "auto" else name
+def resolve_name(name) -> str:
+    """The backend ``name`` stands for (``"auto"`` picks one); the name is not checked (a
+    backend object of your own is returned as it is)."""
+    return _auto() if isinstance(name, str) and name == "auto" else name
 
 
-def resolve(name: str, op: str):
-    """Return the module implementing ``op`` for backend ``name`` (``"auto"`` picks one)."""
+def resolve(name, op: str):
+    """Return the module implementing ``op`` for backend ``name`` (``"auto"`` picks one).
+
+    ``name`` may also be a backend object of your own (see the module docstring): it is
+    returned as it is, once it has a callable ``op``.
+    """
+    if not isinstance(name, str):
+        if not callable(getattr(name, op, None)):
+            raise TypeError(
+                f"{op}: backend must be one of {('auto', *BACKENDS)} or an object with verify, replay and commit "
+                f"functions (see gdn_lossless_jax.backends); {name!r} has no callable {op!r}"
+            )
+        check = getattr(name, "check_available", None)
+        if check is not None:
+            check(op)
+        return name
     if name == "auto":
         name = _auto()
     if name not in BACKENDS:

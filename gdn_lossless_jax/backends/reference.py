@@ -23,16 +23,10 @@ def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, s
     # (allow_excess_precision) would otherwise fuse their producer and skip its rounding to
     # bf16 (seen on the H200: the pool path's outputs differed from the same call outside).
     q, k, v, a, b, A_log, dt_bias = jax.lax.optimization_barrier((q, k, v, a, b, A_log, dt_bias))
-    if pending is not None:  # the previous step's commit of this layer, then the verify from the pool it leaves
-        prows, psteps, ptslots, ptsteps, prev_layer, prev = pending
-        one = jax.tree.map(lambda x: x[prev_layer][None], prev)
-        committed = ref.commit(state0[layer][None], one, slots, psteps, ptslots, ptsteps, prows)
-        state0 = jax.lax.dynamic_update_index_in_dim(state0, committed[0], layer, 0)
-    state = state0 if slots is None else ref.read_slots(state0, layer, slots)
-    outputs, new = ref.verify(state, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, out_dtype=out_dtype)
-    if tape is not None:
-        new = ref.write_rows(tape, tape_layer, rows, new)
-    return (outputs, new) if pending is None else (outputs, new, state0)
+    return ref.verify_form(
+        state0, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, out_dtype=out_dtype, slots=slots,
+        layer=layer, tape=tape, tape_layer=tape_layer, rows=rows, pending=pending,
+    )  # fmt: skip
 
 
 replay = jax.jit(ref.replay)

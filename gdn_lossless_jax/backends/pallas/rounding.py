@@ -51,7 +51,9 @@ def _ptx() -> Ops:
 
 
 def _portable() -> Ops:
-    return Ops(mul=rounding.mul_rn, fma=rounding.fma_rn)
+    # The primal functions, without the public ones' custom_jvp: a kernel is never
+    # differentiated, and Pallas Triton's lowering of a custom_jvp call rejects closed-over constants.
+    return Ops(mul=rounding._mul_rn, fma=rounding._fma_rn)
 
 
 FORMS = ("ptx", "portable")

@@ -1,0 +1,49 @@
+"""Example: checking a backend of your own with the equivalence suite the package ships.
+
+``example_backend`` (tests/example_backend.py) is a tiny module wrapping the reference;
+``naive`` is the same with the replay's rounding left to the compiler
+(``rounding.naive_update``: ``S * alpha + k * u`` in one expression). The suite passes
+the first and must fail the second.
+"""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import example_backend
+import gdn_lossless_jax as gl
+from gdn_lossless_jax import reference, rounding
+from gdn_lossless_jax.cases import Shape, verify_inputs
+from gdn_lossless_jax.testing import assert_trees_bitwise_equal, run_equivalence_suite
+
+# One geometry (grouped heads, N = 5 for every masking rule) keeps this example short;
+# run_equivalence_suite's defaults cover three.
+SHAPES = [Shape(N=5, D=3, H=2, HV=4, K=8, V=8)]
+
+naive = types.SimpleNamespace(
+    verify=example_backend.verify,
+    replay=jax.jit(lambda s, t, st: reference.replay(s, t, st, rule=rounding.naive_update)),
+    commit=jax.jit(lambda p, t, *idx: reference.commit(p, t, *idx, rule=rounding.naive_update)),
+)
+
+
+def test_own_backend_passes(seed):
+    passed = run_equivalence_suite(example_backend, shapes=SHAPES, seed=seed)
+    assert len(passed) == 3  # fp32, bf16, the controls
+
+
+def test_naive_rounding_fails(seed):
+    with pytest.raises(AssertionError, match=r"equivalence suite, case mixed N=5 .* float32: layer 0 step \d"):
+        run_equivalence_suite(naive, shapes=SHAPES, state_dtypes=[jnp.float32], seed=seed, controls=False)
+
+
+def test_own_backend_through_the_api(seed):
+    """The API takes the backend object wherever it takes a name, and checks arguments first."""
+    x = verify_inputs(seed, SHAPES[0], kind="mixed")
+    assert_trees_bitwise_equal(gl.verify(**x, backend="reference"), gl.verify(**x, backend=example_backend))
+    with pytest.raises(ValueError, match=r"argument 'v' must have shape"):
+        gl.verify(**dict(x, v=x["v"][:, :, :2]), backend=example_backend)
+    with pytest.raises(TypeError, match=r"has no callable 'replay'"):
+        gl.replay(x["state0"], gl.verify(**x)[1], jnp.zeros(5, jnp.int32), backend=types.SimpleNamespace())
