@@ -195,8 +195,9 @@ def pool_kinds(p: pool_mod.StatePool) -> pool_mod.StatePool:
     A pool that defers its commit (``allocate(..., defer_commit=True)``) keeps the pending
     entries per scratch row (``[R+1]`` arrays: split like the rows)."""
     d = p.deferred
-    if d is not None:
-        d = pool_mod.Deferred(tape_kinds(d.tape), *(["index"] * 6))
+    if d is not None:  # (its static fields, the parity among them, as they are)
+        d = dataclasses.replace(d, tape=tape_kinds(d.tape), slots="index", steps="index", track_slots="index",
+                                track_steps="index", rows="index", applied="index")  # fmt: skip
     return dataclasses.replace(p, ssm="pool_state", conv="conv_pool", tape=tape_kinds(p.tape), conv_windows="conv_windows",
                                deferred=d)  # fmt: skip
 
