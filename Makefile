@@ -1,16 +1,20 @@
-# Two commands do everything on a fresh machine: `make check` (the main job, on the CPU)
-# and `make test` (the test suite). Both create .venv with a Python >= 3.12 on first use.
+# On a fresh machine: `make demo` (the main job, on the CPU: speculative decoding in both record
+# modes), `make check` (the bit-exactness report) and `make test` (the test suite). Each creates
+# .venv with a Python >= 3.12 on first use.
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: check test clean
+.PHONY: demo check test clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $$(scripts/python312.sh) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $(STAMP)
+
+demo: $(STAMP)
+	JAX_PLATFORMS=$${JAX_PLATFORMS-cpu} $(PY) -m gdn_lossless_jax demo $(ARGS)
 
 check: $(STAMP)
 	JAX_PLATFORMS=$${JAX_PLATFORMS-cpu} $(PY) -m gdn_lossless_jax check $(ARGS)

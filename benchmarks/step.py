@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import os
 import time
@@ -505,26 +506,11 @@ def _plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in result["rows"] if r["wall"].get("n")]
-    configs = sorted({r["config"] for r in rows}, key=lambda c: [int(x) for x in c.split("x")])
-    fig, axes = plt.subplots(1, len(configs), figsize=(6 * len(configs), 5), squeeze=False)
-    for ax, cfg in zip(axes[0], configs):
-        rs = [r for r in rows if r["config"] == cfg]
-        labels = [f"{r['backend']} {r['record'][:4]} {r['kind']}" for r in rs]
-        wall = [r["wall"]["median_us"] / 1e3 for r in rs]
-        dev = [(r.get("device_us") or 0) / 1e3 for r in rs]
-        y = np.arange(len(rs))
-        ax.barh(y + 0.2, wall, 0.4, label="wall-clock (median)")
-        ax.barh(y - 0.2, dev, 0.4, label="device time (all kernels)")
-        peer = [r for r in rs if r["backend"] == "sglang"]
-        if peer:
-            ax.axvline(peer[0]["wall"]["median_us"] / 1e3, color="k", ls="--", lw=1, label="SGLang step (wall)")
-        ax.set_yticks(y, labels, fontsize=7)
-        ax.set_xlabel("ms per speculative step (all layers)")
-        ax.set_title(cfg)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+    from gdn_lossless_jax import viz
+
+    fig = viz.plot_step(result)
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def parse_args(argv=None):
@@ -559,7 +545,8 @@ def main(argv=None) -> int:
     result = {
         "command": "python -m benchmarks.step " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
         "env": {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-                "xla_flags": os.environ.get("XLA_FLAGS", ""), "mesh": args.mesh if plan else None},  # fmt: skip
+                "xla_flags": os.environ.get("XLA_FLAGS", ""), "mesh": args.mesh if plan else None,
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},  # fmt: skip
         "rows": [],
     }
     out = Path(args.out)

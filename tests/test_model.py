@@ -249,12 +249,10 @@ def test_controls_are_caught(seed):
         t1, t2, resumed, states = _conversation(params, prompts, control)
         rep = assert_bitwise_differs(snap[2], resumed, f"{name}: the resumed state")
         diverged = (t1.tokens, t2.tokens) != (snap[0].tokens, snap[1].tokens)
+        # Caught by the resumed state's bits; whether a wrong state also flips a greedy token
+        # depends on the draw (with GDN_SEED=885234 the accepted-first state kept every token).
         print(f"\n{name}: resumed state {rep.differing} elements differ (max {rep.max_ulp} ULP); "
               f"tokens {'diverge' if diverged else 'still equal'}")
-    # The accepted-first state holds tokens past the boundary: far off, and the second turn
-    # that resumes from it must go elsewhere.
-    t1, t2, _, _ = _conversation(params, prompts, ACCEPTED_FIRST)
-    assert t2.tokens != snap[1].tokens, "accepted-first: the resumed turn gave the correct tokens"
 
 
 # ---------------------------------------------------------------------------------------
@@ -319,3 +317,21 @@ def test_errors_name_the_argument():
     with pytest.raises(KeyError, match=r"unknown model size 'huge'; known sizes: tiny, gpu"):
         get_config("huge")
     assert isinstance(CONFIG, ModelConfig)
+
+
+def test_bf16_state_pool_gives_identical_tokens_in_both_modes(seed):
+    """A bfloat16 SSM pool (snapshots rounded to bf16 on store, the replay rounded the same way):
+    the two record modes decode the same tokens and leave bit-identical states."""
+    import jax.numpy as jnp
+
+    params = init_params(CONFIG, seed)
+    prompts = _prompts(np.random.default_rng(seed))[:3]
+    runs = {}
+    for record in ("tuples", "snapshots"):
+        eng = Engine(params, CONFIG, record=record, drafts=4, max_batch=ROWS, max_len=MAX_LEN, track_interval=TRACK,
+                     state_dtype=jnp.bfloat16)  # fmt: skip
+        out = eng.generate([Request(p, 40, 0) for p in prompts])
+        runs[record] = ([r.tokens for r in out], _states(eng))
+    assert runs["tuples"][0] == runs["snapshots"][0]
+    assert_bitwise_equal(runs["snapshots"][1], runs["tuples"][1], "bf16 pool: final states")
+    assert runs["tuples"][1][0].dtype == jnp.bfloat16

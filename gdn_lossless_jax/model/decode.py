@@ -386,7 +386,9 @@ class SpecStep:
         if D == 1:
             return tokens
         s = _in_range(inputs.slots, pool.ssm.shape[1])
-        ssm0 = tuple(self._rows_only(pool.ssm.at[l, s].get(mode="fill", fill_value=0)) for l in range(c.draft_layers))
+        # The draft runs its states in fp32 whatever the pool's dtype (its chain only proposes tokens).
+        ssm0 = tuple(self._rows_only(pool.ssm.at[l, s].get(mode="fill", fill_value=0)).astype(jnp.float32)
+                     for l in range(c.draft_layers))  # fmt: skip
         conv0 = tuple(self._rows_only(pool.conv.at[l, s].get(mode="fill", fill_value=0)) for l in range(c.draft_layers))
 
         def body(carry, xs):
