@@ -145,8 +145,9 @@ KINDS: dict[str, Kind] = {
     "replicated": Kind(None, None),
 }
 
-#: The kind of every argument (and result) of every method; ``"tape"`` and ``"pool"`` stand for
-#: the trees :func:`tape_kinds` and :func:`pool_kinds` give for the value passed.
+#: The kind of every argument (and result) of every method; ``"tape"``, ``"pool"`` and ``"pending"``
+#: stand for the trees :func:`tape_kinds`, :func:`pool_kinds` and :func:`pending_kinds` give for
+#: the value passed.
 ARG_KINDS: dict[str, dict[str, str]] = {
     "verify": dict(state0="state", q="heads", k="heads", v="heads", a="per_step", b="per_step", A_log="per_head",
                    dt_bias="per_head", slots="index", layer="replicated", tape="tape", rows="index",
@@ -194,8 +195,9 @@ def pool_kinds(p: pool_mod.StatePool) -> pool_mod.StatePool:
     A pool that defers its commit (``allocate(..., defer_commit=True)``) keeps the pending
     entries per scratch row (``[R+1]`` arrays: split like the rows)."""
     d = p.deferred
-    if d is not None:
-        d = pool_mod.Deferred(tape_kinds(d.tape), *(["index"] * 6))
+    if d is not None:  # (its static fields, the parity among them, as they are)
+        d = dataclasses.replace(d, tape=tape_kinds(d.tape), slots="index", steps="index", track_slots="index",
+                                track_steps="index", rows="index", applied="index")  # fmt: skip
     return dataclasses.replace(p, ssm="pool_state", conv="conv_pool", tape=tape_kinds(p.tape), conv_windows="conv_windows",
                                deferred=d)  # fmt: skip
 
