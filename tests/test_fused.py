@@ -20,7 +20,7 @@ import pytest
 
 import gdn_lossless_jax as gl
 from conftest import ON_GPU
-from gdn_lossless_jax import api, backends
+from gdn_lossless_jax import api
 from gdn_lossless_jax.cases import Shape, verify_inputs
 from gdn_lossless_jax.testing import assert_bitwise_differs, assert_bitwise_equal
 

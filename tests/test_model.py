@@ -27,7 +27,7 @@ import pytest
 from gdn_lossless_jax import conv, reference, rounding
 from gdn_lossless_jax.cli import main
 from gdn_lossless_jax.model import Engine, ModelConfig, PrefixCache, Request, SpecStep, get_config, init_params
-from gdn_lossless_jax.testing import assert_bitwise_differs, assert_bitwise_equal, compare_bitwise
+from gdn_lossless_jax.testing import assert_bitwise_differs, assert_bitwise_equal
 
 CONFIG = get_config("tiny")
 MODES = ("tuples", "snapshots")

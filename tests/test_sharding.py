@@ -29,7 +29,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
 
 import gdn_lossless_jax as gl
 from conftest import ON_GPU, requires_gpu

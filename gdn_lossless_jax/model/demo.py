@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"tokens     tuples vs snapshots: {same:,} of {total:,} tokens equal"
           + ("" if first is None else f"; prompt {first} differs first"))
     report = compare_bitwise(sa, sb)
-    print(f"states     tuples vs snapshots, final SSM, conv and KV states: "
+    print("states     tuples vs snapshots, final SSM, conv and KV states: "
           + ("bit-identical" if report.equal else f"DIFFER\n  {report}"))
     if same == total and report.equal:
         print("verdict    identical: both record modes gave the same tokens and the same final states")

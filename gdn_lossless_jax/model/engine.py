@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .decode import CommitFn, DecodeState, SpecStep, StepInputs, allocate_state, copy_slot
+from .decode import CommitFn, SpecStep, StepInputs, allocate_state, copy_slot
 from .model import ModelConfig, Params
 
 __all__ = ["Request", "Result", "PrefixCache", "Engine"]
