@@ -440,11 +440,12 @@ def verify_layer(
 ) -> tuple[jax.Array, StatePool]:
     """Verify D draft tokens through one GDN layer, from the pool; record into scratch rows.
 
-    The conv runs over the slot's conv state (:func:`gdn_lossless_jax.conv.causal_conv1d_verify`),
+    The conv runs over the slot's conv state (:func:`gdn_lossless_jax.conv.verify_from_pool`),
     its output is split into ``[q | k | v]``, and :func:`gdn_lossless_jax.verify` runs from
-    the slot's SSM state in the pool's record mode. The tape and the conv windows go to
-    ``rows``; the states in the pool are not modified (commit writes them). The pool is
-    donated.
+    the slot's SSM state in the pool's record mode, each read by slot inside the kernels. The
+    tape and the conv windows go to ``rows`` in place; the states in the pool are not modified
+    (commit writes them), except that a pool allocated with ``defer_commit=True`` first applies
+    the previous step's SSM commit of this layer (:class:`Deferred`). The pool is donated.
 
     Args:
       pool: the :class:`StatePool`.
