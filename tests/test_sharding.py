@@ -487,6 +487,75 @@ def test_model_spec_step_on_a_mesh_gives_identical_tokens(tp, dp, backend, seed)
     assert p.ssm.sharding.is_equivalent_to(plan.sharding("pool_state", 5), 5)
 
 
+@needs_devices(2)
+def test_demo_cli_on_a_mesh_is_identical_to_a_single_device(capsys, monkeypatch):
+    """``gdn-lossless demo --mesh 2x1``: both record modes through the Engine on a 2 x 1 mesh (the
+    GDN heads over the tensor axis; conversations joining and leaving the batch, the second turn
+    resumed from the prefix cache), and one run on one device: the same tokens and bit-identical
+    final SSM, conv and KV states, so the verdict is 'identical'; a control (the mesh's conv states
+    compared in the tensor-parallel order) gives 'DIFFERENT' and exit status 1. (Not named "one
+    device": the subprocess deselects those.)"""
+    from gdn_lossless_jax.cli import main
+    from gdn_lossless_jax.model import Engine, get_config, init_params
+
+    args = ["demo", "--mesh", "2x1", "--prompts", "2", "--tokens", "40", "--turns", "2", "--batch", "2",
+            "--track-interval", "16", "--progress", "off"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    devices = ", ".join(f"{d.platform}:{d.id}" for d in jax.devices()[:2])
+    assert f"mesh 2x1 (tensor x data) over 2 devices: {devices}" in out, out
+    for label in ("tuples", "snapshots", "1 device"):
+        assert re.search(rf"^{label:<10} 160 tokens in .* tokens/s", out, re.MULTILINE), out
+    assert out.count("2 of 2 later turns resumed") == 3, out
+    for other in ("snapshots", "1 device"):
+        assert f"tuples vs {other}: 160 of 160 tokens equal" in out, out
+        assert f"tuples vs {other}, final SSM, conv and KV states: bit-identical" in out, out
+    assert "verdict    identical: tuples and snapshots on the 2x1 mesh and 1 device gave the same tokens" in out, out
+    # Control: the mesh's conv states compared in the tensor-parallel order (not read back) must differ.
+    # (The same shapes as above: the steps are not compiled again.)
+    def raw(self):
+        return jax.device_get((self.state.pool.ssm, self.state.pool.conv, self.state.kv))
+
+    monkeypatch.setattr(Engine, "host_states", raw)
+    assert main([*args, "--record", "tuples"]) == 1
+    out = capsys.readouterr().out
+    assert "tuples vs 1 device: 160 of 160 tokens equal" in out and "conv and KV states: DIFFER" in out, out
+    assert "verdict    DIFFERENT: tuples on the 2x1 mesh and 1 device disagree" in out, out
+    config = get_config("tiny")
+    with pytest.raises(ValueError, match=r"Engine: argument 'mesh' must have a data axis of size 1 .* got data axis "
+                       r"'data' of size 2"):  # fmt: skip
+        Engine(init_params(config, 0), config, mesh=make_plan(1, 2))
+
+
+def test_demo_mesh_errors_name_the_argument_and_sizes(capsys):
+    """``--mesh`` errors before anything runs: DP > 1, a TP that does not divide H (with the sizes
+    that fit), too few devices (with the XLA flag that simulates more on a CPU), a malformed size."""
+    from gdn_lossless_jax.cli import main
+    from gdn_lossless_jax.model import get_config
+    from gdn_lossless_jax.model.demo import mesh_plan
+
+    def error(*argv):
+        assert main(["demo", *argv, "--tokens", "4", "--progress", "off"]) == 2
+        out = capsys.readouterr()
+        assert out.out == "", out.out  # nothing ran
+        return out.err
+
+    assert re.search(r"--mesh 2x2: the demo splits heads only \(DP must be 1, got 2\); the data axis is exercised by "
+                     r"tests/test_sharding.py", error("--mesh", "2x2"))  # fmt: skip
+    assert re.search(r"--mesh 4x1 with --size tiny: H=2 q/k heads cannot be split over the tensor axis 'tensor' of "
+                     r"size 4: .* tensor sizes that fit: 1, 2$", error("--mesh", "4x1"), re.MULTILINE)  # fmt: skip
+    n, first = len(jax.devices()), f"{jax.devices()[0].platform}:{jax.devices()[0].id}"
+    assert re.search(rf"--mesh 16x1 needs 16 devices, {n} here \({first}.*\); on a CPU, set "
+                     r"XLA_FLAGS=--xla_force_host_platform_device_count=16 before JAX starts",
+                     error("--mesh", "16x1", "--size", "gpu"))  # fmt: skip
+    with pytest.raises(ValueError, match=rf"--mesh 2x1 needs 2 devices, 1 here \({first}\)"):
+        mesh_plan(2, 1, get_config("tiny"), devices=jax.devices()[:1])
+    for bad in ("2", "2x", "0x1"):
+        with pytest.raises(SystemExit):
+            main(["demo", "--mesh", bad])
+        assert "argument --mesh:" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------------
 # One device: the sharded code path equals the unsharded one (the GPU run of issue 21's "costs
 # no more than 3%" is benchmarks/step.py --kinds scan,scan-mesh,pool-scan,pool-scan-mesh).

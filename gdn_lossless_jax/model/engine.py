@@ -16,6 +16,11 @@ by the exact token prefix; it supersedes the request's previous entry (one entry
 request: its longest tracked prefix). A request whose prompt starts with a cached prefix
 copies that entry into its own slot and skips the prefix (:attr:`Result.resumed`). Entries
 are evicted least recently used when slots run out.
+
+On a device mesh (``Engine(..., mesh=plan)``, a :class:`~gdn_lossless_jax.sharding.MeshPlan`
+with a tensor axis only): the GDN heads with their q/k groups are split over the tensor axis,
+everything else is replicated, and the tokens and final states are those of one device
+(``gdn-lossless demo --mesh 2x1`` checks this).
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .decode import CommitFn, SpecStep, StepInputs, allocate_state, copy_slot
+from .. import sharding
+from .decode import CommitFn, SpecStep, StepInputs, allocate_state, copy_slot, place_on_mesh
 from .model import ModelConfig, Params
 
 __all__ = ["Request", "Result", "PrefixCache", "Engine"]
@@ -157,6 +163,14 @@ class Engine:
       backend: the library's backend (``"auto"``, ``"reference"``, ``"pallas"``, ``"triton"``).
       commit: the commit the step uses (tests inject controls; default the pool's).
       state_dtype: SSM state dtype.
+      mesh: a :class:`~gdn_lossless_jax.sharding.MeshPlan` to decode on, or None (one device).
+        The parameters and the state are placed with
+        :func:`~gdn_lossless_jax.model.decode.place_on_mesh` (so :attr:`params` then holds the
+        conv channels of ``w_qkv`` and ``conv_weight`` in the tensor-parallel order, and the
+        pool's conv states are in that order too: :meth:`host_states` reads them back), each
+        step's inputs are placed by row, and the step is ``SpecStep(..., mesh=mesh)``. The
+        data axis must have size 1: slots and scratch rows are allocated from one free list,
+        not per data shard, so a request's slot could live on another shard than its row.
     """
 
     def __init__(
@@ -173,19 +187,27 @@ class Engine:
         backend: str = "auto",
         commit: CommitFn | None = None,
         state_dtype=jnp.float32,
+        mesh: sharding.MeshPlan | None = None,
     ):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"Engine: argument 'max_batch' must be a positive integer, got {max_batch!r}")
-        self.params, self.config = params, config
+        if mesh is not None and mesh.dp != 1:
+            raise ValueError(
+                f"Engine: argument 'mesh' must have a data axis of size 1 (heads over the tensor axis only: the "
+                f"engine does not allocate slots and rows per data shard), got data axis {mesh.data!r} of size {mesh.dp}"
+            )
+        self.params, self.config, self.mesh = params, config, mesh
         self.drafts, self.max_batch, self.max_len = drafts, max_batch, max_len
         self.cache_entries = 2 * max_batch if cache_entries is None else cache_entries
         # Each active request holds its slot and a spare track slot; the cache holds the rest.
         n_slots = 2 * max_batch + (self.cache_entries if track_interval else 0)
-        self.step_fn = SpecStep(config, drafts, track_interval, backend, commit)
+        self.step_fn = SpecStep(config, drafts, track_interval, backend, commit, mesh)
         self.state = allocate_state(
             config, slots=n_slots, requests=max_batch, drafts=drafts, record=record, max_len=max_len,
             state_dtype=state_dtype,
         )  # fmt: skip
+        if mesh is not None:
+            self.params, self.state = place_on_mesh(mesh, config, params, self.state)
         self.cache = PrefixCache(track_interval)
         self._traces0 = self.step_fn.traces
         self._free_slots = collections.deque(range(n_slots))
@@ -202,6 +224,15 @@ class Engine:
         """How often the step was traced since this engine was made: 1 after the first step,
         and still 1 after any number of steps (0 if an equal engine had compiled it)."""
         return self.step_fn.traces - self._traces0
+
+    def host_states(self):
+        """The pool's SSM and conv states and the KV cache, ``(ssm, conv, KVCache)``, as NumPy
+        arrays on the host; on a mesh, the conv channels back in the usual ``[q | k | v]`` order
+        (what one device holds after the same requests)."""
+        ssm, conv, kv = jax.device_get((self.state.pool.ssm, self.state.pool.conv, self.state.kv))
+        if self.mesh is not None:
+            conv = np.asarray(sharding.from_tp_layout(conv, self.config.geometry, self.mesh.tp, -2))
+        return ssm, conv, kv
 
     # -- slots -------------------------------------------------------------------------
     def _take_slot(self) -> int:
@@ -267,7 +298,10 @@ class Engine:
             given = a.seq[a.pos : a.pos + D]
             slots[i], rows[i], pos[i], n_given[i], track[i] = a.slot, a.row, a.pos, len(given), a.track_slot
             tokens[i, : len(given)] = given
-        return StepInputs(*(jnp.asarray(x) for x in (slots, rows, pos, tokens, n_given, track)))
+        if self.mesh is None:
+            return StepInputs(*(jnp.asarray(x) for x in (slots, rows, pos, tokens, n_given, track)))
+        by_row = jax.sharding.NamedSharding(self.mesh.mesh, jax.sharding.PartitionSpec(self.mesh.data))
+        return jax.device_put(StepInputs(slots, rows, pos, tokens, n_given, track), by_row)
 
     def _absorb(self, a: _Active, out, i: int) -> None:
         """Update a request from row i of the step's outputs (NumPy arrays)."""
