@@ -402,8 +402,9 @@ def sglang_row(inp: StepInputs, clock: Clock, src=None) -> tuple[Row | None, str
         return None, "no CUDA device for torch"
     s, L = inp.shape, inp.geometry.gdn_layers
     N, D = s.N, s.D
-    dev = torch.device("cuda")
     t = torch.from_dlpack
+    dev = t(inp.qkv["q"]).device  # the GPU that holds JAX's inputs: every tensor of the step lives there
+    torch.cuda.set_device(dev)
     pool = torch.randn((L, inp.slots, s.HV, s.V, s.K), dtype=torch.float32, device=dev) * 0.5
     buf = torch.empty((L, N + 1, D, s.HV, s.V, s.K), dtype=torch.float32, device=dev)
     q, k, v, a, b = (t(inp.qkv[n]) for n in ("q", "k", "v", "a", "b"))
@@ -423,6 +424,9 @@ def sglang_row(inp: StepInputs, clock: Clock, src=None) -> tuple[Row | None, str
         peer_sglang.scatter_call(peer, pool=pool, snapshots=buf, slots=slots, steps=steps, track_slots=tslots,
                                  track_steps=tsteps, rows=rows)  # fmt: skip
 
+    where = {str(x.device) for x in (pool, buf, q, k, v, a, b, A_log, dt_bias, *ix, cu)}
+    if where != {str(dev)}:
+        return None, f"tensors on several devices: {sorted(where)}"
     tm = time.perf_counter()
     run, how = peer_sglang._graph_or_eager(step, torch, dev)
     first = time.perf_counter() - tm
@@ -433,7 +437,7 @@ def sglang_row(inp: StepInputs, clock: Clock, src=None) -> tuple[Row | None, str
         torch.cuda.synchronize()
 
     row = Row(config=inp.config.label, backend="sglang", op="step", record="snapshots", calls=1, traffic=Traffic(0, 0),
-              run=timed, compile_s=first, notes=[f"{peer.origin}; {L} verify launches + 2 scatters; {how}"])  # fmt: skip
+              run=timed, compile_s=first, notes=[f"{peer.origin}; {L} verify launches + 2 scatters; {how}; on {dev}"])  # fmt: skip
     return row, how
 
 

@@ -3,10 +3,11 @@
 # the same work on one GPU, then, side by side, the GPU tests (the sharded suite on both GPUs), the
 # long-decode soak at the real head geometry and the GPU fuzz split in chunks of groups over both
 # GPUs. Everything stops by a deadline; logs come back as one $OUT/results.tgz.
-# Usage on the device machine: bash scripts/gpu_x2.sh [step] [tests] [soak] [fuzz] [demo]
+# Usage on the device machine: bash scripts/gpu_x2.sh [step] [step1] [demo] [parallel] [fuzz]
 # Env: BUDGET (seconds from the start, default 560), STEP_ARGS, TEST_FILES, WORKERS, SOAK_ARGS,
-# FUZZ_BACKENDS, FUZZ_GROUPS (first:last groups, default 0:100), FUZZ_WORKERS (per backend),
-# FUZZ_CHUNK (groups per command), FUZZ_SEED, DEMO_ARGS.
+# FUZZ_RANGES (backend:first:end group ranges, default pallas:0:100 triton:0:100: 10,000 cases each),
+# FUZZ_CHUNK (groups of 100 cases per command), FUZZ_PAR (commands at once), FUZZ_SEED, GPUS, DEMO_ARGS,
+# STEP1_ARGS (a second step run, on GPU 0 alone: phase step1).
 set -u
 START=$(date +%s)
 DEADLINE=$((START + ${BUDGET:-560}))
@@ -28,16 +29,24 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-fuzz_worker() {  # backend gpu first last: groups [first, last) in chunks of FUZZ_CHUNK groups
-  local b=$1 gpu=$2 g=$3 last=$4 chunk=${FUZZ_CHUNK:-5} n
-  while [ "$g" -lt "$last" ] && [ "$(left)" -gt 45 ]; do
-    n=$(( last - g < chunk ? last - g : chunk ))
-    CUDA_VISIBLE_DEVICES=$gpu timeout $(( $(left) - 15 )) python3 -m gdn_lossless_jax fuzz --backend "$b" \
-      --cases $((n * 100)) --group-size 100 --first-group "$g" --seed ${FUZZ_SEED:-20261203} --no-progress \
-      > "$OUT/fuzz/$b-groups-$g-$((g + n - 1)).log" 2>&1
-    echo "exit status $?" >> "$OUT/fuzz/$b-groups-$g-$((g + n - 1)).log"
-    g=$((g + n))
-  done
+export DEADLINE OUT
+fuzz_chunk() {  # backend first-group groups index: one command of `groups` groups, on GPU index % GPUS
+  local b=$1 g=$2 n=$3 i=$4 log="$OUT/fuzz/$1-groups-$2-$(($2 + $3 - 1)).log"
+  [ "$(left)" -gt 45 ] || return 0
+  CUDA_VISIBLE_DEVICES=$((i % ${GPUS:-2})) timeout $(( $(left) - 15 )) python3 -m gdn_lossless_jax fuzz --backend "$b" \
+    --cases $((n * 100)) --group-size 100 --first-group "$g" --seed ${FUZZ_SEED:-20261203} --no-progress > "$log" 2>&1
+  echo "exit status $?" >> "$log"
+}
+export -f left fuzz_chunk
+fuzz_all() {  # FUZZ_RANGES: backend:first:end ... (groups [first, end)), in chunks of FUZZ_CHUNK groups, FUZZ_PAR at once
+  local i=0 b a z g c=${FUZZ_CHUNK:-3}
+  for r in ${FUZZ_RANGES:-pallas:0:100 triton:0:100}; do
+    IFS=: read -r b a z <<< "$r"
+    for ((g = a; g < z; g += c)); do echo "$b $g $(( z - g < c ? z - g : c )) $i"; i=$((i + 1)); done
+  done | xargs -P ${FUZZ_PAR:-12} -L 1 bash -c 'fuzz_chunk "$@"' _
+}
+fuzz_report() {
+  for f in "$OUT"/fuzz/*.log; do echo "$(basename "$f"): $(grep -E '^(cases|result)' "$f" | tr '\n' ' ')$(tail -n 1 "$f")"; done
 }
 
 for phase in "$@"; do
@@ -46,6 +55,9 @@ for phase in "$@"; do
       timeout $(( $(left) < ${STEP_TIMEOUT:-200} ? $(left) : ${STEP_TIMEOUT:-200} )) python3 -m benchmarks.step \
         --out "$OUT/step-x2" ${STEP_ARGS:---configs 25x4,8x16 --backends pallas --kinds scan,scan-mesh,pool-scan,pool-scan-mesh --mesh 2x1} \
         2>&1 | tee "$OUT/step-x2.log" | tail -30 ;;
+    step1)  # the same benchmark with one GPU visible (STEP1_ARGS)
+      CUDA_VISIBLE_DEVICES=0 timeout $(( $(left) < ${STEP_TIMEOUT:-200} ? $(left) : ${STEP_TIMEOUT:-200} )) python3 -m benchmarks.step \
+        --out "$OUT/step-1gpu" ${STEP1_ARGS:---configs 25x4 --backends pallas --kinds scan} 2>&1 | tee "$OUT/step-1gpu.log" | tail -8 ;;
     demo)
       timeout $(( $(left) - 5 )) python3 -m gdn_lossless_jax demo ${DEMO_ARGS:-} 2>&1 | tee "$OUT/demo-x2.log" | tail -20 ;;
     parallel)  # tests (both GPUs), soak (GPU 1) and fuzz (both GPUs) side by side until the deadline
@@ -56,18 +68,11 @@ for phase in "$@"; do
       ( timeout $(( $(left) - 10 )) python3 -m pytest -n ${WORKERS:-6} -v -rfs -p no:cacheprovider -p no:benchmark \
           ${TEST_FILES:-tests/test_sharding.py tests/test_equivalence.py tests/test_gpu.py tests/test_triton_backend.py tests/test_pallas_config.py tests/test_fused.py tests/test_step.py} \
           > "$OUT/gpu_tests-x2.log" 2>&1; echo "exit status $?" >> "$OUT/gpu_tests-x2.log" ) & pids+=($!)
-      IFS=: read -r f0 f1 <<< "${FUZZ_GROUPS:-0:100}"
-      w=${FUZZ_WORKERS:-3}
-      i=0
-      for b in ${FUZZ_BACKENDS:-pallas triton}; do
-        for k in $(seq 0 $((w - 1))); do
-          a=$(( f0 + (f1 - f0) * k / w )); z=$(( f0 + (f1 - f0) * (k + 1) / w ))
-          fuzz_worker "$b" $((i % 2)) "$a" "$z" & pids+=($!); i=$((i + 1))
-        done
-      done
+      fuzz_all & pids+=($!)
       wait "${pids[@]}"
       tail -n 6 "$OUT/gpu_tests-x2.log"; tail -n 14 "$OUT/soak-gpu.log"
-      for f in "$OUT"/fuzz/*.log; do echo "$(basename "$f"): $(grep -E '^(cases|result|held)' "$f" | tr '\n' ' ')$(tail -n 1 "$f")"; done ;;
+      fuzz_report ;;
+    fuzz) fuzz_all; fuzz_report ;;
     *) echo "unknown phase $phase" ;;
   esac
 done
