@@ -554,7 +554,13 @@ def main(argv=None) -> int:
         "rows": [],
     }
     out = Path(args.out)
-    for cfg in bc.parse_configs(args.configs, mode.configs):
+    configs = bc.parse_configs(args.configs, mode.configs)
+    if plan is not None and plan.dp > 1:
+        odd = [c.label for c in configs if c.requests % plan.dp]
+        if odd:
+            raise SystemExit(f"--mesh {args.mesh} splits the requests {plan.dp} ways: --configs {odd} have a request "
+                             f"count that is not a multiple of {plan.dp}")  # fmt: skip
+    for cfg in configs:
         inp = make_inputs(cfg, mode.geometry, seed=args.seed)
         rows: list[Row] = []
         for backend in [b for b in args.backends.split(",") if b]:

@@ -43,7 +43,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from .. import pool as pool_mod, reference, sharding
+from .. import conv as conv_mod, pool as pool_mod, reference, sharding
 from ..pool import StatePool
 from .model import ModelConfig, Params, attention, gdn_mixer, logits, mlp, rmsnorm
 
@@ -239,21 +239,25 @@ def split_qkv(y: jax.Array, config: ModelConfig):
 def _draft_gdn(c: ModelConfig, S, conv_state, mixed, a, b, p, mesh=None):
     """One token through a GDN layer from a carried state, for the draft.
 
-    Plain fp32 arithmetic (the reference's step with unpinned ``*`` and ``+``, an unpinned
-    conv): the draft only proposes, the target's verify decides, so its rounding does not
-    matter, and it keeps the draft cheap to compile. Returns ``(o [N, 1, HV, V], S' [N, HV,
-    V, K] fp32, conv state [N, conv_dim, Kc-1])``.
+    fp32 with the library's pinned rounding (the conv's taps in order through ``fma_rn``, the
+    reference's step with its ``mul_rn`` and ``fma_rn``). The draft only proposes and the
+    target's verify decides, so its bits do not change what is correct; but they decide which
+    drafts are accepted, hence how the target's positions are batched into steps, and XLA:GPU
+    contracts unpinned ``a * b + c`` differently in differently compiled programs (one device
+    against a mesh), which made a 2-GPU run's draft, and then a near-tie token, differ from one
+    GPU's. Returns ``(o [N, 1, HV, V], S' [N, HV, V, K] fp32, conv state [N, conv_dim, Kc-1])``.
     """
     x = mixed[:, 0].astype(conv_state.dtype)[..., None]  # [N, C, 1]
     window = jnp.concatenate([conv_state, x], axis=-1)  # [N, C, Kc]
-    y = jax.nn.silu(jnp.sum(window.astype(F32) * p.conv_weight.astype(F32), axis=-1))
+    wf = window.astype(F32)
+    y = conv_mod._silu(conv_mod._taps([wf[..., j : j + 1] for j in range(wf.shape[-1])], p.conv_weight, None))[..., 0]
     if mesh is not None:  # the conv channels are in the mesh's tensor-parallel order
         y = sharding.from_tp_layout(y, c.geometry, mesh.tp)
     q, k, v = split_qkv(y[:, None], c)
     qn, kn, g, beta = reference.prepare(q, k, a, b, p.A_log, p.dt_bias, c.head_k_dim**-0.5)
     heads = lambda t: reference._expand_heads(t[:, 0], c.num_v_heads)  # noqa: E731
     step_in = (heads(qn), heads(kn), v[:, 0].astype(F32), g[:, 0], beta[:, 0])
-    S_new, (o, _) = reference.gdn_step(S.astype(F32), step_in, mul=jnp.multiply, fma=lambda k, u, s: k * u + s)
+    S_new, (o, _) = reference.gdn_step(S.astype(F32), step_in)
     return o[:, None].astype(mixed.dtype), S_new, window[..., 1:]
 
 

@@ -1,0 +1,103 @@
+"""Where the demo model's speculative step on a mesh first differs from one device.
+
+Runs the same prompts through ``SpecStep`` on one device and on a ``TPxDP`` mesh (default 2x1:
+the GDN heads over two devices) and compares every step's outputs bit for bit: first a *forced*
+phase (every row is given all D inputs, so the draft proposes nothing and only the target's
+verify, accept and commit run), then a *drafting* phase (one given input, D-1 drafted). A
+difference in the forced phase is the target's; one that starts in the drafting phase with the
+draft chain (``inputs``) is the draft's. Prints the first difference of each field and the final
+states' comparison::
+
+    python scripts/mesh_diff.py --size gpu --mesh 2x1 --steps 12,24
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gdn_lossless_jax import sharding
+from gdn_lossless_jax.model import SpecStep, StepInputs, allocate_state, get_config, init_params
+from gdn_lossless_jax.model.decode import place_on_mesh
+from gdn_lossless_jax.testing import compare_bitwise
+
+
+def loop(step, params, state, prompts, slots, rows, tslots, n_steps, place=lambda x: x):
+    D, N = step.drafts, len(prompts)
+    seqs, pos, outs, forced = [list(p) for p in prompts], np.zeros(N, np.int32), [], []
+    for _ in range(n_steps):
+        known = [s[p:] for s, p in zip(seqs, pos)]
+        n_given = np.array([min(D, len(k)) for k in known], np.int32)
+        tokens = np.array([(k[:D] + [0] * D)[:D] for k in known], np.int32)
+        inputs = StepInputs(slots=slots, rows=rows, pos=pos.copy(), tokens=tokens, n_given=n_given, track_slots=tslots)
+        state, out = step(params, state, place(jax.tree.map(jnp.asarray, inputs)))
+        out = jax.device_get(out)
+        outs.append(out)
+        forced.append(bool((n_given == D).all()))
+        for i in range(N):
+            m = int(out.accepted[i])
+            seqs[i] += [int(t) for t in out.inputs[i, n_given[i] : m]]
+            pos[i] += m
+            if pos[i] == len(seqs[i]):
+                seqs[i].append(int(out.predictions[i, m - 1]))
+    return outs, forced, state
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", default="gpu")
+    ap.add_argument("--mesh", default="2x1")
+    ap.add_argument("--drafts", "-D", type=int, default=4)
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--forced-tokens", type=int, default=40, help="prompt length: forced steps = this / D")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--backend", default="auto")
+    a = ap.parse_args()
+    tp, dp = (int(x) for x in a.mesh.split("x"))
+    config, D, N = get_config(a.size), a.drafts, a.rows
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[: tp * dp]).reshape(dp, tp), ("data", "tensor"))
+    plan = sharding.MeshPlan(mesh, tensor="tensor", data="data")
+    rng = np.random.default_rng(a.seed)
+    prompts = [[int(t) for t in rng.integers(0, config.vocab, a.forced_tokens)] for _ in range(N)]
+    params = init_params(config, a.seed)
+    slots, tslots, rows = np.arange(N, dtype=np.int32), np.arange(N, 2 * N, dtype=np.int32), np.arange(N, dtype=np.int32)
+    max_len = a.forced_tokens + a.steps * D + 8
+
+    def new():
+        return allocate_state(config, slots=2 * N, requests=N, drafts=D, record="tuples", max_len=max_len)
+
+    single = SpecStep(config, D, track_interval=16, backend=a.backend)
+    want, forced, want_state = loop(single, params, new(), prompts, slots, rows, tslots, a.steps)
+    mparams, mstate = place_on_mesh(plan, config, params, new())
+    on_mesh = dataclasses.replace(single, mesh=plan)
+    got, _, got_state = loop(on_mesh, mparams, mstate, prompts, slots, rows, tslots, a.steps,
+                             place=lambda x: place_on_mesh(plan, config, params, new(), x)[2])  # fmt: skip
+    print(f"{a.size}, D={D}, {N} rows, mesh {a.mesh} over {[str(d) for d in mesh.devices.flat]}; "
+          f"{sum(forced)} forced steps, then {a.steps - sum(forced)} drafting steps")  # fmt: skip
+    first = {}
+    for t, (w, g) in enumerate(zip(want, got)):
+        for f in ("inputs", "predictions", "accepted", "track_steps", "gaps"):
+            x, y = np.asarray(getattr(w, f)), np.asarray(getattr(g, f))
+            same = x.view(np.uint32).tobytes() == y.view(np.uint32).tobytes() if f == "gaps" else np.array_equal(x, y)
+            if not same and f not in first:
+                rows_d = sorted({int(i) for i in np.argwhere(x != y)[:, 0]})
+                first[f] = t
+                print(f"step {t} ({'forced' if forced[t] else 'drafting'}): {f} differ first, rows {rows_d}"
+                      + (f"; gaps {x[rows_d[0]]} vs {y[rows_d[0]]}" if f == "gaps" else ""))  # fmt: skip
+    if not first:
+        print(f"all {a.steps} steps' outputs identical (inputs, predictions, accepted, track steps, gaps bit for bit)")
+    host = jax.device_get(got_state.pool)
+    back = dataclasses.replace(host, conv=sharding.from_tp_layout(host.conv, config.geometry, tp, -2),
+                               conv_windows=sharding.from_tp_layout(host.conv_windows, config.geometry, tp, -2))  # fmt: skip
+    print("final pool:", compare_bitwise(jax.device_get(want_state.pool), back))
+    print("final KV:", compare_bitwise(jax.device_get(want_state.kv), jax.device_get(got_state.kv)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
