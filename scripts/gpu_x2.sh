@@ -3,11 +3,11 @@
 # the same work on one GPU, then, side by side, the GPU tests (the sharded suite on both GPUs), the
 # long-decode soak at the real head geometry and the GPU fuzz split in chunks of groups over both
 # GPUs. Everything stops by a deadline; logs come back as one $OUT/results.tgz.
-# Usage on the device machine: bash scripts/gpu_x2.sh [step] [step1] [demo] [parallel] [fuzz]
+# Usage on the device machine: bash scripts/gpu_x2.sh [step] [step1] [diff] [demo] [tests] [parallel] [fuzz]
 # Env: BUDGET (seconds from the start, default 560), STEP_ARGS, TEST_FILES, WORKERS, SOAK_ARGS,
 # FUZZ_RANGES (backend:first:end group ranges, default pallas:0:100 triton:0:100: 10,000 cases each),
 # FUZZ_CHUNK (groups of 100 cases per command), FUZZ_PAR (commands at once), FUZZ_SEED, GPUS, DEMO_ARGS,
-# STEP1_ARGS (a second step run, on GPU 0 alone: phase step1).
+# STEP1_ARGS (a second step run, on GPU 0 alone: phase step1), DIFF_ARGS (scripts/mesh_diff.py), PYTEST_K.
 set -u
 START=$(date +%s)
 DEADLINE=$((START + ${BUDGET:-560}))
@@ -58,6 +58,11 @@ for phase in "$@"; do
     step1)  # the same benchmark with one GPU visible (STEP1_ARGS)
       CUDA_VISIBLE_DEVICES=0 timeout $(( $(left) < ${STEP_TIMEOUT:-200} ? $(left) : ${STEP_TIMEOUT:-200} )) python3 -m benchmarks.step \
         --out "$OUT/step-1gpu" ${STEP1_ARGS:---configs 25x4 --backends pallas --kinds scan} 2>&1 | tee "$OUT/step-1gpu.log" | tail -8 ;;
+    diff)  # where a mesh run of the demo model first differs from one GPU (scripts/mesh_diff.py)
+      timeout $(( $(left) - 5 )) python3 scripts/mesh_diff.py ${DIFF_ARGS:---size gpu --mesh 2x1} 2>&1 | tee "$OUT/mesh_diff.log" | tail -12 ;;
+    tests)
+      timeout $(( $(left) - 5 )) python3 -m pytest -n ${WORKERS:-6} -v -rfs -p no:cacheprovider -p no:benchmark ${TEST_FILES:-tests/test_sharding.py} \
+        ${PYTEST_K:+-k "$PYTEST_K"} > "$OUT/gpu_tests-x2.log" 2>&1; echo "exit status $?" >> "$OUT/gpu_tests-x2.log"; tail -n 8 "$OUT/gpu_tests-x2.log" ;;
     demo)
       timeout $(( $(left) - 5 )) python3 -m gdn_lossless_jax demo ${DEMO_ARGS:-} 2>&1 | tee "$OUT/demo-x2.log" | tail -20 ;;
     parallel)  # tests (both GPUs), soak (GPU 1) and fuzz (both GPUs) side by side until the deadline
