@@ -26,6 +26,28 @@ from gdn_lossless_jax.model.decode import place_on_mesh
 from gdn_lossless_jax.testing import compare_bitwise
 
 
+_SEEN: set = set()
+
+
+def replicas(out, t):
+    """Report (once per field) a step output whose copies on two devices hold different bits,
+    or whose rows are split over devices."""
+    for f in ("inputs", "predictions", "accepted", "track_steps", "gaps"):
+        x = getattr(out, f)
+        shards = x.addressable_shards
+        if len(shards) < 2 or f in _SEEN:
+            continue
+        index = [s.index for s in shards]
+        if any(i != index[0] for i in index):
+            _SEEN.add(f)
+            print(f"step {t}: {f} is split over devices: {[(str(s.device), s.index) for s in shards]}")
+            continue
+        data = [np.asarray(s.data) for s in shards]
+        if any(d.tobytes() != data[0].tobytes() for d in data[1:]):
+            _SEEN.add(f)
+            print(f"step {t}: the copies of {f} on {[str(s.device) for s in shards]} differ")
+
+
 def loop(step, params, state, prompts, slots, rows, tslots, n_steps, place=lambda x: x):
     D, N = step.drafts, len(prompts)
     seqs, pos, outs, forced = [list(p) for p in prompts], np.zeros(N, np.int32), [], []
@@ -35,6 +57,7 @@ def loop(step, params, state, prompts, slots, rows, tslots, n_steps, place=lambd
         tokens = np.array([(k[:D] + [0] * D)[:D] for k in known], np.int32)
         inputs = StepInputs(slots=slots, rows=rows, pos=pos.copy(), tokens=tokens, n_given=n_given, track_slots=tslots)
         state, out = step(params, state, place(jax.tree.map(jnp.asarray, inputs)))
+        replicas(out, len(outs))
         out = jax.device_get(out)
         outs.append(out)
         forced.append(bool((n_given == D).all()))

@@ -346,8 +346,9 @@ class SpecStep:
     # -- the traced step ------------------------------------------------------------
     def _step(self, params: Params, state: DecodeState, inputs: StepInputs):
         _TRACES[self] += 1
-        x = self._draft(params, state.pool, inputs)
+        x = self._rows_only(self._draft(params, state.pool, inputs))
         lg, pool, kv = self._verify(params, state, x, inputs)
+        lg = self._rows_only(lg)
         y = jnp.argmax(lg, axis=-1).astype(I32)
         top2 = jax.lax.top_k(lg, 2)[0]
         gaps = top2[..., 0] - top2[..., 1]
@@ -410,7 +411,7 @@ class SpecStep:
 
                 blk = params.blocks[l]
                 h = self._block(blk, h, functools.partial(gdn_mixer, blk.mixer, c, core=core))
-            proposal = jnp.argmax(logits(params, h)[:, 0], axis=-1).astype(I32)
+            proposal = jnp.argmax(self._rows_only(logits(params, h))[:, 0], axis=-1).astype(I32)
             nxt = jnp.where(j + 1 < n_given, given_next, proposal)
             return (tuple(new_ssm), tuple(new_conv), nxt), nxt
 
@@ -418,10 +419,13 @@ class SpecStep:
         _, chain = jax.lax.scan(body, (ssm0, conv0, tokens[:, 0]), xs)
         return jnp.concatenate([tokens[:, :1], chain.T], axis=1)
 
-    @staticmethod
-    def _block(blk, h, mixer):
+    def _block(self, blk, h, mixer):
+        """One block; on a mesh its input and output are pinned to the rows-only layout, so
+        that XLA does not split a dense part's rows or columns over the tensor axis (a
+        differently shaped matmul or reduction per device: other bits than one device's)."""
+        h = self._rows_only(h)
         h = h + mixer(rmsnorm(h, blk.norm1))
-        return h + mlp(blk.mlp, rmsnorm(h, blk.norm2))
+        return self._rows_only(h + mlp(blk.mlp, rmsnorm(h, blk.norm2)))
 
     def _verify(self, params: Params, state: DecodeState, x, inputs: StepInputs):
         """The target over ``x [N, D]``: logits ``[N, D, vocab]``, the pool with this step's
