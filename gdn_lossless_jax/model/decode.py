@@ -43,7 +43,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from .. import conv as conv_mod, pool as pool_mod, reference, sharding
+from .. import pool as pool_mod, reference, sharding
 from ..pool import StatePool
 from .model import ModelConfig, Params, attention, gdn_mixer, logits, mlp, rmsnorm
 
@@ -239,25 +239,21 @@ def split_qkv(y: jax.Array, config: ModelConfig):
 def _draft_gdn(c: ModelConfig, S, conv_state, mixed, a, b, p, mesh=None):
     """One token through a GDN layer from a carried state, for the draft.
 
-    fp32 with the library's pinned rounding (the conv's taps in order through ``fma_rn``, the
-    reference's step with its ``mul_rn`` and ``fma_rn``). The draft only proposes and the
-    target's verify decides, so its bits do not change what is correct; but they decide which
-    drafts are accepted, hence how the target's positions are batched into steps, and XLA:GPU
-    contracts unpinned ``a * b + c`` differently in differently compiled programs (one device
-    against a mesh), which made a 2-GPU run's draft, and then a near-tie token, differ from one
-    GPU's. Returns ``(o [N, 1, HV, V], S' [N, HV, V, K] fp32, conv state [N, conv_dim, Kc-1])``.
+    Plain fp32 arithmetic (the reference's step with unpinned ``*`` and ``+``, an unpinned
+    conv): the draft only proposes, the target's verify decides, so its rounding does not
+    matter, and it keeps the draft cheap to compile. Returns ``(o [N, 1, HV, V], S' [N, HV,
+    V, K] fp32, conv state [N, conv_dim, Kc-1])``.
     """
     x = mixed[:, 0].astype(conv_state.dtype)[..., None]  # [N, C, 1]
     window = jnp.concatenate([conv_state, x], axis=-1)  # [N, C, Kc]
-    wf = window.astype(F32)
-    y = conv_mod._silu(conv_mod._taps([wf[..., j : j + 1] for j in range(wf.shape[-1])], p.conv_weight, None))[..., 0]
+    y = jax.nn.silu(jnp.sum(window.astype(F32) * p.conv_weight.astype(F32), axis=-1))
     if mesh is not None:  # the conv channels are in the mesh's tensor-parallel order
         y = sharding.from_tp_layout(y, c.geometry, mesh.tp)
     q, k, v = split_qkv(y[:, None], c)
     qn, kn, g, beta = reference.prepare(q, k, a, b, p.A_log, p.dt_bias, c.head_k_dim**-0.5)
     heads = lambda t: reference._expand_heads(t[:, 0], c.num_v_heads)  # noqa: E731
     step_in = (heads(qn), heads(kn), v[:, 0].astype(F32), g[:, 0], beta[:, 0])
-    S_new, (o, _) = reference.gdn_step(S.astype(F32), step_in)
+    S_new, (o, _) = reference.gdn_step(S.astype(F32), step_in, mul=jnp.multiply, fma=lambda k, u, s: k * u + s)
     return o[:, None].astype(mixed.dtype), S_new, window[..., 1:]
 
 
@@ -346,9 +342,8 @@ class SpecStep:
     # -- the traced step ------------------------------------------------------------
     def _step(self, params: Params, state: DecodeState, inputs: StepInputs):
         _TRACES[self] += 1
-        x = self._rows_only(self._draft(params, state.pool, inputs))
+        x = self._draft(params, state.pool, inputs)
         lg, pool, kv = self._verify(params, state, x, inputs)
-        lg = self._rows_only(lg)
         y = jnp.argmax(lg, axis=-1).astype(I32)
         top2 = jax.lax.top_k(lg, 2)[0]
         gaps = top2[..., 0] - top2[..., 1]
@@ -411,7 +406,7 @@ class SpecStep:
 
                 blk = params.blocks[l]
                 h = self._block(blk, h, functools.partial(gdn_mixer, blk.mixer, c, core=core))
-            proposal = jnp.argmax(self._rows_only(logits(params, h))[:, 0], axis=-1).astype(I32)
+            proposal = jnp.argmax(logits(params, h)[:, 0], axis=-1).astype(I32)
             nxt = jnp.where(j + 1 < n_given, given_next, proposal)
             return (tuple(new_ssm), tuple(new_conv), nxt), nxt
 
@@ -419,13 +414,10 @@ class SpecStep:
         _, chain = jax.lax.scan(body, (ssm0, conv0, tokens[:, 0]), xs)
         return jnp.concatenate([tokens[:, :1], chain.T], axis=1)
 
-    def _block(self, blk, h, mixer):
-        """One block; on a mesh its input and output are pinned to the rows-only layout, so
-        that XLA does not split a dense part's rows or columns over the tensor axis (a
-        differently shaped matmul or reduction per device: other bits than one device's)."""
-        h = self._rows_only(h)
+    @staticmethod
+    def _block(blk, h, mixer):
         h = h + mixer(rmsnorm(h, blk.norm1))
-        return self._rows_only(h + mlp(blk.mlp, rmsnorm(h, blk.norm2)))
+        return h + mlp(blk.mlp, rmsnorm(h, blk.norm2))
 
     def _verify(self, params: Params, state: DecodeState, x, inputs: StepInputs):
         """The target over ``x [N, D]``: logits ``[N, D, vocab]``, the pool with this step's
