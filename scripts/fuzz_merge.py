@@ -63,6 +63,7 @@ def main(paths: list[str]) -> int:
         groups = sorted(g for r in rs for g in r["groups"])
         dup = sorted(g for g, n in collections.Counter(groups).items() if n > 1)
         missing = sorted(set(range(max(groups) + 1)) - set(groups))
+
         def total(key):  # summed per name, zeros kept
             out = collections.defaultdict(int)
             for r in rs:
@@ -89,7 +90,9 @@ def main(paths: list[str]) -> int:
         print(f"  requests     {req} ({skip} skipped entirely: slot or row out of range)")
         print(f"  slots        {acc} accepted writes, {trk} track writes, {untouched} untouched slots checked")
         print(f"  specials     {spec} NaN/Inf/signed-zero/subnormal values in {spec_cases} cases")
-        print(f"  corrupted    {sum(corrupted.values())} ({', '.join(f'{k} {v}' for k, v in sorted(corrupted.items()))})")
+        print(
+            f"  corrupted    {sum(corrupted.values())} ({', '.join(f'{k} {v}' for k, v in sorted(corrupted.items()))})"
+        )
         print(f"  differing    outputs between record modes: {diff} cases; inputs modified: {modified}")
         print("  controls     " + ", ".join(f"{k} caught {a} of {b}" for k, (a, b) in controls.items()))
         ok &= not sum(corrupted.values()) and not diff and not modified and not missing and not dup

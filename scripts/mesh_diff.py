@@ -88,7 +88,11 @@ def main() -> int:
     rng = np.random.default_rng(a.seed)
     prompts = [[int(t) for t in rng.integers(0, config.vocab, a.forced_tokens)] for _ in range(N)]
     params = init_params(config, a.seed)
-    slots, tslots, rows = np.arange(N, dtype=np.int32), np.arange(N, 2 * N, dtype=np.int32), np.arange(N, dtype=np.int32)
+    slots, tslots, rows = (
+        np.arange(N, dtype=np.int32),
+        np.arange(N, 2 * N, dtype=np.int32),
+        np.arange(N, dtype=np.int32),
+    )
     max_len = a.forced_tokens + a.steps * D + 8
 
     def new():
