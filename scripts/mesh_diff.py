@@ -17,14 +17,12 @@ import argparse
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from gdn_lossless_jax import sharding
-from gdn_lossless_jax.model import SpecStep, StepInputs, allocate_state, get_config, init_params
-from gdn_lossless_jax.model.decode import place_on_mesh
+from gdn_lossless_jax.model import SpecStep, allocate_state, get_config, init_params
+from gdn_lossless_jax.model.decode import decode_steps, place_on_mesh
 from gdn_lossless_jax.testing import compare_bitwise
-
 
 _SEEN: set = set()
 
@@ -48,25 +46,17 @@ def replicas(out, t):
             print(f"step {t}: the copies of {f} on {[str(s.device) for s in shards]} differ")
 
 
-def loop(step, params, state, prompts, slots, rows, tslots, n_steps, place=lambda x: x):
-    D, N = step.drafts, len(prompts)
-    seqs, pos, outs, forced = [list(p) for p in prompts], np.zeros(N, np.int32), [], []
-    for _ in range(n_steps):
-        known = [s[p:] for s, p in zip(seqs, pos)]
-        n_given = np.array([min(D, len(k)) for k in known], np.int32)
-        tokens = np.array([(k[:D] + [0] * D)[:D] for k in known], np.int32)
-        inputs = StepInputs(slots=slots, rows=rows, pos=pos.copy(), tokens=tokens, n_given=n_given, track_slots=tslots)
-        state, out = step(params, state, place(jax.tree.map(jnp.asarray, inputs)))
-        replicas(out, len(outs))
-        out = jax.device_get(out)
-        outs.append(out)
-        forced.append(bool((n_given == D).all()))
-        for i in range(N):
-            m = int(out.accepted[i])
-            seqs[i] += [int(t) for t in out.inputs[i, n_given[i] : m]]
-            pos[i] += m
-            if pos[i] == len(seqs[i]):
-                seqs[i].append(int(out.predictions[i, m - 1]))
+def run(step, params, state, prompts, slots, rows, tslots, n_steps, place=None):
+    """``decode_steps`` with each step's outputs checked for copies that differ; returns the
+    step outputs, whether each step was forced (every row given all D inputs) and the state."""
+    forced = []
+
+    def on_step(t, inputs, out):
+        replicas(out, t)
+        forced.append(bool((inputs.n_given == step.drafts).all()))
+
+    _, outs, state = decode_steps(step, params, state, prompts, slots, rows, tslots, n_steps, place=place,
+                                  on_step=on_step)  # fmt: skip
     return outs, forced, state
 
 
@@ -99,10 +89,10 @@ def main() -> int:
         return allocate_state(config, slots=2 * N, requests=N, drafts=D, record="tuples", max_len=max_len)
 
     single = SpecStep(config, D, track_interval=16, backend=a.backend)
-    want, forced, want_state = loop(single, params, new(), prompts, slots, rows, tslots, a.steps)
+    want, forced, want_state = run(single, params, new(), prompts, slots, rows, tslots, a.steps)
     mparams, mstate = place_on_mesh(plan, config, params, new())
     on_mesh = dataclasses.replace(single, mesh=plan)
-    got, _, got_state = loop(on_mesh, mparams, mstate, prompts, slots, rows, tslots, a.steps,
+    got, _, got_state = run(on_mesh, mparams, mstate, prompts, slots, rows, tslots, a.steps,
                              place=lambda x: place_on_mesh(plan, config, params, new(), x)[2])  # fmt: skip
     print(f"{a.size}, D={D}, {N} rows, mesh {a.mesh} over {[str(d) for d in mesh.devices.flat]}; "
           f"{sum(forced)} forced steps, then {a.steps - sum(forced)} drafting steps")  # fmt: skip

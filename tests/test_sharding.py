@@ -413,31 +413,6 @@ def test_plain_functions_under_jit_with_named_shardings_mesh(tp, dp, backend):
 # ---------------------------------------------------------------------------------
 # The demo model's speculative step on a 2 x 2 mesh.
 # ---------------------------------------------------------------------------------
-def decode(step, params, state, prompts, slots, rows, track_slots, n_steps, place=lambda x: x):
-    """A minimal host loop over ``SpecStep``: each row feeds its known tokens (up to D at a
-    time), then its last token; returns the token sequences, the step outputs and the state."""
-    from gdn_lossless_jax.model import StepInputs
-
-    D, N = step.drafts, len(prompts)
-    seqs, pos, outs = [list(p) for p in prompts], np.zeros(N, np.int32), []
-    for _ in range(n_steps):
-        known = [s[p:] for s, p in zip(seqs, pos)]
-        n_given = np.array([min(D, len(k)) for k in known], np.int32)
-        tokens = np.array([(k[:D] + [0] * D)[:D] for k in known], np.int32)
-        inputs = StepInputs(slots=slots, rows=rows, pos=pos.copy(), tokens=tokens, n_given=n_given,
-                            track_slots=track_slots)  # fmt: skip
-        state, out = step(params, state, place(jax.tree.map(jnp.asarray, inputs)))
-        out = jax.device_get(out)
-        outs.append(out)
-        for i in range(N):
-            m = int(out.accepted[i])
-            seqs[i] += [int(t) for t in out.inputs[i, n_given[i] : m]]  # accepted drafts
-            pos[i] += m
-            if pos[i] == len(seqs[i]):
-                seqs[i].append(int(out.predictions[i, m - 1]))  # the bonus token
-    return seqs, outs, state
-
-
 MODEL_MESHES = [(2, 1), (1, 2), (2, 2)] if ON_GPU else [(2, 2)]
 
 
@@ -448,7 +423,7 @@ def test_model_spec_step_on_a_mesh_gives_identical_tokens(tp, dp, backend, seed)
     rows, slots and scratch rows over the data axis; on GPUs also 2 x 1 and 1 x 2) == one device:
     the same tokens and accept counts, and bit-identical final states (SSM, conv, KV)."""
     from gdn_lossless_jax.model import SpecStep, allocate_state, get_config, init_params
-    from gdn_lossless_jax.model.decode import place_on_mesh
+    from gdn_lossless_jax.model.decode import decode_steps, place_on_mesh
 
     config, D = get_config("tiny"), 4
     plan = make_plan(tp, dp)
@@ -459,10 +434,10 @@ def test_model_spec_step_on_a_mesh_gives_identical_tokens(tp, dp, backend, seed)
     slots, track_slots, rows = (np.array(x, np.int32) for x in ([0, 1, 6, 7], [2, 3, 8, 9], [0, 1, 3, 4]))
     new = lambda: allocate_state(config, slots=11, requests=5, drafts=D, record="tuples", max_len=64)  # noqa: E731
     single = SpecStep(config, D, track_interval=8, backend=backend)
-    want, want_out, want_state = decode(single, params, new(), prompts, slots, rows, track_slots, 10)
+    want, want_out, want_state = decode_steps(single, params, new(), prompts, slots, rows, track_slots, 10)
     step = dataclasses.replace(single, mesh=plan)
     mparams, mstate = place_on_mesh(plan, config, params, new())
-    got, got_out, got_state = decode(step, mparams, mstate, prompts, slots, rows, track_slots, 10,
+    got, got_out, got_state = decode_steps(step, mparams, mstate, prompts, slots, rows, track_slots, 10,
                                      place=lambda x: place_on_mesh(plan, config, params, new(), x)[2])  # fmt: skip
     if got != want:  # only a near-tie may flip: the logits' low bits differ (see below)
         step_i, row = next((t, i) for t, (a, b) in enumerate(zip(want_out, got_out))

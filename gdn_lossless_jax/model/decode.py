@@ -42,6 +42,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .. import pool as pool_mod, reference, sharding
 from ..pool import StatePool
@@ -57,6 +58,7 @@ __all__ = [
     "copy_slot",
     "SpecStep",
     "place_on_mesh",
+    "decode_steps",
 ]
 
 I32 = jnp.int32
@@ -459,3 +461,44 @@ class SpecStep:
 
 _TRACES: collections.Counter = collections.Counter()
 _jitted_step = jax.jit(SpecStep._step, static_argnums=0, donate_argnums=2)
+
+
+def decode_steps(step: SpecStep, params: Params, state: DecodeState, prompts, slots, rows, track_slots,
+                 n_steps: int, *, place=None, on_step=None):  # fmt: skip
+    """A minimal host loop over ``step`` with fixed batch rows (no joining or leaving: see
+    :class:`~gdn_lossless_jax.model.Engine` for that): each row feeds its known tokens, up to D
+    at a time, then its last token; for tests and tools that compare two runs step by step.
+
+    Args:
+      step: the :class:`SpecStep`; params, state: its parameters and state (the state is donated).
+      prompts: one token list per row; slots, rows, track_slots: ``[N]`` int32, fixed for the run.
+      n_steps: steps to run.
+      place: applied to each step's :class:`StepInputs` (device arrays) before the step, e.g.
+        :func:`place_on_mesh`'s placement; None: as they are.
+      on_step: ``on_step(t, inputs, out)`` after step ``t``, with the host inputs and the
+        step's outputs still on the device(s).
+    Returns:
+      ``(seqs, outs, state)``: each row's tokens (prompt, then the accepted ones), every step's
+      :class:`StepOutputs` on the host, and the final state.
+    """
+    D, N = step.drafts, len(prompts)
+    seqs, pos, outs = [list(p) for p in prompts], np.zeros(N, np.int32), []
+    for t in range(n_steps):
+        known = [s[p:] for s, p in zip(seqs, pos)]
+        n_given = np.array([min(D, len(k)) for k in known], np.int32)
+        tokens = np.array([(k[:D] + [0] * D)[:D] for k in known], np.int32)
+        inputs = StepInputs(slots=slots, rows=rows, pos=pos.copy(), tokens=tokens, n_given=n_given,
+                            track_slots=track_slots)  # fmt: skip
+        device_inputs = jax.tree.map(jnp.asarray, inputs)
+        state, out = step(params, state, device_inputs if place is None else place(device_inputs))
+        if on_step is not None:
+            on_step(t, inputs, out)
+        out = jax.device_get(out)
+        outs.append(out)
+        for i in range(N):
+            m = int(out.accepted[i])
+            seqs[i] += [int(x) for x in out.inputs[i, n_given[i] : m]]  # accepted drafts
+            pos[i] += m
+            if pos[i] == len(seqs[i]):
+                seqs[i].append(int(out.predictions[i, m - 1]))  # the bonus token
+    return seqs, outs, state
