@@ -22,6 +22,7 @@ import numpy as np
 from gdn_lossless_jax import sharding
 from gdn_lossless_jax.model import SpecStep, allocate_state, get_config, init_params
 from gdn_lossless_jax.model.decode import decode_steps, place_on_mesh
+from gdn_lossless_jax.model.demo import mesh_plan
 from gdn_lossless_jax.testing import compare_bitwise
 
 _SEEN: set = set()
@@ -73,8 +74,8 @@ def main() -> int:
     a = ap.parse_args()
     tp, dp = (int(x) for x in a.mesh.split("x"))
     config, D, N = get_config(a.size), a.drafts, a.rows
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[: tp * dp]).reshape(dp, tp), ("data", "tensor"))
-    plan = sharding.MeshPlan(mesh, tensor="tensor", data="data")
+    plan = mesh_plan(tp, dp, config)  # the demo's: heads over the tensor axis, DP = 1
+    mesh = plan.mesh
     rng = np.random.default_rng(a.seed)
     prompts = [[int(t) for t in rng.integers(0, config.vocab, a.forced_tokens)] for _ in range(N)]
     params = init_params(config, a.seed)

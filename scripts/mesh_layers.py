@@ -17,11 +17,11 @@ import numpy as np
 from gdn_lossless_jax import sharding
 from gdn_lossless_jax.model import SpecStep, StepInputs, allocate_state, get_config, init_params
 from gdn_lossless_jax.model import decode as dec
+from gdn_lossless_jax.model.demo import mesh_plan
 from gdn_lossless_jax.model.model import gdn_mixer, logits, mlp, rmsnorm
 
 config, D, N = get_config("gpu"), 4, 8
-mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "tensor"))
-plan = sharding.MeshPlan(mesh, tensor="tensor", data="data")
+plan = mesh_plan(2, 1, config)
 params = init_params(config, 0)
 rng = np.random.default_rng(0)
 new = lambda: allocate_state(config, slots=2 * N, requests=N, drafts=D, record="tuples", max_len=64)
