@@ -69,10 +69,12 @@ def test_finder_reports_real_disagreements(seed):
 
 def test_disagreement_map_and_decay_sweep(seed):
     es = (-140, -126, -60, 0)
-    m = viz.disagreement_map("twice_rounded", s_exponents=es, u_exponents=es, samples=32, seed=seed)
+    # 512 samples a cell: the forms disagree in about 5% of the samples of two of these cells, so
+    # at 32 samples one seed in about 50 drew no disagreement at all (seen with GDN_SEED=796528).
+    m = viz.disagreement_map("twice_rounded", s_exponents=es, u_exponents=es, samples=512, seed=seed)
     assert m["fraction"].shape == m["max_ulp"].shape == (4, 4)
     assert m["fraction"].max() > 0 and np.all((0 <= m["fraction"]) & (m["fraction"] <= 1))
-    control = viz.disagreement_map("rule", s_exponents=es, u_exponents=es, samples=32, seed=seed)
+    control = viz.disagreement_map("rule", s_exponents=es, u_exponents=es, samples=512, seed=seed)
     assert not control["fraction"].any()
     s = viz.decay_sweep(neg_g=[1e-9, 1e-8, 0.5, 50.0], samples=256, seed=seed)
     assert s["fraction"]["twice_rounded"].shape == (4,)
