@@ -10,14 +10,23 @@ way a JAX user composes it, for each record mode and backend:
 ``pool-jit``
     the same calls inside one outer ``jax.jit`` with the pool donated.
 ``pool-scan``
-    the same in one ``jax.jit``, the layers in a ``lax.scan`` with the pool as its carry.
+    the same in one ``jax.jit``, the layers in a ``lax.scan`` over the layer index with the pool
+    as its carry, the inputs and parameters stacked over layers (read at the layer by the kernels).
 ``scan``
     one ``jax.jit``: ``gdn_lossless_jax.verify(ssm, ..., slots=, layer=, tape=, rows=)`` for
-    every layer in a ``lax.scan`` (the states read from the pool by slot, each layer's tape
+    every layer in a ``lax.scan`` over the layer index (the states read from the pool by slot,
+    the inputs, stacked over layers, read at the layer inside the kernels, each layer's tape
     written into its row of the scratch in place), then ``gdn_lossless_jax.commit``; the pool
     and the scratch donated. No conv: the same work as SGLang's step below.
 ``unrolled``
-    the same with the layers unrolled in Python inside the jit.
+    the same with the layers unrolled in Python inside the jit (a static layer index).
+``scan-sliced``, ``pool-scan-sliced``, ``unrolled-lists`` (not run unless named in ``--kinds``)
+    the forms before the kernels read stacked inputs: the ``lax.scan`` slicing each layer's
+    inputs out of the stacks (a copy per input and layer), and the unrolled layers taking
+    per-layer lists (seven arguments per layer to the jitted call).
+``*-nocb`` (likewise)
+    ``scan``, ``unrolled``, ``fused`` and ``pool-scan`` compiled with XLA's command buffers off
+    for that one jit (``compiler_options={"xla_gpu_enable_command_buffer": ""}``).
 ``fused``
     the ``scan`` step with the commit fused into the next verify
     (``gdn_lossless_jax.commit_and_verify``): each layer's kernel applies the previous step's
@@ -82,6 +91,12 @@ __all__ = ["STEP_KINDS", "main", "step_rows"]
 
 RECORDS = ("tuples", "snapshots")
 STEP_KINDS = ("pool-python", "pool-jit", "pool-scan", "scan", "unrolled", "fused", "pool-deferred")
+#: XLA's command buffers (CUDA graphs) off for one jitted step (``jax.jit(..., compiler_options=)``).
+NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
+#: The direct step's earlier forms, and steps compiled without command buffers (``-nocb``), for
+#: comparison; run only when ``--kinds`` names them.
+OLD_KINDS = ("scan-sliced", "pool-scan-sliced", "unrolled-lists", "scan-nocb", "unrolled-nocb", "fused-nocb",
+             "pool-scan-nocb")
 #: The same steps through a MeshPlan (``--mesh``); run only when ``--kinds`` names them.
 MESH_KINDS = ("pool-scan-mesh", "scan-mesh")
 
@@ -167,18 +182,23 @@ def _pool_step(p, params, xs, ix, backend):
     return outs, gpool.commit(p, slots, steps, tslots, tsteps, rows, backend=backend)
 
 
-def _pool_scan_step(p, params, xs, ix, backend, plan: sharding.MeshPlan | None = None):
-    """The same with the layers in a ``lax.scan`` (``params``, ``xs``: stacked ``[L, ...]``);
-    with ``plan``, through ``plan.verify_layer`` and ``plan.pool_commit``."""
+def _pool_scan_step(p, params, xs, ix, backend, plan: sharding.MeshPlan | None = None, sliced: bool = False):
+    """The same with the layers in a ``lax.scan`` over the layer index (``params``, ``xs``:
+    stacked ``[L, ...]``, read at the layer by the kernels; ``sliced``: the scan slices them);
+    with ``plan``, through ``plan.verify_layer`` and ``plan.pool_commit`` (sliced)."""
     slots, steps, tslots, tsteps, rows = ix
     verify, commit = (gpool.verify_layer, gpool.commit) if plan is None else (plan.verify_layer, plan.pool_commit)
+    ids = jnp.arange(p.geometry.gdn_layers, dtype=jnp.int32)
 
     def layer(p, lx):
         i, prm, x = lx
         o, p = verify(p, i, **x, **prm, slots=slots, rows=rows, backend=backend)
         return p, o
 
-    p, outs = jax.lax.scan(layer, p, (jnp.arange(p.geometry.gdn_layers, dtype=jnp.int32), params, xs))
+    if sliced or plan is not None:
+        p, outs = jax.lax.scan(layer, p, (ids, params, xs))
+    else:
+        p, outs = jax.lax.scan(lambda p, i: layer(p, (i, params, xs)), p, ids)
     return outs, commit(p, slots, steps, tslots, tsteps, rows, backend=backend)
 
 
@@ -215,36 +235,47 @@ def _mesh_inputs(inp: StepInputs, plan: sharding.MeshPlan, record: str, seed: in
     return pools, [plan.put(ix, "index") for ix in sets], put(inp.params), put(inp.pool_inputs), put(inp.qkv)
 
 
-def direct_step(backend: str, unroll: bool, plan: sharding.MeshPlan | None = None):
+def direct_step(backend: str, form: str, plan: sharding.MeshPlan | None = None, options: dict | None = None):
     """The one-jit step over ``(ssm [L, S, HV, V, K], tape [L, R, D, ...])``, both donated;
-    ``params`` and ``xs`` per-layer lists (``unroll``) or stacked ``[L, ...]`` (a scan). With
-    ``plan``, verify and commit run through ``plan.verify`` and ``plan.commit`` (shard_map)."""
+    ``params`` and ``xs`` stacked ``[L, ...]`` (per-layer lists for ``unrolled-lists``).
+    ``form``: ``scan`` or ``unrolled`` (verify reads the stacks at the layer),
+    ``scan-sliced`` (the scan slices them) or ``unrolled-lists``. With ``plan``, verify and
+    commit run through ``plan.verify`` and ``plan.commit`` (shard_map; one layer's inputs).
+    ``options``: XLA options of this jit (``compiler_options``)."""
     verify, commit = (gl.verify, gl.commit) if plan is None else (plan.verify, plan.commit)
+    names = ("q", "k", "v", "a", "b")
 
     def step(ssm, tape, params, xs, ix):
         slots, steps, tslots, tsteps, rows = ix
 
-        def layer(tape, lx):
-            i, prm, x = lx
-            out, tape = verify(ssm, x["q"], x["k"], x["v"], x["a"], x["b"], prm["A_log"], prm["dt_bias"],
-                               slots=slots, layer=i, tape=tape, rows=rows, backend=backend)  # fmt: skip
+        def layer(tape, i, prm, x):
+            out, tape = verify(ssm, *(x[n] for n in names), prm["A_log"], prm["dt_bias"], slots=slots, layer=i,
+                               tape=tape, rows=rows, backend=backend)  # fmt: skip
             return tape, out
 
-        if unroll:
+        L = ssm.shape[0]
+        prm = {k: params[k] for k in ("A_log", "dt_bias")} if form != "unrolled-lists" else params
+        if form == "unrolled-lists":
             outs = []
-            for i in range(ssm.shape[0]):
-                tape, o = layer(tape, (i, params[i], xs[i]))
+            for i in range(L):
+                tape, o = layer(tape, i, params[i], xs[i])
                 outs.append(o)
-        else:
-            prm = {k: params[k] for k in ("A_log", "dt_bias")}
-            tape, outs = jax.lax.scan(layer, tape, (jnp.arange(ssm.shape[0], dtype=jnp.int32), prm, xs))
+        elif form == "unrolled":
+            outs = []
+            for i in range(L):
+                tape, o = layer(tape, i, prm, xs)
+                outs.append(o)
+        elif form == "scan":
+            tape, outs = jax.lax.scan(lambda t, i: layer(t, i, prm, xs), tape, jnp.arange(L, dtype=jnp.int32))
+        else:  # scan-sliced
+            tape, outs = jax.lax.scan(lambda t, lx: layer(t, *lx), tape, (jnp.arange(L, dtype=jnp.int32), prm, xs))
         ssm = commit(ssm, tape, slots, steps, tslots, tsteps, rows, backend=backend)
         return outs, ssm, tape
 
-    return jax.jit(step, donate_argnums=(0, 1))
+    return jax.jit(step, donate_argnums=(0, 1), compiler_options=options)
 
 
-def fused_step(backend: str):
+def fused_step(backend: str, options: dict | None = None):
     """The steady-state step with the commit inside the next verify: ``(ssm, tape, prev_tape)``
     donated, returned in the same places (the caller swaps the two tapes' roles between calls:
     swapped inside the jit, XLA would copy both to keep each donated buffer in its place)."""
@@ -253,20 +284,18 @@ def fused_step(backend: str):
         slots, steps, tslots, tsteps, rows = ix
         pending = gl.Pending(prev, rows, steps, tslots, tsteps)
 
-        def layer(carry, lx):
+        def layer(carry, i):  # the inputs stacked over layers, read at i by the kernels
             ssm, tape = carry
-            i, prm, x = lx
             out, tape, ssm = gl.commit_and_verify(
-                ssm, pending, x["q"], x["k"], x["v"], x["a"], x["b"], prm["A_log"], prm["dt_bias"], slots=slots,
-                layer=i, tape=tape, rows=rows, backend=backend,
+                ssm, pending, xs["q"], xs["k"], xs["v"], xs["a"], xs["b"], params["A_log"], params["dt_bias"],
+                slots=slots, layer=i, tape=tape, rows=rows, backend=backend,
             )  # fmt: skip
             return (ssm, tape), out
 
-        prm = {k: params[k] for k in ("A_log", "dt_bias")}
-        (ssm, tape), outs = jax.lax.scan(layer, (ssm, tape), (jnp.arange(ssm.shape[0], dtype=jnp.int32), prm, xs))
+        (ssm, tape), outs = jax.lax.scan(layer, (ssm, tape), jnp.arange(ssm.shape[0], dtype=jnp.int32))
         return outs, ssm, tape, prev
 
-    return jax.jit(step, donate_argnums=(0, 1, 2))
+    return jax.jit(step, donate_argnums=(0, 1, 2), compiler_options=options)
 
 
 def _kernels_not_ours(device: dict | None) -> list[dict]:
@@ -294,6 +323,10 @@ def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: in
 
     pool_jit = jax.jit(lambda p, prm, xs, ix: _pool_step(p, prm, xs, ix, backend), donate_argnums=0)
     pool_scan = jax.jit(lambda p, prm, xs, ix: _pool_scan_step(p, prm, xs, ix, backend), donate_argnums=0)
+    pool_scan_nocb = jax.jit(lambda p, prm, xs, ix: _pool_scan_step(p, prm, xs, ix, backend), donate_argnums=0,
+                             compiler_options=NO_COMMAND_BUFFERS)  # fmt: skip
+    pool_scan_sliced = jax.jit(lambda p, prm, xs, ix: _pool_scan_step(p, prm, xs, ix, backend, sliced=True),
+                               donate_argnums=0)  # fmt: skip
 
     def run_pool(fn, stacked):
         def run():
@@ -305,26 +338,32 @@ def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: in
 
     d_box = [(p_box[0].ssm, p_box[0].tape)]  # the direct rows own a second pool of the same shape
     d_box[0] = _filled(d_box[0], seed + 7)
-    fns = {u: direct_step(backend, u) for u in (False, True)}
+    fns = {f: direct_step(backend, f.removesuffix("-nocb"), options=NO_COMMAND_BUFFERS if f.endswith("-nocb") else None)
+           for f in ("scan", "unrolled", "scan-sliced", "unrolled-lists", "scan-nocb", "unrolled-nocb") if f in kinds}
 
-    def run_direct(unroll):
+    def run_direct(form):
         def run():
-            src = (inp.layers["params"], inp.layers["qkv"]) if unroll else (inp.params, inp.qkv)
-            outs, ssm, tape = fns[unroll](*d_box[0], *src, next_ix())
+            lists = form == "unrolled-lists"
+            src = (inp.layers["params"], inp.layers["qkv"]) if lists else (inp.params, inp.qkv)
+            outs, ssm, tape = fns[form](*d_box[0], *src, next_ix())
             d_box[0] = (ssm, tape)
             jax.block_until_ready((outs, ssm, tape))
 
         return run
 
     f_box = [None]
-    fused_fn = fused_step(backend)
 
-    def run_fused():
-        if f_box[0] is None:  # a second pool and two tape buffers, made on the first call
-            f_box[0] = _filled((p_box[0].ssm, p_box[0].tape, p_box[0].tape), seed + 11)
-        outs, ssm, written, old = fused_fn(*f_box[0], inp.params, inp.qkv, inp.index_sets[0])
-        f_box[0] = (ssm, old, written)  # the next step writes the old buffer and commits from this one
-        jax.block_until_ready((outs, f_box[0]))
+    def run_fused(options=None):
+        fused_fn = fused_step(backend, options)
+
+        def run():
+            if f_box[0] is None:  # a second pool and two tape buffers, made on the first call
+                f_box[0] = _filled((p_box[0].ssm, p_box[0].tape, p_box[0].tape), seed + 11)
+            outs, ssm, written, old = fused_fn(*f_box[0], inp.params, inp.qkv, inp.index_sets[0])
+            f_box[0] = (ssm, old, written)  # the next step writes the old buffer and commits from this one
+            jax.block_until_ready((outs, f_box[0]))
+
+        return run
 
     q_box = [None]
 
@@ -342,7 +381,8 @@ def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: in
         jax.block_until_ready((outs, q_box[0]))
 
     runs = {"pool-python": run_python, "pool-jit": run_pool(pool_jit, False), "pool-scan": run_pool(pool_scan, True),
-            "scan": run_direct(False), "unrolled": run_direct(True), "fused": run_fused,
+            **{f: run_direct(f) for f in fns}, "fused": run_fused(), "fused-nocb": run_fused(NO_COMMAND_BUFFERS),
+            "pool-scan-nocb": run_pool(pool_scan_nocb, True), "pool-scan-sliced": run_pool(pool_scan_sliced, True),
             "pool-deferred": run_deferred}  # fmt: skip
     if any(k in kinds for k in MESH_KINDS):
         plan = plan or parse_mesh("1x1")
@@ -370,7 +410,7 @@ def _mesh_runs(inp: StepInputs, backend: str, record: str, seed: int, plan: shar
     (pool, direct), index_sets, params, pool_inputs, qkv = _mesh_inputs(inp, plan, record, seed)
     box = {"pool": pool, "direct": (direct.ssm, direct.tape), "i": 0}
     pool_scan = jax.jit(lambda p, prm, xs, ix: _pool_scan_step(p, prm, xs, ix, backend, plan), donate_argnums=0)
-    scan = direct_step(backend, False, plan)
+    scan = direct_step(backend, "scan-sliced", plan)
 
     def next_ix():
         box["i"] += 1
@@ -525,7 +565,7 @@ def parse_args(argv=None):
     p.add_argument("--backends", default="pallas")
     p.add_argument("--records", default=",".join(RECORDS))
     p.add_argument("--kinds", default=",".join(STEP_KINDS),
-                   help=f"which steps ({', '.join(STEP_KINDS + MESH_KINDS)}; the mesh ones only when named)")
+                   help=f"which steps ({', '.join(STEP_KINDS + OLD_KINDS + MESH_KINDS)}; the last four only when named)")
     p.add_argument("--mesh", default="1x1", help="TPxDP: the mesh of the *-mesh steps (default 1x1, one device)")
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
@@ -542,9 +582,9 @@ def main(argv=None) -> int:
     mode = bc.MODES[args.mode]
     clock = Clock()
     kinds = [k for k in args.kinds.split(",") if k]
-    unknown = [k for k in kinds if k not in STEP_KINDS + MESH_KINDS]
+    unknown = [k for k in kinds if k not in STEP_KINDS + OLD_KINDS + MESH_KINDS]
     if unknown:
-        raise SystemExit(f"--kinds: unknown step kinds {unknown}; choose from {STEP_KINDS + MESH_KINDS}")
+        raise SystemExit(f"--kinds: unknown step kinds {unknown}; choose from {STEP_KINDS + OLD_KINDS + MESH_KINDS}")
     plan = parse_mesh(args.mesh) if any(k in MESH_KINDS for k in kinds) else None
     result = {
         "command": "python -m benchmarks.step " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),

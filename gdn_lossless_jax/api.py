@@ -179,6 +179,36 @@ def _check_layer_index(fn: str, layer, L: int, what: str):
         raise TypeError(f"{fn}: argument 'layer' must be an int or an integer scalar, got {_dtype(layer)} {_fmt(_shape(layer))}")
 
 
+#: Each input's rank for one layer; one more means stacked over the pool's layers.
+_INPUT_RANKS = {"q": 4, "k": 4, "v": 4, "a": 3, "b": 3, "A_log": 1, "dt_bias": 1}
+
+
+def _stacked_inputs(fn: str, state0, inputs: dict, slots, layer) -> dict:
+    """Which inputs are stacked over the pool's layers (rank one above one layer's; the
+    kernels read them at ``layer``), checked: they need the pool form with layers and
+    ``layer``, and a leading axis of the pool's L. Returns ``{name: stacked}``."""
+    stacked = {n: len(_shape(x)) == _INPUT_RANKS[n] + 1 for n, x in inputs.items()}
+    if not any(stacked.values()):
+        return stacked
+    names = [n for n, st in stacked.items() if st]
+    pool = _shape(state0)
+    if slots is None or len(pool) != 5:
+        raise ValueError(
+            f"{fn}: argument {names[0]!r} has rank {_INPUT_RANKS[names[0]] + 1} (stacked over layers), which needs the "
+            f"pool form with layers (state0 [L, S, HV, V, K], slots= and layer=); got state0 {_fmt(pool)}"
+            + ("" if slots is not None else " and no slots")
+        )
+    L = pool[0]
+    _check_layer_index(fn, layer, L, "the pool and the stacked inputs")
+    for n in names:
+        if _shape(inputs[n])[0] != L:
+            raise ValueError(
+                f"{fn}: argument {n!r} is stacked over layers (rank {_INPUT_RANKS[n] + 1}), so its leading axis must be "
+                f"the pool's L={L}, got shape {_fmt(_shape(inputs[n]))}"
+            )
+    return stacked
+
+
 def _check_tape_buffer(fn: str, tape, record, N: int, D: int, H: int, HV: int, V: int, K: int, state_dtype, layer):
     """The preallocated tape of ``verify(..., tape=)``; returns ``(record, layered, L)``."""
     if isinstance(tape, Tuples):
@@ -253,8 +283,14 @@ def verify(
       slots: ``[N]`` int or None: request n's state is ``state0[slots[n]]`` (``state0[layer,
         slots[n]]``), read inside the kernels (SGLang's ``h0_indices``: no gathered copy); a
         slot outside ``[0, S)`` reads zeros, as SGLang's padding slots do.
-      layer: an int or a traced int32 scalar: the layer of ``state0`` (with ``slots``) and of
-        ``tape``, for whichever has a leading layer axis.
+      layer: an int or a traced int32 scalar: the layer of ``state0`` (with ``slots``), of
+        ``tape`` and of the inputs, for whichever has a leading layer axis.
+
+    Any of the inputs may also be stacked over the pool's layers, with one more leading axis of
+    the pool's L (``q, k [L, N, D, H, K]``, ``v [L, N, D, HV, V]``, ``a, b [L, N, D, HV]``,
+    ``A_log, dt_bias [L, HV]``; with the pool ``[L, S, HV, V, K]``, ``slots`` and ``layer``):
+    the kernels read layer ``layer`` of it in place, so a ``lax.scan`` over the layers that
+    passes the stacks (the model's stacked weights, say) and its counter slices nothing.
       tape: a preallocated tape to write into, in place when it is donated (``jax.jit(...,
         donate_argnums=...)``): :class:`Tuples` (``u [L?, R, Dmax, HV, V]``, ``k [L?, R, Dmax,
         H, K]``, ``g [L?, R, Dmax, HV]``, fp32) or :class:`Snapshots` (``[L?, R, Dmax, HV, V,
@@ -308,6 +344,11 @@ def _verify_call(fn, state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, ba
     state0, q, k, v, a, b, A_log, dt_bias = _as_arrays(
         fn, state0=state0, q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias
     )
+    full = dict(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
+    stacked = _stacked_inputs(fn, state0, full, slots, layer)
+    if any(stacked.values()):  # the checks below run on one layer's shapes
+        q, k, v, a, b, A_log, dt_bias = (jax.ShapeDtypeStruct(_shape(x)[1:], _dtype(x)) if stacked[n] else x
+                                         for n, x in full.items())  # fmt: skip
     _check_rank(fn, "q", q, 4, "[N, D, H, K]")
     _check_not_transposed(fn, q, k, v, a)
     N, D, H = _shape(q)[:3]
@@ -353,6 +394,7 @@ def _verify_call(fn, state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, ba
     elif rows is not None:
         raise ValueError(f"{fn}: rows= maps requests to rows of a tape buffer: pass tape= too")
     record = record or "tuples"
+    q, k, v, a, b, A_log, dt_bias = full.values()  # the backends take the stacks
     impl = backends.resolve(backend, "verify")
     scale = float(K**-0.5 if scale is None else scale)
     out_dtype = jnp.dtype(out_dtype or q.dtype)
@@ -598,7 +640,7 @@ def commit_and_verify(
         here: commit them with :func:`commit` before their slots are read.
       q, k, v, a, b, A_log, dt_bias, slots, layer, tape, rows, record, scale, backend,
         out_dtype: as in :func:`verify` (``slots`` required: request n's state is
-        ``pool[layer, slots[n]]``).
+        ``pool[layer, slots[n]]``; the inputs may be stacked over the pool's layers).
     Returns:
       ``(outputs [N, D, HV, V], tape, pool)``. Differentiable like :func:`verify` (with
       respect to the pool, the pending tape and the inputs).
@@ -606,8 +648,9 @@ def commit_and_verify(
     fn = "commit_and_verify"
     if slots is None:
         raise ValueError(f"{fn}: argument 'slots' is required (request n's state is pool[layer, slots[n]])")
-    _check_rank(fn, "q", q, 4, "[N, D, H, K]")
-    N, _, H, _ = _shape(q)
+    if len(_shape(q)) != 5:  # (stacked over layers: checked by verify's argument handling below)
+        _check_rank(fn, "q", q, 4, "[N, D, H, K]")
+    N, _, H, _ = _shape(q)[-4:]
     if len(_shape(pool)) not in (4, 5):
         raise ValueError(f"{fn}: argument 'pool' must have rank 4 ([S, HV, V, K]) or 5 ([L, S, HV, V, K]), "
                          f"got shape {_fmt(_shape(pool))}")  # fmt: skip

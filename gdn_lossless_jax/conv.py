@@ -133,7 +133,8 @@ def verify_from_pool(conv_pool, layer, slots, x, weight, bias=None, *, windows=N
       conv_pool: ``[L, S, conv_dim, Kc-1]``; request n's state is ``conv_pool[layer, slots[n]]``
         (zeros for a slot outside ``[0, S)``, SGLang's padding).
       layer: int or traced int32 scalar. slots: ``[N]`` int32.
-      x, weight, bias: as :func:`causal_conv1d_verify`.
+      x, weight, bias: as :func:`causal_conv1d_verify`, or stacked over the pool's layers
+        (``[L, N, D, C]``, ``[L, C, Kc]``, ``[L, C]``): read at ``layer``.
       windows, rows: a window buffer ``[L, R, conv_dim, >= D+Kc-2]`` (written at
         ``[layer, rows[n]]``, in place when donated; out-of-range rows write nothing), or None
         for fresh windows ``[N, conv_dim, D+Kc-2]``.
@@ -152,6 +153,9 @@ def verify_from_pool(conv_pool, layer, slots, x, weight, bias=None, *, windows=N
                                 windows=windows, tape_layer=None if windows is None else layer, rows=rows, form=form,
                                 interpret=form == "portable")  # fmt: skip
         return [_silu(a).astype(x.dtype) for a in accs], win
+    if x.ndim == 4:  # stacked over layers: this layer's (XLA slices them)
+        x, weight = x[layer], weight[layer]
+        bias = None if bias is None else bias[layer]
     S = conv_pool.shape[1]
     idx = jnp.where((slots >= 0) & (slots < S), slots, S)
     y, win = causal_conv1d_verify(conv_pool.at[layer, idx].get(mode="fill", fill_value=0), x, weight, bias)

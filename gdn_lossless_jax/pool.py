@@ -453,7 +453,10 @@ def verify_layer(
       mixed_qkv: ``[N, D, conv_dim]``, the layer's pre-conv ``[q | k | v]`` projections
         (``conv_dim = 2*H*K + HV*V``), D <= the pool's ``drafts``.
       a, b: ``[N, D, HV]``. conv_weight ``[conv_dim, Kc]``, conv_bias ``[conv_dim]`` or None,
-        A_log and dt_bias ``[HV]``: the layer's parameters.
+        A_log and dt_bias ``[HV]``: the layer's parameters. Any of these arrays and
+        ``mixed_qkv`` may instead be stacked over all the pool's layers (a leading axis of
+        ``gdn_layers``): the kernels read layer ``layer`` of it in place, so a ``lax.scan`` over
+        the layers that passes the stacks and its counter slices nothing.
       slots: ``[N]`` int, each request's mamba slot; a slot outside ``[0, S]`` (padding)
         reads zero states, as in SGLang, and is skipped by commit.
       rows: ``[N]`` int or None, each request's scratch row (default i).
@@ -464,14 +467,20 @@ def verify_layer(
     fn = "verify_layer"
     _check_layer(fn, pool, layer)
     g = pool.geometry
-    _check_rank(fn, "mixed_qkv", mixed_qkv, 3, "[N, D, conv_dim]")
-    N, D, _ = _shape(mixed_qkv)
+    L = g.gdn_layers
+    for name, x, rank in (("mixed_qkv", mixed_qkv, 3), ("conv_weight", conv_weight, 2), ("conv_bias", conv_bias, 1)):
+        if x is not None and len(_shape(x)) == rank + 1 and _shape(x)[0] != L:
+            raise ValueError(f"{fn}: argument {name!r} is stacked over layers (rank {rank + 1}), so its leading axis "
+                             f"must be the pool's gdn_layers={L}, got shape {list(_shape(x))}")  # fmt: skip
+    one = mixed_qkv if len(_shape(mixed_qkv)) != 4 else jax.ShapeDtypeStruct(_shape(mixed_qkv)[1:], mixed_qkv.dtype)
+    _check_rank(fn, "mixed_qkv", one, 3, "[N, D, conv_dim] or [L, N, D, conv_dim]")
+    N, D, _ = _shape(one)
     if D > pool.drafts:
         raise ValueError(
             f"{fn}: argument 'mixed_qkv' has D={D} draft steps, but the pool's scratch was sized for "
             f"at most drafts={pool.drafts}"
         )
-    _check_shape(fn, "mixed_qkv", mixed_qkv, (N, D, g.conv_dim), "[N, D, conv_dim]", f"conv_dim = 2*H*K + HV*V of {g.name}")
+    _check_shape(fn, "mixed_qkv", one, (N, D, g.conv_dim), "[N, D, conv_dim]", f"conv_dim = 2*H*K + HV*V of {g.name}")
     _check_linear_chain(fn, parents, topk, D)
     _check_index(fn, "slots", slots, N)
     rows = _check_rows(fn, rows, N)
@@ -487,7 +496,7 @@ def _verify_layer(pool, layer, mixed_qkv, a, b, conv_weight, conv_bias, A_log, d
     # windows and the tape into the scratch rows in place (verify_from_pool, verify's slots=/
     # tape= form): no gathered states, no copies of the tape or of [q | k | v] slices.
     g = pool.geometry
-    N, D, _ = mixed_qkv.shape
+    N, D, _ = mixed_qkv.shape[-3:]
     HK = g.num_k_heads * g.head_k_dim
     (q, k, v), windows = verify_from_pool(
         pool.conv, layer, slots, mixed_qkv, conv_weight, conv_bias, windows=pool.conv_windows, rows=rows,

@@ -207,13 +207,19 @@ def verify_form(
 
     With ``pending`` (``(rows, steps, track_slots, track_steps, tape layer, tape)``), the
     previous step's commit of this layer first (:func:`commit`), then the verify from the pool
-    it leaves; with ``slots`` (and ``layer``), the states gathered from the pool
+    it leaves; inputs stacked over layers (``q [L, N, D, H, K]``, ...) are taken at ``layer``;
+    with ``slots`` (and ``layer``), the states gathered from the pool
     (:func:`read_slots`); with ``tape``, the tape scattered into that buffer at ``rows``
     (:func:`write_rows`). Returns ``(outputs, tape)``, and the pool after the pending commit
     when there is one. ``verify_fn`` and ``commit_fn`` (default :func:`verify` and
     :func:`commit`) are what runs: gdn_lossless_jax.autodiff passes its plain formulations.
     """
     commit_fn = commit_fn or commit
+    # inputs stacked over the pool's layers (one axis more than one layer's): this layer's
+    q, k, v, a, b, A_log, dt_bias = (
+        lax.dynamic_index_in_dim(x, jnp.reshape(layer, ()), 0, keepdims=False) if jnp.ndim(x) == r + 1 else x
+        for x, r in zip((q, k, v, a, b, A_log, dt_bias), (4, 4, 4, 3, 3, 1, 1))
+    )
     if pending is not None:  # the previous step's commit of this layer, then the verify from the pool it leaves
         prows, psteps, ptslots, ptsteps, prev_layer, prev = pending
         one = jax.tree.map(lambda x: x[prev_layer][None], prev)

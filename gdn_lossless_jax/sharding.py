@@ -604,6 +604,12 @@ class MeshPlan:
         local per shard (and checked when concrete); ``rows=None`` becomes each shard's own
         rows when ``fill_rows`` names the array they index. ``donate``: an argument to donate.
         """
+        for arg, rank in _ONE_LAYER_RANKS.items():
+            if args.get(arg) is not None and np.ndim(args[arg]) == rank + 1:
+                raise ValueError(
+                    f"MeshPlan.{name}: argument {arg!r} has rank {rank + 1} (stacked over layers), which a mesh does not "
+                    f"split; pass one layer's (rank {rank}), got shape {list(np.shape(args[arg]))}"
+                )
         if check and self.dp > 1:
             self._check_local(name, args)
         args = {k: _int32(x) if ARG_KINDS[name].get(k) == "index" else x for k, x in args.items()}
@@ -705,6 +711,11 @@ def _result_kinds(name: str, result):
     if len(kinds) == 1:
         return _expand(kinds[0], result)
     return tuple(_expand(k, r) for k, r in zip(kinds, result))
+
+
+#: One layer's rank of the inputs that the unsharded functions also take stacked over layers.
+_ONE_LAYER_RANKS = {"q": 4, "k": 4, "v": 4, "a": 3, "b": 3, "A_log": 1, "dt_bias": 1, "mixed_qkv": 3, "conv_weight": 2,
+                    "conv_bias": 1}  # fmt: skip
 
 
 def _split_layer(layer):

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then (optionally) tuning and benchmarks. Logs go to $OUT.
-# Usage on the device machine: bash scripts/gpu_session.sh [tests] [tune] [bench] [step] [stepnocb] [demo] [soak] [fuzz] [pattern] [upstream] [profile] [stalls] [sass]
+# Usage on the device machine: bash scripts/gpu_session.sh [tests] [tune] [bench] [step] [stepnocb] [timeline] [demo] [soak] [fuzz] [pattern] [upstream] [profile] [stalls] [sass]
 # With PACK=1 every log goes under /tmp/gpu_out and comes back as one $OUT/results.tgz (a call returns at most 8 files).
 # Env: TEST_FILES, WORKERS, PYTEST_ARGS, PYTEST_K (a -k expression), TEST_TIMEOUT; TUNE_ARGS (verify/commit), TUNE_SHAPES,
 # TUNE_VERIFY and TUNE_COMMIT (scripts/gpu_tune.py), TUNE_TIMEOUT; BENCH_ARGS, BENCH_TIMEOUT; PROFILE_TIMEOUT, NCU_SKIP, NCU_COUNT, STALL_VARIANTS, SASS_KERNELS;
 # PATTERN_SHAPES, PATTERN_TILES (scripts/pattern_floor.py); UPSTREAM_VARIANTS, UPSTREAM_MAXNREG (scripts/upstream_regs.py);
 # STEP_ARGS, STEP_TIMEOUT (benchmarks/step.py; stepnocb: the same with XLA's command buffers off, STEPNOCB_ARGS);
+# TIMELINE_ARGS, TIMELINE_TIMEOUT (scripts/step_timeline.py);
 # DEMO_ARGS, DEMO_TIMEOUT, SOAK_ARGS, SOAK_TIMEOUT (gdn-lossless demo); FUZZ_BACKENDS, FUZZ_ARGS, FUZZ_TIMEOUT (gdn-lossless fuzz)
 set -u
 OUT=${OUT:-/tmp/out}
@@ -36,6 +37,8 @@ for phase in "$@"; do
         --maxnreg ${UPSTREAM_MAXNREG:-0,96,80,64} 2>&1 | tee "$OUT/upstream_regs.log" | tail -30 ;;
     bench) timeout ${BENCH_TIMEOUT:-400} python3 -m benchmarks.run --mode h200 --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
     step) timeout ${STEP_TIMEOUT:-300} python3 -m benchmarks.step --out "$OUT/step" ${STEP_ARGS:-} 2>&1 | tee "$OUT/step.log" | tail -45 ;;
+    timeline) timeout ${TIMELINE_TIMEOUT:-150} python3 scripts/step_timeline.py --out "$OUT/timeline" ${TIMELINE_ARGS:-} 2>&1 \
+        | tee "$OUT/timeline.log" | grep -v '^    ' ;;
     demo) timeout ${DEMO_TIMEOUT:-150} python3 -m gdn_lossless_jax demo ${DEMO_ARGS:-} 2>&1 | tee "$OUT/demo.log" | tail -15 ;;
     soak) timeout ${SOAK_TIMEOUT:-200} python3 -m gdn_lossless_jax demo ${SOAK_ARGS:-} 2>&1 | tee "$OUT/soak.log" | tail -12 ;;
     fuzz) for b in ${FUZZ_BACKENDS:-pallas triton}; do

@@ -236,7 +236,7 @@ def run_kernels(spec: CaseSpec, work: Path):
         qn, kt, g, beta = nan(N, D, H, K), nan(N, D, H, K), nan(N, D, HV), nan(N, D, HV)
         kbuf, gbuf = (bufs["k"], bufs["g"]) if into and not snapshots else (unused, unused)
         sizes, grid = V_.prep_launch(tuple(x["q"].shape), HV, cfg)
-        V_.verify_prep_kernel[grid](x["q"], x["k"], x["a"], x["b"], x["A_log"], x["dt_bias"], rows_t, lay, kbuf, gbuf,
+        V_.verify_prep_kernel[grid](x["q"], x["k"], x["a"], x["b"], x["A_log"], x["dt_bias"], lay, rows_t, lay, kbuf, gbuf,
                                     qn, kt, g, beta, kbuf, gbuf, **sizes, **(buf_sizes if not snapshots else {}),
                                     SCALE=float(K**-0.5), INTERPRET=True)  # fmt: skip
         o = nan(N, D, HV, V, dtype=x["q"].dtype)
@@ -438,7 +438,7 @@ def compile_kernels() -> None:
         assert digests[False] == digests[True], f"verify ({state}): the record modes' TTGIR arithmetic differs"
         print(f"  verify ({state}): tuples and snapshots TTGIR arithmetic identical ({digests[False]})")
         sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "A_log_ptr": "*fp32",
-               "dt_bias_ptr": "*fp32", "rows_ptr": "*i32", "tape_layer_ptr": "*i32", "kbuf_in_ptr": "*fp32",
+               "dt_bias_ptr": "*fp32", "layer_ptr": "*i32", "rows_ptr": "*i32", "tape_layer_ptr": "*i32", "kbuf_in_ptr": "*fp32",
                "gbuf_in_ptr": "*fp32", "qn_ptr": "*fp32", "kn_ptr": "*fp32", "g_ptr": "*fp32", "beta_ptr": "*fp32",
                "kbuf_ptr": "*fp32", "gbuf_ptr": "*fp32"}  # fmt: skip
         sizes, _ = V_.prep_launch((N, D, H, K), HV, vcfg)

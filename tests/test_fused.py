@@ -104,10 +104,11 @@ def _left(prev: Step, st: Step):
     return tuple(a[gone] for a in _commit_args(prev))
 
 
-def fused(pool, steps, records, backend, control=None):
+def fused(pool, steps, records, backend, control=None, stacked=False):
     """commit_and_verify for every layer (the previous step's commit inside); requests that left
     are committed before the step, and the last step is flushed with commit. Returns the pool
-    after each step's commit has been applied (before the next verify's), and all outputs."""
+    after each step's commit has been applied (before the next verify's), and all outputs.
+    ``stacked``: each step's inputs stacked over the layers, read at the layer by the kernels."""
     pools, outs, tapes = [], [], []
     prev, prev_tape = None, None
     for st, record in zip(steps, records):
@@ -117,10 +118,12 @@ def fused(pool, steps, records, backend, control=None):
                 pool = gl.commit(pool, prev_tape, *left, backend=backend)
         buf = _buffer(record, pool.dtype)
         pending = _pending_for(prev, prev_tape if prev_tape is not None else _buffer("tuples", pool.dtype), st)
+        stacks = {k: jnp.stack([x[k] for x in st.inputs]) for k in st.inputs[0]}
         for layer in range(L):
             if control is None:
-                o, buf, pool = gl.commit_and_verify(pool, pending, **st.inputs[layer], slots=st.slots, layer=layer,
-                                                    tape=buf, rows=st.rows, backend=backend)  # fmt: skip
+                x = stacks if stacked else st.inputs[layer]
+                o, buf, pool = gl.commit_and_verify(pool, pending, **x, slots=st.slots, layer=layer, tape=buf,
+                                                    rows=st.rows, backend=backend)  # fmt: skip
             else:
                 o, buf, pool = _control_call(pool, pending, st, layer, buf, control)
             outs.append(o)
@@ -167,6 +170,17 @@ def test_fused_steps_equal_separate_steps(backend, records, dtype, seed):
     untouched = [s for s in range(S) if s not in touched]
     assert_bitwise_equal(pool[:, untouched], got_pools[-1][:, untouched], "untouched slots")
     assert_bitwise_differs(pool[:, list(steps[0].slots)], got_pools[-1][:, list(steps[0].slots)], "committed slots")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_steps_read_inputs_stacked_over_layers(backend, seed):
+    """The same decode with each step's inputs stacked over layers (``[L, ...]``, read at the
+    layer by the kernels) gives the same bits."""
+    steps, records = _steps(seed), ("snapshots", "tuples", "snapshots")
+    pool = _pool(seed, F32)
+    want = fused(pool, steps, records, backend)
+    got = fused(pool, steps, records, backend, stacked=True)
+    assert_bitwise_equal(want, got, "pools, outputs and tapes with stacked inputs")
 
 
 @pytest.mark.parametrize("control", ["naive", "track_after_write"])

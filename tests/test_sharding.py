@@ -360,6 +360,9 @@ def test_shard_errors_name_the_argument_and_sizes():
     with pytest.raises(ValueError, match=r"MeshPlan.verify: argument 'slots': request 2 is on data shard 0 of 2 \(requests "
                        r"\[0, 3\)\), but its slot 7 lives on data shard 1 \(slots \[6, 12\) of 12\)"):  # fmt: skip
         plan.verify(pool, **y, slots=slots, layer=0)
+    stacked = {k: v[None] for k, v in y.items()}
+    with pytest.raises(ValueError, match=r"MeshPlan.verify: argument 'q' has rank 5 \(stacked over layers\)"):
+        plan.verify(pool, **stacked, slots=np.arange(6, dtype=np.int32), layer=0)
     tape = gl.Tuples(jnp.zeros((1, 4, s.D, s.HV, s.V)), jnp.zeros((1, 4, s.D, s.H, s.K)), jnp.zeros((1, 4, s.D, s.HV)))
     ok, steps = np.array([0, 1, 2, 6, 7, 8], np.int32), np.zeros(6, np.int32)
     with pytest.raises(ValueError, match=r"MeshPlan.commit: argument 'rows': request 3 is on data shard 1 .* its tape row 0 "

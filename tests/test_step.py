@@ -142,6 +142,76 @@ def test_tape_lands_in_place(backend, record, dtype, seed):
     assert_bitwise_differs(want, _expected_buffer(buf, layer, np.roll(rows, 1), tape), "shifted rows")
 
 
+def _stacked_case(seed, dtype, L=3):
+    """L layers of inputs (each layer its own draw) and a pool ``[L, S, ...]`` holding each
+    layer's state0 at ``slots``."""
+    rng, x, S, slots = _case(seed, dtype)
+    layers = [x] + [verify_inputs(seed + 1000 * i, SHAPE, kind="mixed", state_dtype=dtype) for i in range(1, L)]
+    pool = jnp.stack([_pool_of(y, S, slots, rng, dtype) for y in layers])
+    stacks = {k: jnp.stack([_args(y)[k] for y in layers]) for k in _args(x)}
+    return rng, layers, pool, stacks, S, slots
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("record", gl.RECORD_MODES)
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_verify_reads_inputs_stacked_over_layers(backend, record, dtype, seed):
+    """Inputs stacked ``[L, ...]`` with the pool ``[L, S, ...]`` and ``layer``: the kernels read
+    layer ``layer`` of each input, equal to passing that layer's inputs, with the tape in
+    place, in a ``lax.scan`` with the layer as its counter; control: the neighbouring layer."""
+    rng, layers, pool, stacks, S, slots = _stacked_case(seed, dtype)
+    L, R, Dmax = pool.shape[0], SHAPE.N + 2, SHAPE.D + 1
+    rows = rng.permutation(R)[: SHAPE.N].astype(np.int32)
+    buf = _fresh_buffer(record, L, R, Dmax, SHAPE, dtype, rng)
+    want_out, want_buf = [], buf
+    for i, y in enumerate(layers):
+        o, want_buf = gl.verify(pool, **_args(y), slots=slots, layer=i, tape=want_buf, rows=rows, backend=backend)
+        want_out.append(o)
+    o1, _ = gl.verify(pool, **stacks, slots=slots, layer=1, record=record, backend=backend)
+    assert_bitwise_equal(gl.verify(pool, **_args(layers[1]), slots=slots, layer=1, record=record, backend=backend)[0],
+                         o1, "layer 1 of the stacks, a Python int")  # fmt: skip
+
+    def step(pool, buf, stacks, slots, rows):
+        def body(buf, i):
+            o, buf = gl.verify(pool, **stacks, slots=slots, layer=i, tape=buf, rows=rows, backend=backend)
+            return buf, o
+
+        return jax.lax.scan(body, buf, jnp.arange(L, dtype=jnp.int32))
+
+    got_buf, got_out = jax.jit(step, donate_argnums=1)(pool, jax.tree.map(jnp.copy, buf), stacks, jnp.asarray(slots),
+                                                       jnp.asarray(rows))  # fmt: skip
+    assert_bitwise_equal(jnp.stack(want_out), got_out, "outputs of every layer, stacks read in a scan")
+    assert_bitwise_equal(want_buf, got_buf, "the tape buffer after every layer")
+    # Some inputs stacked, the others one layer's (a model's stacked A_log and dt_bias, say).
+    for names in (("a", "b", "A_log", "dt_bias"), ("v", "A_log")):
+        mixed = {k: (v if k in names else _args(layers[2])[k]) for k, v in stacks.items()}
+        o2, _ = gl.verify(pool, **mixed, slots=slots, layer=2, record=record, backend=backend)
+        assert_bitwise_equal(want_out[2], o2, f"{', '.join(names)} stacked, the rest layer 2's")
+    # Control: the stacks read at the neighbouring layer (with this layer's pool) give other outputs.
+    wrong = {k: jnp.roll(v, 1, axis=0) for k, v in stacks.items()}
+    o_wrong, _ = gl.verify(pool, **wrong, slots=slots, layer=1, record=record, backend=backend)
+    assert_bitwise_differs(o1, o_wrong, "the inputs of another layer")
+
+
+def test_stacked_input_errors_name_the_argument():
+    _, layers, pool, stacks, S, slots = _stacked_case(0, F32, L=2)
+    with pytest.raises(ValueError, match="argument 'q' has rank 5 \\(stacked over layers\\), which needs the pool form "
+                       "with layers .* got state0 \\[5, 4.* and no slots"):  # fmt: skip
+        gl.verify(layers[0]["state0"], **stacks)
+    with pytest.raises(ValueError, match="leading layer axis .* pass layer="):
+        gl.verify(pool, **stacks, slots=slots)
+    bad = {**stacks, "A_log": jnp.concatenate([stacks["A_log"]] * 2)}
+    with pytest.raises(ValueError, match="argument 'A_log' is stacked over layers \\(rank 2\\), so its leading axis must "
+                       "be the pool's L=2, got shape \\[4, 4\\]"):  # fmt: skip
+        gl.verify(pool, **bad, slots=slots, layer=0)
+    bad = {**stacks, "v": stacks["v"][:1]}
+    with pytest.raises(ValueError, match="argument 'v' is stacked over layers"):
+        gl.verify(pool, **bad, slots=slots, layer=0)
+    bad = {**stacks, "k": jnp.swapaxes(stacks["k"], 2, 3)}
+    with pytest.raises(ValueError, match="argument 'k'"):
+        gl.verify(pool, **bad, slots=slots, layer=0)
+
+
 def test_buffer_errors_name_the_argument():
     x = verify_inputs(0, SHAPE)
     s = SHAPE
@@ -217,6 +287,45 @@ def test_pool_verify_layer_equals_the_old_path(backend, record, dtype, seed):
     # Control: a request mapped to another row leaves a different scratch.
     _, other = _old_verify_layer(copy(p), 0, steps[0], layers[0], slots, jnp.roll(rows, 1), backend)
     assert_bitwise_differs(want_p.tape, other.tape, "rows rolled by one")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("record", gl.RECORD_MODES)
+def test_pool_verify_layer_reads_inputs_stacked_over_layers(backend, record, seed):
+    """``pool.verify_layer`` with ``mixed_qkv``, the gates' inputs and the layer's parameters
+    stacked over layers (read at the layer by the kernels, in a ``lax.scan``) equals the calls
+    with each layer's arrays; an argument stacked over the wrong number of layers is named."""
+    N, D = 4, 3
+    rng, layers, steps = _pool_inputs(seed, N, D)
+    p = _filled_pool(rng, record, F32)
+    slots = jnp.asarray(rng.permutation(p.slots)[:N].astype(np.int32)).at[1].set(p.slots)
+    rows = jnp.asarray(rng.permutation(p.rows)[:N].astype(np.int32))
+    copy = lambda t: jax.tree.map(jnp.copy, t)  # noqa: E731
+    want_p, want_o = copy(p), []
+    for layer in range(GEOMETRY.gdn_layers):
+        o, want_p = gpool.verify_layer(want_p, layer, **steps[layer], **layers[layer], slots=slots, rows=rows,
+                                       backend=backend)  # fmt: skip
+        want_o.append(o)
+    stack = lambda ds: jax.tree.map(lambda *t: jnp.stack(t), *ds)  # noqa: E731
+    prms, xs = stack(layers), stack(steps)
+
+    def step(p, prms, xs, slots, rows):
+        def body(p, i):
+            out, p = gpool.verify_layer(p, i, **xs, **prms, slots=slots, rows=rows, backend=backend)
+            return p, out
+
+        return jax.lax.scan(body, p, jnp.arange(GEOMETRY.gdn_layers, dtype=jnp.int32))
+
+    got_p, got_o = jax.jit(step, donate_argnums=0)(copy(p), prms, xs, slots, rows)
+    assert_bitwise_equal(jnp.stack(want_o), got_o, "outputs of every layer")
+    assert_bitwise_equal(want_p, got_p, "the whole pool after every layer")
+    # Control: the stacks read one layer off.
+    off = jax.tree.map(lambda t: jnp.roll(t, 1, axis=0), (prms, xs))
+    _, off_o = jax.jit(step, donate_argnums=0)(copy(p), *off, slots, rows)
+    assert_bitwise_differs(jnp.stack(want_o), off_o, "the inputs of the neighbouring layer")
+    with pytest.raises(ValueError, match="argument 'conv_weight' is stacked over layers \\(rank 3\\), so its leading axis "
+                       "must be the pool's gdn_layers=2, got shape \\[1, "):  # fmt: skip
+        gpool.verify_layer(copy(p), 0, **steps[0], **{**layers[0], "conv_weight": prms["conv_weight"][:1]}, slots=slots)
 
 
 # ---------------------------------------------------------------------------------------

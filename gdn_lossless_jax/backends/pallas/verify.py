@@ -341,9 +341,9 @@ def _apply_pending(refs, pending: str, state_ref, pool_ref, w: _Where, cols, S0,
 
 def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bool, row_vectors: bool, one_pass: bool,
             k_chunk: int, loop: bool, evict: str | None, prefetch_q: bool, tiles_first: bool, dot_fma: str,
-            pending: str | None = None, control: str | None = None):  # fmt: skip
+            pending: str | None = None, control: str | None = None, stacked: bool = False):  # fmt: skip
     # inputs: state, slots, layer, tape_layer, qn, kn, v, g, beta[, rows, tape buffer (aliased)][, pending inputs];
-    # outputs: o, tape[, pool (aliased with state)]
+    # outputs: o, tape[, pool (aliased with state)]. With ``stacked``, v is [L, N, D, HV, V], read at the pool's layer.
     n_out = 3 if pending else 2
     (q_ref, k_ref, v_ref, g_ref, beta_ref), o_ref, tape_ref, state_ref, w = _program(refs, 9, into, r, BV, tiles_first,
                                                                                      n_out)  # fmt: skip
@@ -363,7 +363,8 @@ def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bo
         qs = None if late_q else [vec(q_ref, t, c) for c in cols]
         ks = [vec(k_ref, t, c) for c in cols]
         kq = _chunk_dot(ks, qs) if one_pass else None  # [1]
-        return qs, ks, v_ref[n, t, hv, vs].astype(F32), rounding.exp(g_ref[n, t, hv]), beta_ref[n, t, hv], kq
+        vt = v_ref[w.layer, n, t, hv, vs] if stacked else v_ref[n, t, hv, vs]
+        return qs, ks, vt.astype(F32), rounding.exp(g_ref[n, t, hv]), beta_ref[n, t, hv], kq
 
     def step(t, S, x):
         qs, ks, v, alpha, beta, kq = x
@@ -400,31 +401,36 @@ def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bo
     jax.lax.fori_loop(0, D, body, (S, inputs(0)))
 
 
-def _prep_kernel(*refs, H: int, HV: int, hb: int, scale: float, into: bool):
+def _prep_kernel(*refs, H: int, HV: int, hb: int, scale: float, into: bool, stacked: tuple = (False,) * 6):
     """Per (request, step, group of ``hb`` q/k heads): the q/k l2 norms of those heads and the
     gates of their v-heads.
 
     ``reference.prepare``'s formulas in one small kernel (XLA made six kernels of them, ~10 us
     on the H200). Heads are padded to powers of 2 and masked. With ``into`` the tape's ``k``
     and ``g`` also go straight into the tape buffers at ``[tape_layer, rows[n], t]`` (aliased:
-    no copy after the kernel; an out-of-range row writes nothing).
+    no copy after the kernel; an out-of-range row writes nothing). ``stacked``: which of the six
+    inputs are stacked over layers, read at the layer in the ``[1]`` input after them.
     """
-    # inputs: q, k, a, b, A_log, dt_bias[, rows, tape_layer, k buffer, g buffer]; outputs: qn, kn, g, beta[, buffers]
+    # inputs: q, k, a, b, A_log, dt_bias[, layer][, rows, tape_layer, k buffer, g buffer];
+    # outputs: qn, kn, g, beta[, buffers]
     q_ref, k_ref, a_ref, b_ref, A_log_ref, dt_bias_ref = refs[:6]
-    qn_ref, kn_ref, g_ref, beta_ref = refs[10:14] if into else refs[6:10]
+    x = 7 if any(stacked) else 6  # the first ref after the inputs
+    xl = refs[6][0] if any(stacked) else None
+    at_q, at_k, at_a, at_b, at_A, at_dt = (((xl,) if st else ()) for st in stacked)  # each input's layer index
+    qn_ref, kn_ref, g_ref, beta_ref = refs[x + 4 : x + 8] if into else refs[x : x + 4]
     n, t, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     if into:
-        row, tape_layer = refs[6][n], refs[7][0]
-        kbuf_ref, gbuf_ref = refs[14:16]
+        row, tape_layer = refs[x][n], refs[x + 1][0]
+        kbuf_ref, gbuf_ref = refs[x + 8 : x + 10]
         row_ok = (row >= 0) & (row < kbuf_ref.shape[1])
         row = jnp.where(row_ok, row, 0)
     r = HV // H
     K = k_ref.shape[-1]
     heads = j * hb + jax.lax.broadcasted_iota(jnp.int32, (hb, K), 0) < H
     hs = pl.ds(j * hb, hb)
-    for src, dst, mult in ((q_ref, qn_ref, scale), (k_ref, kn_ref, None)):
-        x = plgpu.load(src.at[n, t, hs, :], mask=heads, other=0.0).astype(F32)  # [hb, K]
-        y = _unit_rows(x)
+    for src, at, dst, mult in ((q_ref, at_q, qn_ref, scale), (k_ref, at_k, kn_ref, None)):
+        xt = plgpu.load(src.at[(*at, n, t, hs, slice(None))], mask=heads, other=0.0).astype(F32)  # [hb, K]
+        y = _unit_rows(xt)
         y = y if mult is None else y * jnp.asarray(mult, F32)
         plgpu.store(dst.at[n, t, hs, :], y, mask=heads)
         if into and mult is None:
@@ -437,28 +443,30 @@ def _prep_kernel(*refs, H: int, HV: int, hb: int, scale: float, into: bool):
     def load(ref, *idx):
         return plgpu.load(ref.at[(*idx, hvs)], mask=vheads, other=0.0)
 
-    g, beta = gates(load(a_ref, n, t), load(b_ref, n, t), load(A_log_ref), load(dt_bias_ref))
+    g, beta = gates(load(a_ref, *at_a, n, t), load(b_ref, *at_b, n, t), load(A_log_ref, *at_A), load(dt_bias_ref, *at_dt))
     plgpu.store(g_ref.at[n, t, hvs], g, mask=vheads)
     plgpu.store(beta_ref.at[n, t, hvs], beta, mask=vheads)
     if into:
         plgpu.store(gbuf_ref.at[tape_layer, row, t, hvs], g, mask=vheads & row_ok)
 
 
-def _prep(q, k, a, b, A_log, dt_bias, *, scale, interpret: bool, heads: int = 0, into=None):
+def _prep(q, k, a, b, A_log, dt_bias, *, scale, interpret: bool, heads: int = 0, into=None, xlayer=None):
     """``(qn, kn, g, beta)`` as ``reference.prepare`` computes them, in one launch: grid
     ``(N, D, H / heads)``, ``heads`` q/k heads per program (0: all of them). ``into``:
-    ``(rows, tape_layer, k buffer, g buffer)``; then the updated buffers are returned too."""
-    N, D, H, K = q.shape
+    ``(rows, tape_layer, k buffer, g buffer)``; then the updated buffers are returned too.
+    ``xlayer`` (a ``[1]`` index): the layer of the inputs stacked over layers (by their rank)."""
+    stacked = tuple(x.ndim == r + 1 for x, r in zip((q, k, a, b, A_log, dt_bias), (4, 4, 3, 3, 1, 1)))
+    N, D, H, K = q.shape[-4:]
     HV = a.shape[-1]
     hb = min(pl.next_power_of_2(heads or H), pl.next_power_of_2(H))
     out_shape = [jax.ShapeDtypeStruct((N, D, H, K), F32)] * 2 + [jax.ShapeDtypeStruct((N, D, HV), F32)] * 2
-    inputs, aliases = [q, k, a, b, A_log, dt_bias], {}
+    inputs, aliases = [q, k, a, b, A_log, dt_bias] + ([xlayer] if any(stacked) else []), {}
     if into is not None:
         inputs += list(into)
         out_shape += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in into[2:]]
-        aliases = {8: 4, 9: 5}
+        aliases = {len(inputs) - 2: 4, len(inputs) - 1: 5}
     return pl.pallas_call(
-        functools.partial(_prep_kernel, H=H, HV=HV, hb=hb, scale=scale, into=into is not None),
+        functools.partial(_prep_kernel, H=H, HV=HV, hb=hb, scale=scale, into=into is not None, stacked=stacked),
         out_shape=out_shape,
         grid=(N, D, pl.cdiv(H, hb)),
         input_output_aliases=aliases,
@@ -664,17 +672,23 @@ def verify(
     """
     from ...tape import Snapshots, Tuples
 
-    D, H = q.shape[1], q.shape[2]
+    # inputs stacked over the pool's layers (pool form; by rank): read at `layer` by the kernels
+    stacked = any(x.ndim == r + 1 for x, r in zip((q, k, v, a, b, A_log, dt_bias), (4, 4, 4, 3, 3, 1, 1)))
+    D, H = q.shape[-3], q.shape[-2]
     i32 = jnp.int32
     pool_form = slots is not None
     if slots is None:  # state0 form: a one-layer pool whose slot n is request n
         state, slots, layer = state0[None], jnp.arange(state0.shape[0], dtype=i32), 0
     else:
         state = state0
-    N = q.shape[0]
+    N = q.shape[-4]
     _, _, HV, V, K = state.shape
     layer, tape_layer = scalar(layer), scalar(tape_layer)
     cfg = config.fit(V)
+    if stacked and cfg.algorithm == "gram":  # the Gram prologue reads one layer: slice it out (a copy)
+        q, k, v, a, b, A_log, dt_bias = (jax.lax.dynamic_index_in_dim(x, layer[0], 0, keepdims=False) if x.ndim == r + 1
+                                         else x for x, r in zip((q, k, v, a, b, A_log, dt_bias), (4, 4, 4, 3, 3, 1, 1)))
+        stacked = False
     if V % cfg.block_v:
         raise ValueError(f"pallas verify: V={V} must be a multiple of block_v={cfg.block_v}")
     if K % min(K, cfg.k_chunk):
@@ -709,7 +723,7 @@ def verify(
     else:
         pre = (rows, tape_layer, tape.k, tape.g) if into and not snapshots else None
         qn, kn, g, beta, *bufs = _prep(q, k, a, b, A_log, dt_bias, scale=scale, interpret=interpret,
-                                       heads=cfg.prep_heads, into=pre)  # fmt: skip
+                                       heads=cfg.prep_heads, into=pre, xlayer=layer if stacked else None)  # fmt: skip
         if bufs:
             kbuf, gbuf = bufs
         inputs = [state, slots, layer, tape_layer, qn, kn, v, g, beta]
@@ -740,7 +754,7 @@ def verify(
             _kernel, D=D, r=HV // H, BV=cfg.block_v, snapshots=snapshots, form=form, into=into,
             row_vectors=cfg.row_vectors, one_pass=cfg.one_pass, k_chunk=cfg.k_chunk,
             loop=D > cfg.unroll, evict=cfg.evict, prefetch_q=cfg.prefetch_q, tiles_first=tiles_first,
-            dot_fma=cfg.dot_fma, pending=pending_mode, control=pending_control,
+            dot_fma=cfg.dot_fma, pending=pending_mode, control=pending_control, stacked=v.ndim == 5,
         )  # fmt: skip
     outputs, rec, *pool = pl.pallas_call(
         kernel,

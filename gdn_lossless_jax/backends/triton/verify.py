@@ -93,12 +93,13 @@ class VerifyConfig:
 
 @jit
 def verify_prep_kernel(
-    q_ptr,  # [N, D, H, K]
+    q_ptr,  # [N, D, H, K] (or [L, N, D, H, K], read at layer: see XS; likewise every input)
     k_ptr,  # [N, D, H, K]
     a_ptr,  # [N, D, HV]
     b_ptr,  # [N, D, HV]
     A_log_ptr,  # [HV]
     dt_bias_ptr,  # [HV]
+    layer_ptr,  # [1] i32: the stacked inputs' layer
     rows_ptr,  # [N] i32 (INTO) | [1]
     tape_layer_ptr,  # [1] i32: the tape buffer's layer
     kbuf_in_ptr,  # the k buffer as an input (aliased with kbuf_ptr; not read) | [1]
@@ -120,16 +121,22 @@ def verify_prep_kernel(
     INTO: tl.constexpr = False,  # also write k and g at [tape_layer, rows[n], t] of the buffers
     R: tl.constexpr = 1,  # rows of the buffers
     DMAX: tl.constexpr = 1,  # their steps
+    XN: tl.constexpr = 0,  # the requests per layer of stacked inputs
+    XS: tl.constexpr = 0,  # which inputs are stacked over layers: bits q 1, k 2, a 4, b 8, A_log 16, dt_bias 32
 ):
     n = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1)
     D = tl.num_programs(1)
+    XS_: tl.constexpr = XS if XS else 0  # (None where the kernel is built without jax-triton)
+    xl = tl.load(layer_ptr).to(tl.int64) if XS else 0  # the stacked inputs' layer
+    nx = xl * XN + n if XS else n  # request n of that layer in a stacked input
     heads = tl.program_id(2) * PH + tl.arange(0, PH)
     offs_k = tl.arange(0, BK)
     m = (heads[:, None] < H) & (offs_k[None, :] < K)
     off = ((n * D + t) * H + heads[:, None]) * K + offs_k[None, :]
-    q = _to_f32(tl.load(q_ptr + off, mask=m, other=0.0), INTERPRET)  # [PH, BK]
-    k = _to_f32(tl.load(k_ptr + off, mask=m, other=0.0), INTERPRET)
+    xoff = ((nx * D + t) * H + heads[:, None]) * K + offs_k[None, :]
+    q = _to_f32(tl.load(q_ptr + (xoff if XS_ & 1 else off), mask=m, other=0.0), INTERPRET)  # [PH, BK]
+    k = _to_f32(tl.load(k_ptr + (xoff if XS_ & 2 else off), mask=m, other=0.0), INTERPRET)
     # Correctly rounded sqrt and division, as XLA computes them (Triton's defaults are
     # approximate); 1e-6 is reference.L2NORM_EPS (Triton kernels read no plain Python globals).
     q_norm = tl.math.sqrt_rn(tl.sum(q * q, axis=1) + 1e-6)
@@ -146,10 +153,11 @@ def verify_prep_kernel(
     hv = tl.program_id(2) * PH * (HV // H) + tl.arange(0, BR)
     m_hv = (tl.arange(0, BR) < PH * (HV // H)) & (hv < HV)
     ab = (n * D + t) * HV + hv
-    a = _to_f32(tl.load(a_ptr + ab, mask=m_hv, other=0.0), INTERPRET)
-    b = _to_f32(tl.load(b_ptr + ab, mask=m_hv, other=0.0), INTERPRET)
-    A_log = _to_f32(tl.load(A_log_ptr + hv, mask=m_hv, other=0.0), INTERPRET)
-    dt_bias = _to_f32(tl.load(dt_bias_ptr + hv, mask=m_hv, other=0.0), INTERPRET)
+    xab = (nx * D + t) * HV + hv
+    a = _to_f32(tl.load(a_ptr + (xab if XS_ & 4 else ab), mask=m_hv, other=0.0), INTERPRET)
+    b = _to_f32(tl.load(b_ptr + (xab if XS_ & 8 else ab), mask=m_hv, other=0.0), INTERPRET)
+    A_log = _to_f32(tl.load(A_log_ptr + (xl * HV + hv if XS_ & 16 else hv), mask=m_hv, other=0.0), INTERPRET)
+    dt_bias = _to_f32(tl.load(dt_bias_ptr + (xl * HV + hv if XS_ & 32 else hv), mask=m_hv, other=0.0), INTERPRET)
     # 20 is reference.SOFTPLUS_THRESHOLD.
     x = a + dt_bias
     softplus = tl.where(x > 20.0, x, _log(1.0 + _exp(x, INTERPRET), INTERPRET))
@@ -178,7 +186,7 @@ def _store(ptr, value, mask, MASKED: tl.constexpr, EVICT: tl.constexpr):
 
 
 @jit
-def _step_inputs(qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, n, t, h, hv, rows, kidx, m_v, m_k,
+def _step_inputs(qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, n, nv, t, h, hv, rows, kidx, m_v, m_k,
                  D: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
                  BV: tl.constexpr, NC: tl.constexpr, C: tl.constexpr, MASK_V: tl.constexpr, MASK_K: tl.constexpr,
                  INTERPRET: tl.constexpr):  # fmt: skip
@@ -192,7 +200,7 @@ def _step_inputs(qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, n, t, h, hv, rows, kidx
     qk = tl.broadcast_to(((n * D + t) * H + h) * K + kidx, (BV, NC, C))
     q = _load(qn_ptr + qk, m_k, MASK_K, "")
     k = _load(kn_ptr + qk, m_k, MASK_K, "")
-    v = _to_f32(_load(v_ptr + ((n * D + t) * HV + hv) * V + rows, m_v, MASK_V, ""), INTERPRET)
+    v = _to_f32(_load(v_ptr + ((nv * D + t) * HV + hv) * V + rows, m_v, MASK_V, ""), INTERPRET)
     gt = (n * D + t) * HV + hv
     return q, k, v, _exp(tl.load(g_ptr + gt), INTERPRET), tl.load(beta_ptr + gt)
 
@@ -251,7 +259,7 @@ def verify_kernel(
     tape_layer_ptr,  # [1] i32
     qn_ptr,  # [N, D, H, K] f32 (verify_prep_kernel)
     kn_ptr,  # [N, D, H, K] f32
-    v_ptr,  # [N, D, HV, V]
+    v_ptr,  # [N, D, HV, V] (or [L, N, D, HV, V] with XN = N: read at layer)
     g_ptr,  # [N, D, HV] f32
     beta_ptr,  # [N, D, HV] f32
     rows_ptr,  # [N] i32 (INTO) | [1]
@@ -290,6 +298,7 @@ def verify_kernel(
     PENDING: tl.constexpr = 0,  # the previous step's commit first: 0 none, 1 a tuple tape, 2 snapshots
     PR: tl.constexpr = 1,  # the previous tape's rows
     PD: tl.constexpr = 1,  # and steps
+    XN: tl.constexpr = 0,  # v stacked over layers: its requests per layer (0: not stacked)
 ):
     if TILES_FIRST:
         i_v = tl.program_id(0)
@@ -329,11 +338,12 @@ def verify_kernel(
     else:
         lead = n
         row_ok = n >= 0
-    q, k, v, alpha, beta = _step_inputs(qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, n, 0, h, hv, rows, kidx, m_v, m_k,
-                                        D, H, HV, V, K, BV, NC, C, MASK_V, MASK_K, INTERPRET)  # fmt: skip
+    nv = layer * XN + n if XN else n  # request n of the layer in a stacked v
+    q, k, v, alpha, beta = _step_inputs(qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, n, nv, 0, h, hv, rows, kidx, m_v,
+                                        m_k, D, H, HV, V, K, BV, NC, C, MASK_V, MASK_K, INTERPRET)  # fmt: skip
     for t in range(D):
         # step t + 1's inputs, in flight during this step
-        q1, k1, v1, alpha1, beta1 = _step_inputs(qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, n, tl.minimum(t + 1, D - 1),
+        q1, k1, v1, alpha1, beta1 = _step_inputs(qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, n, nv, tl.minimum(t + 1, D - 1),
                                                  h, hv, rows, kidx, m_v, m_k, D, H, HV, V, K, BV, NC, C, MASK_V,
                                                  MASK_K, INTERPRET)  # fmt: skip
         Sd = S * alpha
@@ -410,7 +420,9 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
         state, slots, layer = state0[None], jnp.arange(state0.shape[0], dtype=i32), 0
     else:
         state = state0
-    N, D, H, K = q.shape
+    # inputs stacked over the pool's layers (by rank): read at `layer` in the kernels
+    XS = sum(1 << i for i, (x, r) in enumerate(zip((q, k, a, b, A_log, dt_bias), (4, 4, 3, 3, 1, 1))) if x.ndim == r + 1)
+    N, D, H, K = q.shape[-4:]
     HV, V = state.shape[2], state.shape[3]
     snapshots = record == "snapshots"
     into = tape is not None
@@ -419,7 +431,7 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
     as1 = lambda x: jnp.reshape(jnp.asarray(0 if x is None else x, i32), (1,))  # noqa: E731 (a reshape is free)
     layer, tape_layer = as1(layer), as1(tape_layer)
     rows = jnp.zeros((1,), i32) if rows is None else rows
-    sizes, grid = prep_launch(q.shape, HV, config)
+    sizes, grid = prep_launch(q.shape[-4:], HV, config)
     pre_into = into and not snapshots
     if pre_into:
         buf_sizes = dict(INTO=True, R=tape.u.shape[1], DMAX=tape.u.shape[2])
@@ -428,11 +440,11 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
     else:
         buf_sizes, bufs_in, bufs_out = {}, (dummy, dummy), [unused, unused]
     qn, kn, g, beta, kbuf, gbuf = jt.triton_call(
-        q, k, a, b, A_log, dt_bias, rows, tape_layer, *bufs_in,
+        q, k, a, b, A_log, dt_bias, layer, rows, tape_layer, *bufs_in,
         kernel=verify_prep_kernel,
         out_shape=[jax.ShapeDtypeStruct((N, D, H, K), f32)] * 2 + [jax.ShapeDtypeStruct((N, D, HV), f32)] * 2 + bufs_out,
         grid=grid,
-        input_output_aliases={8: 4, 9: 5} if pre_into else {},
+        input_output_aliases={9: 4, 10: 5} if pre_into else {},
         enable_fp_fusion=False,
         num_warps=2 if sizes["PH"] > 1 else 1,
         num_stages=1,
@@ -441,6 +453,8 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
         **buf_sizes,
         SCALE=float(scale),
         INTERPRET=False,
+        XN=N,
+        XS=XS,
     )  # fmt: skip
     if into:
         buf = tape.states if snapshots else tape.u
@@ -470,7 +484,7 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
         pend_in = [prows, psteps, ptslots, ptsteps, as1(prev_layer), *fields]
         pend_sizes = dict(PENDING=2 if snap_prev else 1, PR=lead.shape[1], PD=lead.shape[2])
         aliases[0] = 3
-    sizes, grid = launch_sizes(state.shape, q.shape, config, record)
+    sizes, grid = launch_sizes(state.shape, q.shape[-4:], config, record)
     out, snap, u, new_pool = jt.triton_call(
         state, slots, layer, tape_layer, qn, kn, v, g, beta, rows, buf, *pend_in,
         kernel=verify_kernel,
@@ -487,6 +501,7 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
         SNAPSHOTS=snapshots,
         EVICT=config.evict,
         INTERPRET=False,
+        XN=N if v.ndim == 5 else 0,
     )  # fmt: skip
     fields = (snap,) if snapshots else ((u, kbuf, gbuf) if into else (u, kn, g))
     return (out, fields) if pending is None else (out, fields, new_pool)
