@@ -64,6 +64,8 @@ def run(step, params, state, prompts, slots, rows, tslots, n_steps, place=None):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="gpu")
+    ap.add_argument("--dtype", default=None, help="the model's dtype (default: the size's); float32 shows the "
+                    "differences that bfloat16 rounding hides")  # fmt: skip
     ap.add_argument("--mesh", default="2x1")
     ap.add_argument("--drafts", "-D", type=int, default=4)
     ap.add_argument("--rows", type=int, default=8)
@@ -74,6 +76,8 @@ def main() -> int:
     a = ap.parse_args()
     tp, dp = (int(x) for x in a.mesh.split("x"))
     config, D, N = get_config(a.size), a.drafts, a.rows
+    if a.dtype is not None:
+        config = dataclasses.replace(config, dtype=a.dtype)
     plan = mesh_plan(tp, dp, config)  # the demo's: heads over the tensor axis, DP = 1
     mesh = plan.mesh
     rng = np.random.default_rng(a.seed)
@@ -95,7 +99,7 @@ def main() -> int:
     on_mesh = dataclasses.replace(single, mesh=plan)
     got, _, got_state = run(on_mesh, mparams, mstate, prompts, slots, rows, tslots, a.steps,
                              place=lambda x: place_on_mesh(plan, config, params, new(), x)[2])  # fmt: skip
-    print(f"{a.size}, D={D}, {N} rows, mesh {a.mesh} over {[str(d) for d in mesh.devices.flat]}; "
+    print(f"{a.size} ({config.dtype}), D={D}, {N} rows, mesh {a.mesh} over {[str(d) for d in mesh.devices.flat]}; "
           f"{sum(forced)} forced steps, then {a.steps - sum(forced)} drafting steps")  # fmt: skip
     first = {}
     for t, (w, g) in enumerate(zip(want, got)):

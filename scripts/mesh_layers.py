@@ -1,13 +1,19 @@
 """The demo model's GDN, attention and logits blocks of one verify, one device against a 2x1 mesh.
 
-A bisecting aid for the mesh difference that ``scripts/mesh_diff.py`` shows at the ``gpu`` size
-(docs/sharding.md): runs one step of ``SpecStep`` on each, then traces the next step's verify
-block by block as its own jitted function from the resulting states, and prints how many
-elements of each block's output differ bitwise. Runs on the CPU::
+A bisecting aid for a mesh difference like the one ``scripts/mesh_diff.py`` showed at the ``gpu``
+size (docs/sharding.md): runs one step of ``SpecStep`` on each, then traces the next step's verify
+in one jitted function from the resulting states, returning every block's output, and prints how
+many elements of each differ bitwise. Runs on the CPU::
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu python scripts/mesh_layers.py
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu python scripts/mesh_layers.py --dtype float32
+
+In the gpu size's bfloat16 most low-bit differences round away (in the step this script traces,
+all of them did; in mesh_diff.py's forced step 1, one element of a layer's 131,072 gated outputs
+was left), so ``--dtype float32`` is the sharper probe: before ``model.gated_rmsnorm`` summed its
+squares in a fixed order, it showed the first difference at ``L0 mixer`` with ``L0 o`` identical.
 """
 
+import argparse
 import dataclasses
 
 import jax
@@ -20,7 +26,13 @@ from gdn_lossless_jax.model import decode as dec
 from gdn_lossless_jax.model.demo import mesh_plan
 from gdn_lossless_jax.model.model import gdn_mixer, logits, mlp, rmsnorm
 
-config, D, N = get_config("gpu"), 4, 8
+ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+ap.add_argument("--size", default="gpu")
+ap.add_argument("--dtype", default=None, help="the model's dtype (default: the size's)")
+args = ap.parse_args()
+config, D, N = get_config(args.size), 4, 8
+if args.dtype is not None:
+    config = dataclasses.replace(config, dtype=args.dtype)
 plan = mesh_plan(2, 1, config)
 params = init_params(config, 0)
 rng = np.random.default_rng(0)

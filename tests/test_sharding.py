@@ -466,6 +466,67 @@ def test_model_spec_step_on_a_mesh_gives_identical_tokens(tp, dp, backend, seed)
 
 
 @needs_devices(2)
+def test_model_spec_step_on_a_mesh_with_v_heads_of_128_is_identical(monkeypatch, seed):
+    """The demo model's step with the heads over a 2 x 1 mesh at V = 128 (the gpu size's; above
+    32, where XLA:CPU starts to split a reduce): the step outputs, top-2 gaps included, and the
+    final states are one device's bit for bit. The gated norm after each GDN layer's verify sums
+    its squares in a fixed order (``model.gated_rmsnorm``). The control, ``jnp.mean`` there, must
+    differ: XLA:CPU summed the 128 squares in one order on one device (verify's output in a
+    transposed layout: a 32-wide reduce-window, then a reduce) and in another on the mesh (the
+    gathered output in the default layout: one reduce by YNNPACK). A small float32 model: any
+    difference of the norm shows in the gaps (the gpu size's bfloat16 hid most of them)."""
+    from gdn_lossless_jax.model import SpecStep, allocate_state, init_params
+    from gdn_lossless_jax.model import model as model_mod
+    from gdn_lossless_jax.model.decode import decode_steps, place_on_mesh
+
+    config = model_mod.ModelConfig(
+        "v128", vocab=256, d_model=64, layers=2, attention_interval=2, num_k_heads=2, num_v_heads=8, head_k_dim=16,
+        head_v_dim=128, attn_heads=2, kv_heads=1, attn_head_dim=16, mlp_dim=64,
+    )  # fmt: skip
+    D, N, tp = 4, 8, 2
+    plan = make_plan(tp, 1)
+    rng = np.random.default_rng(seed)
+    prompts = [[int(t) for t in rng.integers(0, config.vocab, 2 * D)] for _ in range(N)]  # 2 forced steps, 2 drafting
+    slots, track_slots = np.arange(N, dtype=np.int32), np.arange(N, 2 * N, dtype=np.int32)
+    rows = np.arange(N, dtype=np.int32)
+
+    def both(config):
+        params = init_params(config, seed)
+
+        def new():
+            return allocate_state(config, slots=2 * N, requests=N, drafts=D, record="tuples", max_len=32)
+
+        single = SpecStep(config, D, track_interval=4)
+        one = decode_steps(single, params, new(), prompts, slots, rows, track_slots, 4)
+        mparams, mstate = place_on_mesh(plan, config, params, new())
+        mesh = decode_steps(dataclasses.replace(single, mesh=plan), mparams, mstate, prompts, slots, rows, track_slots,
+                            4, place=lambda x: place_on_mesh(plan, config, params, new(), x)[2])  # fmt: skip
+        return one, mesh
+
+    (_, want_out, want_state), (_, got_out, got_state) = both(config)
+    assert_bitwise_equal(want_out, got_out, "step outputs (inputs, predictions, gaps, accepted, track steps)")
+    g, host = config.geometry, jax.device_get(got_state.pool)
+    back = dataclasses.replace(host, conv=sharding.from_tp_layout(host.conv, g, tp, -2),
+                               conv_windows=sharding.from_tp_layout(host.conv_windows, g, tp, -2))  # fmt: skip
+    assert_bitwise_equal(want_state.pool, back, "the pool after 4 steps")
+    assert_bitwise_equal(want_state.kv, got_state.kv, "the KV cache after 4 steps")
+    if ON_GPU:  # the control shows XLA:CPU's choice; XLA:GPU chooses its own way
+        return
+
+    def plain(o, z, weight, dtype):  # the gated norm with the order of its sum left to XLA
+        of = o.astype(jnp.float32)
+        y = of * jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + model_mod.RMS_EPS)
+        y = y * weight.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+        return y.reshape(*y.shape[:-2], -1).astype(dtype)
+
+    monkeypatch.setattr(model_mod, "gated_rmsnorm", plain)
+    (_, want_out, _), (_, got_out, _) = both(dataclasses.replace(config, name="v128-control"))  # its own compile
+    assert_bitwise_differs([o.gaps for o in want_out], [o.gaps for o in got_out],
+                           "control (jnp.mean in the gated norm): if this no longer differs, XLA:CPU now sums both "
+                           "programs' norms in one order and the test above no longer exercises the case")  # fmt: skip
+
+
+@needs_devices(2)
 def test_demo_cli_on_a_mesh_is_identical_to_a_single_device(capsys, monkeypatch):
     """``gdn-lossless demo --mesh 2x1``: both record modes through the Engine on a 2 x 1 mesh (the
     GDN heads over the tensor axis; conversations joining and leaving the batch, the second turn

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import Geometry
+from ..reference import pairwise_sum
 
 __all__ = [
     "ModelConfig",
@@ -346,10 +347,22 @@ def rmsnorm(x: jax.Array, weight: jax.Array) -> jax.Array:
 def gated_rmsnorm(o: jax.Array, z: jax.Array, weight: jax.Array, dtype) -> jax.Array:
     """Qwen3-Next's output gate: ``rmsnorm(o) * weight * silu(z)`` per v-head.
 
+    The mean of ``o * o`` over V is summed in a fixed order (:func:`gdn_lossless_jax.reference.pairwise_sum`),
+    not with ``jnp.mean``: ``o`` comes out of the verify, and XLA chooses the order of a
+    ``reduce`` per program from its operand. On XLA:CPU a ``reduce`` over more than 32
+    elements is either handed to YNNPACK whole or split into a 32-wide ``reduce-window``
+    and a second ``reduce``, depending on the operand's layout; one device's step (verify's
+    output in a transposed layout) and a mesh's (the same output gathered over the tensor
+    axis, in the default layout) got the two orders at V = 128, and so other bits. (A
+    precaution, not needed in the runs so far: the squares go through an optimization barrier,
+    so that XLA:CPU cannot contract one of them into the first add, an FMA where both land in
+    one fusion, which is again the program's choice.)
+
     Args: o, z ``[N, T, HV, V]``; weight ``[V]``. Returns ``[N, T, HV * V]`` in ``dtype``.
     """
     of = o.astype(F32)
-    y = of * jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + RMS_EPS) * weight.astype(F32)
+    mean_sq = pairwise_sum(jax.lax.optimization_barrier(of * of))[..., None] / of.shape[-1]
+    y = of * jax.lax.rsqrt(mean_sq + RMS_EPS) * weight.astype(F32)
     y = y * jax.nn.silu(z.astype(F32))
     return y.reshape(*y.shape[:-2], -1).astype(dtype)
 
