@@ -193,6 +193,8 @@ def _stacked_inputs(fn: str, state0, inputs: dict, slots, layer) -> dict:
     names = [n for n, st in stacked.items() if st]
     pool = _shape(state0)
     if slots is None or len(pool) != 5:
+        if not stacked["q"]:  # one wrong shape, most likely: the usual checks name it
+            return dict.fromkeys(stacked, False)
         raise ValueError(
             f"{fn}: argument {names[0]!r} has rank {_INPUT_RANKS[names[0]] + 1} (stacked over layers), which needs the "
             f"pool form with layers (state0 [L, S, HV, V, K], slots= and layer=); got state0 {_fmt(pool)}"
