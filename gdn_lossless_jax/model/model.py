@@ -55,6 +55,7 @@ __all__ = [
     "init_params",
     "rmsnorm",
     "gated_rmsnorm",
+    "softmax",
     "mlp",
     "gdn_mixer",
     "attention",
@@ -367,6 +368,28 @@ def gated_rmsnorm(o: jax.Array, z: jax.Array, weight: jax.Array, dtype) -> jax.A
     return y.reshape(*y.shape[:-2], -1).astype(dtype)
 
 
+def softmax(x: jax.Array) -> jax.Array:
+    """Softmax over the last axis (fp32 in, fp32 out), its sum in a fixed order.
+
+    ``jax.nn.softmax`` leaves two choices to XLA, and XLA:CPU made them per program: in the
+    demo's attention (scores ``[N, nkv, r, T, Tmax]``, Tmax = 64) one device's step (N = 4)
+    handed the max to YNNPACK in one fusion with the subtract and the ``exp`` behind it, and the
+    sum of the exponentials to YNNPACK whole; a step on a mesh with a data axis of 2 (N = 2 per
+    device) computed the max as a 32-wide ``reduce-window`` and a ``reduce``, the ``exp`` in an
+    XLA loop fusion and the sum again split in two. So the ``exp`` came from two implementations
+    and the sum in two orders: other bits in the probabilities, the logits and the top-2 gaps.
+    Here the max goes through an optimization barrier (the max is exact in any order, but the
+    barrier keeps the ``exp`` out of its fusion: the barrier that made the 1 x 2 and 2 x 2
+    meshes identical to one device), the exponentials through another (computed once, and no
+    later fusion takes them in: a precaution), and they are summed as a fixed pairwise tree
+    (:func:`gdn_lossless_jax.reference.pairwise_sum`). A row must have a finite entry (the
+    attention's always has: position 0).
+    """
+    m = jax.lax.optimization_barrier(jnp.max(x, axis=-1, keepdims=True))
+    e = jax.lax.optimization_barrier(jnp.exp(x - m))
+    return e / pairwise_sum(e)[..., None]
+
+
 def mlp(p: MLPParams, x: jax.Array) -> jax.Array:
     """SwiGLU: ``(silu(x Wg) * (x Wu)) Wd``; ``x [N, T, d]``."""
     return (jax.nn.silu(x @ p.w_gate) * (x @ p.w_up)) @ p.w_down
@@ -437,7 +460,7 @@ def attention(
     scores = jnp.einsum("ntgrh,nsgh->ngrts", qg, cache_k, preferred_element_type=F32) / math.sqrt(hd)
     mask = jnp.arange(Tmax)[None, None, :] <= positions[:, :, None]  # [N, T, Tmax]
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
+    probs = softmax(scores)
     out = jnp.einsum("ngrts,nsgh->ntgrh", probs.astype(cache_v.dtype), cache_v, preferred_element_type=F32)
     out = out.reshape(N, T, nq * hd) * jax.nn.sigmoid((x @ p.w_gate).astype(F32))
     return out.astype(x.dtype) @ p.w_o, (cache_k, cache_v)
