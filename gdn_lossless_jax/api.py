@@ -287,12 +287,6 @@ def verify(
         slot outside ``[0, S)`` reads zeros, as SGLang's padding slots do.
       layer: an int or a traced int32 scalar: the layer of ``state0`` (with ``slots``), of
         ``tape`` and of the inputs, for whichever has a leading layer axis.
-
-    Any of the inputs may also be stacked over the pool's layers, with one more leading axis of
-    the pool's L (``q, k [L, N, D, H, K]``, ``v [L, N, D, HV, V]``, ``a, b [L, N, D, HV]``,
-    ``A_log, dt_bias [L, HV]``; with the pool ``[L, S, HV, V, K]``, ``slots`` and ``layer``):
-    the kernels read layer ``layer`` of it in place, so a ``lax.scan`` over the layers that
-    passes the stacks (the model's stacked weights, say) and its counter slices nothing.
       tape: a preallocated tape to write into, in place when it is donated (``jax.jit(...,
         donate_argnums=...)``): :class:`Tuples` (``u [L?, R, Dmax, HV, V]``, ``k [L?, R, Dmax,
         H, K]``, ``g [L?, R, Dmax, HV]``, fp32) or :class:`Snapshots` (``[L?, R, Dmax, HV, V,
@@ -307,6 +301,12 @@ def verify(
       ``k [N, D, H, K]``, ``g [N, D, HV]``, fp32) or :class:`Snapshots`
       (``[N, D, HV, V, K]`` in state0's dtype), or, with ``tape``, the updated buffer.
       Outputs are identical in both modes and in every form.
+
+    Any of the inputs may also be stacked over the pool's layers, with one more leading axis of
+    the pool's L (``q, k [L, N, D, H, K]``, ``v [L, N, D, HV, V]``, ``a, b [L, N, D, HV]``,
+    ``A_log, dt_bias [L, HV]``; with the pool ``[L, S, HV, V, K]``, ``slots`` and ``layer``):
+    the kernels read layer ``layer`` of it in place, so a ``lax.scan`` over the layers that
+    passes the stacks (the model's stacked weights, say) and its counter slices nothing.
 
     Arrays may be given as nested lists (converted with ``jnp.asarray``). float64 is
     rejected for every input, state0 and the parameters alike: the computation is fp32

@@ -153,9 +153,10 @@ def verify_from_pool(conv_pool, layer, slots, x, weight, bias=None, *, windows=N
                                 windows=windows, tape_layer=None if windows is None else layer, rows=rows, form=form,
                                 interpret=form == "portable")  # fmt: skip
         return [_silu(a).astype(x.dtype) for a in accs], win
-    if x.ndim == 4:  # stacked over layers: this layer's (XLA slices them)
-        x, weight = x[layer], weight[layer]
-        bias = None if bias is None else bias[layer]
+    # any of them stacked over layers: this layer's (XLA slices them)
+    x = x[layer] if x.ndim == 4 else x
+    weight = weight[layer] if weight.ndim == 3 else weight
+    bias = bias[layer] if bias is not None and bias.ndim == 2 else bias
     S = conv_pool.shape[1]
     idx = jnp.where((slots >= 0) & (slots < S), slots, S)
     y, win = causal_conv1d_verify(conv_pool.at[layer, idx].get(mode="fill", fill_value=0), x, weight, bias)

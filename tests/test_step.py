@@ -319,6 +319,14 @@ def test_pool_verify_layer_reads_inputs_stacked_over_layers(backend, record, see
     got_p, got_o = jax.jit(step, donate_argnums=0)(copy(p), prms, xs, slots, rows)
     assert_bitwise_equal(jnp.stack(want_o), got_o, "outputs of every layer")
     assert_bitwise_equal(want_p, got_p, "the whole pool after every layer")
+    # Some stacked, some one layer's (the model's stacked weights with each layer's inputs).
+    mixed_p, mixed_o = copy(p), []
+    for layer in range(GEOMETRY.gdn_layers):
+        some = {**steps[layer], **layers[layer], "b": xs["b"], "conv_weight": prms["conv_weight"], "A_log": prms["A_log"]}
+        o, mixed_p = gpool.verify_layer(mixed_p, layer, **some, slots=slots, rows=rows, backend=backend)
+        mixed_o.append(o)
+    assert_bitwise_equal(want_o, mixed_o, "conv_weight, A_log and b stacked, the rest each layer's")
+    assert_bitwise_equal(want_p, mixed_p, "the pool, some inputs stacked")
     # Control: the stacks read one layer off.
     off = jax.tree.map(lambda t: jnp.roll(t, 1, axis=0), (prms, xs))
     _, off_o = jax.jit(step, donate_argnums=0)(copy(p), *off, slots, rows)

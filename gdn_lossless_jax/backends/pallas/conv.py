@@ -52,9 +52,9 @@ def block_channels(splits: tuple[int, ...], cap: int = 128) -> int:
 
 
 def _kernel(*refs, D: int, Kc: int, BC: int, splits: tuple[int, ...], form: str, into: bool, bias: bool,
-            stacked: bool = False):  # fmt: skip
+            stacked: tuple = (False, False, False)):  # fmt: skip
     # inputs: x, weight, bias, conv pool, slots, layer[, rows, tape layer, windows buffer]; outputs: the splits, windows.
-    # With `stacked`, x, weight and bias carry a leading layer axis and are read at the pool's layer.
+    # `stacked`: which of x, weight and bias carry a leading layer axis (read at the pool's layer).
     x_ref, w_ref, b_ref, pool_ref, slots_ref, layer_ref = refs[:6]
     rows_ref, tape_layer_ref = refs[6:8] if into else (None, None)
     outs = refs[len(refs) - len(splits) - 1 : -1]
@@ -68,13 +68,13 @@ def _kernel(*refs, D: int, Kc: int, BC: int, splits: tuple[int, ...], form: str,
     ok = (slot >= 0) & (slot < pool_ref.shape[1])
     safe = jnp.where(ok, slot, 0)
     layer = layer_ref[0]
-    at = (layer,) if stacked else ()
+    at_x, at_w, at_b = (((layer,) if st else ()) for st in stacked)
     mask = jnp.broadcast_to(ok, (BC,))
     # cols[c] = x_{c - W}: the state's W columns (oldest first), then the D inputs rounded to the conv dtype.
     cols = [plgpu.load(pool_ref.at[layer, safe, cs, jnp.int32(w)], mask=mask, other=0.0).astype(cdt) for w in range(W)]
-    cols += [x_ref[(*at, n, t, cs)].astype(cdt) for t in range(D)]
-    w = [w_ref[(*at, cs, i)].astype(F32) for i in range(Kc)]
-    b = b_ref[(*at, cs)].astype(F32) if bias else jnp.zeros((BC,), F32)
+    cols += [x_ref[(*at_x, n, t, cs)].astype(cdt) for t in range(D)]
+    w = [w_ref[(*at_w, cs, i)].astype(F32) for i in range(Kc)]
+    b = b_ref[(*at_b, cs)].astype(F32) if bias else jnp.zeros((BC,), F32)
     for t in range(D):
         acc = b
         for i in range(Kc):
@@ -106,9 +106,9 @@ def conv_verify(x, weight, bias, conv_pool, slots, layer, *, splits=None, window
     """The conv of D draft tokens for N requests, from the conv pool by slot.
 
     Args:
-      x: ``[N, D, C]`` pre-conv inputs. weight: ``[C, Kc]``. bias: ``[C]`` or None. Or all
-        three stacked over the pool's layers (``[L, N, D, C]``, ``[L, C, Kc]``, ``[L, C]``),
-        read at ``layer`` in the kernel.
+      x: ``[N, D, C]`` pre-conv inputs. weight: ``[C, Kc]``. bias: ``[C]`` or None. Any of
+        the three may be stacked over the pool's layers (``[L, N, D, C]``, ``[L, C, Kc]``,
+        ``[L, C]``): read at ``layer`` in the kernel.
       conv_pool: ``[L, S, C, Kc-1]`` conv states (their dtype is the windows'); request n's is
         ``conv_pool[layer, slots[n]]`` (zeros outside ``[0, S)``).
       splits: channel counts the output is split into (default ``(C,)``).
@@ -118,7 +118,7 @@ def conv_verify(x, weight, bias, conv_pool, slots, layer, *, splits=None, window
       ``(accumulators, windows)``: one fp32 ``[N, D, c]`` array of pre-activations per split
       (the SiLU is the caller's), and the windows.
     """
-    stacked = x.ndim == 4
+    stacked = (x.ndim == 4, weight.ndim == 3, bias is not None and bias.ndim == 2)
     N, D, C = x.shape[-3:]
     Kc = weight.shape[-1]
     splits = splits or (C,)
