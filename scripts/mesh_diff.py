@@ -19,9 +19,8 @@ import dataclasses
 import jax
 import numpy as np
 
-from gdn_lossless_jax import sharding
 from gdn_lossless_jax.model import SpecStep, allocate_state, get_config, init_params
-from gdn_lossless_jax.model.decode import decode_steps, place_on_mesh
+from gdn_lossless_jax.model.decode import decode_steps, place_on_mesh, pool_from_mesh
 from gdn_lossless_jax.model.demo import mesh_plan
 from gdn_lossless_jax.testing import compare_bitwise
 
@@ -113,9 +112,7 @@ def main() -> int:
                       + (f"; gaps {x[rows_d[0]]} vs {y[rows_d[0]]}" if f == "gaps" else ""))  # fmt: skip
     if not first:
         print(f"all {a.steps} steps' outputs identical (inputs, predictions, accepted, track steps, gaps bit for bit)")
-    host = jax.device_get(got_state.pool)
-    back = dataclasses.replace(host, conv=sharding.from_tp_layout(host.conv, config.geometry, tp, -2),
-                               conv_windows=sharding.from_tp_layout(host.conv_windows, config.geometry, tp, -2))  # fmt: skip
+    back = pool_from_mesh(got_state.pool, config.geometry, tp)
     print("final pool:", compare_bitwise(jax.device_get(want_state.pool), back))
     print("final KV:", compare_bitwise(jax.device_get(want_state.kv), jax.device_get(got_state.kv)))
     return 0

@@ -339,9 +339,10 @@ def test_pool_verify_layer_reads_inputs_stacked_over_layers(backend, record, see
 # ---------------------------------------------------------------------------------------
 # The compiled step holds no pool-sized or tape-sized copy
 # ---------------------------------------------------------------------------------------
-def step_fn(backend: str, unroll: bool):
-    """A user's whole step: every layer's ``pool.verify_layer`` in a ``lax.scan`` (or unrolled),
-    then ``pool.commit``; the pool is donated."""
+def step_fn(backend: str, form: str):
+    """A user's whole step: every layer's ``pool.verify_layer`` in a ``lax.scan`` (``form``
+    ``"scan"``: the scan slices each layer's inputs; ``"scan-stacked"``: the stacks passed whole,
+    read at the layer by the kernels) or unrolled, then ``pool.commit``; the pool is donated."""
 
     def step(p, prms, xs, slots, rows, acc, tslots, tsteps):
         def layer(p, lx):
@@ -350,12 +351,14 @@ def step_fn(backend: str, unroll: bool):
             return p, out
 
         ids = jnp.arange(p.geometry.gdn_layers, dtype=jnp.int32)
-        if unroll:
+        if form == "unrolled":
             outs = []
             for i in range(p.geometry.gdn_layers):
                 p, o = layer(p, (ids[i], jax.tree.map(lambda t: t[i], prms), jax.tree.map(lambda t: t[i], xs)))
                 outs.append(o)
             outs = jnp.stack(outs)
+        elif form == "scan-stacked":
+            p, outs = jax.lax.scan(lambda p, i: layer(p, (i, prms, xs)), p, ids)
         else:
             p, outs = jax.lax.scan(layer, p, (ids, prms, xs))
         return outs, gpool.commit(p, slots, acc, tslots, tsteps, rows, backend=backend)
@@ -413,7 +416,7 @@ def pool_copies(compiled, p) -> tuple[list[str], int]:
 HLO_BACKENDS = [b for b in BACKENDS if b != "pallas" and b != "reference"] + (["pallas"] if ON_GPU else ["reference"])
 
 
-def _compiled_step(backend, record, unroll, seed, copy_pool=False, size=1):
+def _compiled_step(backend, record, form, seed, copy_pool=False, size=1):
     # The same step (4 requests) on a pool and scratch of `size` times 16 slots and 8 rows.
     N, D = 4, 4
     rng, layers, steps = _pool_inputs(seed, N, D)
@@ -422,7 +425,7 @@ def _compiled_step(backend, record, unroll, seed, copy_pool=False, size=1):
     ix = [jnp.asarray(rng.permutation(p.slots)[:N].astype(np.int32)), jnp.arange(N, dtype=jnp.int32),
           jnp.asarray([0, 3, -1, 2], jnp.int32), jnp.asarray([p.slots - 1, -1, -1, -1], jnp.int32),
           jnp.asarray([0, -1, -1, -1], jnp.int32)]  # fmt: skip
-    f = step_fn(backend, unroll)
+    f = step_fn(backend, form)
     if copy_pool:  # control: a step that passes over the whole pool (XLA folds x + 0.0, not x * 1.5)
         g = f
 
@@ -436,14 +439,14 @@ def _compiled_step(backend, record, unroll, seed, copy_pool=False, size=1):
 
 @pytest.mark.parametrize("backend", HLO_BACKENDS)
 @pytest.mark.parametrize("record", gl.RECORD_MODES)
-@pytest.mark.parametrize("unroll", [False, True], ids=["scan", "unrolled"])
-def test_compiled_step_has_no_pool_or_tape_copy(backend, record, unroll, seed):
-    bad, temps = _compiled_step(backend, record, unroll, seed)
+@pytest.mark.parametrize("form", ["scan", "unrolled", "scan-stacked"])
+def test_compiled_step_has_no_pool_or_tape_copy(backend, record, form, seed):
+    bad, temps = _compiled_step(backend, record, form, seed)
     assert not bad, "the compiled step copies the pool or its scratch:\n" + "\n".join(bad)
     # A copy fused into other work would need temporaries that grow with the pool or the scratch
     # by at least one layer's tape field (a few hundred bytes of alignment may move).
-    _, temps2 = _compiled_step(backend, record, unroll, seed, size=2)
+    _, temps2 = _compiled_step(backend, record, form, seed, size=2)
     field = min(x.nbytes // x.shape[0] for x in jax.tree.leaves(_filled_pool(np.random.default_rng(0), record, F32, slots=16, requests=8).tape))
     assert temps2 - temps < field // 4, f"temporaries grow with the pool: {temps} bytes, {temps2} with twice the slots and rows"
     # Control: the same check finds the copy of a step that writes a new pool.
-    assert _compiled_step(backend, record, unroll, seed, copy_pool=True)[0], "the control step's copy was not found"
+    assert _compiled_step(backend, record, form, seed, copy_pool=True)[0], "the control step's copy was not found"

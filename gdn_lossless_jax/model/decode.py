@@ -58,6 +58,7 @@ __all__ = [
     "copy_slot",
     "SpecStep",
     "place_on_mesh",
+    "pool_from_mesh",
     "decode_steps",
 ]
 
@@ -220,6 +221,14 @@ def place_on_mesh(plan: sharding.MeshPlan, config: ModelConfig, params: Params, 
         return params, state
     by_row = jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec(plan.data))
     return params, state, jax.device_put(inputs, by_row)
+
+
+def pool_from_mesh(pool, geometry, tp: int):
+    """A pool laid out by :func:`place_on_mesh`, on the host with its conv states and windows
+    back in the usual ``[q | k | v]`` channel order: what one device holds after the same steps."""
+    host = jax.device_get(pool)
+    return dataclasses.replace(host, conv=sharding.from_tp_layout(host.conv, geometry, tp, -2),
+                               conv_windows=sharding.from_tp_layout(host.conv_windows, geometry, tp, -2))  # fmt: skip
 
 
 def _in_range(idx, n):
