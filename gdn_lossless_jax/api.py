@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import autodiff, backends, checked as checked_mode
+from . import autodiff, backends, checked as checked_mode, reference
 from .tape import Pending, Snapshots, Tape, Tuples
 
 __all__ = ["verify", "replay", "commit", "commit_and_verify", "RECORD_MODES"]
@@ -179,24 +179,23 @@ def _check_layer_index(fn: str, layer, L: int, what: str):
         raise TypeError(f"{fn}: argument 'layer' must be an int or an integer scalar, got {_dtype(layer)} {_fmt(_shape(layer))}")
 
 
-#: Each input's rank for one layer; one more means stacked over the pool's layers.
-_INPUT_RANKS = {"q": 4, "k": 4, "v": 4, "a": 3, "b": 3, "A_log": 1, "dt_bias": 1}
 
 
 def _stacked_inputs(fn: str, state0, inputs: dict, slots, layer) -> dict:
     """Which inputs are stacked over the pool's layers (rank one above one layer's; the
     kernels read them at ``layer``), checked: they need the pool form with layers and
     ``layer``, and a leading axis of the pool's L. Returns ``{name: stacked}``."""
-    stacked = {n: len(_shape(x)) == _INPUT_RANKS[n] + 1 for n, x in inputs.items()}
+    stacked = {n: reference.stacked(n, x) for n, x in inputs.items()}
     if not any(stacked.values()):
         return stacked
     names = [n for n, st in stacked.items() if st]
+    rank = {n: reference.INPUT_RANKS[n] + 1 for n in names}
     pool = _shape(state0)
     if slots is None or len(pool) != 5:
         if not stacked["q"]:  # one wrong shape, most likely: the usual checks name it
             return dict.fromkeys(stacked, False)
         raise ValueError(
-            f"{fn}: argument {names[0]!r} has rank {_INPUT_RANKS[names[0]] + 1} (stacked over layers), which needs the "
+            f"{fn}: argument {names[0]!r} has rank {rank[names[0]]} (stacked over layers), which needs the "
             f"pool form with layers (state0 [L, S, HV, V, K], slots= and layer=); got state0 {_fmt(pool)}"
             + ("" if slots is not None else " and no slots")
         )
@@ -205,7 +204,7 @@ def _stacked_inputs(fn: str, state0, inputs: dict, slots, layer) -> dict:
     for n in names:
         if _shape(inputs[n])[0] != L:
             raise ValueError(
-                f"{fn}: argument {n!r} is stacked over layers (rank {_INPUT_RANKS[n] + 1}), so its leading axis must be "
+                f"{fn}: argument {n!r} is stacked over layers (rank {rank[n]}), so its leading axis must be "
                 f"the pool's L={L}, got shape {_fmt(_shape(inputs[n]))}"
             )
     return stacked

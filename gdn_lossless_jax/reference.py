@@ -200,6 +200,16 @@ def chain(state0, qn, kn, v, g, beta, *, record: str, out_dtype, step: Callable 
     return outputs, tape
 
 
+#: Each verify input's rank for one layer (in verify's argument order); one more means the input
+#: is stacked over the pool's layers and read at ``layer`` (:func:`gdn_lossless_jax.verify`).
+INPUT_RANKS = {"q": 4, "k": 4, "v": 4, "a": 3, "b": 3, "A_log": 1, "dt_bias": 1}
+
+
+def stacked(name: str, x) -> bool:
+    """Whether verify input ``name`` carries a leading layer axis (rank one above one layer's)."""
+    return jnp.ndim(x) == INPUT_RANKS[name] + 1
+
+
 def read_slots(pool, layer, slots):
     """``pool[layer, slots[n]]`` for each request: ``[L, S, HV, V, K] -> [N, HV, V, K]``; a slot
     outside ``[0, S)`` reads zeros (SGLang's padding slots)."""
@@ -235,8 +245,8 @@ def verify_form(
     commit_fn = commit_fn or commit
     # inputs stacked over the pool's layers (one axis more than one layer's): this layer's
     q, k, v, a, b, A_log, dt_bias = (
-        lax.dynamic_index_in_dim(x, jnp.reshape(layer, ()), 0, keepdims=False) if jnp.ndim(x) == r + 1 else x
-        for x, r in zip((q, k, v, a, b, A_log, dt_bias), (4, 4, 4, 3, 3, 1, 1))
+        lax.dynamic_index_in_dim(x, jnp.reshape(layer, ()), 0, keepdims=False) if stacked(n, x) else x
+        for n, x in zip(INPUT_RANKS, (q, k, v, a, b, A_log, dt_bias))
     )
     if pending is not None:  # the previous step's commit of this layer, then the verify from the pool it leaves
         prows, psteps, ptslots, ptsteps, prev_layer, prev = pending

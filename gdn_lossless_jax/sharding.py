@@ -78,6 +78,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import api
 from . import pool as pool_mod
+from . import reference
 from .config import Geometry
 from .tape import Pending, Snapshots, Tape, Tuples
 
@@ -714,8 +715,7 @@ def _result_kinds(name: str, result):
 
 
 #: One layer's rank of the inputs that the unsharded functions also take stacked over layers.
-_ONE_LAYER_RANKS = {"q": 4, "k": 4, "v": 4, "a": 3, "b": 3, "A_log": 1, "dt_bias": 1, "mixed_qkv": 3, "conv_weight": 2,
-                    "conv_bias": 1}  # fmt: skip
+_ONE_LAYER_RANKS = {**reference.INPUT_RANKS, "mixed_qkv": 3, "conv_weight": 2, "conv_bias": 1}
 
 
 def _split_layer(layer):

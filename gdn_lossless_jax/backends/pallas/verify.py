@@ -51,7 +51,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ...reference import L2NORM_EPS, gates
+from ...reference import INPUT_RANKS, L2NORM_EPS, gates
+from ...reference import stacked as is_stacked
 from ... import rounding
 from ._refs import grid, program_ids, store
 from .conv import scalar
@@ -455,7 +456,8 @@ def _prep(q, k, a, b, A_log, dt_bias, *, scale, interpret: bool, heads: int = 0,
     ``(N, D, H / heads)``, ``heads`` q/k heads per program (0: all of them). ``into``:
     ``(rows, tape_layer, k buffer, g buffer)``; then the updated buffers are returned too.
     ``xlayer`` (a ``[1]`` index): the layer of the inputs stacked over layers (by their rank)."""
-    stacked = tuple(x.ndim == r + 1 for x, r in zip((q, k, a, b, A_log, dt_bias), (4, 4, 3, 3, 1, 1)))
+    named = {"q": q, "k": k, "a": a, "b": b, "A_log": A_log, "dt_bias": dt_bias}
+    stacked = tuple(is_stacked(n, x) for n, x in named.items())
     N, D, H, K = q.shape[-4:]
     HV = a.shape[-1]
     hb = min(pl.next_power_of_2(heads or H), pl.next_power_of_2(H))
@@ -674,7 +676,7 @@ def verify(
     from ...tape import Snapshots, Tuples
 
     # inputs stacked over the pool's layers (pool form; by rank): read at `layer` by the kernels
-    stacked = any(x.ndim == r + 1 for x, r in zip((q, k, v, a, b, A_log, dt_bias), (4, 4, 4, 3, 3, 1, 1)))
+    stacked = any(is_stacked(n, x) for n, x in zip(INPUT_RANKS, (q, k, v, a, b, A_log, dt_bias)))
     D, H = q.shape[-3], q.shape[-2]
     i32 = jnp.int32
     pool_form = slots is not None
@@ -687,8 +689,10 @@ def verify(
     layer, tape_layer = scalar(layer), scalar(tape_layer)
     cfg = config.fit(V)
     if stacked and cfg.algorithm == "gram":  # the Gram prologue reads one layer: slice it out (a copy)
-        q, k, v, a, b, A_log, dt_bias = (jax.lax.dynamic_index_in_dim(x, layer[0], 0, keepdims=False) if x.ndim == r + 1
-                                         else x for x, r in zip((q, k, v, a, b, A_log, dt_bias), (4, 4, 4, 3, 3, 1, 1)))
+        q, k, v, a, b, A_log, dt_bias = (
+            jax.lax.dynamic_index_in_dim(x, layer[0], 0, keepdims=False) if is_stacked(n, x) else x
+            for n, x in zip(INPUT_RANKS, (q, k, v, a, b, A_log, dt_bias))
+        )
         stacked = False
     if V % cfg.block_v:
         raise ValueError(f"pallas verify: V={V} must be a multiple of block_v={cfg.block_v}")

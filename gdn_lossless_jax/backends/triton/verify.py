@@ -421,7 +421,10 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
     else:
         state = state0
     # inputs stacked over the pool's layers (by rank): read at `layer` in the kernels
-    XS = sum(1 << i for i, (x, r) in enumerate(zip((q, k, a, b, A_log, dt_bias), (4, 4, 3, 3, 1, 1))) if x.ndim == r + 1)
+    from ...reference import stacked
+
+    names = ("q", "k", "a", "b", "A_log", "dt_bias")
+    XS = sum(1 << i for i, (n, x) in enumerate(zip(names, (q, k, a, b, A_log, dt_bias))) if stacked(n, x))
     N, D, H, K = q.shape[-4:]
     HV, V = state.shape[2], state.shape[3]
     snapshots = record == "snapshots"
