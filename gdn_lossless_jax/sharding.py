@@ -822,7 +822,9 @@ def _run(plan: MeshPlan, name: str, call: _Static, fill_rows, names: tuple, dona
     # mesh of Explicit axes shard_map requires the types to match already.
     given = jax.tree.map(lambda x, s: _place(plan.mesh, x, s), given, in_specs)
     # check_vma=False: Pallas and Triton calls declare no varying mesh axes for their outputs.
-    return shard_map(local, mesh=plan.mesh, in_specs=(in_specs,), out_specs=out_specs, check_vma=False)(given)
+    # api.unstaged: the index arguments were staged (or not, in a loop body) by _int32 out here.
+    return shard_map(api.unstaged(local), mesh=plan.mesh, in_specs=(in_specs,), out_specs=out_specs,
+                     check_vma=False)(given)  # fmt: skip
 
 
 def _place(mesh: Mesh, x, spec: PartitionSpec):

@@ -24,6 +24,7 @@ import pytest
 
 import gdn_lossless_jax as gl
 from conftest import ON_GPU
+from gdn_lossless_jax import api
 from gdn_lossless_jax import pool as gpool
 from gdn_lossless_jax.cases import Shape, verify_inputs
 from gdn_lossless_jax.config import get_geometry
@@ -334,6 +335,67 @@ def test_pool_verify_layer_reads_inputs_stacked_over_layers(backend, record, see
     with pytest.raises(ValueError, match="argument 'conv_weight' is stacked over layers \\(rank 3\\), so its leading axis "
                        "must be the pool's gdn_layers=2, got shape \\[1, "):  # fmt: skip
         gpool.verify_layer(copy(p), 0, **steps[0], **{**layers[0], "conv_weight": prms["conv_weight"][:1]}, slots=slots)
+
+
+# ---------------------------------------------------------------------------------------
+# The kernels read the jit's copy of the index arrays, not the caller's buffers
+# ---------------------------------------------------------------------------------------
+STAGING = {"eq", "jit[_where]", "pjit[_where]"}  # api.staged's primitives (jit is pjit before jax 0.7)
+
+
+def _readers(jaxpr, var) -> list[str]:
+    """The primitives of ``jaxpr``'s top level that read ``var``."""
+    return [e.primitive.name + (f"[{e.params.get('name')}]" if "name" in e.params else "")
+            for e in jaxpr.eqns if any(v is var for v in e.invars)]  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kernels_read_staged_index_arrays(backend, seed, monkeypatch):
+    """In a jitted step (two layers unrolled, then the commit), ``slots``, ``rows``, ``steps``
+    and the track indices are read only by the one staging op each (``api.staged``: XLA
+    re-records every CUDA-graph kernel node whose buffers moved since the last launch, and a
+    serving loop passes new index arrays every step). Bit-exactness is unchanged (the test
+    above and the equivalence suite run through it). Control: without the staging the
+    kernels read the arguments themselves. In a ``lax.scan`` that closes over them, nothing is
+    staged inside the body."""
+    rng, layers, pool, stacks, S, slots = _stacked_case(seed, F32, L=2)
+    R = SHAPE.N + 2
+    buf = _fresh_buffer("tuples", 2, R, SHAPE.D, SHAPE, F32, rng)
+    ix = (jnp.asarray(slots), jnp.asarray(rng.permutation(R)[: SHAPE.N].astype(np.int32)),
+          jnp.asarray(rng.integers(-1, SHAPE.D, SHAPE.N).astype(np.int32)),
+          jnp.full((SHAPE.N,), -1, jnp.int32), jnp.full((SHAPE.N,), -1, jnp.int32))  # fmt: skip
+
+    def step(pool, buf, slots, rows, steps, tslots, tsteps):
+        outs = []
+        for i in range(2):
+            o, buf = gl.verify(pool, **stacks, slots=slots, layer=i, tape=buf, rows=rows, backend=backend)
+            outs.append(o)
+        return outs, gl.commit(pool, buf, slots, steps, tslots, tsteps, rows, backend=backend)
+
+    def readers():  # a new function object each time: make_jaxpr caches traces by function
+        closed = jax.make_jaxpr(lambda *a: step(*a))(pool, buf, *ix)
+        return {n: _readers(closed.jaxpr, v) for n, v in zip(("slots", "rows", "steps", "tslots", "tsteps"),
+                                                           closed.jaxpr.invars[-5:])}  # fmt: skip
+
+    got = readers()
+    for name, prims in got.items():
+        assert prims and set(prims) <= STAGING, f"{name} is read by {prims}, not only by its staging"
+    # In a lax.scan over the layers that closes over the index arrays, nothing is staged inside
+    # the body (the op would run in every iteration).
+    def scan_step(pool, buf, slots, rows):
+        def body(buf, i):
+            o, buf = gl.verify(pool, **stacks, slots=slots, layer=i, tape=buf, rows=rows, backend=backend)
+            return buf, o
+
+        return jax.lax.scan(body, buf, jnp.arange(2, dtype=jnp.int32))
+
+    closed = jax.make_jaxpr(scan_step)(pool, buf, *ix[:2])
+    (scan,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
+    wheres = [e for e in scan.params["jaxpr"].jaxpr.eqns if e.params.get("name") == "_where"]
+    assert not wheres, f"{len(wheres)} staging ops inside the scan's body"
+    monkeypatch.setattr(api, "staged", lambda x: x)
+    control = readers()
+    assert any(set(p) - STAGING for p in control.values()), f"the control found no direct reader: {control}"
 
 
 # ---------------------------------------------------------------------------------------
