@@ -19,7 +19,8 @@ way a JAX user composes it, for each record mode and backend:
     written into its row of the scratch in place), then ``gdn_lossless_jax.commit``; the pool
     and the scratch donated. No conv: the same work as SGLang's step below.
 ``unrolled``
-    the same with the layers unrolled in Python inside the jit (a static layer index).
+    the same with the layers unrolled in Python inside the jit (a static layer index), the
+    outputs stacked into one ``[L, ...]`` array as the scan returns them.
 ``scan-sliced``, ``pool-scan-sliced``, ``unrolled-lists`` (not run unless named in ``--kinds``)
     the forms before the kernels read stacked inputs: the ``lax.scan`` slicing each layer's
     inputs out of the stacks (a copy per input and layer), and the unrolled layers taking
@@ -48,7 +49,10 @@ interleaved (:func:`benchmarks.timing.run_rounds`), nothing is subtracted: the w
 what a user waits for. After the rounds each row is traced with the profiler: its *device
 time* is the sum of every kernel the step launched (ours and XLA's), and the kernels that are
 not ours (names without ``gdn_``) are listed, so hidden work shows. ``wall / device`` is the
-overhead of the way the step is written (launch gaps, host work).
+overhead of the way the step is written (launch gaps, host work). Then each row runs
+``--b2b-calls`` steps back to back (a decode loop: each call waits for the last, no other
+program between): its *back to back* median. XLA's CUDA graphs start later when another
+program ran just before (the interleaved rounds), SGLang's graph hardly (``scripts/launch_probe.py``).
 
 Run (H200, about 3 minutes)::
 
@@ -265,6 +269,7 @@ def direct_step(backend: str, form: str, plan: sharding.MeshPlan | None = None, 
             for i in range(L):
                 tape, o = layer(tape, i, prm, xs)
                 outs.append(o)
+            outs = jnp.stack(outs)  # one [L, ...] output, as the scan's
         elif form == "scan":
             tape, outs = jax.lax.scan(lambda t, i: layer(t, i, prm, xs), tape, jnp.arange(L, dtype=jnp.int32))
         else:  # scan-sliced
@@ -481,9 +486,28 @@ def sglang_row(inp: StepInputs, clock: Clock, src=None) -> tuple[Row | None, str
     return row, how
 
 
-def _row_dict(r: Row) -> dict:
+def back_to_back(rows: list[Row], calls: int) -> dict:
+    """Each row called ``calls`` times in a row, each call waiting for the last (a decode loop
+    that runs one step after another): seconds per call. The interleaved rounds instead run
+    another row between two calls of one; XLA's CUDA graph of a jitted step starts later after
+    another program ran (``scripts/launch_probe.py``)."""
+    out = {}
+    for r in rows:
+        if r.failed or not calls:
+            continue
+        ts = []
+        for _ in range(calls):
+            t = time.perf_counter()
+            r.run()
+            ts.append(time.perf_counter() - t)
+        out[r.key] = np.asarray(ts)
+    return out
+
+
+def _row_dict(r: Row, b2b=None) -> dict:
     d = {"config": r.config, "backend": r.backend, "kind": r.op, "record": r.record, "first_call_s": r.compile_s,
-         "notes": r.notes, "failed": r.failed, "wall": summarize(np.asarray(r.raw))}  # fmt: skip
+         "notes": r.notes, "failed": r.failed, "wall": summarize(np.asarray(r.raw)),
+         "wall_back_to_back": summarize(b2b if b2b is not None else np.zeros(0))}  # fmt: skip
     if r.device:
         d["device_us"] = r.device["us_per_call"]
         ours = sum(k["us_per_call"] for k in r.device["kernels"] if "gdn_" in k["name"])
@@ -501,14 +525,24 @@ def _row_dict(r: Row) -> dict:
 
 def _table(rows: list[dict]) -> list[str]:
     out = [
-        "| config | backend | record | step | wall median us (p10-p90) | device us | ours us | wall / device | vs SGLang (wall) |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|",
+        "| config | backend | record | step | wall median us (p10-p90) | device us | ours us | wall / device | "
+        "vs SGLang (wall) | back to back us | vs SGLang (back to back) |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     peer = {r["config"]: r["wall"].get("median_us") for r in rows if r["backend"] == "sglang" and r["wall"].get("n")}
+    peer_b = {r["config"]: (r.get("wall_back_to_back") or {}).get("median_us") for r in rows if r["backend"] == "sglang"}
+
+    def b2b(r):
+        m, ref = (r.get("wall_back_to_back") or {}).get("median_us"), peer_b.get(r["config"])
+        if not m:
+            return " - | - |"
+        return f" {m:.0f} | " + (f"{ref / m:.2f}x |" if ref and r["backend"] != "sglang" else " |")
+
     for r in rows:
         w = r["wall"]
         if not w.get("n"):
-            out.append(f"| {r['config']} | {r['backend']} | {r['record']} | {r['kind']} | failed: {r['failed']} | | | | |")
+            out.append(f"| {r['config']} | {r['backend']} | {r['record']} | {r['kind']} | failed: {r['failed']} "
+                       "| | | | | | |")
             continue
         ref = peer.get(r["config"])
         vs = f"{ref / w['median_us']:.2f}x" if ref and r["backend"] != "sglang" else ""
@@ -521,6 +555,7 @@ def _table(rows: list[dict]) -> list[str]:
             else f"| {r['config']} | {r['backend']} | {r['record']} | {r['kind']} | {w['median_us']:.0f} "
             f"({w['p10_us']:.0f}-{w['p90_us']:.0f}) | - | - | - | {vs} |"
         )
+        out[-1] += b2b(r)
     return out
 
 
@@ -570,6 +605,7 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device-invocations", type=int, default=3)
+    p.add_argument("--b2b-calls", type=int, default=20, help="calls of each row back to back after the rounds (0: none)")
     p.add_argument("--budget-s", type=float, default=60.0, help="seconds of timed rounds per configuration")
     p.add_argument("--peer", choices=("auto", "off"), default="auto")
     p.add_argument("--sglang-src", default=None)
@@ -614,9 +650,10 @@ def main(argv=None) -> int:
                 rows.append(row)
         run_rounds(rows, trials=args.rounds, min_trials=min(8, args.rounds), seed=args.seed, clock=clock,
                    label=cfg.label, warmup=args.warmup, deadline=time.perf_counter() + args.budget_s)  # fmt: skip
+        b2b = back_to_back(rows, args.b2b_calls)
         if args.device_invocations:
             device_pass(rows, invocations=args.device_invocations, clock=clock, label=cfg.label)
-        result["rows"] += [_row_dict(r) for r in rows]
+        result["rows"] += [_row_dict(r, b2b.get(r.key)) for r in rows]
         write_report(result, out)
         del rows, inp
     print("\n".join(_table(result["rows"])))

@@ -51,16 +51,29 @@ def probe(a) -> int:
     p = bs._allocate(inp, "tuples", 0)
     host_sets = [tuple(np.asarray(x) for x in s) for s in inp.index_sets]
     rows = {}
+    boxes = {}
     for form in a.forms.split(","):
-        fn = bs.direct_step(a.backend, form) if form != "null" else jax.jit(
+        if form.startswith("unrolled-stack"):  # the unrolled step returning one stacked output, not a list of L
+            inner = bs.direct_step(a.backend, "unrolled")
+            fn = jax.jit(lambda *args, inner=inner: (lambda r: (jax.numpy.stack(r[0]), r[1], r[2]))(inner(*args)),
+                         donate_argnums=(0, 1), compiler_options=bs.NO_COMMAND_BUFFERS if "nocb" in form else None)
+        else:
+            fn = bs.direct_step(a.backend, form) if form != "null" else jax.jit(
             lambda ssm, tape, params, xs, ix: (xs["q"][0, 0, 0, 0, :8] * ix[0][0], ssm, tape), donate_argnums=(0, 1))
+        if a.hlo and form != "null":
+            txt = fn.lower(p.ssm, p.tape, inp.params, inp.qkv, inp.index_sets[0]).compile().as_text()
+            sel = [ln for ln in txt.splitlines() if re.search(r"= s32\[\d+\]\{0\} select\(", ln)]
+            print(f"{form}: {len(sel)} rank-1 int32 selects in the compiled HLO (the staged index arrays)")
+            for ln in sel[:12]:
+                print("    " + ln.strip()[:160])
         # rotate-staged: the index arrays pass through one elementwise op first (a fusion XLA
         # cannot elide), so only that op reads the moving buffers; the kernels read its output
         staged = jax.jit(lambda ssm, tape, params, xs, ix, fn=fn: fn(ssm, tape, params, xs, tuple(
             jax.numpy.minimum(x, jax.numpy.int32(2**31 - 2)) for x in ix)), donate_argnums=(0, 1))
-        for ix_kind in IX:
+        for ix_kind in a.ix.split(","):
             f = staged if ix_kind == "rotate-staged" else fn
-            box = {"d": bs._filled((p.ssm, p.tape), 7), "i": 0}
+            box = {"d": bs._filled((p.ssm, p.tape), 7), "i": 0, "dispatch": []}
+            boxes[f"{form}/{ix_kind}"] = box
 
             def run(fn=f, box=box, ix_kind=ix_kind):
                 box["i"] += 1
@@ -75,12 +88,12 @@ def probe(a) -> int:
                 t = time.perf_counter()
                 outs, ssm, tape = fn(*box["d"], inp.params, inp.qkv, ix)
                 box["d"] = (ssm, tape)
-                box["dispatch"] = time.perf_counter() - t
+                box["dispatch"].append(time.perf_counter() - t)
                 jax.block_until_ready((outs, ssm, tape))
 
             rows[f"{form}/{ix_kind}"] = run
     if a.pool:
-        rows.update(pool_rows(inp, a.backend, bs))
+        rows.update(pool_rows(inp, a.backend, bs, boxes))
     if not a.vlog and a.peer:
         rows.update(sglang_rows(inp))
     for name, run in rows.items():
@@ -95,8 +108,21 @@ def probe(a) -> int:
                 print(f"--- call {name}", file=sys.stderr, flush=True)
                 run()
         return 0
+    if a.profile:
+        import cProfile
+        import pstats
+
+        for k in a.profile.split(","):
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(5):
+                rows[k]()
+            pr.disable()
+            print(f"\n=== cProfile of 5 calls of {k}, by own time")
+            pstats.Stats(pr).sort_stats("tottime").print_stats(14)
     wall = {k: [] for k in rows}
-    disp = {k: [] for k in rows}
+    for b in boxes.values():
+        b["dispatch"].clear()
     rng = np.random.default_rng(0)
     names = list(rows)
     for _ in range(a.rounds):
@@ -114,15 +140,17 @@ def probe(a) -> int:
             rows[k]()
             ts.append(time.perf_counter() - t)
         b2b[k] = ts
-    print(f"\n{a.config}, {a.rounds} rounds; wall-clock median us: interleaved (p10-p90) | back to back")
+    print(f"\n{a.config}, {a.rounds} rounds; wall-clock median us: interleaved (p10-p90) | back to back | "
+          "time until the call returns (median over both)")
     for k in names:
         w = np.array(wall[k]) * 1e6
+        d = boxes[k]["dispatch"] if k in boxes else []
         print(f"  {k:24s} {np.median(w):7.0f} ({np.percentile(w, 10):.0f}-{np.percentile(w, 90):.0f})"
-              f" | {np.median(b2b[k]) * 1e6:7.0f}")
+              f" | {np.median(b2b[k]) * 1e6:7.0f} | " + (f"{np.median(d) * 1e6:7.0f}" if d else "-"))
     return 0
 
 
-def pool_rows(inp, backend, bs):
+def pool_rows(inp, backend, bs, boxes):
     """``pool-python`` (30 x ``pool.verify_layer`` + ``pool.commit`` from Python, the index sets
     rotating), with the library's per-layer jits as they are and compiled with command buffers off."""
     import jax
@@ -137,7 +165,8 @@ def pool_rows(inp, backend, bs):
                              compiler_options=off))
     out = {}
     for suffix, (vl, cm) in jits.items():
-        box = {"p": bs._allocate(inp, "tuples", 3), "i": 0}
+        box = {"p": bs._allocate(inp, "tuples", 3), "i": 0, "dispatch": []}
+        boxes[f"pool-python{suffix}/rotate"] = box
 
         def run(box=box, vl=vl, cm=cm):
             box["i"] += 1
@@ -145,7 +174,9 @@ def pool_rows(inp, backend, bs):
             gpool._verify_layer, gpool._commit = vl, cm
             try:
                 ix = inp.index_sets[box["i"] % len(inp.index_sets)]
+                t = time.perf_counter()
                 outs, box["p"] = bs._pool_step(box["p"], inp.layers["params"], inp.layers["pool_inputs"], ix, backend)
+                box["dispatch"].append(time.perf_counter() - t)
             finally:
                 gpool._verify_layer, gpool._commit = keep
             jax.block_until_ready((outs, box["p"]))
@@ -249,6 +280,9 @@ def main() -> int:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--no-peer", dest="peer", action="store_false")
     ap.add_argument("--no-pool", dest="pool", action="store_false")
+    ap.add_argument("--profile", default="", help="rows to run under cProfile first (comma-separated names)")
+    ap.add_argument("--hlo", action="store_true", help="print the staged index ops of each form's compiled HLO")
+    ap.add_argument("--ix", default=",".join(IX), help="index kinds")
     a = ap.parse_args()
     if a.vlog and not a.child:
         return vlog(a)
