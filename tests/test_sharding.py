@@ -419,6 +419,20 @@ def test_plain_functions_under_jit_with_named_shardings_mesh(tp, dp, backend):
 MODEL_MESHES = [(2, 1), (1, 2), (2, 2)] if ON_GPU else [(2, 2)]
 
 
+def _decode_on_one_and_mesh(single, plan, params, new, prompts, slots, rows, track_slots, n_steps):
+    """``decode_steps`` of the step ``single`` on one device and of the same step through ``plan``'s
+    mesh (parameters, a fresh state from ``new()`` and each step's inputs placed by
+    ``place_on_mesh``): ``(one device's result, the mesh's)``."""
+    from gdn_lossless_jax.model.decode import decode_steps, place_on_mesh
+
+    config = single.config
+    one = decode_steps(single, params, new(), prompts, slots, rows, track_slots, n_steps)
+    mparams, mstate = place_on_mesh(plan, config, params, new())
+    mesh = decode_steps(dataclasses.replace(single, mesh=plan), mparams, mstate, prompts, slots, rows, track_slots,
+                        n_steps, place=lambda x: place_on_mesh(plan, config, params, new(), x)[2])  # fmt: skip
+    return one, mesh
+
+
 @pytest.mark.parametrize("tp,dp,backend", mesh_params(MODEL_MESHES, ["auto"]))
 def test_model_spec_step_on_a_mesh_gives_identical_tokens(tp, dp, backend, seed, monkeypatch):
     """The demo model's speculative step (draft, verify of every layer through the pool, accept,
@@ -431,7 +445,7 @@ def test_model_spec_step_on_a_mesh_gives_identical_tokens(tp, dp, backend, seed,
     device, to its own ``reduce-window`` and ``reduce`` and a loop fusion."""
     from gdn_lossless_jax.model import SpecStep, allocate_state, get_config, init_params
     from gdn_lossless_jax.model import model as model_mod
-    from gdn_lossless_jax.model.decode import decode_steps, place_on_mesh, pool_from_mesh
+    from gdn_lossless_jax.model.decode import pool_from_mesh
 
     config, D = get_config("tiny"), 4
     plan = make_plan(tp, dp)
@@ -442,13 +456,9 @@ def test_model_spec_step_on_a_mesh_gives_identical_tokens(tp, dp, backend, seed,
     new = lambda: allocate_state(config, slots=11, requests=5, drafts=D, record="tuples", max_len=64)  # noqa: E731
 
     def both(config):
-        params = init_params(config, seed % 2**31)
         single = SpecStep(config, D, track_interval=8, backend=backend)
-        one = decode_steps(single, params, new(), prompts, slots, rows, track_slots, 10)
-        mparams, mstate = place_on_mesh(plan, config, params, new())
-        mesh = decode_steps(dataclasses.replace(single, mesh=plan), mparams, mstate, prompts, slots, rows, track_slots,
-                            10, place=lambda x: place_on_mesh(plan, config, params, new(), x)[2])  # fmt: skip
-        return one, mesh
+        return _decode_on_one_and_mesh(single, plan, init_params(config, seed % 2**31), new, prompts, slots, rows,
+                                       track_slots, 10)  # fmt: skip
 
     (want, want_out, want_state), (got, got_out, got_state) = both(config)
     if got != want:  # only a near-tie may flip, where the logits' low bits differ (on GPUs: see below)
@@ -492,7 +502,7 @@ def test_model_spec_step_on_a_mesh_with_v_heads_of_128_is_identical(monkeypatch,
     difference of the norm shows in the gaps (the gpu size's bfloat16 hid most of them)."""
     from gdn_lossless_jax.model import SpecStep, allocate_state, init_params
     from gdn_lossless_jax.model import model as model_mod
-    from gdn_lossless_jax.model.decode import decode_steps, place_on_mesh, pool_from_mesh
+    from gdn_lossless_jax.model.decode import pool_from_mesh
 
     config = model_mod.ModelConfig(
         "v128", vocab=256, d_model=64, layers=2, attention_interval=2, num_k_heads=2, num_v_heads=8, head_k_dim=16,
@@ -506,17 +516,12 @@ def test_model_spec_step_on_a_mesh_with_v_heads_of_128_is_identical(monkeypatch,
     rows = np.arange(N, dtype=np.int32)
 
     def both(config):
-        params = init_params(config, seed)
-
         def new():
             return allocate_state(config, slots=2 * N, requests=N, drafts=D, record="tuples", max_len=32)
 
         single = SpecStep(config, D, track_interval=4)
-        one = decode_steps(single, params, new(), prompts, slots, rows, track_slots, 4)
-        mparams, mstate = place_on_mesh(plan, config, params, new())
-        mesh = decode_steps(dataclasses.replace(single, mesh=plan), mparams, mstate, prompts, slots, rows, track_slots,
-                            4, place=lambda x: place_on_mesh(plan, config, params, new(), x)[2])  # fmt: skip
-        return one, mesh
+        return _decode_on_one_and_mesh(single, plan, init_params(config, seed), new, prompts, slots, rows,
+                                       track_slots, 4)  # fmt: skip
 
     (_, want_out, want_state), (_, got_out, got_state) = both(config)
     assert_bitwise_equal(want_out, got_out, "step outputs (inputs, predictions, gaps, accepted, track steps)")
