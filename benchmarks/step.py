@@ -21,6 +21,10 @@ way a JAX user composes it, for each record mode and backend:
 ``unrolled``
     the same with the layers unrolled in Python inside the jit (a static layer index), the
     outputs stacked into one ``[L, ...]`` array as the scan returns them.
+``scan-out``, ``unrolled-out``
+    ``scan`` and ``unrolled`` with one outputs buffer ``[L, N, D, HV, V]`` (an argument,
+    donated, returned) that every layer's verify writes at its layer (``out=``; carried with
+    the tape in the scan): no stacking copy, no per-layer output slice.
 ``scan-sliced``, ``pool-scan-sliced``, ``unrolled-lists`` (not run unless named in ``--kinds``)
     the forms before the kernels read stacked inputs: the ``lax.scan`` slicing each layer's
     inputs out of the stacks (a copy per input and layer), and the unrolled layers taking
@@ -32,7 +36,8 @@ way a JAX user composes it, for each record mode and backend:
     the ``scan`` step with the commit fused into the next verify
     (``gdn_lossless_jax.commit_and_verify``): each layer's kernel applies the previous step's
     commit (the same indices every step: the steady state of a decode) and verifies from it; no
-    separate commit launch. Two tape buffers alternate.
+    separate commit launch. Two tape buffers alternate; the outputs go into one buffer, as in
+    ``scan-out``.
 ``pool-deferred``
     ``pool-scan`` on a pool allocated with ``defer_commit=True`` (``pool.commit`` keeps the SSM
     part for the next ``pool.verify_layer``).
@@ -94,7 +99,8 @@ from .traffic import Traffic
 __all__ = ["STEP_KINDS", "main", "step_rows"]
 
 RECORDS = ("tuples", "snapshots")
-STEP_KINDS = ("pool-python", "pool-jit", "pool-scan", "scan", "unrolled", "fused", "pool-deferred")
+STEP_KINDS = ("pool-python", "pool-jit", "pool-scan", "scan", "unrolled", "scan-out", "unrolled-out", "fused",
+              "pool-deferred")
 #: XLA's command buffers (CUDA graphs) off for one jitted step (``jax.jit(..., compiler_options=)``).
 NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
 #: The direct step's earlier forms, and steps compiled without command buffers (``-nocb``), for
@@ -243,23 +249,35 @@ def direct_step(backend: str, form: str, plan: sharding.MeshPlan | None = None, 
     """The one-jit step over ``(ssm [L, S, HV, V, K], tape [L, R, D, ...])``, both donated;
     ``params`` and ``xs`` stacked ``[L, ...]`` (per-layer lists for ``unrolled-lists``).
     ``form``: ``scan`` or ``unrolled`` (verify reads the stacks at the layer),
-    ``scan-sliced`` (the scan slices them) or ``unrolled-lists``. With ``plan``, verify and
-    commit run through ``plan.verify`` and ``plan.commit`` (shard_map; one layer's inputs).
-    ``options``: XLA options of this jit (``compiler_options``)."""
+    ``scan-sliced`` (the scan slices them) or ``unrolled-lists``; ``scan-out`` and
+    ``unrolled-out`` take a sixth argument, the outputs buffer ``[L, N, D, HV, V]`` (donated),
+    that verify writes in place (``out=``). With ``plan``, verify and commit run through
+    ``plan.verify`` and ``plan.commit`` (shard_map; one layer's inputs). ``options``: XLA
+    options of this jit (``compiler_options``)."""
     verify, commit = (gl.verify, gl.commit) if plan is None else (plan.verify, plan.commit)
     names = ("q", "k", "v", "a", "b")
 
-    def step(ssm, tape, params, xs, ix):
+    def step(ssm, tape, params, xs, ix, obuf=None):
         slots, steps, tslots, tsteps, rows = ix
 
-        def layer(tape, i, prm, x):
+        def layer(tape, i, prm, x, obuf=None):
+            kw = {} if obuf is None else {"out": obuf}
             out, tape = verify(ssm, *(x[n] for n in names), prm["A_log"], prm["dt_bias"], slots=slots, layer=i,
-                               tape=tape, rows=rows, backend=backend)  # fmt: skip
+                               tape=tape, rows=rows, backend=backend, **kw)  # fmt: skip
             return tape, out
 
         L = ssm.shape[0]
         prm = {k: params[k] for k in ("A_log", "dt_bias")} if form != "unrolled-lists" else params
-        if form == "unrolled-lists":
+        if form == "unrolled-out":
+            outs = obuf
+            for i in range(L):
+                tape, outs = layer(tape, i, prm, xs, outs)
+        elif form == "scan-out":
+            def body(carry, i):
+                return layer(*carry[:1], i, prm, xs, carry[1]), None
+
+            (tape, outs), _ = jax.lax.scan(body, (tape, obuf), jnp.arange(L, dtype=jnp.int32))
+        elif form == "unrolled-lists":
             outs = []
             for i in range(L):
                 tape, o = layer(tape, i, params[i], xs[i])
@@ -277,30 +295,31 @@ def direct_step(backend: str, form: str, plan: sharding.MeshPlan | None = None, 
         ssm = commit(ssm, tape, slots, steps, tslots, tsteps, rows, backend=backend)
         return outs, ssm, tape
 
-    return jax.jit(step, donate_argnums=(0, 1), compiler_options=options)
+    return jax.jit(step, donate_argnums=(0, 1, 5) if form.endswith("-out") else (0, 1), compiler_options=options)
 
 
 def fused_step(backend: str, options: dict | None = None):
     """The steady-state step with the commit inside the next verify: ``(ssm, tape, prev_tape)``
     donated, returned in the same places (the caller swaps the two tapes' roles between calls:
-    swapped inside the jit, XLA would copy both to keep each donated buffer in its place)."""
+    swapped inside the jit, XLA would copy both to keep each donated buffer in its place), and
+    the outputs buffer ``obuf [L, N, D, HV, V]`` (donated, returned first)."""
 
-    def step(ssm, tape, prev, params, xs, ix):
+    def step(ssm, tape, prev, params, xs, ix, obuf):
         slots, steps, tslots, tsteps, rows = ix
         pending = gl.Pending(prev, rows, steps, tslots, tsteps)
 
         def layer(carry, i):  # the inputs stacked over layers, read at i by the kernels
-            ssm, tape = carry
-            out, tape, ssm = gl.commit_and_verify(
+            ssm, tape, outs = carry
+            outs, tape, ssm = gl.commit_and_verify(
                 ssm, pending, xs["q"], xs["k"], xs["v"], xs["a"], xs["b"], params["A_log"], params["dt_bias"],
-                slots=slots, layer=i, tape=tape, rows=rows, backend=backend,
+                slots=slots, layer=i, tape=tape, rows=rows, backend=backend, out=outs,
             )  # fmt: skip
-            return (ssm, tape), out
+            return (ssm, tape, outs), None
 
-        (ssm, tape), outs = jax.lax.scan(layer, (ssm, tape), jnp.arange(ssm.shape[0], dtype=jnp.int32))
+        (ssm, tape, outs), _ = jax.lax.scan(layer, (ssm, tape, obuf), jnp.arange(ssm.shape[0], dtype=jnp.int32))
         return outs, ssm, tape, prev
 
-    return jax.jit(step, donate_argnums=(0, 1, 2), compiler_options=options)
+    return jax.jit(step, donate_argnums=(0, 1, 2, 6), compiler_options=options)
 
 
 def _kernels_not_ours(device: dict | None) -> list[dict]:
@@ -344,13 +363,20 @@ def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: in
     d_box = [(p_box[0].ssm, p_box[0].tape)]  # the direct rows own a second pool of the same shape
     d_box[0] = _filled(d_box[0], seed + 7)
     fns = {f: direct_step(backend, f.removesuffix("-nocb"), options=NO_COMMAND_BUFFERS if f.endswith("-nocb") else None)
-           for f in ("scan", "unrolled", "scan-sliced", "unrolled-lists", "scan-nocb", "unrolled-nocb") if f in kinds}
+           for f in ("scan", "unrolled", "scan-out", "unrolled-out", "scan-sliced", "unrolled-lists", "scan-nocb",
+                     "unrolled-nocb") if f in kinds}  # fmt: skip
+    s = inp.shape
+    o_box = [_filled(jax.ShapeDtypeStruct((L, s.N, s.D, s.HV, s.V), inp.qkv["q"].dtype), seed + 9)]
 
     def run_direct(form):
         def run():
             lists = form == "unrolled-lists"
             src = (inp.layers["params"], inp.layers["qkv"]) if lists else (inp.params, inp.qkv)
-            outs, ssm, tape = fns[form](*d_box[0], *src, next_ix())
+            if form.endswith("-out"):
+                outs, ssm, tape = fns[form](*d_box[0], *src, next_ix(), o_box[0])
+                o_box[0] = outs
+            else:
+                outs, ssm, tape = fns[form](*d_box[0], *src, next_ix())
             d_box[0] = (ssm, tape)
             jax.block_until_ready((outs, ssm, tape))
 
@@ -364,7 +390,8 @@ def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: in
         def run():
             if f_box[0] is None:  # a second pool and two tape buffers, made on the first call
                 f_box[0] = _filled((p_box[0].ssm, p_box[0].tape, p_box[0].tape), seed + 11)
-            outs, ssm, written, old = fused_fn(*f_box[0], inp.params, inp.qkv, inp.index_sets[0])
+            outs, ssm, written, old = fused_fn(*f_box[0], inp.params, inp.qkv, inp.index_sets[0], o_box[0])
+            o_box[0] = outs
             f_box[0] = (ssm, old, written)  # the next step writes the old buffer and commits from this one
             jax.block_until_ready((outs, f_box[0]))
 

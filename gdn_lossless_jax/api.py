@@ -319,6 +319,7 @@ def verify(
     rows: jax.Array | None = None,
     parents: Any = None,
     topk: int = 1,
+    out: jax.Array | None = None,
 ) -> tuple[jax.Array, Tape]:
     """Run D draft tokens through one GDN layer without touching the state.
 
@@ -349,8 +350,14 @@ def verify(
       rows: ``[N]`` int or None (default ``arange(N)``): the tape rows, with ``tape``.
       parents, topk: tree metadata, accepted only if it describes a linear chain
         (``parents`` ``[-1, 0, ..., D-2]`` per request, ``topk == 1``).
+      out: a preallocated outputs buffer to write into, in place when it is donated:
+        ``[L?, N, D, HV, V]`` in ``out_dtype`` (its dtype when ``out_dtype`` is None), the
+        leading ``L`` optional (then ``layer`` picks it). The kernels store the outputs at
+        ``[layer]`` of it; every other layer keeps its bits. A step that verifies every layer
+        of a pool passes one ``[L, N, D, HV, V]`` buffer to all of them, so no copy stacks the
+        layers' outputs (in a ``lax.scan``, carry it with the tape).
     Returns:
-      ``(outputs [N, D, HV, V], tape)``; the tape is :class:`Tuples` (``u [N, D, HV, V]``,
+      ``(outputs [N, D, HV, V], tape)`` (the buffer, updated, with ``out``); the tape is :class:`Tuples` (``u [N, D, HV, V]``,
       ``k [N, D, H, K]``, ``g [N, D, HV]``, fp32) or :class:`Snapshots`
       (``[N, D, HV, V, K]`` in state0's dtype), or, with ``tape``, the updated buffer.
       Outputs are identical in both modes and in every form.
@@ -376,21 +383,39 @@ def verify(
     """
     impl, args, kw = _verify_call(
         "verify", state0, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, backend=backend,
-        out_dtype=out_dtype, slots=slots, layer=layer, tape=tape, rows=rows, parents=parents, topk=topk,
+        out_dtype=out_dtype, slots=slots, layer=layer, tape=tape, rows=rows, parents=parents, topk=topk, out=out,
     )  # fmt: skip
     outputs, new = autodiff.verify(impl, *args, **kw)
-    return outputs, _strip(new, kw, tape)
+    return _strip(outputs, kw, out, "out"), _strip(new, kw, tape)
 
 
-def _strip(new, kw: dict, tape):
-    """The tape as the caller gave its buffer: without the layer axis added to a per-layer buffer."""
-    if tape is not None and kw["tape"] is not tape:
+def _strip(new, kw: dict, given, key: str = "tape"):
+    """A buffer as the caller gave it: without the layer axis added to a per-layer buffer."""
+    if given is not None and kw[key] is not given:
         return jax.tree.map(lambda x: x[0], new)
     return new
 
 
+def _check_out_buffer(fn: str, out, out_dtype, N: int, D: int, HV: int, V: int, layer):
+    """The preallocated outputs of ``verify(..., out=)``; returns ``(out_dtype, layered)``."""
+    rank = len(_shape(out))
+    if rank not in (4, 5):
+        raise ValueError(f"{fn}: argument 'out' must have rank 4 ([N, D, HV, V]) or 5 ([L, N, D, HV, V]), "
+                         f"got shape {_fmt(_shape(out))}")  # fmt: skip
+    layered = rank == 5
+    pre = _shape(out)[:1] if layered else ()
+    _check_shape(fn, "out", out, (*pre, N, D, HV, V), "[L, N, D, HV, V]" if layered else "[N, D, HV, V]",
+                 "N, D from q; HV, V from the state")  # fmt: skip
+    _check_float(fn, "out", out)
+    if out_dtype is not None and jnp.dtype(out_dtype) != jnp.dtype(out.dtype):
+        raise TypeError(f"{fn}: out_dtype={jnp.dtype(out_dtype).name} but argument 'out' is {jnp.dtype(out.dtype).name}")
+    if layered:
+        _check_layer_index(fn, layer, pre[0], "the outputs buffer")
+    return jnp.dtype(out.dtype), layered
+
+
 def _verify_call(fn, state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, backend, out_dtype, slots, layer, tape,
-                 rows, parents=None, topk=1):  # fmt: skip
+                 rows, parents=None, topk=1, out=None):  # fmt: skip
     """Every check of :func:`verify`; returns the backend, its positional arguments and keywords."""
     if record is not None and record not in RECORD_MODES:
         raise ValueError(f"{fn}: record must be one of {RECORD_MODES}, got {record!r}")
@@ -448,6 +473,11 @@ def _verify_call(fn, state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, ba
         rows = as_index(rows)
     elif rows is not None:
         raise ValueError(f"{fn}: rows= maps requests to rows of a tape buffer: pass tape= too")
+    obuf = out_layer = None
+    if out is not None:
+        out = _as_array(fn, "out", out)
+        out_dtype, layered = _check_out_buffer(fn, out, out_dtype, N, D, HV, V, layer)
+        obuf, out_layer = (out, layer) if layered else (out[None], 0)
     record = record or "tuples"
     q, k, v, a, b, A_log, dt_bias = full.values()  # the backends take the stacks
     impl = backends.resolve(backend, "verify")
@@ -458,6 +488,8 @@ def _verify_call(fn, state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, ba
         kw.update(slots=as_index(slots), layer=as_index(pool_layer))
     if buf is not None:
         kw.update(tape=buf, tape_layer=as_index(tape_layer), rows=rows)
+    if obuf is not None:
+        kw.update(out=obuf, out_layer=as_index(out_layer))
     return impl, (state, q, k, v, a, b, A_log, dt_bias), kw
 
 
@@ -671,6 +703,7 @@ def commit_and_verify(
     scale: float | None = None,
     backend: str = "auto",
     out_dtype: Any = None,
+    out: jax.Array | None = None,
 ) -> tuple[jax.Array, Tape, jax.Array]:
     """Apply the previous step's commit and verify the next drafts, reading each state once.
 
@@ -694,7 +727,7 @@ def commit_and_verify(
         commits nothing; negative steps write nothing). Requests that left the batch are not
         here: commit them with :func:`commit` before their slots are read.
       q, k, v, a, b, A_log, dt_bias, slots, layer, tape, rows, record, scale, backend,
-        out_dtype: as in :func:`verify` (``slots`` required: request n's state is
+        out_dtype, out: as in :func:`verify` (``slots`` required: request n's state is
         ``pool[layer, slots[n]]``; the inputs may be stacked over the pool's layers).
     Returns:
       ``(outputs [N, D, HV, V], tape, pool)``. Differentiable like :func:`verify` (with
@@ -716,11 +749,11 @@ def commit_and_verify(
     # verify's checks (shapes, the pool form, the tape buffer), through its own argument handling:
     impl, args, kw = _verify_call(
         "commit_and_verify", pool, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, backend=backend,
-        out_dtype=out_dtype, slots=slots, layer=layer, tape=tape, rows=rows,
+        out_dtype=out_dtype, slots=slots, layer=layer, tape=tape, rows=rows, out=out,
     )  # fmt: skip
     pend = tuple(as_index(getattr(pending, n)) for n in ("rows", "steps", "track_slots", "track_steps"))
     kw["pending"] = (*pend, as_index(layer if layered else 0), prev)
     outputs, new, new_pool = autodiff.verify(impl, *args, **kw)
     if L is None:
         new_pool = new_pool[0]
-    return outputs, _strip(new, kw, tape), new_pool
+    return _strip(outputs, kw, out, "out"), _strip(new, kw, tape), new_pool

@@ -229,7 +229,8 @@ def write_rows(buffer, layer, rows, tape):
 
 def verify_form(
     state0, q, k, v, a, b, A_log, dt_bias, *, record: str, scale: float, out_dtype, slots=None, layer=None, tape=None,
-    tape_layer=None, rows=None, pending=None, verify_fn: Callable = verify, commit_fn: Callable | None = None,
+    tape_layer=None, rows=None, pending=None, out=None, out_layer=None, verify_fn: Callable = verify,
+    commit_fn: Callable | None = None,
 ):  # fmt: skip
     """:func:`verify` in every form of :func:`gdn_lossless_jax.verify`, as the backends take it.
 
@@ -238,7 +239,8 @@ def verify_form(
     it leaves; inputs stacked over layers (``q [L, N, D, H, K]``, ...) are taken at ``layer``;
     with ``slots`` (and ``layer``), the states gathered from the pool
     (:func:`read_slots`); with ``tape``, the tape scattered into that buffer at ``rows``
-    (:func:`write_rows`). Returns ``(outputs, tape)``, and the pool after the pending commit
+    (:func:`write_rows`); with ``out`` (``[L', N, D, HV, V]``), the outputs written into it at
+    ``out_layer``. Returns ``(outputs, tape)``, and the pool after the pending commit
     when there is one. ``verify_fn`` and ``commit_fn`` (default :func:`verify` and
     :func:`commit`) are what runs: gdn_lossless_jax.autodiff passes its plain formulations.
     """
@@ -257,6 +259,8 @@ def verify_form(
     outputs, new = verify_fn(state, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, out_dtype=out_dtype)
     if tape is not None:
         new = write_rows(tape, tape_layer, rows, new)
+    if out is not None:
+        outputs = lax.dynamic_update_index_in_dim(out, outputs.astype(out.dtype), jnp.reshape(out_layer, ()), 0)
     return (outputs, new) if pending is None else (outputs, new, state0)
 
 

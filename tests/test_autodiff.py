@@ -62,6 +62,20 @@ def _problem(op: str, seed: int, *, kind="normal", input_dtype=jnp.bfloat16):
             return outputs, reference.write_rows(xs[-1], layer, rows, tape)
 
         return lib, (pool, *inputs, buf), plain
+    if op == "verify-out":  # the outputs written into a [L, N, D, HV, V] buffer at the layer
+        pool = _normal(rng, (L, S_POOL, SHAPE.HV, SHAPE.V, SHAPE.K))
+        obuf = _normal(rng, (L, SHAPE.N, SHAPE.D, SHAPE.HV, SHAPE.V), input_dtype)
+        slots, layer = jnp.asarray([2, S_POOL, 5], jnp.int32), jnp.asarray(1, jnp.int32)
+        inputs = tuple(x[n] for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias"))
+
+        def lib(backend):
+            return lambda p, *xs: gl.verify(p, *xs[:-1], slots=slots, layer=layer, out=xs[-1], backend=backend)
+
+        def plain(p, *xs):
+            outputs, tape = autodiff.plain_verify(reference.read_slots(p, layer, slots), *xs[:-1])
+            return xs[-1].at[layer].set(outputs), tape
+
+        return lib, (pool, *inputs, obuf), plain
     if op == "commit-and-verify":  # the previous step's commit of the layer fused into this verify
         s, d = SHAPE, SHAPE.D
         pool = _normal(rng, (L, S_POOL, s.HV, s.V, s.K))
@@ -129,6 +143,7 @@ OPS = [
     "verify-tuples",
     "verify-snapshots",
     "verify-pool",
+    "verify-out",
     "commit-and-verify",
     "replay",
     "commit-tuples",

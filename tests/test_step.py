@@ -194,6 +194,52 @@ def test_verify_reads_inputs_stacked_over_layers(backend, record, dtype, seed):
     assert_bitwise_differs(o1, o_wrong, "the inputs of another layer")
 
 
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("record", gl.RECORD_MODES)
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_outputs_land_in_place(backend, record, dtype, seed):
+    """``out=``: each layer's outputs written into one ``[L, N, D, HV, V]`` buffer at the layer
+    (carried with the tape through a ``lax.scan``, both donated), the layers not verified keep
+    their bits; a per-layer buffer ``[N, D, HV, V]``; with the pending commit of
+    ``commit_and_verify`` too. Control: the buffer's neighbouring layer."""
+    rng, layers, pool, stacks, _, slots = _stacked_case(seed, dtype)
+    L, R = pool.shape[0], SHAPE.N + 1
+    rows = rng.permutation(R)[: SHAPE.N].astype(np.int32)
+    want = [gl.verify(pool, **_args(y), slots=slots, layer=i, record=record, backend=backend)[0]
+            for i, y in enumerate(layers)]  # fmt: skip
+    obuf = jnp.asarray(rng.standard_normal((L, *want[0].shape), np.float32)).astype(want[0].dtype)
+    tape = _fresh_buffer(record, L, R, SHAPE.D, SHAPE, dtype, rng)
+    done = (0, 2)  # layer 1 is not verified: its outputs must keep their bits
+
+    def step(pool, tape, out, stacks, slots, rows):
+        def body(carry, i):
+            tape, out = carry
+            out, tape = gl.verify(pool, **stacks, slots=slots, layer=i, tape=tape, rows=rows, out=out, backend=backend)
+            return (tape, out), None
+
+        return jax.lax.scan(body, (tape, out), jnp.asarray(done, jnp.int32))[0]
+
+    _, got = jax.jit(step, donate_argnums=(1, 2))(pool, jax.tree.map(jnp.copy, tape), jnp.copy(obuf), stacks,
+                                                  jnp.asarray(slots), jnp.asarray(rows))  # fmt: skip
+    expected = jnp.stack([want[i] if i in done else obuf[i] for i in range(L)])
+    assert_bitwise_equal(expected, got, "the outputs buffer: verified layers written, layer 1 kept")
+    one, _ = gl.verify(pool, **stacks, slots=slots, layer=1, record=record, backend=backend, out=obuf[0])
+    assert_bitwise_equal(want[1], one, "a per-layer buffer [N, D, HV, V]")
+    prev = _fresh_buffer("tuples", L, R, SHAPE.D, SHAPE, F32, rng)
+    steps = jnp.asarray(rng.integers(-1, SHAPE.D, SHAPE.N), jnp.int32)
+    none = jnp.full((SHAPE.N,), -1, jnp.int32)
+    pending = gl.Pending(prev, jnp.asarray(rows), steps, none, none)
+    fused = gl.commit_and_verify(pool, pending, **stacks, slots=slots, layer=2, record=record, backend=backend)
+    fused_out = gl.commit_and_verify(pool, pending, **stacks, slots=slots, layer=2, record=record, backend=backend,
+                                     out=obuf)  # fmt: skip
+    assert_bitwise_equal(fused[0], fused_out[0][2], "commit_and_verify's outputs at layer 2 of the buffer")
+    assert_bitwise_equal(fused[2], fused_out[2], "commit_and_verify's pool with an outputs buffer")
+    assert_bitwise_equal(obuf[:2], fused_out[0][:2], "commit_and_verify: the other layers kept")
+    # Control: the layer shifted by one lands elsewhere.
+    assert_bitwise_differs(expected, jnp.roll(expected, 1, axis=0), "the neighbouring layer")
+
+
 def test_stacked_input_errors_name_the_argument():
     _, layers, pool, stacks, S, slots = _stacked_case(0, F32, L=2)
     with pytest.raises(ValueError, match="argument 'q' has rank 5 \\(stacked over layers\\), which needs the pool form "
@@ -228,6 +274,12 @@ def test_buffer_errors_name_the_argument():
         gl.verify(jnp.zeros((2, 4, s.HV, s.V, s.K)), **_args(x), slots=jnp.arange(s.N), layer=2)
     with pytest.raises(ValueError, match="rows= maps requests to rows of a tape buffer"):
         gl.verify(x["state0"], **_args(x), rows=jnp.arange(s.N))
+    with pytest.raises(ValueError, match="argument 'out' must have shape \\[N, D, HV, V\\] = \\[5, 3, 4, 16\\] .* got \\[5, 4, 4, 16\\]"):
+        gl.verify(x["state0"], **_args(x), out=jnp.zeros((s.N, s.D + 1, s.HV, s.V), BF16))
+    with pytest.raises(TypeError, match="out_dtype=float32 but argument 'out' is bfloat16"):
+        gl.verify(x["state0"], **_args(x), out=jnp.zeros((s.N, s.D, s.HV, s.V), BF16), out_dtype=F32)
+    with pytest.raises(ValueError, match="the outputs buffer has a leading layer axis .* pass layer="):
+        gl.verify(x["state0"], **_args(x), out=jnp.zeros((2, s.N, s.D, s.HV, s.V), BF16))
 
 
 # ---------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ __all__ = ["verify", "replay", "commit"]
 
 @functools.partial(jax.jit, static_argnames=("record", "scale", "out_dtype"))
 def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, slots=None, layer=None, tape=None,
-           tape_layer=None, rows=None, pending=None):  # fmt: skip
+           tape_layer=None, rows=None, pending=None, out=None, out_layer=None):  # fmt: skip
     # Always compiled: XLA:CPU contracts and fuses differently op by op than under jit, so
     # one compiled path makes the outputs the same with or without an outer jax.jit.
     # The pool form gathers the states (the reference is the specification, not the lean
@@ -24,7 +24,7 @@ def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, s
     q, k, v, a, b, A_log, dt_bias = jax.lax.optimization_barrier((q, k, v, a, b, A_log, dt_bias))
     return ref.verify_form(
         state0, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, out_dtype=out_dtype, slots=slots,
-        layer=layer, tape=tape, tape_layer=tape_layer, rows=rows, pending=pending,
+        layer=layer, tape=tape, tape_layer=tape_layer, rows=rows, pending=pending, out=out, out_layer=out_layer,
     )  # fmt: skip
 
 

@@ -71,13 +71,15 @@ def _form(form: str | None, allowed=FORMS) -> str:
 
 
 def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, slots=None, layer=None, tape=None,
-           tape_layer=None, rows=None, pending=None, form=None, config=VerifyConfig(), pending_control=None):  # fmt: skip
+           tape_layer=None, rows=None, pending=None, form=None, config=VerifyConfig(), pending_control=None, out=None,
+           out_layer=None):  # fmt: skip
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
         return _verify(
             state0, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, out_dtype=jnp.dtype(out_dtype),
             config=config, form=_form(form), interpret=_interpret(), slots=slots, layer=layer, tape=tape,
-            tape_layer=tape_layer, rows=rows, pending=pending, pending_control=pending_control,
+            tape_layer=tape_layer, rows=rows, pending=pending, pending_control=pending_control, out=out,
+            out_layer=out_layer,
         )  # fmt: skip
 
 

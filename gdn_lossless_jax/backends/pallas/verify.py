@@ -182,7 +182,9 @@ class _Where(NamedTuple):
     read from ``state[layer, slots[n], hv, vs]`` (zeros where the slot is outside
     ``[0, S)``, as SGLang reads padding slots); the tape goes to ``tape[lead + (t, hv, vs)]``:
     ``lead`` is ``(n,)`` for a fresh tape and ``(tape_layer, rows[n])`` into a buffer, where
-    ``row_ok`` says whether that row exists (out-of-range rows write nothing).
+    ``row_ok`` says whether that row exists (out-of-range rows write nothing). The outputs go
+    to ``o[olead + (n, t, hv, vs)]``: ``olead`` is ``()`` for fresh outputs and ``(out_layer,)``
+    into a buffer.
     """
 
     n: Any
@@ -194,13 +196,16 @@ class _Where(NamedTuple):
     slot_ok: Any
     lead: tuple
     row_ok: Any
+    olead: tuple = ()
 
 
-def _program(refs, n_inputs: int, into: bool, r: int, BV: int, tiles_first: bool, n_outputs: int = 2):
+def _program(refs, n_inputs: int, into: bool, r: int, BV: int, tiles_first: bool, n_outputs: int = 2,
+             out_into: bool = False):  # fmt: skip
     """What both verify kernels read first: their input refs (``state``, ``slots``, ``layer``,
     ``tape_layer`` first), the output refs ``o`` and ``tape``, and the program's :class:`_Where`.
 
-    ``refs`` is ``inputs[, rows, tape buffer (aliased)][, pending inputs], o, tape[, pool]``.
+    ``refs`` is ``inputs[, rows, tape buffer (aliased)][, pending inputs][, out_layer, outputs
+    buffer (aliased)], o, tape[, pool]``.
     """
     n, hv, j = program_ids(tiles_first)
     state_ref, slots_ref, layer_ref, tape_layer_ref = refs[:4]
@@ -212,7 +217,9 @@ def _program(refs, n_inputs: int, into: bool, r: int, BV: int, tiles_first: bool
         lead, row_ok = (tape_layer_ref[0], row), (row >= 0) & (row < tape_ref.shape[1])
     else:
         lead, row_ok = (n,), None
-    where = _Where(n, hv, hv // r, pl.ds(j * BV, BV), layer_ref[0], jnp.where(slot_ok, slot, 0), slot_ok, lead, row_ok)
+    olead = (refs[len(refs) - n_outputs - 2][0],) if out_into else ()
+    where = _Where(n, hv, hv // r, pl.ds(j * BV, BV), layer_ref[0], jnp.where(slot_ok, slot, 0), slot_ok, lead, row_ok,
+                   olead)  # fmt: skip
     return refs[4:n_inputs], o_ref, tape_ref, state_ref, where
 
 
@@ -342,12 +349,14 @@ def _apply_pending(refs, pending: str, state_ref, pool_ref, w: _Where, cols, S0,
 
 def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bool, row_vectors: bool, one_pass: bool,
             k_chunk: int, loop: bool, evict: str | None, prefetch_q: bool, tiles_first: bool, dot_fma: str,
-            pending: str | None = None, control: str | None = None, stacked: bool = False):  # fmt: skip
-    # inputs: state, slots, layer, tape_layer, qn, kn, v, g, beta[, rows, tape buffer (aliased)][, pending inputs];
-    # outputs: o, tape[, pool (aliased with state)]. With ``stacked``, v is [L, N, D, HV, V], read at the pool's layer.
+            pending: str | None = None, control: str | None = None, stacked: bool = False,
+            out_into: bool = False):  # fmt: skip
+    # inputs: state, slots, layer, tape_layer, qn, kn, v, g, beta[, rows, tape buffer (aliased)][, pending inputs]
+    # [, out_layer, outputs buffer (aliased)]; outputs: o, tape[, pool (aliased with state)]. With ``stacked``, v is
+    # [L, N, D, HV, V], read at the pool's layer.
     n_out = 3 if pending else 2
     (q_ref, k_ref, v_ref, g_ref, beta_ref), o_ref, tape_ref, state_ref, w = _program(refs, 9, into, r, BV, tiles_first,
-                                                                                     n_out)  # fmt: skip
+                                                                                     n_out, out_into)  # fmt: skip
     n, hv, h, vs = w.n, w.hv, w.h, w.vs
     mul, fma = rounding_ops(form)
     cols = _chunks(k_ref.shape[-1], k_chunk)
@@ -377,7 +386,7 @@ def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bo
         u = beta * (v - _chunk_dot(Sd, ks, fuse_u))
         S = [fma(kc, u[:, None], c) for kc, c in zip(ks, Sd)]
         o = sq + u * kq if one_pass else _chunk_dot(S, qs, fuse_o)
-        o_ref[n, t, hv, vs] = o.astype(o_ref.dtype)
+        o_ref[(*w.olead, n, t, hv, vs)] = o.astype(o_ref.dtype)
         if snapshots:
             _store_state(tape_ref, w, t, cols, S, evict)
         else:
@@ -387,7 +396,8 @@ def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bo
     S = _load_state(state_ref, w, cols, evict)
     if pending:
         start = 9 + (2 if into else 0)
-        S = _apply_pending(refs[start : len(refs) - n_out], pending, state_ref, refs[-1], w, cols, S, form, control)
+        end = len(refs) - n_out - (2 if out_into else 0)
+        S = _apply_pending(refs[start:end], pending, state_ref, refs[-1], w, cols, S, form, control)
     if not loop:  # unrolled, every step's inputs loaded first
         xs = [inputs(t) for t in range(D)]
         for t in range(D):
@@ -526,7 +536,8 @@ def _gram_prep_kernel(q_ref, k_ref, a_ref, b_ref, A_log_ref, dt_bias_ref, qn_ref
 
 
 def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bool, k_chunk: int,
-                 evict: str | None, interpret: bool, mma_chunk: int | None, tiles_first: bool):  # fmt: skip
+                 evict: str | None, interpret: bool, mma_chunk: int | None, tiles_first: bool,
+                 out_into: bool = False):  # fmt: skip
     """The Gram form (module docstring) for one (request, v-head, V tile).
 
     Products of the untouched state against every step's key and query, ``xk_t = S0 k_t`` and
@@ -540,9 +551,10 @@ def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, int
     of K (``mma_chunk`` columns), summed (TF32x3; fp32 products in interpret mode, where
     XLA:CPU has no TF32).
     """
-    # inputs: state, slots, layer, tape_layer, qn, kn, v, g, W, C, P, beta[, rows, tape buffer]; outputs: o, tape
+    # inputs: state, slots, layer, tape_layer, qn, kn, v, g, W, C, P, beta[, rows, tape buffer][, out_layer, outputs
+    # buffer]; outputs: o, tape
     (q_ref, k_ref, v_ref, g_ref, W_ref, C_ref, P_ref, beta_ref), o_ref, tape_ref, state_ref, w = _program(
-        refs, 12, into, r, BV, tiles_first)
+        refs, 12, into, r, BV, tiles_first, out_into=out_into)
     n, hv, h, vs = w.n, w.hv, w.h, w.vs
     mul, fma = rounding_ops(form)
     cols = _chunks(k_ref.shape[-1], k_chunk)
@@ -605,7 +617,7 @@ def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, int
         u = u - jnp.sum(W_ref[n, hv, t, :][None, :] * U, axis=1)
         U = jnp.where(col == t, u[:, None], U)
         o = P * pick(XQ, t) + jnp.sum(C_ref[n, hv, t, :][None, :] * U, axis=1)
-        o_ref[n, t, hv, vs] = o.astype(o_ref.dtype)
+        o_ref[(*w.olead, n, t, hv, vs)] = o.astype(o_ref.dtype)
         if not snapshots:
             _store_row(tape_ref, w, (*w.lead, t, hv, vs), u)
         return jnp.where(col == t, jax.lax.bitcast_convert_type(u, jnp.int32)[:, None], bits)
@@ -654,7 +666,8 @@ def _store_row(ref, w: _Where, idx, value, evict=None):
                                              "pending_control"))
 def verify(
     state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, config=VerifyConfig(), form, interpret,
-    slots=None, layer=None, tape=None, tape_layer=None, rows=None, pending=None, pending_control=None,
+    slots=None, layer=None, tape=None, tape_layer=None, rows=None, pending=None, pending_control=None, out=None,
+    out_layer=None,
 ):  # fmt: skip
     """See :func:`gdn_lossless_jax.verify` (arguments already checked there).
 
@@ -672,6 +685,9 @@ def verify(
     each program first applies that commit to its tile of the pool (:func:`_apply_pending`) and
     verifies from the committed state; the pool (``state0``, with ``slots``) is aliased to a
     third output: returns ``(outputs, tape, pool)``. The chain algorithm only.
+
+    With ``out`` (``[L', N, D, HV, V]`` in ``out_dtype``) the outputs go to ``out[out_layer]``,
+    in place (aliased); the buffer is returned as the outputs.
     """
     from ...tape import Snapshots, Tuples
 
@@ -756,16 +772,21 @@ def verify(
         inputs += [prows, psteps, ptslots, ptsteps, scalar(prev_layer), *jax.tree.leaves(prev_tape)]
         out_shape.append(jax.ShapeDtypeStruct(state.shape, state.dtype))
         aliases[0] = 2
+    out_into = out is not None
+    if out_into:
+        inputs += [scalar(out_layer), out]
+        out_shape[0] = jax.ShapeDtypeStruct(out.shape, out.dtype)
+        aliases[len(inputs) - 1] = 0
     if gram:
         kernel = functools.partial(_gram_kernel, D=D, r=HV // H, BV=cfg.block_v, snapshots=snapshots, form=form,
                                    into=into, k_chunk=cfg.k_chunk, evict=cfg.evict, interpret=interpret,
-                                   mma_chunk=mma_chunk, tiles_first=tiles_first)  # fmt: skip
+                                   mma_chunk=mma_chunk, tiles_first=tiles_first, out_into=out_into)  # fmt: skip
     else:
         kernel = functools.partial(
             _kernel, D=D, r=HV // H, BV=cfg.block_v, snapshots=snapshots, form=form, into=into,
             row_vectors=cfg.row_vectors, one_pass=cfg.one_pass, k_chunk=cfg.k_chunk,
             loop=D > cfg.unroll, evict=cfg.evict, prefetch_q=cfg.prefetch_q, tiles_first=tiles_first,
-            dot_fma=cfg.dot_fma, pending=pending_mode, control=pending_control, stacked=v.ndim == 5,
+            dot_fma=cfg.dot_fma, pending=pending_mode, control=pending_control, stacked=v.ndim == 5, out_into=out_into,
         )  # fmt: skip
     outputs, rec, *pool = pl.pallas_call(
         kernel,

@@ -273,8 +273,10 @@ def verify_kernel(
     pk_ptr,
     pg_ptr,
     pstates_ptr,  # PENDING 2: the previous snapshots [L', PR, PD, HV, V, K] | [1]
+    out_layer_ptr,  # [1] i32: the outputs buffer's layer
+    out_in_ptr,  # the outputs buffer as an input (ON; aliased with out_ptr, not read) | [1]
     # outputs
-    out_ptr,  # [N, D, HV, V] out dtype
+    out_ptr,  # [N, D, HV, V] out dtype, or ON the buffer [L', N, D, HV, V]
     snap_ptr,  # snapshots: [N, D, HV, V, K] state dtype, or INTO the buffer [L, R, DMAX, HV, V, K] | [1]
     u_ptr,  # tuples: [N, D, HV, V] f32, or INTO the buffer [L, R, DMAX, HV, V] | [1]
     pool_out_ptr,  # PENDING: the pool again (aliased with state_ptr) | [1]
@@ -299,6 +301,7 @@ def verify_kernel(
     PR: tl.constexpr = 1,  # the previous tape's rows
     PD: tl.constexpr = 1,  # and steps
     XN: tl.constexpr = 0,  # v stacked over layers: its requests per layer (0: not stacked)
+    ON: tl.constexpr = 0,  # the outputs go to [out_layer, n] of a buffer of ON requests (0: fresh outputs)
 ):
     if TILES_FIRST:
         i_v = tl.program_id(0)
@@ -339,6 +342,7 @@ def verify_kernel(
         lead = n
         row_ok = n >= 0
     nv = layer * XN + n if XN else n  # request n of the layer in a stacked v
+    no = tl.load(out_layer_ptr).to(tl.int64) * ON + n if ON else n  # request n's outputs
     q, k, v, alpha, beta = _step_inputs(qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, n, nv, 0, h, hv, rows, kidx, m_v,
                                         m_k, D, H, HV, V, K, BV, NC, C, MASK_V, MASK_K, INTERPRET)  # fmt: skip
     for t in range(D):
@@ -350,7 +354,7 @@ def verify_kernel(
         u = beta * (v - tl.sum(tl.sum(Sd * k, axis=1), axis=1))  # [BV]: the chunks in registers, then C's lanes
         S = _fma(tl.broadcast_to(k, S.shape), tl.broadcast_to(u[:, None, None], S.shape), Sd, INTERPRET)
         o = tl.sum(tl.sum(S * q, axis=1), axis=1)
-        _store(out_ptr + ((n * D + t) * HV + hv) * V + rows, _from_f32(o, out_ptr.dtype.element_ty, INTERPRET), m_v,
+        _store(out_ptr + ((no * D + t) * HV + hv) * V + rows, _from_f32(o, out_ptr.dtype.element_ty, INTERPRET), m_v,
                MASK_V, "")  # fmt: skip
         at = (lead * DMAX + t) * HV + hv
         if SNAPSHOTS:
@@ -392,7 +396,8 @@ def _jitted():
 
 
 def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, config: VerifyConfig = VerifyConfig(),
-           slots=None, layer=None, tape=None, tape_layer=None, rows=None, pending=None):  # fmt: skip
+           slots=None, layer=None, tape=None, tape_layer=None, rows=None, pending=None, out=None,
+           out_layer=None):  # fmt: skip
     """jax-triton verify; arguments as :func:`gdn_lossless_jax.verify` (already checked).
 
     ``state0`` is ``[N, HV, V, K]`` or, with ``slots``, the pool ``[L, S, HV, V, K]`` read at
@@ -401,16 +406,17 @@ def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, c
     Returns ``(outputs [N, D, HV, V], fields)``: ``(states,)`` for ``record="snapshots"``,
     ``(u, k, g)`` for ``record="tuples"`` (the fresh tape, or the updated buffer). With
     ``pending`` (as in the Pallas backend) the previous step's commit is applied first and the
-    pool comes back as a third element.
+    pool comes back as a third element. With ``out`` (``[L', N, D, HV, V]``) the outputs go to
+    ``out[out_layer]``, in place (aliased), and the buffer comes back as the outputs.
     """
     return _jitted()(
-        state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_layer, rows, pending, record=record, scale=scale,
-        out_dtype=out_dtype, config=config,
+        state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_layer, rows, pending, out, out_layer,
+        record=record, scale=scale, out_dtype=out_dtype, config=config,
     )  # fmt: skip
 
 
-def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_layer, rows, pending, *, record, scale,
-            out_dtype, config):  # fmt: skip
+def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_layer, rows, pending, out, out_layer, *,
+            record, scale, out_dtype, config):  # fmt: skip
     import jax
     import jax.numpy as jnp
     import jax_triton as jt
@@ -468,7 +474,7 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
         rec_shape = jax.ShapeDtypeStruct((N, D, HV, V, K) if snapshots else (N, D, HV, V), state.dtype if snapshots else f32)
         chain_sizes = dict(DMAX=D)
     out_shape = (
-        jax.ShapeDtypeStruct((N, D, HV, V), out_dtype),
+        jax.ShapeDtypeStruct(out.shape if out is not None else (N, D, HV, V), out_dtype),
         rec_shape if snapshots else unused,
         unused if snapshots else rec_shape,
         jax.ShapeDtypeStruct(state.shape, state.dtype) if pending is not None else unused,
@@ -487,9 +493,12 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
         pend_in = [prows, psteps, ptslots, ptsteps, as1(prev_layer), *fields]
         pend_sizes = dict(PENDING=2 if snap_prev else 1, PR=lead.shape[1], PD=lead.shape[2])
         aliases[0] = 3
+    out_in = [dummy] * 2 if out is None else [as1(out_layer), out]
+    if out is not None:
+        aliases[11 + len(pend_in) + 1] = 0
     sizes, grid = launch_sizes(state.shape, q.shape[-4:], config, record)
     out, snap, u, new_pool = jt.triton_call(
-        state, slots, layer, tape_layer, qn, kn, v, g, beta, rows, buf, *pend_in,
+        state, slots, layer, tape_layer, qn, kn, v, g, beta, rows, buf, *pend_in, *out_in,
         kernel=verify_kernel,
         out_shape=out_shape,
         grid=grid,
@@ -505,6 +514,7 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
         EVICT=config.evict,
         INTERPRET=False,
         XN=N if v.ndim == 5 else 0,
+        ON=0 if out is None else N,
     )  # fmt: skip
     fields = (snap,) if snapshots else ((u, kbuf, gbuf) if into else (u, kn, g))
     return (out, fields) if pending is None else (out, fields, new_pool)
