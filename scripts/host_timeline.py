@@ -212,7 +212,8 @@ def trace_run(fn, box, inp, a, sync: bool, path: str) -> float:
 
     def args():  # the last call's pool and tape (donated), the next index set
         box["i"] += 1
-        return *box["d"], inp.params, inp.qkv, inp.index_sets[box["i"] % len(inp.index_sets)]
+        sets = inp.index_sets[:1] if a.fixed_ix else inp.index_sets
+        return *box["d"], inp.params, inp.qkv, sets[box["i"] % len(sets)]
 
     for _ in range(3):
         outs, *box["d"] = fn(*args())
@@ -274,6 +275,8 @@ def main() -> int:
     ap.add_argument("--config", default="25x4", help="REQUESTSxDRAFTS (also names the text file under --out)")
     ap.add_argument("--forms", default="null,unrolled,scan", help="null, and forms of benchmarks.step.direct_step")
     ap.add_argument("--calls", type=int, default=6, help="traced calls per form and run")
+    ap.add_argument("--fixed-ix", action="store_true",
+                    help="the same index arrays every call (default: the next of four sets, as benchmarks.step)")
     ap.add_argument("--mode", default="h200", help="a mode of benchmarks.cases.MODES (cpu-small: a reduced geometry)")
     ap.add_argument("--backend", default="auto", help="verify/commit backend (auto: pallas on a GPU, else reference)")
     ap.add_argument("--out", help="folder for host_timeline-CONFIG.txt and the traces (FORM-RUN-CONFIG.xplane.pb)")
