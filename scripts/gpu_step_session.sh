@@ -1,36 +1,42 @@
 #!/usr/bin/env bash
-# One device call for the speculative step (issue 15): GPU tests of the step's forms, the step benchmark with
-# XLA's default GPU client and with the TFRT GPU client (XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1), and the host
-# timeline of one call (scripts/host_timeline.py) under both. Logs go to $OUT.
-# Env: TEST_FILES, PYTEST_K, TEST_TIMEOUT; STEP_KINDS, STEP_CONFIGS, TFRT_KINDS; TIMELINE_FORMS; PHASES (default: all).
+# One device call for the speculative step (issue 15). Logs go to /tmp/o, packed into $OUT/results.tgz (a call returns
+# at most 8 files). Phases (PHASES, default all, in this order):
+#   probe     scripts/graph_launch_probe.py: host launch cost per kernel of XLA's and PyTorch's CUDA graphs
+#   tests     pytest of TEST_FILES (default the step's and the fused step's tests), PYTEST_K
+#   step      benchmarks.step at STEP_CONFIGS (default 25x4,8x16,8x4,8x8), both record modes, STEP_KINDS
+#   tfrt      the same with XLA's TFRT GPU client (XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1), TFRT_KINDS, 25x4 and 8x16
+#   timeline  scripts/host_timeline.py at 25x4 (TIMELINE_FORMS) under both clients
 set -u
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
+O=/tmp/o; rm -rf $O; mkdir -p $O "$OUT"
+trap 'tar czf "$OUT/results.tgz" -C $O .' EXIT
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}tests:. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null; git status --short >> "$OUT/commit.txt" 2>/dev/null
-CONFIGS=${STEP_CONFIGS:-25x4,8x16}
-for phase in ${PHASES:-tests step tfrt timeline}; do
+git rev-parse HEAD > $O/commit.txt 2>/dev/null; git status --short >> $O/commit.txt 2>/dev/null
+for phase in ${PHASES:-probe tests step tfrt timeline}; do
   case "$phase" in
+    probe) timeout 120 python3 scripts/graph_launch_probe.py 2>&1 | tee $O/graph_launch_probe.log | tail -24 ;;
     tests)
-      timeout ${TEST_TIMEOUT:-200} python3 -m pytest -n 6 -q -rfs -p no:cacheprovider \
-        ${TEST_FILES:-tests/test_step.py tests/test_fused.py} ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/gpu_tests.log" | tail -8 ;;
+      timeout ${TEST_TIMEOUT:-300} python3 -m pytest -n 8 -v --tb=short -rfs -p no:cacheprovider \
+        ${TEST_FILES:-tests/test_step.py tests/test_fused.py} ${PYTEST_K:+-k "$PYTEST_K"} > $O/gpu_tests.log 2>&1
+      grep -E "FAILED|ERROR| passed| failed" $O/gpu_tests.log | tail -12 ;;
     step)
-      timeout 200 python3 -m benchmarks.step --out "$OUT/step" --configs "$CONFIGS" --backends pallas --records tuples \
-        --kinds ${STEP_KINDS:-pool-python,scan,unrolled,scan-out,unrolled-out,fused} --budget-s 8 --rounds 20 2>&1 \
-        | tee "$OUT/step.log" | grep "^|" ;;
+      timeout 260 python3 -m benchmarks.step --out $O/step --configs ${STEP_CONFIGS:-25x4,8x16,8x4,8x8} --backends pallas \
+        --kinds ${STEP_KINDS:-pool-python,scan,unrolled,scan-out,unrolled-out,fused} --budget-s 8 --rounds 20 > $O/step.log 2>&1
+      grep "^|" $O/step.log ;;
     tfrt)
-      XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1 timeout 200 python3 -m benchmarks.step --out "$OUT/step-tfrt" \
-        --configs "$CONFIGS" --backends pallas --records tuples --kinds ${TFRT_KINDS:-pool-python,scan-out,unrolled-out} \
-        --budget-s 8 --rounds 20 2>&1 | tee "$OUT/step-tfrt.log" | grep "^|" ;;
+      XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1 timeout 150 python3 -m benchmarks.step --out $O/step-tfrt --configs 25x4,8x16 \
+        --backends pallas --records tuples --kinds ${TFRT_KINDS:-pool-python,unrolled-out} --budget-s 8 --rounds 20 \
+        > $O/step-tfrt.log 2>&1
+      grep "^|" $O/step-tfrt.log ;;
     timeline)
       for client in default tfrt; do
         [ $client = tfrt ] && export XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1
-        timeout 120 python3 scripts/host_timeline.py --config 25x4 --forms ${TIMELINE_FORMS:-null,unrolled,unrolled-out} \
-          --calls 6 --out "$OUT/timeline-$client" > "$OUT/timeline-$client.log" 2>&1; tail -12 "$OUT/timeline-$client.log"
+        timeout 120 python3 scripts/host_timeline.py --config 25x4 --forms ${TIMELINE_FORMS:-null,unrolled-out} --calls 6 \
+          --depth 16 --out $O/timeline-$client > $O/timeline-$client.log 2>&1; tail -6 $O/timeline-$client.log
       done
       unset XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT ;;
   esac

@@ -98,13 +98,11 @@ def main() -> int:
 
     def runner(form):
         if form == "fused":
-            s = inp.shape
             box["f"] = bs._filled((p.ssm, p.tape, p.tape), 11)
-            box["o"] = bs._filled(jax.ShapeDtypeStruct((inp.geometry.gdn_layers, s.N, s.D, s.HV, s.V), inp.qkv["q"].dtype), 12)
 
             def run():
-                outs, ssm, written, old = fused(*box["f"], inp.params, inp.qkv, inp.index_sets[0], box["o"])
-                box["f"], box["o"] = (ssm, old, written), outs
+                outs, ssm, written, old = fused(*box["f"], inp.params, inp.qkv, inp.index_sets[0])
+                box["f"] = (ssm, old, written)
                 jax.block_until_ready((outs, box["f"]))
 
             return run

@@ -274,7 +274,7 @@ def test_buffer_errors_name_the_argument():
         gl.verify(jnp.zeros((2, 4, s.HV, s.V, s.K)), **_args(x), slots=jnp.arange(s.N), layer=2)
     with pytest.raises(ValueError, match="rows= maps requests to rows of a tape buffer"):
         gl.verify(x["state0"], **_args(x), rows=jnp.arange(s.N))
-    with pytest.raises(ValueError, match="argument 'out' must have shape \\[N, D, HV, V\\] = \\[5, 3, 4, 16\\] .* got \\[5, 4, 4, 16\\]"):
+    with pytest.raises(ValueError, match=f"argument 'out' must have shape \\[N, D, HV, V\\] = \\[5, 3, 4, {s.V}\\] .* got \\[5, 4, 4, {s.V}\\]"):
         gl.verify(x["state0"], **_args(x), out=jnp.zeros((s.N, s.D + 1, s.HV, s.V), BF16))
     with pytest.raises(TypeError, match="out_dtype=float32 but argument 'out' is bfloat16"):
         gl.verify(x["state0"], **_args(x), out=jnp.zeros((s.N, s.D, s.HV, s.V), BF16), out_dtype=F32)

@@ -52,12 +52,14 @@ def check_available(op: str) -> None:
 
 
 def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, slots=None, layer=None, tape=None,
-           tape_layer=None, rows=None, pending=None, config: VerifyConfig = VerifyConfig()):  # fmt: skip
+           tape_layer=None, rows=None, pending=None, out=None, out_layer=None,
+           config: VerifyConfig = VerifyConfig()):  # fmt: skip
     """See :func:`gdn_lossless_jax.verify`; ``config`` sets the kernel's tile and launch."""
     check_available("verify")
     outputs, fields, *pool = _verify(
         state0, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, out_dtype=jnp.dtype(out_dtype), config=config,
-        slots=slots, layer=layer, tape=tape, tape_layer=tape_layer, rows=rows, pending=pending,
+        slots=slots, layer=layer, tape=tape, tape_layer=tape_layer, rows=rows, pending=pending, out=out,
+        out_layer=out_layer,
     )  # fmt: skip
     return (outputs, Snapshots(*fields) if record == "snapshots" else Tuples(*fields), *pool)
 
