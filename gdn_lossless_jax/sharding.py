@@ -151,7 +151,7 @@ KINDS: dict[str, Kind] = {
 #: the value passed.
 ARG_KINDS: dict[str, dict[str, str]] = {
     "verify": dict(state0="state", q="heads", k="heads", v="heads", a="per_step", b="per_step", A_log="per_head",
-                   dt_bias="per_head", slots="index", layer="replicated", tape="tape", rows="index",
+                   dt_bias="per_head", slots="index", layer="replicated", tape="tape", rows="index", out="heads",
                    result="heads, tape"),  # fmt: skip
     "replay": dict(state0="state", tuples="tape", steps="index", result="state"),
     "commit": dict(pool="pool_state", tape="tape", slots="index", steps="index", track_slots="index",
@@ -164,7 +164,7 @@ ARG_KINDS: dict[str, dict[str, str]] = {
     "flush": dict(pool="pool", result="pool"),
     "commit_and_verify": dict(pool="pool_state", pending="pending", q="heads", k="heads", v="heads", a="per_step",
                               b="per_step", A_log="per_head", dt_bias="per_head", slots="index", layer="replicated",
-                              tape="tape", rows="index", result="heads, tape, pool_state"),  # fmt: skip
+                              tape="tape", rows="index", out="heads", result="heads, tape, pool_state"),  # fmt: skip
 }
 
 # Which array's data axis each index argument points into (made local per shard); dotted names
@@ -426,19 +426,22 @@ class MeshPlan:
         rows: jax.Array | None = None,
         parents: Any = None,
         topk: int = 1,
+        out: jax.Array | None = None,
         check: bool = True,
     ) -> tuple[jax.Array, Tape]:
         """:func:`gdn_lossless_jax.verify` per shard (arguments, shapes and results as there, global).
 
         With ``slots``, ``state0`` is the pool ``[L?, S, HV, V, K]`` and ``slots`` global slot
         indices; with ``tape``, ``rows`` are global rows of the buffer (``None``: each shard's own
-        rows in order). ``check``: check that every request's slot and row lives on its data
-        shard when the indices are concrete (see the module docstring).
+        rows in order); ``out``, an outputs buffer ``[L?, N, D, HV, V]``, is sharded like the
+        outputs (not donated: the per-shard call writes a copy). ``check``: check that every
+        request's slot and row lives on its data shard when the indices are concrete (see the
+        module docstring).
         Returns:
           ``(outputs [N, D, HV, V], tape)``, sharded as :data:`ARG_KINDS` says.
         """
         args = dict(state0=state0, q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, slots=slots, tape=tape,
-                    rows=rows)  # fmt: skip
+                    rows=rows, out=out)  # fmt: skip
         opts = dict(record=record, scale=scale, backend=backend, out_dtype=None if out_dtype is None else
                     jnp.dtype(out_dtype), parents=_freeze(parents), topk=topk)  # fmt: skip
         static_layer, args["layer"] = _split_layer(layer)
@@ -446,7 +449,7 @@ class MeshPlan:
         def call(x, static_layer=static_layer):
             return api.verify(x["state0"], x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"],
                               slots=x["slots"], layer=_layer(x, static_layer), tape=x["tape"], rows=x["rows"],
-                              **{**opts, "parents": _thaw(opts["parents"])})  # fmt: skip
+                              out=x["out"], **{**opts, "parents": _thaw(opts["parents"])})  # fmt: skip
 
         return self.run("verify", call, args, check=check, fill_rows="tape")
 
@@ -575,6 +578,7 @@ class MeshPlan:
         scale: float | None = None,
         backend: str = "auto",
         out_dtype: Any = None,
+        out: jax.Array | None = None,
         check: bool = True,
     ) -> tuple[jax.Array, Tape, jax.Array]:
         """:func:`gdn_lossless_jax.commit_and_verify` per shard: ``(outputs, tape, pool)``.
@@ -583,14 +587,14 @@ class MeshPlan:
         slots of ``pool``, on each request's own data shard like ``slots`` and ``rows``."""
         static_layer, layer_arr = _split_layer(layer)
         args = dict(pool=pool, pending=pending, q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, slots=slots,
-                    layer=layer_arr, tape=tape, rows=rows)  # fmt: skip
+                    layer=layer_arr, tape=tape, rows=rows, out=out)  # fmt: skip
         opts = dict(record=record, scale=scale, backend=backend, out_dtype=None if out_dtype is None else
                     jnp.dtype(out_dtype))  # fmt: skip
 
         def call(x, static_layer=static_layer):
             return api.commit_and_verify(x["pool"], x["pending"], x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"],
                                          x["dt_bias"], slots=x["slots"], layer=_layer(x, static_layer), tape=x["tape"],
-                                         rows=x["rows"], **opts)  # fmt: skip
+                                         rows=x["rows"], out=x["out"], **opts)  # fmt: skip
 
         return self.run("commit_and_verify", call, args, check=check, fill_rows="tape")
 

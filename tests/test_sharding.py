@@ -291,7 +291,8 @@ def test_shard_pallas_interpret_pool_step(seed):
 def test_shard_fused_commit_and_verify_and_a_deferring_pool(tp, dp, backend, seed):
     """The fused entry point, commit_and_verify (the previous step's commit inside the next
     verify), per shard == one device in both record modes; and a pool that defers its commit
-    (pool.allocate(defer_commit=True)): two steps and a flush on the mesh == one device."""
+    (pool.allocate(defer_commit=True)): two steps and a flush on the mesh == one device. Both
+    with ``out=`` (an outputs buffer over layers) too."""
     plan, s = make_plan(tp, dp), SHAPE
     rng = np.random.default_rng(seed)
     pool = jnp.asarray(0.5 * rng.standard_normal((2, 12, s.HV, s.V, s.K), np.float32))
@@ -305,6 +306,14 @@ def test_shard_fused_commit_and_verify_and_a_deferring_pool(tp, dp, backend, see
         want = gl.commit_and_verify(pool, pending, **x, slots=ix.slots, layer=1, record=record, backend=backend)
         got = plan.commit_and_verify(pool, pending, **x, slots=ix.slots, layer=1, record=record, backend=backend)
         assert_bitwise_equal(want, got, f"commit_and_verify ({record}) on a {tp}x{dp} mesh vs one device")
+        # out=: the outputs written into a [L, N, D, HV, V] buffer at the layer, on the mesh as on one device
+        obuf = jnp.asarray(rng.standard_normal((2, *want[0].shape), np.float32)).astype(want[0].dtype)
+        got = plan.commit_and_verify(pool, pending, **x, slots=ix.slots, layer=1, record=record, backend=backend,
+                                     out=obuf)  # fmt: skip
+        assert_bitwise_equal(obuf.at[1].set(want[0]), got[0], f"commit_and_verify ({record}, out=) on the mesh")
+        o, _ = plan.verify(pool, **x, slots=ix.slots, layer=0, record=record, backend=backend, out=obuf)
+        o_want, _ = gl.verify(pool, **x, slots=ix.slots, layer=0, record=record, backend=backend, out=obuf)
+        assert_bitwise_equal(o_want, o, f"verify ({record}, out=) on the mesh vs one device")
     want, got, _ = run_pool_step(plan, seed, "tuples", backend, steps=2, defer=True)
     assert_bitwise_equal(want, got, "a deferring pool, two steps and a flush, on the mesh vs one device")
 
