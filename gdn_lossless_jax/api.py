@@ -357,8 +357,8 @@ def verify(
         of a pool passes one ``[L, N, D, HV, V]`` buffer to all of them, so no copy stacks the
         layers' outputs (in a ``lax.scan``, carry it with the tape).
     Returns:
-      ``(outputs [N, D, HV, V], tape)`` (the buffer, updated, with ``out``); the tape is :class:`Tuples` (``u [N, D, HV, V]``,
-      ``k [N, D, H, K]``, ``g [N, D, HV]``, fp32) or :class:`Snapshots`
+      ``(outputs [N, D, HV, V], tape)`` (with ``out``, the outputs buffer, updated); the tape
+      is :class:`Tuples` (``u [N, D, HV, V]``, ``k [N, D, H, K]``, ``g [N, D, HV]``, fp32) or :class:`Snapshots`
       (``[N, D, HV, V, K]`` in state0's dtype), or, with ``tape``, the updated buffer.
       Outputs are identical in both modes and in every form.
 
