@@ -649,7 +649,9 @@ def test_one_device_mesh_step_equals_unsharded(backend, record, seed):
     p = bs._allocate(inp, record, seed)
     ix = inp.index_sets[0]
     results, programs = {}, {}
-    for name, step in (("plain", bs.direct_step(backend, False)), ("mesh", bs.direct_step(backend, False, plan))):
+    # (a MeshPlan takes one layer's inputs: the scan that slices them)
+    sliced = {"plain": bs.direct_step(backend, "scan-sliced"), "mesh": bs.direct_step(backend, "scan-sliced", plan)}
+    for name, step in sliced.items():
         args = (jnp.copy(p.ssm), jax.tree.map(jnp.copy, p.tape), inp.params, inp.qkv, ix)
         programs[name] = step.lower(*args).compile()
         results[name] = programs[name](*args)
