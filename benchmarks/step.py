@@ -273,8 +273,9 @@ def direct_step(backend: str, form: str, plan: sharding.MeshPlan | None = None, 
             for i in range(L):
                 tape, outs = layer(tape, i, prm, xs, outs)
         elif form == "scan-out":
-            def body(carry, i):
-                return layer(*carry[:1], i, prm, xs, carry[1]), None
+            def body(carry, i):  # the tape and the outputs buffer carried, each written in place
+                tape, outs = carry
+                return layer(tape, i, prm, xs, outs), None
 
             (tape, outs), _ = jax.lax.scan(body, (tape, obuf), jnp.arange(L, dtype=jnp.int32))
         elif form == "unrolled-lists":

@@ -10,7 +10,8 @@ For each form, and ``null`` (a jit of the same arguments and donation returning 
 last call's ends at its last kernel's end) it lists the host events in the window per thread line,
 to ``--depth``, those under ``--min-us`` folded into counts, CUPTI's driver calls (``cuGraphLaunch``
 ...: lines ``CUPTI/...``) among them; then its kernels (launched by a driver call in the window, by
-CUPTI's correlation id): first start, last end, count, busy sum, and the GPU's idle gaps over
+CUPTI's correlation id where the trace links them; the H200 traces of jax 0.11.2 did not, and a kernel
+then goes to the call in whose window it starts): first start, last end, count, busy sum, and the GPU's idle gaps over
 ``--gap-us`` (the first: since the last call's last kernel) with the host events running then. Last,
 medians per form and run.
 
