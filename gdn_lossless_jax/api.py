@@ -233,8 +233,6 @@ def _check_layer_index(fn: str, layer, L: int, what: str):
         raise TypeError(f"{fn}: argument 'layer' must be an int or an integer scalar, got {_dtype(layer)} {_fmt(_shape(layer))}")
 
 
-
-
 def _stacked_inputs(fn: str, state0, inputs: dict, slots, layer) -> dict:
     """Which inputs are stacked over the pool's layers (rank one above one layer's; the
     kernels read them at ``layer``), checked: they need the pool form with layers and
