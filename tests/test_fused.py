@@ -21,6 +21,7 @@ import pytest
 import gdn_lossless_jax as gl
 from conftest import ON_GPU
 from gdn_lossless_jax import api
+from gdn_lossless_jax.backends.pallas.verify import PENDING_REPLAYS, VerifyConfig
 from gdn_lossless_jax.cases import Shape, verify_inputs
 from gdn_lossless_jax.testing import assert_bitwise_differs, assert_bitwise_equal
 
@@ -43,7 +44,8 @@ class Step:
 
 
 def _steps(seed: int) -> list[Step]:
-    """Three steps: 4 requests, then one leaves and one joins (D 3 -> 2), then one more joins (D 4)."""
+    """Three steps: 4 requests, then one leaves and one joins (D 3 -> 2), then one more joins (D 4).
+    Request 1 crosses a track boundary at or before its accepted step, request 2 after it."""
     rng = np.random.default_rng(seed)
     plan = [([0, 3, 5, 7], 3), ([3, 5, 7, 9], 2), ([9, 3, 5, 7, S + 2], 4)]  # slot S + 2: padding, reads zeros
     steps = []
@@ -56,6 +58,9 @@ def _steps(seed: int) -> list[Step]:
         track_steps = np.full(N, -1, np.int32)
         track_slots[1], track_steps[1] = 10 + len(steps) % 2, rng.integers(0, D)  # a crossing into a spare slot
         accept[1] = max(accept[1], track_steps[1])
+        # a track step after the accepted one (or with nothing accepted): the replay goes past the accepted state
+        track_slots[2], track_steps[2] = 8 - 2 * (len(steps) % 2), rng.integers(1, D)
+        accept[2] = rng.integers(-1, track_steps[2])
         shape = Shape(N=N, D=D, H=H, HV=HV, K=K_, V=K_)
         inputs = [{k: v for k, v in verify_inputs(rng, shape, kind="mixed").items() if k != "state0"} for _ in range(L)]
         steps.append(Step(np.asarray(slots, np.int32), rows, D, accept, track_slots, track_steps, inputs))
@@ -104,11 +109,12 @@ def _left(prev: Step, st: Step):
     return tuple(a[gone] for a in _commit_args(prev))
 
 
-def fused(pool, steps, records, backend, control=None, stacked=False):
+def fused(pool, steps, records, backend, control=None, stacked=False, config=None):
     """commit_and_verify for every layer (the previous step's commit inside); requests that left
     are committed before the step, and the last step is flushed with commit. Returns the pool
     after each step's commit has been applied (before the next verify's), and all outputs.
-    ``stacked``: each step's inputs stacked over the layers, read at the layer by the kernels."""
+    ``stacked``: each step's inputs stacked over the layers, read at the layer by the kernels.
+    ``control`` or ``config``: the Pallas kernel called with them (:func:`_pallas_call`)."""
     pools, outs, tapes = [], [], []
     prev, prev_tape = None, None
     for st, record in zip(steps, records):
@@ -120,12 +126,12 @@ def fused(pool, steps, records, backend, control=None, stacked=False):
         pending = _pending_for(prev, prev_tape if prev_tape is not None else _buffer("tuples", pool.dtype), st)
         stacks = {k: jnp.stack([x[k] for x in st.inputs]) for k in st.inputs[0]}
         for layer in range(L):
-            if control is None:
+            if control is None and config is None:
                 x = stacks if stacked else st.inputs[layer]
                 o, buf, pool = gl.commit_and_verify(pool, pending, **x, slots=st.slots, layer=layer, tape=buf,
                                                     rows=st.rows, backend=backend)  # fmt: skip
             else:
-                o, buf, pool = _control_call(pool, pending, st, layer, buf, control)
+                o, buf, pool = _pallas_call(pool, pending, st, layer, buf, control, config)
             outs.append(o)
         if prev is not None:
             pools.append(pool)  # holds the previous step's commit of every layer now
@@ -135,13 +141,15 @@ def fused(pool, steps, records, backend, control=None, stacked=False):
     return pools, outs, tapes
 
 
-def _control_call(pool, pending, st, layer, buf, control):
-    """The Pallas kernel with a control switch (what commit_and_verify would call, broken)."""
+def _pallas_call(pool, pending, st, layer, buf, control=None, config=None):
+    """The Pallas kernel as commit_and_verify calls it, with a control switch (broken on
+    purpose) or a launch configuration (``VerifyConfig``)."""
     impl, args, kw = api._verify_call("control", pool, **st.inputs[layer], record=None, scale=None, backend="pallas",
                                       out_dtype=None, slots=st.slots, layer=layer, tape=buf, rows=st.rows)  # fmt: skip
     prev = pending.tape
     pend = tuple(api.as_index(getattr(pending, n)) for n in ("rows", "steps", "track_slots", "track_steps"))
-    return impl.verify(*args, **kw, pending=(*pend, api.as_index(layer), prev), pending_control=control)
+    extra = {} if config is None else {"config": config}
+    return impl.verify(*args, **kw, pending=(*pend, api.as_index(layer), prev), pending_control=control, **extra)
 
 
 def _pool(seed, dtype):
@@ -181,6 +189,17 @@ def test_fused_steps_read_inputs_stacked_over_layers(backend, seed):
     want = fused(pool, steps, records, backend)
     got = fused(pool, steps, records, backend, stacked=True)
     assert_bitwise_equal(want, got, "pools, outputs and tapes with stacked inputs")
+
+
+@pytest.mark.parametrize("replay", [m for m in PENDING_REPLAYS if m != VerifyConfig().pending_replay])
+def test_every_pending_replay_of_the_pallas_kernel(replay, seed):
+    """The Pallas kernel's other ways to replay the pending commit (``VerifyConfig.pending_replay``)
+    give the default's bits: pools, outputs and tapes, fp32 pool, both record modes."""
+    steps, records = _steps(seed), ("snapshots", "tuples", "tuples")
+    pool = _pool(seed, F32)
+    want = separate(pool, steps, records, "pallas")
+    got = fused(pool, steps, records, "pallas", config=VerifyConfig(pending_replay=replay))
+    assert_bitwise_equal(want, got, f"pools, outputs and tapes with pending_replay={replay!r}")
 
 
 @pytest.mark.parametrize("control", ["naive", "track_after_write"])

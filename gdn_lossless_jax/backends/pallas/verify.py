@@ -65,6 +65,7 @@ F32 = jnp.float32
 ALGORITHMS = ("chain", "gram")
 PRODUCTS = ("fma", "mma")
 ORDERS = ("requests", "tiles")
+PENDING_REPLAYS = ("carry", "carry-ahead", "split", "split-ahead")
 DOT_FMA = {"none": (False, False), "u": (True, False), "both": (True, True)}  # fused: (u's dot, o's dot)
 MMA_MIN = 16  # Triton's smallest tl.dot tile side
 HIGHEST = jax.lax.Precision.HIGHEST  # fp32 products in fp32 (the default would be TF32 on a GPU)
@@ -148,8 +149,11 @@ class VerifyConfig:
     prep_heads: int = 2
     order: str | None = None
     dot_fma: str = "both"
+    pending_replay: str = "carry"
 
     def __post_init__(self):
+        if self.pending_replay not in PENDING_REPLAYS:
+            raise ValueError(f"VerifyConfig: pending_replay must be one of {PENDING_REPLAYS}, got {self.pending_replay!r}")
         if self.dot_fma not in DOT_FMA:
             raise ValueError(f"VerifyConfig: dot_fma must be one of {tuple(DOT_FMA)}, got {self.dot_fma!r}")
         if self.algorithm not in ALGORITHMS:
@@ -270,7 +274,8 @@ def _store_state(tape_ref, w: _Where, t, cols, S, evict):
         _store_row(tape_ref, w, (*w.lead, t, w.hv, w.vs, c), tile.astype(tape_ref.dtype), evict=evict)
 
 
-def _apply_pending(refs, pending: str, state_ref, pool_ref, w: _Where, cols, S0, form: str, control: str | None = None):
+def _apply_pending(refs, pending: str, state_ref, pool_ref, w: _Where, cols, S0, form: str, control: str | None = None,
+                   replay_mode: str = "carry"):
     """The previous step's commit of this program's tile, before its verify: the state after the
     accepted step (and the track state, to its slot), both from the pre-verify state ``S0`` with
     the commit's rule (``fma(k, u, rn(S * exp(g)))``, the replay kernel's arithmetic element for
@@ -316,25 +321,46 @@ def _apply_pending(refs, pending: str, state_ref, pool_ref, w: _Where, cols, S0,
         u_ref, k_ref, g_ref = prev
         update = replay_update("naive" if control == "naive" else form)
         late = control == "track_after_write"
-        last = jnp.maximum(jnp.where(accept, pstep, -1), -1 if late else jnp.where(track, ptstep, -1))
+        ahead = replay_mode.endswith("-ahead")
 
-        def replay(upto, S, on_step):
+        def tape_at(t):  # step t's k chunks, u rows and gate
+            return [k_ref[pl_, prow, t, pl.ds(h, 1), c] for c in cols], u_ref[pl_, prow, t, hv, vs], g_ref[pl_, prow, t, hv]
+
+        def apply(t, Sc, x, on_step):
+            ks, u, g = x
+            alpha = rounding.exp(g)
+            Sc = [update(c, alpha, kc, u) for kc, c in zip(ks, Sc)]
+            on_step(t, Sc)
+            return Sc
+
+        def steps(first, upto, S, on_step, keep=None):
+            """Steps ``first..upto`` from ``S``; returns the state after step ``keep`` (carried
+            beside the running one) or, without ``keep``, after the last step run."""
+
             def body(t, carry):
-                Sc, Sacc = carry
-                ks = [k_ref[pl_, prow, t, pl.ds(h, 1), c] for c in cols]
-                u, alpha = u_ref[pl_, prow, t, hv, vs], rounding.exp(g_ref[pl_, prow, t, hv])
-                Sc = [update(c, alpha, kc, u) for kc, c in zip(ks, Sc)]
-                on_step(t, Sc)
-                return Sc, [jnp.where(t == pstep, a, b) for a, b in zip(Sc, Sacc)]
+                Sc, x, *acc = carry
+                nxt = tape_at(jnp.minimum(t + 1, Dp - 1)) if ahead else None  # step t + 1's tape, during step t
+                Sc = apply(t, Sc, x if ahead else tape_at(t), on_step)
+                return (Sc, nxt, *([[jnp.where(t == keep, a, b) for a, b in zip(Sc, acc[0])]] if acc else []))
 
-            return jax.lax.fori_loop(0, upto + 1, body, (S, S))[1]
+            x0 = tape_at(jnp.clip(first, 0, Dp - 1)) if ahead else None
+            out = jax.lax.fori_loop(first, upto + 1, body, (S, x0, *([S] if keep is not None else [])))
+            return out[2] if keep is not None else out[0]
 
         def track_store(t, Sc):
             @pl.when(track & (t == ptstep))
             def _():
                 store(ptslot, Sc)
 
-        acc = replay(last, S0, (lambda t, Sc: None) if late else track_store)
+        if replay_mode.startswith("split") and not late:
+            # To the accepted step, the track state stored on the way; a track step after it
+            # continues from there. Only one state is carried, and no step runs twice.
+            upto = jnp.where(accept, pstep, -1)
+            acc = steps(0, upto, S0, track_store)
+            steps(upto + 1, jnp.where(track, ptstep, -1), acc, track_store)
+        else:  # one loop to the later of the two steps, the accepted state carried beside
+            last = jnp.maximum(jnp.where(accept, pstep, -1), -1 if late else jnp.where(track, ptstep, -1))
+            acc = steps(0, last, S0, (lambda t, Sc: None) if late else track_store, keep=pstep)
 
     @pl.when(accept)
     def _():
@@ -342,7 +368,7 @@ def _apply_pending(refs, pending: str, state_ref, pool_ref, w: _Where, cols, S0,
 
     if pending == "tuples" and late:  # the control: the track state replayed from the advanced state in the pool
         advanced = [jnp.where(accept, a.astype(dt).astype(F32), b) for a, b in zip(acc, S0)]
-        replay(jnp.where(track, ptstep, -1), advanced, track_store)
+        steps(0, jnp.where(track, ptstep, -1), advanced, track_store)
 
     return [jnp.where(accept, a.astype(dt).astype(F32), b) for a, b in zip(acc, S0)]
 
@@ -350,7 +376,7 @@ def _apply_pending(refs, pending: str, state_ref, pool_ref, w: _Where, cols, S0,
 def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bool, row_vectors: bool, one_pass: bool,
             k_chunk: int, loop: bool, evict: str | None, prefetch_q: bool, tiles_first: bool, dot_fma: str,
             pending: str | None = None, control: str | None = None, stacked: bool = False,
-            out_into: bool = False):  # fmt: skip
+            out_into: bool = False, pending_replay: str = "carry"):  # fmt: skip
     # inputs: state, slots, layer, tape_layer, qn, kn, v, g, beta[, rows, tape buffer (aliased)][, pending inputs]
     # [, out_layer, outputs buffer (aliased)]; outputs: o, tape[, pool (aliased with state)]. With ``stacked``, v is
     # [L, N, D, HV, V], read at the pool's layer.
@@ -397,7 +423,7 @@ def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bo
     if pending:
         start = 9 + (2 if into else 0)
         end = len(refs) - n_out - (2 if out_into else 0)
-        S = _apply_pending(refs[start:end], pending, state_ref, refs[-1], w, cols, S, form, control)
+        S = _apply_pending(refs[start:end], pending, state_ref, refs[-1], w, cols, S, form, control, pending_replay)
     if not loop:  # unrolled, every step's inputs loaded first
         xs = [inputs(t) for t in range(D)]
         for t in range(D):
@@ -787,6 +813,7 @@ def verify(
             row_vectors=cfg.row_vectors, one_pass=cfg.one_pass, k_chunk=cfg.k_chunk,
             loop=D > cfg.unroll, evict=cfg.evict, prefetch_q=cfg.prefetch_q, tiles_first=tiles_first,
             dot_fma=cfg.dot_fma, pending=pending_mode, control=pending_control, stacked=v.ndim == 5, out_into=out_into,
+            pending_replay=cfg.pending_replay,
         )  # fmt: skip
     outputs, rec, *pool = pl.pallas_call(
         kernel,
