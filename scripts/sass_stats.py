@@ -20,7 +20,8 @@ Usage::
         25x4:tuples:16:2 25x4:tuples:8:1 8x16:snapshots:4:1:one_pass triton:25x4:tuples:8:1
 
 A variant is ``REQUESTSxDRAFTS:RECORD:BLOCK_V:NUM_WARPS[:TAG...]``, with the tags of
-``scripts/variants.py`` (``gram``, ``one_pass``, ``kcN``, ``unN``, ``nsN``, ``noef``, ``lq``, ``mma``) and ``portable``.
+``scripts/variants.py`` (``gram``, ``one_pass``, ``kcN``, ``unN``, ``nsN``, ``noef``, ``lq``, ``mma``, ``prc``...), ``portable``
+and ``pend`` (the fused kernel: a pending tuple commit applied first, ``commit_and_verify``).
 Prefixed with ``triton:``, it is the triton backend's chain kernel instead (tags of
 ``variants.triton_verify_config``), compiled from its source by the Triton Python, with jax-triton's
 16-byte pointer alignment and fp fusion off (its prologue is not counted);
@@ -125,9 +126,18 @@ def lower(variants, work: Path) -> None:
         x = verify_inputs(0, shape)
         cfg = verify_config(parts[4:], block_v=int(bv), num_warps=int(w))
         form = "portable" if "portable" in parts[4:] else "ptx"
-        f = lambda x, cfg=cfg, record=record, form=form: verify(**x, record=record, scale=128**-0.5,  # noqa: E731
-                                                                 out_dtype=jnp.bfloat16, config=cfg, form=form,
-                                                                 interpret=False)
+        extra = {}
+        if "pend" in parts[4:]:  # the fused kernel: a pending tuple commit of D steps, read from a one-layer pool
+            from gdn_lossless_jax.tape import Tuples
+
+            i32 = jnp.int32
+            ar = jnp.arange(N, dtype=i32)
+            prev = Tuples(jnp.ones((1, N, D, shape.HV, shape.V)), jnp.ones((1, N, D, shape.H, shape.K)),
+                          jnp.ones((1, N, D, shape.HV)))  # fmt: skip
+            x["state0"] = jnp.broadcast_to(x["state0"], (1, *x["state0"].shape))
+            extra = dict(slots=ar, layer=jnp.zeros((), i32), pending=(ar, ar % D, ar + N, ar % D, jnp.zeros((), i32), prev))
+        f = lambda x, cfg=cfg, record=record, form=form, extra=extra: verify(  # noqa: E731
+            **x, record=record, scale=128**-0.5, out_dtype=jnp.bfloat16, config=cfg, form=form, interpret=False, **extra)
         captured.clear()
         jax.jit(f).trace(x).lower(lowering_platforms=("cuda",))
         name = spec.replace(":", "_")

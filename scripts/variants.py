@@ -4,7 +4,8 @@ A tag list adds to or overrides fixed fields of :class:`VerifyConfig`: ``gram`` 
 form), ``one_pass``, ``kcN`` (``k_chunk=N``), ``unN`` (``unroll=N``), ``nsN`` (``num_stages=N``),
 ``phN`` (``prep_heads=N``), ``noef`` (``evict=None``), ``lq`` (``prefetch_q=False``), ``mma``
 (``products="mma"``), ``tf`` / ``rf`` (``order="tiles"`` / ``"requests"``), ``dfn`` / ``dfu`` / ``dfb``
-(``dot_fma="none"`` / ``"u"`` / ``"both"``); other tags are ignored
+(``dot_fma="none"`` / ``"u"`` / ``"both"``), ``prc`` / ``prca`` / ``prs`` / ``prsa``
+(``pending_replay="carry"`` / ``"carry-ahead"`` / ``"split"`` / ``"split-ahead"``); other tags are ignored
 (a script's own, such as ``portable``). Fields not given keep ``VerifyConfig``'s defaults.
 """
 
@@ -12,6 +13,8 @@ form), ``one_pass``, ``kcN`` (``k_chunk=N``), ``unN`` (``unroll=N``), ``nsN`` (`
 _NUMBERED = {"kc": "k_chunk", "un": "unroll", "ns": "num_stages", "ph": "prep_heads"}  # tag prefix -> field
 _ORDERS = {"tf": {"order": "tiles"}, "rf": {"order": "requests"}}
 _DOT_FMA = {"dfn": {"dot_fma": "none"}, "dfu": {"dot_fma": "u"}, "dfb": {"dot_fma": "both"}}
+_REPLAYS = {"prc": {"pending_replay": "carry"}, "prca": {"pending_replay": "carry-ahead"},
+            "prs": {"pending_replay": "split"}, "prsa": {"pending_replay": "split-ahead"}}
 
 
 def _apply(tags, fields: dict, named: dict, numbered) -> dict:
@@ -29,7 +32,7 @@ def verify_config(tags, **fields):
     from gdn_lossless_jax.backends.pallas import VerifyConfig
 
     named = {"gram": {"algorithm": "gram"}, "one_pass": {"one_pass": True}, "noef": {"evict": None},
-             "lq": {"prefetch_q": False}, "mma": {"products": "mma"}, **_ORDERS, **_DOT_FMA}  # fmt: skip
+             "lq": {"prefetch_q": False}, "mma": {"products": "mma"}, **_ORDERS, **_DOT_FMA, **_REPLAYS}  # fmt: skip
     return VerifyConfig(**_apply(tags, fields, named, _NUMBERED))
 
 

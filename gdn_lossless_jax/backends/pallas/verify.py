@@ -316,7 +316,7 @@ def _apply_pending(refs, pending: str, state_ref, pool_ref, w: _Where, cols, S0,
         def _():
             store(ptslot, snap(ptstep))
 
-        acc = snap(jnp.where(accept, pstep, 0))
+        acc = [jnp.where(accept, a, b) for a, b in zip(snap(jnp.where(accept, pstep, 0)), S0)]
     else:
         u_ref, k_ref, g_ref = prev
         update = replay_update("naive" if control == "naive" else form)
@@ -370,7 +370,9 @@ def _apply_pending(refs, pending: str, state_ref, pool_ref, w: _Where, cols, S0,
         advanced = [jnp.where(accept, a.astype(dt).astype(F32), b) for a, b in zip(acc, S0)]
         steps(0, jnp.where(track, ptstep, -1), advanced, track_store)
 
-    return [jnp.where(accept, a.astype(dt).astype(F32), b) for a, b in zip(acc, S0)]
+    # Where nothing was accepted ``acc`` is ``S0``, already in the pool's dtype: no select, and
+    # ``S0`` need not live past the replay's start.
+    return [a.astype(dt).astype(F32) for a in acc]
 
 
 def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bool, row_vectors: bool, one_pass: bool,
