@@ -36,8 +36,11 @@ way a JAX user composes it, for each record mode and backend:
     the ``scan`` step with the commit fused into the next verify
     (``gdn_lossless_jax.commit_and_verify``): each layer's kernel applies the previous step's
     commit (the same indices every step: the steady state of a decode) and verifies from it; no
-    separate commit launch. Two tape buffers alternate. (The outputs come out of the scan as in
-    ``scan``: with ``out=`` the fused kernel took 27% longer at 25x4 on the H200.)
+    separate commit launch. Two tape buffers alternate. The outputs come out of the scan as in
+    ``scan``.
+``fused-out``
+    ``fused`` with the layers unrolled and the outputs written in place (``out=``), as
+    ``unrolled-out``.
 ``pool-deferred``
     ``pool-scan`` on a pool allocated with ``defer_commit=True`` (``pool.commit`` keeps the SSM
     part for the next ``pool.verify_layer``).
@@ -100,7 +103,7 @@ __all__ = ["STEP_KINDS", "main", "step_rows"]
 
 RECORDS = ("tuples", "snapshots")
 STEP_KINDS = ("pool-python", "pool-jit", "pool-scan", "scan", "unrolled", "scan-out", "unrolled-out", "fused",
-              "pool-deferred")
+              "fused-out", "pool-deferred")
 #: XLA's command buffers (CUDA graphs) off for one jitted step (``jax.jit(..., compiler_options=)``).
 NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
 #: The direct step's earlier forms, and steps compiled without command buffers (``-nocb``), for
@@ -299,27 +302,37 @@ def direct_step(backend: str, form: str, plan: sharding.MeshPlan | None = None, 
     return jax.jit(step, donate_argnums=(0, 1, 5) if form.endswith("-out") else (0, 1), compiler_options=options)
 
 
-def fused_step(backend: str, options: dict | None = None):
+def fused_step(backend: str, options: dict | None = None, form: str = "scan"):
     """The steady-state step with the commit inside the next verify: ``(ssm, tape, prev_tape)``
     donated, returned in the same places (the caller swaps the two tapes' roles between calls:
-    swapped inside the jit, XLA would copy both to keep each donated buffer in its place)."""
+    swapped inside the jit, XLA would copy both to keep each donated buffer in its place).
+    ``form``: ``scan`` (the layers in a ``lax.scan``, outputs stacked by it) or ``unrolled-out``
+    (the layers unrolled, the outputs written in place into a seventh argument, donated)."""
 
-    def step(ssm, tape, prev, params, xs, ix):
+    def step(ssm, tape, prev, params, xs, ix, obuf=None):
         slots, steps, tslots, tsteps, rows = ix
         pending = gl.Pending(prev, rows, steps, tslots, tsteps)
 
-        def layer(carry, i):  # the inputs stacked over layers, read at i by the kernels
+        def layer(carry, i, obuf=None):  # the inputs stacked over layers, read at i by the kernels
             ssm, tape = carry
+            kw = {} if obuf is None else {"out": obuf}
             out, tape, ssm = gl.commit_and_verify(
                 ssm, pending, xs["q"], xs["k"], xs["v"], xs["a"], xs["b"], params["A_log"], params["dt_bias"],
-                slots=slots, layer=i, tape=tape, rows=rows, backend=backend,
+                slots=slots, layer=i, tape=tape, rows=rows, backend=backend, **kw,
             )  # fmt: skip
             return (ssm, tape), out
 
-        (ssm, tape), outs = jax.lax.scan(layer, (ssm, tape), jnp.arange(ssm.shape[0], dtype=jnp.int32))
+        if form == "unrolled-out":
+            carry, outs = (ssm, tape), obuf
+            for i in range(ssm.shape[0]):
+                carry, outs = layer(carry, i, outs)
+            ssm, tape = carry
+        else:
+            (ssm, tape), outs = jax.lax.scan(layer, (ssm, tape), jnp.arange(ssm.shape[0], dtype=jnp.int32))
         return outs, ssm, tape, prev
 
-    return jax.jit(step, donate_argnums=(0, 1, 2), compiler_options=options)
+    donate = (0, 1, 2, 6) if form == "unrolled-out" else (0, 1, 2)
+    return jax.jit(step, donate_argnums=donate, compiler_options=options)
 
 
 def _kernels_not_ours(device: dict | None) -> list[dict]:
@@ -385,13 +398,17 @@ def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: in
 
     f_box = [None]
 
-    def run_fused(options=None):
-        fused_fn = fused_step(backend, options)
+    def run_fused(options=None, form="scan"):
+        fused_fn = fused_step(backend, options, form)
 
         def run():
             if f_box[0] is None:  # a second pool and two tape buffers, made on the first call
                 f_box[0] = _filled((p_box[0].ssm, p_box[0].tape, p_box[0].tape), seed + 11)
-            outs, ssm, written, old = fused_fn(*f_box[0], inp.params, inp.qkv, inp.index_sets[0])
+            if form == "unrolled-out":
+                outs, ssm, written, old = fused_fn(*f_box[0], inp.params, inp.qkv, inp.index_sets[0], o_box[0])
+                o_box[0] = outs
+            else:
+                outs, ssm, written, old = fused_fn(*f_box[0], inp.params, inp.qkv, inp.index_sets[0])
             f_box[0] = (ssm, old, written)  # the next step writes the old buffer and commits from this one
             jax.block_until_ready((outs, f_box[0]))
 
@@ -413,7 +430,8 @@ def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: in
         jax.block_until_ready((outs, q_box[0]))
 
     runs = {"pool-python": run_python, "pool-jit": run_pool(pool_jit, False), "pool-scan": run_pool(pool_scan, True),
-            **{f: run_direct(f) for f in fns}, "fused": run_fused(), "fused-nocb": run_fused(NO_COMMAND_BUFFERS),
+            **{f: run_direct(f) for f in fns}, "fused": run_fused(), "fused-out": run_fused(form="unrolled-out"),
+            "fused-nocb": run_fused(NO_COMMAND_BUFFERS),
             "pool-scan-nocb": run_pool(pool_scan_nocb, True), "pool-scan-sliced": run_pool(pool_scan_sliced, True),
             "pool-deferred": run_deferred}  # fmt: skip
     if any(k in kinds for k in MESH_KINDS):

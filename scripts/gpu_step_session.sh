@@ -6,7 +6,7 @@
 #   step      benchmarks.step at STEP_CONFIGS (default 25x4,8x16,8x4,8x8), both record modes, STEP_KINDS
 #   tfrt      the same with XLA's TFRT GPU client (XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1), TFRT_KINDS, 25x4 and 8x16
 #   timeline  scripts/host_timeline.py at 25x4 (TIMELINE_FORMS) under both clients
-#   fused     scripts/tune_fused.py at FUSED_CONFIGS (default 25x4,8x16): the fused step per pending replay (FUSED_REPLAYS)
+#   fused     scripts/tune_fused.py at FUSED_CONFIGS (default 25x4,8x16): the fused step per variant (FUSED_VARIANTS)
 set -u
 OUT=${OUT:-/tmp/out}
 O=/tmp/o; rm -rf $O; mkdir -p $O "$OUT"
@@ -42,6 +42,6 @@ for phase in ${PHASES:-probe tests step tfrt timeline}; do
       unset XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT ;;
     fused)
       OUT=$O timeout ${FUSED_TIMEOUT:-240} python3 scripts/tune_fused.py --configs ${FUSED_CONFIGS:-25x4,8x16} \
-        ${FUSED_REPLAYS:+--replays $FUSED_REPLAYS} > $O/tune_fused.log 2>&1; grep -v "^\s*$" $O/tune_fused.log | tail -24 ;;
+        ${FUSED_VARIANTS:+--variants $FUSED_VARIANTS} > $O/tune_fused.log 2>&1; grep -v "^\s*$" $O/tune_fused.log | tail -24 ;;
   esac
 done

@@ -1,11 +1,12 @@
 """Device time of the fused step (``commit_and_verify`` over every layer in a ``lax.scan``, as
 ``benchmarks.step``'s ``fused`` row) for each way the Pallas kernel replays the pending commit
-(``VerifyConfig.pending_replay``), beside the separate ``scan`` step of the same run.
+(``VerifyConfig.pending_replay``), unrolled with the outputs in place (``fused-out``) or not, beside
+the separate steps of the same run.
 
 Prints, per configuration and variant, the step's device time per call, the fused kernel's
 median launch and its registers (from the profiler trace); writes ``$OUT/tune_fused.json``::
 
-    python scripts/tune_fused.py --configs 25x4,8x16 --replays carry,split,split-ahead
+    python scripts/tune_fused.py --configs 25x4,8x16 --variants scan,fused:carry,fused:split,fused-out:split
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ def log(msg):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--configs", default="25x4,8x16,8x8,8x4")
-    p.add_argument("--replays", default=",".join(PENDING_REPLAYS))
+    p.add_argument("--variants", default="scan,unrolled-out,fused,fused:split,fused-out:split,fused-out:split:v",
+                   help="KIND[:TAG...]: a separate step (benchmarks.step's scan, unrolled-out) or fused / fused-out, "
+                        "tags: a pending_replay, v (the fused tuple kernel reads v stacked, not sliced)")
     p.add_argument("--records", default="tuples", help="record modes of the step (the pending tape's too)")
     p.add_argument("--calls", type=int, default=4, help="steps per traced invocation")
     p.add_argument("--invocations", type=int, default=3)
@@ -46,27 +49,35 @@ def main(argv=None) -> int:
     default = gp.verify.__kwdefaults__["config"]
     for cfg in bc.parse_configs(args.configs, mode.configs):
         inp = bstep.make_inputs(cfg, mode.geometry, seed=args.seed)
+        s, L = inp.shape, inp.geometry.gdn_layers
         for record in args.records.split(","):
             pool = bstep._allocate(inp, record, args.seed)
-            variants = [("scan", None)] + [("fused", r) for r in args.replays.split(",")]
-            for kind, replay in variants:
-                gp.verify.__kwdefaults__["config"] = VerifyConfig(pending_replay=replay or default.pending_replay)
+            o_box = [bstep._filled(jax.ShapeDtypeStruct((L, s.N, s.D, s.HV, s.V), inp.qkv["q"].dtype), args.seed + 9)]
+            for variant in args.variants.split(","):
+                kind, *tags = variant.split(":")
+                replay = next((t for t in tags if t in PENDING_REPLAYS), default.pending_replay)
+                gp.verify.__kwdefaults__["config"] = VerifyConfig(pending_replay=replay, pending_slice_v="v" not in tags)
                 try:
-                    if kind == "scan":
-                        fn = bstep.direct_step("pallas", "scan")
+                    if not kind.startswith("fused"):
+                        fn = bstep.direct_step("pallas", kind)
                         box = [bstep._filled((pool.ssm, pool.tape), args.seed + 7)]
 
-                        def one(fn=fn, box=box):
-                            outs, ssm, tape = fn(*box[0], inp.params, inp.qkv, inp.index_sets[0])
+                        def one(fn=fn, box=box, out=kind.endswith("-out")):
+                            outs, ssm, tape = fn(*box[0], inp.params, inp.qkv, inp.index_sets[0], *o_box[:out])
                             box[0] = (ssm, tape)
+                            if out:
+                                o_box[0] = outs
                             return outs
                     else:
-                        fn = bstep.fused_step("pallas")
+                        out = kind == "fused-out"
+                        fn = bstep.fused_step("pallas", form="unrolled-out" if out else "scan")
                         box = [bstep._filled((pool.ssm, pool.tape, pool.tape), args.seed + 11)]
 
-                        def one(fn=fn, box=box):
-                            outs, ssm, written, old = fn(*box[0], inp.params, inp.qkv, inp.index_sets[0])
+                        def one(fn=fn, box=box, out=out):
+                            outs, ssm, written, old = fn(*box[0], inp.params, inp.qkv, inp.index_sets[0], *o_box[:out])
                             box[0] = (ssm, old, written)
+                            if out:
+                                o_box[0] = outs
                             return outs
 
                     jax.block_until_ready(one())
@@ -80,15 +91,15 @@ def main(argv=None) -> int:
                 finally:
                     gp.verify.__kwdefaults__["config"] = default
                 if dev is None:
-                    log(f"{cfg.label} {record} {kind} {replay or ''}: ran; no GPU kernels to time")
+                    log(f"{cfg.label} {record} {variant}: ran; no GPU kernels to time")
                     continue
                 main_k = next(k for k in dev["kernels"] if "gdn_verify" in k["name"])
                 regs = re.search(r"regs:(\d+)", main_k.get("details", ""))
-                row = dict(config=cfg.label, record=record, kind=kind, replay=replay, step_us=dev["us_per_call"],
+                row = dict(config=cfg.label, record=record, variant=variant, step_us=dev["us_per_call"],
                            verify_median_us=main_k["median_us"], verify_us_per_step=main_k["us_per_call"],
                            regs=int(regs.group(1)) if regs else None, kernels=dev["kernels"][:6])  # fmt: skip
                 rows.append(row)
-                log(f"{cfg.label} {record:<9} {kind:<5} {replay or '':<11} step {dev['us_per_call']:8.1f} us   "
+                log(f"{cfg.label} {record:<9} {variant:<22} step {dev['us_per_call']:8.1f} us   "
                     f"verify kernel {main_k['median_us']:6.1f} us x{main_k['launches_per_call']:.0f}"
                     f"  regs {row['regs']}")
             del pool

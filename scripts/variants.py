@@ -4,8 +4,8 @@ A tag list adds to or overrides fixed fields of :class:`VerifyConfig`: ``gram`` 
 form), ``one_pass``, ``kcN`` (``k_chunk=N``), ``unN`` (``unroll=N``), ``nsN`` (``num_stages=N``),
 ``phN`` (``prep_heads=N``), ``noef`` (``evict=None``), ``lq`` (``prefetch_q=False``), ``mma``
 (``products="mma"``), ``tf`` / ``rf`` (``order="tiles"`` / ``"requests"``), ``dfn`` / ``dfu`` / ``dfb``
-(``dot_fma="none"`` / ``"u"`` / ``"both"``), ``prc`` / ``prca`` / ``prs`` / ``prsa``
-(``pending_replay="carry"`` / ``"carry-ahead"`` / ``"split"`` / ``"split-ahead"``); other tags are ignored
+(``dot_fma="none"`` / ``"u"`` / ``"both"``), ``prc`` / ``prs`` (``pending_replay="carry"`` / ``"split"``),
+``pvs`` (``pending_slice_v=False``: the fused tuple kernel reads ``v`` stacked); other tags are ignored
 (a script's own, such as ``portable``). Fields not given keep ``VerifyConfig``'s defaults.
 """
 
@@ -13,8 +13,8 @@ form), ``one_pass``, ``kcN`` (``k_chunk=N``), ``unN`` (``unroll=N``), ``nsN`` (`
 _NUMBERED = {"kc": "k_chunk", "un": "unroll", "ns": "num_stages", "ph": "prep_heads"}  # tag prefix -> field
 _ORDERS = {"tf": {"order": "tiles"}, "rf": {"order": "requests"}}
 _DOT_FMA = {"dfn": {"dot_fma": "none"}, "dfu": {"dot_fma": "u"}, "dfb": {"dot_fma": "both"}}
-_REPLAYS = {"prc": {"pending_replay": "carry"}, "prca": {"pending_replay": "carry-ahead"},
-            "prs": {"pending_replay": "split"}, "prsa": {"pending_replay": "split-ahead"}}
+_REPLAYS = {"prc": {"pending_replay": "carry"}, "prs": {"pending_replay": "split"},
+            "pvs": {"pending_slice_v": False}}
 
 
 def _apply(tags, fields: dict, named: dict, numbered) -> dict:

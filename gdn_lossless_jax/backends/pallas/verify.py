@@ -65,7 +65,7 @@ F32 = jnp.float32
 ALGORITHMS = ("chain", "gram")
 PRODUCTS = ("fma", "mma")
 ORDERS = ("requests", "tiles")
-PENDING_REPLAYS = ("carry", "carry-ahead", "split", "split-ahead")
+PENDING_REPLAYS = ("split", "carry")
 DOT_FMA = {"none": (False, False), "u": (True, False), "both": (True, True)}  # fused: (u's dot, o's dot)
 MMA_MIN = 16  # Triton's smallest tl.dot tile side
 HIGHEST = jax.lax.Precision.HIGHEST  # fp32 products in fp32 (the default would be TF32 on a GPU)
@@ -130,6 +130,19 @@ class VerifyConfig:
     30.0 us of kernel; 8 x 16: 29.1 against 30.5) at the same 128 registers, and the snapshot
     verify no slower (``benchmarks/NOTES.md``, ninth session). (In the Triton backend the same
     fusion took 130 registers, one warp per SM fewer, and was slower.)
+    ``pending_replay``: how the fused kernel (``commit_and_verify``) replays a pending tuple
+    commit: ``"split"`` runs the steps up to the accepted one carrying one state (the track
+    state stored on the way; a track step after the accepted one continues from it), ``"carry"``
+    runs one loop to the later of the two steps with the accepted state carried beside the
+    running one (32 more registers a thread at 8 rows). On the H200 ``"split"`` made the fused
+    step 4-9% faster (25 x 4: 1669 against 1794 us of device time, unrolled with ``out=``).
+    Loading the next step's tape during a step took the kernel from 128 to 168 registers (12
+    warps an SM instead of 16) and was 10-20% slower; not kept.
+    ``pending_slice_v``: the fused tuple kernel reads one layer's ``v`` sliced out by XLA (a
+    copy of ~2 us and one more launch a layer) rather than the stack at the layer. Reading the
+    stack was 22% slower while the fused kernel took 168 registers; at 128-130 it costs up to
+    1.4 us of kernel a layer and saves the copy: the unrolled fused step with ``out=`` took
+    1648 against 1657 us at 25 x 4, 1301 against 1316 at 8 x 16, 643 against 672 at 8 x 4.
     ``algorithm``: ``"chain"`` or ``"gram"`` (module docstring); ``row_vectors``,
     ``one_pass``, ``unroll`` and ``prefetch_q`` only apply to the chain (the Gram form always
     runs loops: unrolled, its steps took Triton 2-3 min to compile at D = 16).
@@ -149,7 +162,8 @@ class VerifyConfig:
     prep_heads: int = 2
     order: str | None = None
     dot_fma: str = "both"
-    pending_replay: str = "carry"
+    pending_replay: str = "split"
+    pending_slice_v: bool = False
 
     def __post_init__(self):
         if self.pending_replay not in PENDING_REPLAYS:
@@ -275,7 +289,7 @@ def _store_state(tape_ref, w: _Where, t, cols, S, evict):
 
 
 def _apply_pending(refs, pending: str, state_ref, pool_ref, w: _Where, cols, S0, form: str, control: str | None = None,
-                   replay_mode: str = "carry"):
+                   replay_mode: str = "split"):
     """The previous step's commit of this program's tile, before its verify: the state after the
     accepted step (and the track state, to its slot), both from the pre-verify state ``S0`` with
     the commit's rule (``fma(k, u, rn(S * exp(g)))``, the replay kernel's arithmetic element for
@@ -285,6 +299,7 @@ def _apply_pending(refs, pending: str, state_ref, pool_ref, w: _Where, cols, S0,
 
     ``refs``: the pending rows, steps, track slots, track steps ``[N]``, the previous tape's
     layer ``[1]``, then the previous tape's fields (``u, k, g`` or ``states``, ``[L', R', D', ...]``).
+    ``replay_mode``: ``VerifyConfig.pending_replay``.
     ``control`` breaks it on purpose, for tests that must catch it: ``"naive"`` replays with
     ``S * alpha + k * u`` as the compiler rounds it; ``"track_after_write"`` stores the accepted
     state first and replays the track state from the pool it just wrote (the ordering bug of
@@ -321,38 +336,28 @@ def _apply_pending(refs, pending: str, state_ref, pool_ref, w: _Where, cols, S0,
         u_ref, k_ref, g_ref = prev
         update = replay_update("naive" if control == "naive" else form)
         late = control == "track_after_write"
-        ahead = replay_mode.endswith("-ahead")
-
-        def tape_at(t):  # step t's k chunks, u rows and gate
-            return [k_ref[pl_, prow, t, pl.ds(h, 1), c] for c in cols], u_ref[pl_, prow, t, hv, vs], g_ref[pl_, prow, t, hv]
-
-        def apply(t, Sc, x, on_step):
-            ks, u, g = x
-            alpha = rounding.exp(g)
-            Sc = [update(c, alpha, kc, u) for kc, c in zip(ks, Sc)]
-            on_step(t, Sc)
-            return Sc
 
         def steps(first, upto, S, on_step, keep=None):
             """Steps ``first..upto`` from ``S``; returns the state after step ``keep`` (carried
             beside the running one) or, without ``keep``, after the last step run."""
 
             def body(t, carry):
-                Sc, x, *acc = carry
-                nxt = tape_at(jnp.minimum(t + 1, Dp - 1)) if ahead else None  # step t + 1's tape, during step t
-                Sc = apply(t, Sc, x if ahead else tape_at(t), on_step)
-                return (Sc, nxt, *([[jnp.where(t == keep, a, b) for a, b in zip(Sc, acc[0])]] if acc else []))
+                Sc, *acc = carry
+                ks = [k_ref[pl_, prow, t, pl.ds(h, 1), c] for c in cols]
+                u, alpha = u_ref[pl_, prow, t, hv, vs], rounding.exp(g_ref[pl_, prow, t, hv])
+                Sc = [update(c, alpha, kc, u) for kc, c in zip(ks, Sc)]
+                on_step(t, Sc)
+                return (Sc, *([[jnp.where(t == keep, a, b) for a, b in zip(Sc, acc[0])]] if acc else []))
 
-            x0 = tape_at(jnp.clip(first, 0, Dp - 1)) if ahead else None
-            out = jax.lax.fori_loop(first, upto + 1, body, (S, x0, *([S] if keep is not None else [])))
-            return out[2] if keep is not None else out[0]
+            out = jax.lax.fori_loop(first, upto + 1, body, (S, *([S] if keep is not None else [])))
+            return out[1] if keep is not None else out[0]
 
         def track_store(t, Sc):
             @pl.when(track & (t == ptstep))
             def _():
                 store(ptslot, Sc)
 
-        if replay_mode.startswith("split") and not late:
+        if replay_mode == "split" and not late:
             # To the accepted step, the track state stored on the way; a track step after it
             # continues from there. Only one state is carried, and no step runs twice.
             upto = jnp.where(accept, pstep, -1)
@@ -378,7 +383,7 @@ def _apply_pending(refs, pending: str, state_ref, pool_ref, w: _Where, cols, S0,
 def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bool, row_vectors: bool, one_pass: bool,
             k_chunk: int, loop: bool, evict: str | None, prefetch_q: bool, tiles_first: bool, dot_fma: str,
             pending: str | None = None, control: str | None = None, stacked: bool = False,
-            out_into: bool = False, pending_replay: str = "carry"):  # fmt: skip
+            out_into: bool = False, pending_replay: str = "split"):  # fmt: skip
     # inputs: state, slots, layer, tape_layer, qn, kn, v, g, beta[, rows, tape buffer (aliased)][, pending inputs]
     # [, out_layer, outputs buffer (aliased)]; outputs: o, tape[, pool (aliased with state)]. With ``stacked``, v is
     # [L, N, D, HV, V], read at the pool's layer.
@@ -791,10 +796,7 @@ def verify(
     if pending is not None:
         prows, psteps, ptslots, ptsteps, prev_layer, prev_tape = pending
         pending_mode = "snapshots" if isinstance(prev_tape, Snapshots) else "tuples"
-        if pending_mode == "tuples" and v.ndim == 5:
-            # The chain after a tuple replay reading v at the layer ran 22% slower on the H200
-            # (2.13 against 1.75 ms for 30 layers at 25x4; registers, presumably): one layer's v
-            # sliced out by XLA (a ~2 us copy) costs less.
+        if pending_mode == "tuples" and v.ndim == 5 and cfg.pending_slice_v:  # one layer's v, copied by XLA
             v = jax.lax.dynamic_index_in_dim(v, layer[0], 0, keepdims=False)
             inputs[6] = v
         inputs += [prows, psteps, ptslots, ptsteps, scalar(prev_layer), *jax.tree.leaves(prev_tape)]
