@@ -35,13 +35,15 @@ def log(msg):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--configs", default="25x4,8x16,8x8,8x4")
-    p.add_argument("--variants", default="scan,unrolled-out,fused,fused:split,fused-out:split,fused-out:split:v",
+    p.add_argument("--variants", default="scan,unrolled-out,fused,fused-out,fused-out:fixed",
                    help="KIND[:TAG...]: a separate step (benchmarks.step's scan, unrolled-out) or fused / fused-out, "
-                        "tags: a pending_replay, v (the fused tuple kernel reads v stacked, not sliced)")
+                        "tags: a pending_replay, slice (the fused tuple kernel reads v sliced out by XLA), fixed (the two tapes keep "
+                        "their roles between calls: the same work, wrong for a decode, to see what their swap costs)")
     p.add_argument("--records", default="tuples", help="record modes of the step (the pending tape's too)")
     p.add_argument("--calls", type=int, default=4, help="steps per traced invocation")
     p.add_argument("--invocations", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--wall-calls", type=int, default=30, help="calls timed back to back by the host clock")
     p.add_argument("--mode", default="h200", choices=sorted(bc.MODES), help="geometry (benchmarks.cases.MODES)")
     args = p.parse_args(argv)
     mode = bc.MODES[args.mode]
@@ -56,7 +58,7 @@ def main(argv=None) -> int:
             for variant in args.variants.split(","):
                 kind, *tags = variant.split(":")
                 replay = next((t for t in tags if t in PENDING_REPLAYS), default.pending_replay)
-                gp.verify.__kwdefaults__["config"] = VerifyConfig(pending_replay=replay, pending_slice_v="v" not in tags)
+                gp.verify.__kwdefaults__["config"] = VerifyConfig(pending_replay=replay, pending_slice_v="slice" in tags)
                 try:
                     if not kind.startswith("fused"):
                         fn = bstep.direct_step("pallas", kind)
@@ -73,9 +75,10 @@ def main(argv=None) -> int:
                         fn = bstep.fused_step("pallas", form="unrolled-out" if out else "scan")
                         box = [bstep._filled((pool.ssm, pool.tape, pool.tape), args.seed + 11)]
 
-                        def one(fn=fn, box=box, out=out):
+                        def one(fn=fn, box=box, out=out, fixed="fixed" in tags):
                             outs, ssm, written, old = fn(*box[0], inp.params, inp.qkv, inp.index_sets[0], *o_box[:out])
-                            box[0] = (ssm, old, written)
+                            # fixed: the tapes keep their roles (wrong for a decode, same work): no buffer moves
+                            box[0] = (ssm, written, old) if fixed else (ssm, old, written)
                             if out:
                                 o_box[0] = outs
                             return outs
@@ -88,6 +91,11 @@ def main(argv=None) -> int:
                         jax.block_until_ready(box[0])
 
                     dev = device_time(run, args.invocations, args.calls)
+                    walls = []
+                    for _ in range(args.wall_calls):  # back to back, each call waiting for the last
+                        t = time.perf_counter()
+                        jax.block_until_ready(one())
+                        walls.append(time.perf_counter() - t)
                 finally:
                     gp.verify.__kwdefaults__["config"] = default
                 if dev is None:
@@ -95,11 +103,15 @@ def main(argv=None) -> int:
                     continue
                 main_k = next(k for k in dev["kernels"] if "gdn_verify" in k["name"])
                 regs = re.search(r"regs:(\d+)", main_k.get("details", ""))
+                wall = sorted(walls)
                 row = dict(config=cfg.label, record=record, variant=variant, step_us=dev["us_per_call"],
+                           wall_us=[w * 1e6 for w in walls],
                            verify_median_us=main_k["median_us"], verify_us_per_step=main_k["us_per_call"],
                            regs=int(regs.group(1)) if regs else None, kernels=dev["kernels"][:6])  # fmt: skip
                 rows.append(row)
                 log(f"{cfg.label} {record:<9} {variant:<22} step {dev['us_per_call']:8.1f} us   "
+                    f"wall b2b median {wall[len(wall) // 2] * 1e6:7.1f} (p10 {wall[len(wall) // 10] * 1e6:7.1f}, "
+                    f"p90 {wall[len(wall) * 9 // 10] * 1e6:7.1f})  "
                     f"verify kernel {main_k['median_us']:6.1f} us x{main_k['launches_per_call']:.0f}"
                     f"  regs {row['regs']}")
             del pool
