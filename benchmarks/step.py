@@ -40,7 +40,9 @@ way a JAX user composes it, for each record mode and backend:
     ``scan``.
 ``fused-out``
     ``fused`` with the layers unrolled and the outputs written in place (``out=``), as
-    ``unrolled-out``.
+    ``unrolled-out``; two jitted copies of the step, one per parity of the step (each sees
+    the two tape buffers in the same roles every call: one that saw them swap would re-record
+    its CUDA graph every call).
 ``pool-deferred``
     ``pool-scan`` on a pool allocated with ``defer_commit=True`` (``pool.commit`` keeps the SSM
     part for the next ``pool.verify_layer``).
@@ -396,14 +398,19 @@ def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: in
 
         return run
 
-    f_box = [None]
-
     def run_fused(options=None, form="scan"):
-        fused_fn = fused_step(backend, options, form)
+        # unrolled-out: one executable per parity of the step, so that each always sees the same
+        # tape in each role (the tapes swap roles every step; one executable seeing them swapped
+        # re-records its whole CUDA graph before every call, ~0.35 ms at 25x4 on the H200)
+        fns = [fused_step(backend, options, form) for _ in range(2 if form == "unrolled-out" else 1)]
+        parity = [0]
+        f_box = [None]  # each fused row its own buffers: another row's swap would swap this one's tapes' roles
 
         def run():
-            if f_box[0] is None:  # a second pool and two tape buffers, made on the first call
+            if f_box[0] is None:  # a pool and two tape buffers of its own, made on the first call
                 f_box[0] = _filled((p_box[0].ssm, p_box[0].tape, p_box[0].tape), seed + 11)
+            fused_fn = fns[parity[0] % len(fns)]
+            parity[0] += 1
             if form == "unrolled-out":
                 outs, ssm, written, old = fused_fn(*f_box[0], inp.params, inp.qkv, inp.index_sets[0], o_box[0])
                 o_box[0] = outs

@@ -35,10 +35,11 @@ def log(msg):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--configs", default="25x4,8x16,8x8,8x4")
-    p.add_argument("--variants", default="scan,unrolled-out,fused,fused-out,fused-out:fixed",
+    p.add_argument("--variants", default="scan,unrolled-out,fused,fused-out,fused-out:fixed,fused-out:pair",
                    help="KIND[:TAG...]: a separate step (benchmarks.step's scan, unrolled-out) or fused / fused-out, "
                         "tags: a pending_replay, slice (the fused tuple kernel reads v sliced out by XLA), fixed (the two tapes keep "
-                        "their roles between calls: the same work, wrong for a decode, to see what their swap costs)")
+                        "their roles between calls: the same work, wrong for a decode, to see what their swap costs), pair (one "
+                        "executable per parity of the step)")
     p.add_argument("--records", default="tuples", help="record modes of the step (the pending tape's too)")
     p.add_argument("--calls", type=int, default=4, help="steps per traced invocation")
     p.add_argument("--invocations", type=int, default=3)
@@ -72,10 +73,15 @@ def main(argv=None) -> int:
                             return outs
                     else:
                         out = kind == "fused-out"
-                        fn = bstep.fused_step("pallas", form="unrolled-out" if out else "scan")
+                        # pair: one executable per parity of the step (each sees the tapes in the same roles)
+                        fns = [bstep.fused_step("pallas", form="unrolled-out" if out else "scan")
+                               for _ in range(2 if "pair" in tags else 1)]  # fmt: skip
                         box = [bstep._filled((pool.ssm, pool.tape, pool.tape), args.seed + 11)]
+                        calls = [0]
 
-                        def one(fn=fn, box=box, out=out, fixed="fixed" in tags):
+                        def one(fns=fns, box=box, out=out, fixed="fixed" in tags, calls=calls):
+                            fn = fns[calls[0] % len(fns)]
+                            calls[0] += 1
                             outs, ssm, written, old = fn(*box[0], inp.params, inp.qkv, inp.index_sets[0], *o_box[:out])
                             # fixed: the tapes keep their roles (wrong for a decode, same work): no buffer moves
                             box[0] = (ssm, written, old) if fixed else (ssm, old, written)
@@ -83,7 +89,8 @@ def main(argv=None) -> int:
                                 o_box[0] = outs
                             return outs
 
-                    jax.block_until_ready(one())
+                    for _ in range(2):  # both parities compiled
+                        jax.block_until_ready(one())
 
                     def run(one=one, box=box):
                         for _ in range(args.calls):
