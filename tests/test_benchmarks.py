@@ -174,12 +174,12 @@ def test_step_benchmark_runs_on_the_cpu(tmp_path):
 
     out = tmp_path / "step"
     argv = ["--out", str(out), "--mode", "cpu-small", "--configs", "2x2", "--backends", "reference", "--records",
-            "tuples", "--kinds", "pool-python,scan,scan-out,unrolled-out,fused,scan-mesh", "--mesh", "1x1", "--rounds", "2", "--warmup", "1",
+            "tuples", "--kinds", "pool-python,scan,scan-out,unrolled-out,fused,fused-out,scan-mesh", "--mesh", "1x1", "--rounds", "2", "--warmup", "1",
             "--device-invocations", "0", "--peer", "off"]  # fmt: skip
     assert step.main(argv) == 0
     result = json.loads((out / "results.json").read_text())
     kinds = {r["kind"]: r for r in result["rows"]}
-    assert set(kinds) == {"pool-python", "scan", "scan-out", "unrolled-out", "fused", "scan-mesh"}
+    assert set(kinds) == {"pool-python", "scan", "scan-out", "unrolled-out", "fused", "fused-out", "scan-mesh"}
     assert kinds["scan-mesh"]["notes"] == ["2 layers", "mesh 1x1 (tensor x data)"] and result["env"]["mesh"] == "1x1"
     assert all(r["wall"]["n"] == 2 and r["failed"] is None for r in kinds.values())
     assert "| 2x2 | reference | tuples | scan |" in (out / "results.md").read_text()
