@@ -126,12 +126,12 @@ def fused(pool, steps, records, backend, control=None, stacked=False, config=Non
         pending = _pending_for(prev, prev_tape if prev_tape is not None else _buffer("tuples", pool.dtype), st)
         stacks = {k: jnp.stack([x[k] for x in st.inputs]) for k in st.inputs[0]}
         for layer in range(L):
+            x = stacks if stacked else st.inputs[layer]
             if control is None and config is None:
-                x = stacks if stacked else st.inputs[layer]
                 o, buf, pool = gl.commit_and_verify(pool, pending, **x, slots=st.slots, layer=layer, tape=buf,
                                                     rows=st.rows, backend=backend)  # fmt: skip
             else:
-                o, buf, pool = _pallas_call(pool, pending, st, layer, buf, control, config)
+                o, buf, pool = _pallas_call(pool, pending, st, x, layer, buf, control, config)
             outs.append(o)
         if prev is not None:
             pools.append(pool)  # holds the previous step's commit of every layer now
@@ -141,10 +141,10 @@ def fused(pool, steps, records, backend, control=None, stacked=False, config=Non
     return pools, outs, tapes
 
 
-def _pallas_call(pool, pending, st, layer, buf, control=None, config=None):
-    """The Pallas kernel as commit_and_verify calls it, with a control switch (broken on
-    purpose) or a launch configuration (``VerifyConfig``)."""
-    impl, args, kw = api._verify_call("control", pool, **st.inputs[layer], record=None, scale=None, backend="pallas",
+def _pallas_call(pool, pending, st, x, layer, buf, control=None, config=None):
+    """The Pallas kernel as commit_and_verify calls it on the inputs ``x``, with a control
+    switch (broken on purpose) or a launch configuration (``VerifyConfig``)."""
+    impl, args, kw = api._verify_call("control", pool, **x, record=None, scale=None, backend="pallas",
                                       out_dtype=None, slots=st.slots, layer=layer, tape=buf, rows=st.rows)  # fmt: skip
     prev = pending.tape
     pend = tuple(api.as_index(getattr(pending, n)) for n in ("rows", "steps", "track_slots", "track_steps"))
@@ -191,15 +191,20 @@ def test_fused_steps_read_inputs_stacked_over_layers(backend, seed):
     assert_bitwise_equal(want, got, "pools, outputs and tapes with stacked inputs")
 
 
-@pytest.mark.parametrize("replay", [m for m in PENDING_REPLAYS if m != VerifyConfig().pending_replay])
-def test_every_pending_replay_of_the_pallas_kernel(replay, seed):
-    """The Pallas kernel's other ways to replay the pending commit (``VerifyConfig.pending_replay``)
-    give the default's bits: pools, outputs and tapes, fp32 pool, both record modes."""
+_OTHER_LAUNCHES = [{"pending_replay": m} for m in PENDING_REPLAYS if m != VerifyConfig().pending_replay] + [
+    {"pending_slice_v": not VerifyConfig().pending_slice_v}]
+
+
+@pytest.mark.parametrize("fields", _OTHER_LAUNCHES, ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
+def test_other_launches_of_the_fused_pallas_kernel(fields, seed):
+    """The Pallas fused kernel's other launches (``VerifyConfig.pending_replay``, ``pending_slice_v``)
+    give the separate path's bits: pools, outputs and tapes, fp32 pool, both record modes of the
+    previous step, the inputs stacked over layers (read at the layer, or ``v`` sliced by XLA)."""
     steps, records = _steps(seed), ("snapshots", "tuples", "tuples")
     pool = _pool(seed, F32)
     want = separate(pool, steps, records, "pallas")
-    got = fused(pool, steps, records, "pallas", config=VerifyConfig(pending_replay=replay))
-    assert_bitwise_equal(want, got, f"pools, outputs and tapes with pending_replay={replay!r}")
+    got = fused(pool, steps, records, "pallas", stacked=True, config=VerifyConfig(**fields))
+    assert_bitwise_equal(want, got, f"pools, outputs and tapes with VerifyConfig({fields})")
 
 
 @pytest.mark.parametrize("control", ["naive", "track_after_write"])
