@@ -5,7 +5,7 @@ form), ``one_pass``, ``kcN`` (``k_chunk=N``), ``unN`` (``unroll=N``), ``nsN`` (`
 ``phN`` (``prep_heads=N``), ``noef`` (``evict=None``), ``lq`` (``prefetch_q=False``), ``mma``
 (``products="mma"``), ``tf`` / ``rf`` (``order="tiles"`` / ``"requests"``), ``dfn`` / ``dfu`` / ``dfb``
 (``dot_fma="none"`` / ``"u"`` / ``"both"``), ``prc`` / ``prs`` (``pending_replay="carry"`` / ``"split"``),
-``pvs`` (``pending_slice_v=False``: the fused tuple kernel reads ``v`` stacked); other tags are ignored
+``psv`` (``pending_slice_v=True``: the fused tuple kernel reads ``v`` sliced out by XLA); other tags are ignored
 (a script's own, such as ``portable``). Fields not given keep ``VerifyConfig``'s defaults.
 """
 
@@ -14,7 +14,7 @@ _NUMBERED = {"kc": "k_chunk", "un": "unroll", "ns": "num_stages", "ph": "prep_he
 _ORDERS = {"tf": {"order": "tiles"}, "rf": {"order": "requests"}}
 _DOT_FMA = {"dfn": {"dot_fma": "none"}, "dfu": {"dot_fma": "u"}, "dfb": {"dot_fma": "both"}}
 _REPLAYS = {"prc": {"pending_replay": "carry"}, "prs": {"pending_replay": "split"},
-            "pvs": {"pending_slice_v": False}}
+            "psv": {"pending_slice_v": True}}
 
 
 def _apply(tags, fields: dict, named: dict, numbered) -> dict:
