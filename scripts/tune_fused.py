@@ -3,8 +3,11 @@
 (``VerifyConfig.pending_replay``), unrolled with the outputs in place (``fused-out``) or not, beside
 the separate steps of the same run.
 
-Prints, per configuration and variant, the step's device time per call, the fused kernel's
-median launch and its registers (from the profiler trace); writes ``$OUT/tune_fused.json``::
+Each variant's ``VerifyConfig`` reaches the kernel as the Pallas backend's default launch (its
+``verify``'s keyword default, set while the variant's step is traced: a static argument of the
+kernel's jit, so every variant compiles its own kernel). Prints, per configuration and variant,
+the step's device time per call, its back-to-back wall-clock, the fused kernel's median launch
+and its registers (from the profiler trace); writes ``$OUT/tune_fused.json``::
 
     python scripts/tune_fused.py --configs 25x4,8x16 --variants scan,fused:carry,fused:split,fused-out:split
 """
@@ -36,10 +39,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--configs", default="25x4,8x16,8x8,8x4")
     p.add_argument("--variants", default="scan,unrolled-out,fused,fused-out,fused-out:fixed,fused-out:pair",
-                   help="KIND[:TAG...]: a separate step (benchmarks.step's scan, unrolled-out) or fused / fused-out, "
-                        "tags: a pending_replay, slice (the fused tuple kernel reads v sliced out by XLA), fixed (the two tapes keep "
-                        "their roles between calls: the same work, wrong for a decode, to see what their swap costs), pair (one "
-                        "executable per parity of the step)")
+                   help="KIND[:TAG...]: a separate step (benchmarks.step's scan, unrolled-out) or fused / "
+                        "fused-out; tags: a pending_replay, slice (the fused tuple kernel reads v sliced out by "
+                        "XLA), fixed (the two tapes keep their roles between calls: the same work, wrong for a "
+                        "decode, to see what their swap costs), pair (one executable per parity of the step)")
     p.add_argument("--records", default="tuples", help="record modes of the step (the pending tape's too)")
     p.add_argument("--calls", type=int, default=4, help="steps per traced invocation")
     p.add_argument("--invocations", type=int, default=3)
