@@ -388,11 +388,10 @@ def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: in
         def run():
             lists = form == "unrolled-lists"
             src = (inp.layers["params"], inp.layers["qkv"]) if lists else (inp.params, inp.qkv)
-            if form.endswith("-out"):
-                outs, ssm, tape = fns[form](*d_box[0], *src, next_ix(), o_box[0])
+            obuf = o_box if form.endswith("-out") else []  # the outputs buffer, donated and returned
+            outs, ssm, tape = fns[form](*d_box[0], *src, next_ix(), *obuf)
+            if obuf:
                 o_box[0] = outs
-            else:
-                outs, ssm, tape = fns[form](*d_box[0], *src, next_ix())
             d_box[0] = (ssm, tape)
             jax.block_until_ready((outs, ssm, tape))
 
@@ -411,11 +410,10 @@ def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: in
                 f_box[0] = _filled((p_box[0].ssm, p_box[0].tape, p_box[0].tape), seed + 11)
             fused_fn = fns[parity[0] % len(fns)]
             parity[0] += 1
-            if form == "unrolled-out":
-                outs, ssm, written, old = fused_fn(*f_box[0], inp.params, inp.qkv, inp.index_sets[0], o_box[0])
+            obuf = o_box if form == "unrolled-out" else []
+            outs, ssm, written, old = fused_fn(*f_box[0], inp.params, inp.qkv, inp.index_sets[0], *obuf)
+            if obuf:
                 o_box[0] = outs
-            else:
-                outs, ssm, written, old = fused_fn(*f_box[0], inp.params, inp.qkv, inp.index_sets[0])
             f_box[0] = (ssm, old, written)  # the next step writes the old buffer and commits from this one
             jax.block_until_ready((outs, f_box[0]))
 

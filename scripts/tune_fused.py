@@ -62,13 +62,14 @@ def main(argv=None) -> int:
             for variant in args.variants.split(","):
                 kind, *tags = variant.split(":")
                 replay = next((t for t in tags if t in PENDING_REPLAYS), default.pending_replay)
-                gp.verify.__kwdefaults__["config"] = VerifyConfig(pending_replay=replay, pending_slice_v="slice" in tags)
+                launch = VerifyConfig(pending_replay=replay, pending_slice_v="slice" in tags)
+                gp.verify.__kwdefaults__["config"] = launch
                 try:
                     if not kind.startswith("fused"):
                         fn = bstep.direct_step("pallas", kind)
                         box = [bstep._filled((pool.ssm, pool.tape), args.seed + 7)]
 
-                        def one(fn=fn, box=box, out=kind.endswith("-out")):
+                        def one(fn=fn, box=box, out=kind.endswith("-out"), inp=inp, o_box=o_box):
                             outs, ssm, tape = fn(*box[0], inp.params, inp.qkv, inp.index_sets[0], *o_box[:out])
                             box[0] = (ssm, tape)
                             if out:
@@ -82,7 +83,7 @@ def main(argv=None) -> int:
                         box = [bstep._filled((pool.ssm, pool.tape, pool.tape), args.seed + 11)]
                         calls = [0]
 
-                        def one(fns=fns, box=box, out=out, fixed="fixed" in tags, calls=calls):
+                        def one(fns=fns, box=box, out=out, fixed="fixed" in tags, calls=calls, inp=inp, o_box=o_box):
                             fn = fns[calls[0] % len(fns)]
                             calls[0] += 1
                             outs, ssm, written, old = fn(*box[0], inp.params, inp.qkv, inp.index_sets[0], *o_box[:out])

@@ -194,7 +194,6 @@ def test_verify_reads_inputs_stacked_over_layers(backend, record, dtype, seed):
     assert_bitwise_differs(o1, o_wrong, "the inputs of another layer")
 
 
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("record", gl.RECORD_MODES)
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
