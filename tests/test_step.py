@@ -497,8 +497,14 @@ def pool_copies(compiled, p) -> tuple[list[str], int]:
     ``scatter``), of a pool, tape or one layer's slice shape; donated bytes that do not alias
     the output (a new array instead of the donated one). Returns those, and the bytes of
     temporaries (which must not grow with the pool: see the test)."""
-    leaves = jax.tree.leaves((p.ssm, p.tape, p.conv_windows))
-    shapes = {tuple(x.shape) for x in leaves} | {tuple(x.shape[1:]) for x in jax.tree.leaves((p.ssm, p.tape))}
+    return buffer_copies(compiled, (p.ssm, p.tape, p.conv_windows), (p.ssm, p.tape), p)
+
+
+def buffer_copies(compiled, whole, layered, donated) -> tuple[list[str], int]:
+    """:func:`pool_copies` for any buffers: the shapes of ``whole``'s arrays and of one layer of
+    ``layered``'s are the ones no copy may have; ``donated``'s bytes must all alias the output."""
+    leaves = jax.tree.leaves(whole)
+    shapes = {tuple(x.shape) for x in leaves} | {tuple(x.shape[1:]) for x in jax.tree.leaves(layered)}
     hlo = compiled.as_text()
     roots, comp = {}, None
     for line in hlo.splitlines():
@@ -523,7 +529,7 @@ def pool_copies(compiled, p) -> tuple[list[str], int]:
             if not root.startswith(_IN_PLACE):
                 bad.append(f"[fusion, root {root}] " + line.strip()[:160])
     mem = compiled.memory_analysis()
-    donated = sum(x.nbytes for x in jax.tree.leaves(p))
+    donated = sum(x.nbytes for x in jax.tree.leaves(donated))
     if mem.alias_size_in_bytes < donated:
         bad.append(f"only {mem.alias_size_in_bytes} of the {donated} donated bytes alias the output")
     return bad, mem.temp_size_in_bytes
@@ -569,3 +575,43 @@ def test_compiled_step_has_no_pool_or_tape_copy(backend, record, form, seed):
     assert temps2 - temps < field // 4, f"temporaries grow with the pool: {temps} bytes, {temps2} with twice the slots and rows"
     # Control: the same check finds the copy of a step that writes a new pool.
     assert _compiled_step(backend, record, form, seed, copy_pool=True)[0], "the control step's copy was not found"
+
+
+def _compiled_fused_step(backend, record, seed, copy_pool=False):
+    """``benchmarks.step``'s ``fused-out`` step (every layer's ``commit_and_verify`` unrolled,
+    the outputs written in place; the pool, both tapes and the outputs buffer donated),
+    compiled: what :func:`buffer_copies` finds in it."""
+    from benchmarks.step import fused_step
+
+    rng, _, pool, stacks, _, slots = _stacked_case(seed, F32)
+    L, N, R = pool.shape[0], SHAPE.N, SHAPE.N + 2
+    tape, prev = (_fresh_buffer(record, L, R, SHAPE.D, SHAPE, F32, rng) for _ in range(2))
+    obuf = jnp.zeros((L, N, SHAPE.D, SHAPE.HV, SHAPE.V), stacks["q"].dtype)
+    steps, none = rng.integers(-1, SHAPE.D, N), np.full(N, -1)
+    ix = tuple(jnp.asarray(a, jnp.int32) for a in (slots, steps, none, none, rng.permutation(R)[:N]))
+    params = {k: stacks[k] for k in ("A_log", "dt_bias")}
+    xs = {k: stacks[k] for k in ("q", "k", "v", "a", "b")}
+    f = fused_step(backend, form="unrolled-out")
+    if copy_pool:  # control: a step that passes over the whole pool
+        g = f
+
+        def f_copy(ssm, *a):
+            outs, ssm, tape, prev = g(ssm, *a)
+            return outs, ssm * 1.5, tape, prev
+
+        f = jax.jit(f_copy, donate_argnums=(0, 1, 2, 6))
+    compiled = f.lower(pool, tape, prev, params, xs, ix, obuf).compile()
+    return buffer_copies(compiled, (pool, tape, prev, obuf), (pool, tape, prev), (pool, tape, prev, obuf))
+
+
+@pytest.mark.parametrize("backend", HLO_BACKENDS)
+@pytest.mark.parametrize("record", gl.RECORD_MODES)
+def test_compiled_fused_step_has_no_pool_or_tape_copy(backend, record, seed):
+    """The fused step as docs/step.md writes it (``commit_and_verify`` for every layer, ``out=``)
+    holds no pool-, tape- or outputs-sized copy and aliases every donated byte."""
+    if backend == "reference":
+        pytest.skip("the kernels' fused step is checked on a GPU: the reference's commit_and_verify (one layer of the "
+                    "pool sliced, committed and written back) makes XLA:CPU copy the pool once per layer")
+    bad, _ = _compiled_fused_step(backend, record, seed)
+    assert not bad, "the compiled fused step copies the pool, a tape or the outputs:\n" + "\n".join(bad)
+    assert _compiled_fused_step(backend, record, seed, copy_pool=True)[0], "the control step's copy was not found"
