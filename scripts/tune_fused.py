@@ -3,8 +3,9 @@
 (``VerifyConfig.pending_replay``), unrolled with the outputs in place (``fused-out``) or not, beside
 the separate steps of the same run.
 
-Each variant's ``VerifyConfig`` reaches the kernel as the Pallas backend's default launch (its
-``verify``'s keyword default, set while the variant's step is traced: a static argument of the
+Each variant's ``VerifyConfig`` reaches the kernel as its backend's default launch (the Pallas
+or, with the tag ``triton``, the Triton backend's ``verify``'s keyword default, set while the
+variant's step is traced: a static argument of the
 kernel's jit, so every variant compiles its own kernel). Prints, per configuration and variant,
 the step's device time per call, its back-to-back wall-clock, the fused kernel's median launch
 and its registers (from the profiler trace); writes ``$OUT/tune_fused.json``::
@@ -42,7 +43,9 @@ def main(argv=None) -> int:
                    help="KIND[:TAG...]: a separate step (benchmarks.step's scan, unrolled-out) or fused / "
                         "fused-out; tags: a pending_replay, slice (the fused tuple kernel reads v sliced out by "
                         "XLA), fixed (the two tapes keep their roles between calls: the same work, wrong for a "
-                        "decode, to see what their swap costs), pair (one executable per parity of the step)")
+                        "decode, to see what their swap costs), pair (one executable per parity of the step), "
+                        "triton (the Triton backend's kernels instead of Pallas'), pf (with triton: "
+                        "VerifyConfig.prefetch_pending)")
     p.add_argument("--records", default="tuples", help="record modes of the step (the pending tape's too)")
     p.add_argument("--calls", type=int, default=4, help="steps per traced invocation")
     p.add_argument("--invocations", type=int, default=3)
@@ -61,12 +64,20 @@ def main(argv=None) -> int:
             o_box = [bstep._filled(jax.ShapeDtypeStruct((L, s.N, s.D, s.HV, s.V), inp.qkv["q"].dtype), args.seed + 9)]
             for variant in args.variants.split(","):
                 kind, *tags = variant.split(":")
-                replay = next((t for t in tags if t in PENDING_REPLAYS), default.pending_replay)
-                launch = VerifyConfig(pending_replay=replay, pending_slice_v="slice" in tags)
-                gp.verify.__kwdefaults__["config"] = launch
+                backend = "triton" if "triton" in tags else "pallas"
+                if backend == "triton":
+                    from gdn_lossless_jax.backends import triton as gt
+
+                    impl, saved = gt, gt.verify.__kwdefaults__["config"]
+                    launch = gt.VerifyConfig(prefetch_pending="pf" in tags)
+                else:
+                    replay = next((t for t in tags if t in PENDING_REPLAYS), default.pending_replay)
+                    impl, saved = gp, default
+                    launch = VerifyConfig(pending_replay=replay, pending_slice_v="slice" in tags)
+                impl.verify.__kwdefaults__["config"] = launch
                 try:
                     if not kind.startswith("fused"):
-                        fn = bstep.direct_step("pallas", kind)
+                        fn = bstep.direct_step(backend, kind)
                         box = [bstep._filled((pool.ssm, pool.tape), args.seed + 7)]
 
                         def one(fn=fn, box=box, out=kind.endswith("-out"), inp=inp, o_box=o_box):
@@ -78,7 +89,7 @@ def main(argv=None) -> int:
                     else:
                         out = kind == "fused-out"
                         # pair: one executable per parity of the step (each sees the tapes in the same roles)
-                        fns = [bstep.fused_step("pallas", form="unrolled-out" if out else "scan")
+                        fns = [bstep.fused_step(backend, form="unrolled-out" if out else "scan")
                                for _ in range(2 if "pair" in tags else 1)]  # fmt: skip
                         box = [bstep._filled((pool.ssm, pool.tape, pool.tape), args.seed + 11)]
                         calls = [0]
@@ -108,7 +119,7 @@ def main(argv=None) -> int:
                         jax.block_until_ready(one())
                         walls.append(time.perf_counter() - t)
                 finally:
-                    gp.verify.__kwdefaults__["config"] = default
+                    impl.verify.__kwdefaults__["config"] = saved
                 if dev is None:
                     log(f"{cfg.label} {record} {variant}: ran; no GPU kernels to time")
                     continue

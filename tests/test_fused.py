@@ -114,7 +114,7 @@ def fused(pool, steps, records, backend, control=None, stacked=False, config=Non
     are committed before the step, and the last step is flushed with commit. Returns the pool
     after each step's commit has been applied (before the next verify's), and all outputs.
     ``stacked``: each step's inputs stacked over the layers, read at the layer by the kernels.
-    ``control`` or ``config``: the Pallas kernel called with them (:func:`_pallas_call`)."""
+    ``control`` or ``config``: the backend's kernel called with them (:func:`_backend_call`)."""
     pools, outs, tapes = [], [], []
     prev, prev_tape = None, None
     for st, record in zip(steps, records):
@@ -131,7 +131,7 @@ def fused(pool, steps, records, backend, control=None, stacked=False, config=Non
                 o, buf, pool = gl.commit_and_verify(pool, pending, **x, slots=st.slots, layer=layer, tape=buf,
                                                     rows=st.rows, backend=backend)  # fmt: skip
             else:
-                o, buf, pool = _pallas_call(pool, pending, st, x, layer, buf, control, config)
+                o, buf, pool = _backend_call(backend, pool, pending, st, x, layer, buf, control, config)
             outs.append(o)
         if prev is not None:
             pools.append(pool)  # holds the previous step's commit of every layer now
@@ -141,15 +141,17 @@ def fused(pool, steps, records, backend, control=None, stacked=False, config=Non
     return pools, outs, tapes
 
 
-def _pallas_call(pool, pending, st, x, layer, buf, control=None, config=None):
-    """The Pallas kernel as commit_and_verify calls it on the inputs ``x``, with a control
-    switch (broken on purpose) or a launch configuration (``VerifyConfig``)."""
-    impl, args, kw = api._verify_call("control", pool, **x, record=None, scale=None, backend="pallas",
+def _backend_call(backend, pool, pending, st, x, layer, buf, control=None, config=None):
+    """The backend's kernel as commit_and_verify calls it on the inputs ``x``, with a control
+    switch (broken on purpose; Pallas only) or a launch configuration (its ``VerifyConfig``)."""
+    impl, args, kw = api._verify_call("control", pool, **x, record=None, scale=None, backend=backend,
                                       out_dtype=None, slots=st.slots, layer=layer, tape=buf, rows=st.rows)  # fmt: skip
     prev = pending.tape
     pend = tuple(api.as_index(getattr(pending, n)) for n in ("rows", "steps", "track_slots", "track_steps"))
     extra = {} if config is None else {"config": config}
-    return impl.verify(*args, **kw, pending=(*pend, api.as_index(layer), prev), pending_control=control, **extra)
+    if control is not None:
+        extra["pending_control"] = control
+    return impl.verify(*args, **kw, pending=(*pend, api.as_index(layer), prev), **extra)
 
 
 def _pool(seed, dtype):
@@ -205,6 +207,21 @@ def test_other_launches_of_the_fused_pallas_kernel(fields, seed):
     want = separate(pool, steps, records, "pallas")
     got = fused(pool, steps, records, "pallas", stacked=True, config=VerifyConfig(**fields))
     assert_bitwise_equal(want, got, f"pools, outputs and tapes with VerifyConfig({fields})")
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="the Triton backend needs a GPU, triton and jax-triton")
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_the_fused_triton_kernel_with_its_pending_tape_prefetched(dtype, seed):
+    """The Triton fused kernel with ``VerifyConfig.prefetch_pending`` (the pending tape's lines
+    asked of L2 first) gives the separate path's bits: pools, outputs and tapes, both record
+    modes of the previous step."""
+    from gdn_lossless_jax.backends.triton import VerifyConfig as TritonConfig
+
+    steps, records = _steps(seed), ("snapshots", "tuples", "tuples")
+    pool = _pool(seed, dtype)
+    want = separate(pool, steps, records, "triton")
+    got = fused(pool, steps, records, "triton", config=TritonConfig(prefetch_pending=True))
+    assert_bitwise_equal(want, got, "pools, outputs and tapes with VerifyConfig(prefetch_pending=True)")
 
 
 @pytest.mark.parametrize("control", ["naive", "track_after_write"])

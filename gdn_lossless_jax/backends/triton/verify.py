@@ -70,6 +70,10 @@ class VerifyConfig:
       evict: Triton's eviction policy of the state loads and snapshot stores (``""``: Triton's
         default), each touched once.
       prep_heads: q/k heads per program of the prologue (a power of two).
+      prefetch_pending: in the fused kernel (a pending tuple commit replayed before the
+        verify), ask L2 for the lines of every pending step's ``k``, ``u`` and ``g`` at the
+        program's start (``prefetch.global.L2``, no registers held), so that the replay's
+        steps wait on L2 rather than each on its own trip to memory.
     """
 
     block_v: int = 8
@@ -79,6 +83,7 @@ class VerifyConfig:
     order: str | None = None
     evict: str = "evict_first"
     prep_heads: int = 2
+    prefetch_pending: bool = False
 
     def __post_init__(self):
         if self.order not in (None, *ORDERS):
@@ -206,15 +211,53 @@ def _step_inputs(qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, n, nv, t, h, hv, rows, 
 
 
 @jit
+def _prefetch_l2(ptrs):
+    """``prefetch.global.L2`` of each address (one per 128-byte line); holds no registers."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)  # fmt: skip
+
+
+@jit
+def _prefetch_pending(pu_ptr, pk_ptr, pg_ptr, lead, last, h, hv, i_v, H: tl.constexpr, HV: tl.constexpr,
+                      V: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, PD: tl.constexpr, PDP: tl.constexpr,
+                      KL: tl.constexpr):  # fmt: skip
+    """The lines of the pending tape that the replay of steps ``0..last`` reads: ``k`` (``K / 32``
+    lines a step), this tile's ``u`` and the v-head's ``g``, asked of L2 at once. ``PDP``, ``KL``:
+    ``PD`` and the lines of a ``k`` row, each rounded up to a power of two."""
+    ts = tl.maximum(tl.minimum(tl.arange(0, PDP), last), 0)  # steps past the last repeat it (harmless)
+    at = lead * PD + ts  # [PDP]
+    _prefetch_l2(pk_ptr + ((at * H + h) * K)[:, None] + tl.minimum(tl.arange(0, KL) * 32, K - 1)[None, :])
+    _prefetch_l2(pu_ptr + (at * HV + hv) * V + i_v * BV)
+    _prefetch_l2(pg_ptr + at * HV + hv)
+
+
+@jit
+def _replay_step(Sc, t, lead, h, hv, rows, kidx, m_tile, m_v, pu_ptr, pk_ptr, pg_ptr, H: tl.constexpr,
+                 HV: tl.constexpr, V: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, NC: tl.constexpr,
+                 C: tl.constexpr, PD: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    """Step ``t`` of the pending tuple tape replayed on ``Sc`` with the rule, ``fma(k, u, rn(S * exp(g)))``."""
+    kt = tl.load(pk_ptr + tl.broadcast_to(((lead * PD + t) * H + h) * K + kidx, (BV, NC, C)), mask=m_tile, other=0.0)
+    u = tl.load(pu_ptr + ((lead * PD + t) * HV + hv) * V + rows, mask=m_v, other=0.0)
+    Sd = Sc * _exp(tl.load(pg_ptr + (lead * PD + t) * HV + hv), INTERPRET)
+    return _fma(kt, tl.broadcast_to(u[:, None, None], Sc.shape), Sd, INTERPRET)
+
+
+@jit
 def _apply_pending(S, pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr, pk_ptr, pg_ptr,
-                   pstates_ptr, n, h, hv, layer, slot, slot_ok, rows, kidx, tile, m_v, m_k, m_tile,
+                   pstates_ptr, n, h, hv, i_v, layer, slot, slot_ok, rows, kidx, tile, m_v, m_k, m_tile,
                    NS: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
                    BV: tl.constexpr, NC: tl.constexpr, C: tl.constexpr, PR: tl.constexpr, PD: tl.constexpr,
-                   PENDING: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+                   PENDING: tl.constexpr, PREFETCH: tl.constexpr, PDP: tl.constexpr, KL: tl.constexpr,
+                   INTERPRET: tl.constexpr):  # fmt: skip
     """The previous step's commit of this program's tile, before its verify (the Pallas kernel's
     ``_apply_pending``): replay the pending chain from ``S`` with the rule (``PENDING`` 1) or copy
     the previous snapshots (2), store the track and accepted states to the pool, and return the
-    state the verify starts from (the accepted state as the pool holds it, or ``S``)."""
+    state the verify starts from (the accepted state as the pool holds it, or ``S``).
+
+    The replay runs to the accepted step carrying one state (the track state stored on the
+    way), then on from the accepted state to a later track step: no step runs twice, and where
+    nothing was accepted the result *is* ``S`` (already in the pool's dtype), so ``S`` need not
+    live past the replay's start (the Pallas kernel's ``pending_replay="split"``)."""
     prow = tl.load(prows_ptr + n).to(tl.int64)
     pstep = tl.load(psteps_ptr + n)
     ptslot = tl.load(ptslots_ptr + n).to(tl.int64)
@@ -231,23 +274,28 @@ def _apply_pending(S, pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_
         at_a = ((lead * PD + tl.where(accept, pstep, 0)) * HV + hv) * V * K + tile
         acc = tl.load(pstates_ptr + at_a, mask=m_tile & accept, other=0.0)
         tl.store(dst_acc, acc, mask=m_tile & accept)
-        acc = _to_f32(acc, INTERPRET)
+        res = tl.where(accept, _to_f32(acc, INTERPRET), S)
     else:
-        last = tl.maximum(tl.where(accept, pstep, -1), tl.where(track, ptstep, -1))
-        Sc = S
+        upto = tl.where(accept, pstep, -1)
+        tstep = tl.where(track, ptstep, -1)
+        if PREFETCH:
+            _prefetch_pending(pu_ptr, pk_ptr, pg_ptr, lead, tl.maximum(upto, tstep), h, hv, i_v, H, HV, V, K, BV, PD,
+                              PDP, KL)  # fmt: skip
+        dt = pool_out_ptr.dtype.element_ty
         acc = S
-        for t in range(last + 1):
-            kt = tl.load(pk_ptr + tl.broadcast_to(((lead * PD + t) * H + h) * K + kidx, (BV, NC, C)), mask=m_tile,
-                         other=0.0)  # fmt: skip
-            u = tl.load(pu_ptr + ((lead * PD + t) * HV + hv) * V + rows, mask=m_v, other=0.0)
-            Sd = Sc * _exp(tl.load(pg_ptr + (lead * PD + t) * HV + hv), INTERPRET)
-            Sc = _fma(kt, tl.broadcast_to(u[:, None, None], Sc.shape), Sd, INTERPRET)
-            tl.store(dst_trk, _from_f32(Sc, pool_out_ptr.dtype.element_ty, INTERPRET), mask=m_tile & track & (t == ptstep))
-            acc = tl.where(t == pstep, Sc, acc)
-        acc = _from_f32(acc, pool_out_ptr.dtype.element_ty, INTERPRET)
+        for t in range(upto + 1):
+            acc = _replay_step(acc, t, lead, h, hv, rows, kidx, m_tile, m_v, pu_ptr, pk_ptr, pg_ptr, H, HV, V, K, BV,
+                               NC, C, PD, INTERPRET)  # fmt: skip
+            tl.store(dst_trk, _from_f32(acc, dt, INTERPRET), mask=m_tile & track & (t == ptstep))
+        Sc = acc
+        for t in range(upto + 1, tstep + 1):  # a track step after the accepted one
+            Sc = _replay_step(Sc, t, lead, h, hv, rows, kidx, m_tile, m_v, pu_ptr, pk_ptr, pg_ptr, H, HV, V, K, BV,
+                              NC, C, PD, INTERPRET)  # fmt: skip
+            tl.store(dst_trk, _from_f32(Sc, dt, INTERPRET), mask=m_tile & track & (t == ptstep))
+        acc = _from_f32(acc, dt, INTERPRET)
         tl.store(dst_acc, acc, mask=m_tile & accept)
-        acc = _to_f32(acc, INTERPRET)
-    return tl.where(accept, acc, S)
+        res = _to_f32(acc, INTERPRET)
+    return res
 
 
 @jit
@@ -300,6 +348,9 @@ def verify_kernel(
     PENDING: tl.constexpr = 0,  # the previous step's commit first: 0 none, 1 a tuple tape, 2 snapshots
     PR: tl.constexpr = 1,  # the previous tape's rows
     PD: tl.constexpr = 1,  # and steps
+    PREFETCH: tl.constexpr = False,  # the pending tuple tape's lines asked of L2 first (VerifyConfig.prefetch_pending)
+    PDP: tl.constexpr = 1,  # PD rounded up to a power of two (PREFETCH)
+    KL: tl.constexpr = 1,  # the 128-byte lines of a k row, rounded up to a power of two (PREFETCH)
     XN: tl.constexpr = 0,  # v stacked over layers: its requests per layer (0: not stacked)
     ON: tl.constexpr = 0,  # the outputs go to [out_layer, n] of a buffer of ON requests (0: fresh outputs)
 ):
@@ -332,8 +383,8 @@ def verify_kernel(
                 INTERPRET)  # fmt: skip
     if PENDING:  # (an unset constexpr reads as None where the kernel is built without jax-triton)
         S = _apply_pending(S, pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr, pk_ptr,
-                           pg_ptr, pstates_ptr, n, h, hv, layer, slot, slot_ok, rows, kidx, tile, m_v, m_k, m_tile, NS,
-                           H, HV, V, K, BV, NC, C, PR, PD, PENDING, INTERPRET)  # fmt: skip
+                           pg_ptr, pstates_ptr, n, h, hv, i_v, layer, slot, slot_ok, rows, kidx, tile, m_v, m_k, m_tile,
+                           NS, H, HV, V, K, BV, NC, C, PR, PD, PENDING, PREFETCH, PDP, KL, INTERPRET)  # fmt: skip
     if INTO:  # the tape's row in the buffer; an out-of-range row writes nothing
         row = tl.load(rows_ptr + n).to(tl.int64)
         row_ok = (row >= 0) & (row < R)
@@ -491,14 +542,17 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
         lead = prev.states if snap_prev else prev.u
         fields = [dummy] * 3 + [prev.states] if snap_prev else [prev.u, prev.k, prev.g, dummy]
         pend_in = [prows, psteps, ptslots, ptsteps, as1(prev_layer), *fields]
-        pend_sizes = dict(PENDING=2 if snap_prev else 1, PR=lead.shape[1], PD=lead.shape[2])
+        pend_sizes = dict(PENDING=2 if snap_prev else 1, PR=lead.shape[1], PD=lead.shape[2],
+                          PREFETCH=config.prefetch_pending and not snap_prev, PDP=next_power_of_2(lead.shape[2]),
+                          KL=next_power_of_2(-(-K // 32)))
         aliases[0] = 3
     out_in = [dummy] * 2 if out is None else [as1(out_layer), out]
+    inputs = [state, slots, layer, tape_layer, qn, kn, v, g, beta, rows, buf, *pend_in, *out_in]
     if out is not None:
-        aliases[11 + len(pend_in) + 1] = 0
+        aliases[len(inputs) - 1] = 0  # the outputs buffer, the last input
     sizes, grid = launch_sizes(state.shape, q.shape[-4:], config, record)
     out, snap, u, new_pool = jt.triton_call(
-        state, slots, layer, tape_layer, qn, kn, v, g, beta, rows, buf, *pend_in, *out_in,
+        *inputs,
         kernel=verify_kernel,
         out_shape=out_shape,
         grid=grid,
