@@ -123,7 +123,8 @@ def main(argv=None) -> int:
                 if dev is None:
                     log(f"{cfg.label} {record} {variant}: ran; no GPU kernels to time")
                     continue
-                main_k = next(k for k in dev["kernels"] if "gdn_verify" in k["name"])
+                # the chain (Pallas: gdn_verify_<record>; jax-triton names it after the Triton function)
+                main_k = next(k for k in dev["kernels"] if "verify" in k["name"] and "prep" not in k["name"])
                 regs = re.search(r"regs:(\d+)", main_k.get("details", ""))
                 wall = sorted(walls)
                 row = dict(config=cfg.label, record=record, variant=variant, step_us=dev["us_per_call"],
