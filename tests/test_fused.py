@@ -211,17 +211,18 @@ def test_other_launches_of_the_fused_pallas_kernel(fields, seed):
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="the Triton backend needs a GPU, triton and jax-triton")
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
-def test_the_fused_triton_kernel_with_its_pending_tape_prefetched(dtype, seed):
-    """The Triton fused kernel with ``VerifyConfig.prefetch_pending`` (the pending tape's lines
-    asked of L2 first) gives the separate path's bits: pools, outputs and tapes, both record
-    modes of the previous step."""
+def test_the_other_launch_of_the_fused_triton_kernel(dtype, seed):
+    """The Triton fused kernel with ``VerifyConfig.prefetch_pending`` switched from its default
+    (the pending tape's lines asked of L2 first, or not) gives the separate path's bits: pools,
+    outputs and tapes, both record modes of the previous step."""
     from gdn_lossless_jax.backends.triton import VerifyConfig as TritonConfig
 
+    other = not TritonConfig().prefetch_pending
     steps, records = _steps(seed), ("snapshots", "tuples", "tuples")
     pool = _pool(seed, dtype)
     want = separate(pool, steps, records, "triton")
-    got = fused(pool, steps, records, "triton", config=TritonConfig(prefetch_pending=True))
-    assert_bitwise_equal(want, got, "pools, outputs and tapes with VerifyConfig(prefetch_pending=True)")
+    got = fused(pool, steps, records, "triton", config=TritonConfig(prefetch_pending=other))
+    assert_bitwise_equal(want, got, f"pools, outputs and tapes with VerifyConfig(prefetch_pending={other})")
 
 
 @pytest.mark.parametrize("control", ["naive", "track_after_write"])

@@ -73,7 +73,11 @@ class VerifyConfig:
       prefetch_pending: in the fused kernel (a pending tuple commit replayed before the
         verify), ask L2 for the lines of every pending step's ``k``, ``u`` and ``g`` at the
         program's start (``prefetch.global.L2``, no registers held), so that the replay's
-        steps wait on L2 rather than each on its own trip to memory.
+        steps wait on L2 rather than each on its own trip to memory. On the H200 the fused
+        step (unrolled, ``out=``) took 1% less device time at 25 x 4 (1613 against 1632 us) and
+        3% less at 8 x 16 (1490 against 1534), at the same 140 and 138 registers
+        (``benchmarks/NOTES.md``, eleventh session). The replay's loads were not what it
+        waits on: without the replay the kernel takes 42.4 instead of 50.5 us at 25 x 4.
     """
 
     block_v: int = 8
@@ -83,7 +87,7 @@ class VerifyConfig:
     order: str | None = None
     evict: str = "evict_first"
     prep_heads: int = 2
-    prefetch_pending: bool = False
+    prefetch_pending: bool = True
 
     def __post_init__(self):
         if self.order not in (None, *ORDERS):
