@@ -44,8 +44,8 @@ def main(argv=None) -> int:
                         "fused-out; tags: a pending_replay, slice (the fused tuple kernel reads v sliced out by "
                         "XLA), fixed (the two tapes keep their roles between calls: the same work, wrong for a "
                         "decode, to see what their swap costs), pair (one executable per parity of the step), "
-                        "triton (the Triton backend's kernels instead of Pallas'), pf (with triton: "
-                        "VerifyConfig.prefetch_pending=True; without it False)")
+                        "triton (the Triton backend's kernels instead of Pallas': a pending_replay of its own, "
+                        "rows or split), pf (with triton: VerifyConfig.prefetch_pending=True; without it False)")
     p.add_argument("--records", default="tuples", help="record modes of the step (the pending tape's too)")
     p.add_argument("--calls", type=int, default=4, help="steps per traced invocation")
     p.add_argument("--invocations", type=int, default=3)
@@ -67,9 +67,11 @@ def main(argv=None) -> int:
                 backend = "triton" if "triton" in tags else "pallas"
                 if backend == "triton":
                     from gdn_lossless_jax.backends import triton as gt
+                    from gdn_lossless_jax.backends.triton.verify import PENDING_REPLAYS as TRITON_REPLAYS
 
                     impl, saved = gt, gt.verify.__kwdefaults__["config"]
-                    launch = gt.VerifyConfig(prefetch_pending="pf" in tags)
+                    replay = next((t for t in tags if t in TRITON_REPLAYS), gt.VerifyConfig().pending_replay)
+                    launch = gt.VerifyConfig(prefetch_pending="pf" in tags, pending_replay=replay)
                 else:
                     replay = next((t for t in tags if t in PENDING_REPLAYS), default.pending_replay)
                     impl, saved = gp, default

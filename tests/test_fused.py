@@ -209,30 +209,42 @@ def test_other_launches_of_the_fused_pallas_kernel(fields, seed):
     assert_bitwise_equal(want, got, f"pools, outputs and tapes with VerifyConfig({fields})")
 
 
+def _triton_other_launches():
+    from gdn_lossless_jax.backends.triton.verify import PENDING_REPLAYS, VerifyConfig as TritonConfig
+
+    default = TritonConfig()
+    return [{"prefetch_pending": not default.prefetch_pending}] + [
+        {"pending_replay": m} for m in PENDING_REPLAYS if m != default.pending_replay]
+
+
 @pytest.mark.skipif("triton" not in BACKENDS, reason="the Triton backend needs a GPU, triton and jax-triton")
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
-def test_the_other_launch_of_the_fused_triton_kernel(dtype, seed):
-    """The Triton fused kernel with ``VerifyConfig.prefetch_pending`` switched from its default
-    (the pending tape's lines asked of L2 first, or not) gives the separate path's bits: pools,
-    outputs and tapes, both record modes of the previous step."""
+@pytest.mark.parametrize("fields", _triton_other_launches(), ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
+def test_other_launches_of_the_fused_triton_kernel(fields, dtype, seed):
+    """The Triton fused kernel's other launches (``VerifyConfig.prefetch_pending`` switched from
+    its default, the other ``pending_replay``) give the separate path's bits: pools, outputs and
+    tapes, both record modes of the previous step."""
     from gdn_lossless_jax.backends.triton import VerifyConfig as TritonConfig
 
-    other = not TritonConfig().prefetch_pending
     steps, records = _steps(seed), ("snapshots", "tuples", "tuples")
     pool = _pool(seed, dtype)
     want = separate(pool, steps, records, "triton")
-    got = fused(pool, steps, records, "triton", config=TritonConfig(prefetch_pending=other))
-    assert_bitwise_equal(want, got, f"pools, outputs and tapes with VerifyConfig(prefetch_pending={other})")
+    got = fused(pool, steps, records, "triton", config=TritonConfig(**fields))
+    assert_bitwise_equal(want, got, f"pools, outputs and tapes with VerifyConfig({fields})")
 
 
+@pytest.mark.parametrize("replay", PENDING_REPLAYS)
 @pytest.mark.parametrize("control", ["naive", "track_after_write"])
-def test_controls_in_the_fused_kernel_are_caught(control, seed):
+def test_controls_in_the_fused_kernel_are_caught(control, replay, seed):
+    """Each replay of the Pallas fused kernel (``VerifyConfig.pending_replay``) broken on purpose:
+    the naive replay form, and the track state replayed after the accepted state's write."""
     steps = _steps(seed)
     pool = _pool(seed, F32)  # fp32: a bf16 pool rounds a 1-ULP drift away almost always
     records = ("tuples",) * 3
     want_pools, _, _ = separate(pool, steps, records, "pallas")
-    got_pools, _, _ = fused(pool, steps, records, "pallas", control=control)
-    assert_bitwise_differs(want_pools, got_pools, f"the {control} control")
+    got_pools, _, _ = fused(pool, steps, records, "pallas", control=control,
+                            config=VerifyConfig(pending_replay=replay))  # fmt: skip
+    assert_bitwise_differs(want_pools, got_pools, f"the {control} control ({replay} replay)")
 
 
 def test_fused_errors_name_the_argument():

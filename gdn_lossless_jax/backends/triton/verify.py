@@ -55,6 +55,7 @@ from ._lang import to_f32 as _to_f32
 __all__ = ["VerifyConfig", "verify", "verify_kernel", "verify_prep_kernel", "launch_sizes", "prep_launch"]
 
 ORDERS = ("requests", "tiles")
+PENDING_REPLAYS = ("rows", "split")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +79,16 @@ class VerifyConfig:
         3% less at 8 x 16 (1490 against 1534), at the same 140 and 138 registers
         (``benchmarks/NOTES.md``, eleventh session). The replay's loads were not what it
         waits on: without the replay the kernel takes 42.4 instead of 50.5 us at 25 x 4.
+      pending_replay: how the fused kernel replays a pending tuple commit. ``"rows"`` loads the
+        state as a ``[BV, K]`` tile with the lanes across K (a step's ``k`` is 4 registers a
+        lane; in the chain's chunk layout it is 32), replays there, stores the accepted and
+        track states to the pool, and the chain then reads the state the pool holds, in its own
+        layout (an L2 hit; the program's lanes meet at a barrier first). ``"split"`` replays in
+        the chain's layout (the Pallas kernel's ``pending_replay="split"``) and hands the state
+        over in registers. On the H200 ``"rows"`` took 126-128 registers instead of 138-140 and
+        made the fused step (unrolled, ``out=``) 7% faster at 25 x 4 (1497 against 1613 us of
+        device time) and 14% at 8 x 16 (1278 against 1484). Loading the replay's steps ahead
+        (all of them first, or one step ahead) changed nothing.
     """
 
     block_v: int = 8
@@ -88,10 +99,13 @@ class VerifyConfig:
     evict: str = "evict_first"
     prep_heads: int = 2
     prefetch_pending: bool = True
+    pending_replay: str = "rows"
 
     def __post_init__(self):
         if self.order not in (None, *ORDERS):
             raise ValueError(f"VerifyConfig: order must be None or one of {ORDERS}, got {self.order!r}")
+        if self.pending_replay not in PENDING_REPLAYS:
+            raise ValueError(f"VerifyConfig: pending_replay must be one of {PENDING_REPLAYS}, got {self.pending_replay!r}")
         if self.evict not in ("", "evict_first", "evict_last"):
             raise ValueError(f"VerifyConfig: evict must be '', 'evict_first' or 'evict_last', got {self.evict!r}")
         for name in ("block_v", "num_warps", "k_chunk", "prep_heads"):
@@ -303,6 +317,64 @@ def _apply_pending(S, pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_
 
 
 @jit
+def _apply_pending_rows(pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr, pk_ptr, pg_ptr,
+                        n, h, hv, i_v, layer, slot, slot_ok, rows, m_v, NS: tl.constexpr, H: tl.constexpr,
+                        HV: tl.constexpr, V: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, KP: tl.constexpr,
+                        PR: tl.constexpr, PD: tl.constexpr, PREFETCH: tl.constexpr, PDP: tl.constexpr, KL: tl.constexpr,
+                        EVICT: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    """The previous step's tuple commit of this program's tile (``VerifyConfig.pending_replay="rows"``),
+    with :func:`_apply_pending`'s masks, rule and order, on a ``[BV, K]`` tile with the lanes
+    across K (a step's ``k`` is ``K / 32`` registers a lane, not the chunk layout's ``K / 4``): the
+    state read from the pool, the steps to the accepted one replayed (the track state stored on
+    the way), then on to a later track step, the accepted state stored last. Nothing is returned:
+    the chain reads the state the pool now holds, after the barrier at the end."""
+    cols = tl.arange(0, KP)  # K rounded up to a power of two
+    m_c = cols < K
+    tile2 = rows[:, None] * K + cols[None, :]
+    m2 = m_v[:, None] & m_c[None, :]
+    at_slot = pool_out_ptr + ((layer * NS + slot) * HV + hv) * V * K + tile2
+    S = _to_f32(tl.load(at_slot, mask=m2 & slot_ok, other=0.0, eviction_policy=EVICT), INTERPRET)
+    prow = tl.load(prows_ptr + n).to(tl.int64)
+    pstep = tl.load(psteps_ptr + n)
+    ptslot = tl.load(ptslots_ptr + n).to(tl.int64)
+    ptstep = tl.load(ptsteps_ptr + n)
+    valid = slot_ok & (prow >= 0) & (prow < PR)
+    accept = valid & (pstep >= 0) & (pstep < PD)
+    track = valid & (ptstep >= 0) & (ptstep < PD) & (ptslot >= 0) & (ptslot < NS)
+    lead = tl.load(player_ptr).to(tl.int64) * PR + tl.where(valid, prow, 0)
+    dst_trk = pool_out_ptr + ((layer * NS + tl.where(track, ptslot, 0)) * HV + hv) * V * K + tile2
+    upto = tl.where(accept, pstep, -1)
+    tstep = tl.where(track, ptstep, -1)
+    if PREFETCH:
+        _prefetch_pending(pu_ptr, pk_ptr, pg_ptr, lead, tl.maximum(upto, tstep), h, hv, i_v, H, HV, V, K, BV, PD,
+                          PDP, KL)  # fmt: skip
+    dt = pool_out_ptr.dtype.element_ty
+    acc = S
+    for t in range(upto + 1):
+        acc = _replay_row_step(acc, t, lead, h, hv, rows, cols, m_c, m_v, pu_ptr, pk_ptr, pg_ptr, H, HV, V, K, PD,
+                               INTERPRET)  # fmt: skip
+        tl.store(dst_trk, _from_f32(acc, dt, INTERPRET), mask=m2 & track & (t == ptstep))
+    Sc = acc
+    for t in range(upto + 1, tstep + 1):  # a track step after the accepted one
+        Sc = _replay_row_step(Sc, t, lead, h, hv, rows, cols, m_c, m_v, pu_ptr, pk_ptr, pg_ptr, H, HV, V, K, PD,
+                              INTERPRET)  # fmt: skip
+        tl.store(dst_trk, _from_f32(Sc, dt, INTERPRET), mask=m2 & track & (t == ptstep))
+    tl.store(at_slot, _from_f32(acc, dt, INTERPRET), mask=m2 & accept)
+    tl.debug_barrier()  # the chain's lanes read lines that other lanes of the program wrote
+
+
+@jit
+def _replay_row_step(Sc, t, lead, h, hv, rows, cols, m_c, m_v, pu_ptr, pk_ptr, pg_ptr, H: tl.constexpr,
+                     HV: tl.constexpr, V: tl.constexpr, K: tl.constexpr, PD: tl.constexpr,
+                     INTERPRET: tl.constexpr):  # fmt: skip
+    """:func:`_replay_step` on a ``[BV, K]`` tile."""
+    kt = tl.load(pk_ptr + ((lead * PD + t) * H + h) * K + cols, mask=m_c, other=0.0)
+    u = tl.load(pu_ptr + ((lead * PD + t) * HV + hv) * V + rows, mask=m_v, other=0.0)
+    Sd = Sc * _exp(tl.load(pg_ptr + (lead * PD + t) * HV + hv), INTERPRET)
+    return _fma(tl.broadcast_to(kt[None, :], Sd.shape), tl.broadcast_to(u[:, None], Sd.shape), Sd, INTERPRET)
+
+
+@jit
 def verify_kernel(
     # inputs
     state_ptr,  # [L, S, HV, V, K] f32 | bf16, read at [layer, slots[n]]
@@ -353,6 +425,8 @@ def verify_kernel(
     PR: tl.constexpr = 1,  # the previous tape's rows
     PD: tl.constexpr = 1,  # and steps
     PREFETCH: tl.constexpr = False,  # the pending tuple tape's lines asked of L2 first (VerifyConfig.prefetch_pending)
+    ROWS: tl.constexpr = False,  # a pending tuple commit replayed on a [BV, K] tile (VerifyConfig.pending_replay)
+    KP: tl.constexpr = 1,  # K rounded up to a power of two (ROWS)
     PDP: tl.constexpr = 1,  # PD rounded up to a power of two (PREFETCH)
     KL: tl.constexpr = 1,  # the 128-byte lines of a k row, rounded up to a power of two (PREFETCH)
     XN: tl.constexpr = 0,  # v stacked over layers: its requests per layer (0: not stacked)
@@ -383,9 +457,17 @@ def verify_kernel(
     layer = tl.load(layer_ptr).to(tl.int64)
     slot = tl.where(slot_ok, slot, 0)
     base = (layer * NS + slot) * HV + hv
-    S = _to_f32(tl.load(state_ptr + base * V * K + tile, mask=m_tile & slot_ok, other=0.0, eviction_policy=EVICT),
-                INTERPRET)  # fmt: skip
-    if PENDING:  # (an unset constexpr reads as None where the kernel is built without jax-triton)
+    if ROWS and PENDING == 1:  # the pending tuple commit first, then the state the pool now holds
+        _apply_pending_rows(pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr, pk_ptr,
+                            pg_ptr, n, h, hv, i_v, layer, slot, slot_ok, rows, m_v, NS, H, HV, V, K, BV, KP, PR, PD,
+                            PREFETCH, PDP, KL, EVICT, INTERPRET)  # fmt: skip
+        S = _to_f32(tl.load(pool_out_ptr + base * V * K + tile, mask=m_tile & slot_ok, other=0.0, eviction_policy=EVICT),
+                    INTERPRET)  # fmt: skip
+    else:
+        S = _to_f32(tl.load(state_ptr + base * V * K + tile, mask=m_tile & slot_ok, other=0.0, eviction_policy=EVICT),
+                    INTERPRET)  # fmt: skip
+    # (an unset constexpr reads as None where the kernel is built without jax-triton)
+    if PENDING and not (ROWS and PENDING == 1):
         S = _apply_pending(S, pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr, pk_ptr,
                            pg_ptr, pstates_ptr, n, h, hv, i_v, layer, slot, slot_ok, rows, kidx, tile, m_v, m_k, m_tile,
                            NS, H, HV, V, K, BV, NC, C, PR, PD, PENDING, PREFETCH, PDP, KL, INTERPRET)  # fmt: skip
@@ -548,7 +630,8 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
         pend_in = [prows, psteps, ptslots, ptsteps, as1(prev_layer), *fields]
         pend_sizes = dict(PENDING=2 if snap_prev else 1, PR=lead.shape[1], PD=lead.shape[2],
                           PREFETCH=config.prefetch_pending and not snap_prev, PDP=next_power_of_2(lead.shape[2]),
-                          KL=next_power_of_2(-(-K // 32)))
+                          KL=next_power_of_2(-(-K // 32)),
+                          ROWS=config.pending_replay == "rows", KP=next_power_of_2(K))
         aliases[0] = 3
     out_in = [dummy] * 2 if out is None else [as1(out_layer), out]
     inputs = [state, slots, layer, tape_layer, qn, kn, v, g, beta, rows, buf, *pend_in, *out_in]
