@@ -3,7 +3,7 @@
 # at most 8 files). Phases (PHASES, default all, in this order):
 #   probe     scripts/graph_launch_probe.py: host launch cost per kernel of XLA's and PyTorch's CUDA graphs
 #   tests     pytest of TEST_FILES (default the step's and the fused step's tests), PYTEST_K
-#   step      benchmarks.step at STEP_CONFIGS (default 25x4,8x16,8x4,8x8), both record modes, STEP_KINDS
+#   step      benchmarks.step at STEP_CONFIGS (default 25x4,8x16,8x4,8x8), both record modes, STEP_KINDS, STEP_BACKENDS
 #   tfrt      the same with XLA's TFRT GPU client (XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1), TFRT_KINDS, 25x4 and 8x16
 #   timeline  scripts/host_timeline.py at 25x4 (TIMELINE_FORMS) under both clients
 #   fused     scripts/tune_fused.py at FUSED_CONFIGS (default 25x4,8x16): the fused step per variant (FUSED_VARIANTS)
@@ -25,7 +25,7 @@ for phase in ${PHASES:-probe tests step tfrt timeline}; do
         ${TEST_FILES:-tests/test_step.py tests/test_fused.py} ${PYTEST_K:+-k "$PYTEST_K"} > $O/gpu_tests.log 2>&1
       grep -E "FAILED|ERROR| passed| failed" $O/gpu_tests.log | tail -12 ;;
     step)
-      timeout 260 python3 -m benchmarks.step --out $O/step --configs ${STEP_CONFIGS:-25x4,8x16,8x4,8x8} --backends pallas \
+      timeout 260 python3 -m benchmarks.step --out $O/step --configs ${STEP_CONFIGS:-25x4,8x16,8x4,8x8} --backends ${STEP_BACKENDS:-pallas} \
         --kinds ${STEP_KINDS:-pool-python,scan,unrolled,scan-out,unrolled-out,fused} --budget-s 8 --rounds 20 > $O/step.log 2>&1
       grep "^|" $O/step.log ;;
     tfrt)

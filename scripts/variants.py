@@ -4,7 +4,7 @@ A tag list adds to or overrides fixed fields of :class:`VerifyConfig`: ``gram`` 
 form), ``one_pass``, ``kcN`` (``k_chunk=N``), ``unN`` (``unroll=N``), ``nsN`` (``num_stages=N``),
 ``phN`` (``prep_heads=N``), ``noef`` (``evict=None``), ``lq`` (``prefetch_q=False``), ``mma``
 (``products="mma"``), ``tf`` / ``rf`` (``order="tiles"`` / ``"requests"``), ``dfn`` / ``dfu`` / ``dfb``
-(``dot_fma="none"`` / ``"u"`` / ``"both"``), ``prc`` / ``prs`` (``pending_replay="carry"`` / ``"split"``),
+(``dot_fma="none"`` / ``"u"`` / ``"both"``), ``prc`` / ``prs`` / ``prr`` (``pending_replay="carry"`` / ``"split"`` / ``"rows"``),
 ``psv`` (``pending_slice_v=True``: the fused tuple kernel reads ``v`` sliced out by XLA); other tags are ignored
 (a script's own, such as ``portable``). Fields not given keep ``VerifyConfig``'s defaults.
 """
@@ -13,7 +13,7 @@ form), ``one_pass``, ``kcN`` (``k_chunk=N``), ``unN`` (``unroll=N``), ``nsN`` (`
 _NUMBERED = {"kc": "k_chunk", "un": "unroll", "ns": "num_stages", "ph": "prep_heads"}  # tag prefix -> field
 _ORDERS = {"tf": {"order": "tiles"}, "rf": {"order": "requests"}}
 _DOT_FMA = {"dfn": {"dot_fma": "none"}, "dfu": {"dot_fma": "u"}, "dfb": {"dot_fma": "both"}}
-_REPLAYS = {"prc": {"pending_replay": "carry"}, "prs": {"pending_replay": "split"},
+_REPLAYS = {"prc": {"pending_replay": "carry"}, "prs": {"pending_replay": "split"}, "prr": {"pending_replay": "rows"},
             "psv": {"pending_slice_v": True}}
 
 
