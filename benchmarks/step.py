@@ -58,8 +58,9 @@ Every row is one step per invocation, blocking until the device is done; rounds 
 interleaved (:func:`benchmarks.timing.run_rounds`), nothing is subtracted: the wall-clock is
 what a user waits for. After the rounds each row is traced with the profiler: its *device
 time* is the sum of every kernel the step launched (ours and XLA's), and the kernels that are
-not ours (names without ``gdn_``) are listed, so hidden work shows. ``wall / device`` is the
-overhead of the way the step is written (launch gaps, host work). Then each row runs
+not ours (names without ``gdn_``, other than the Triton backend's kernel functions) are listed,
+so hidden work shows. ``wall / device`` is the overhead of the way the step is written (launch
+gaps, host work). Then each row runs
 ``--b2b-calls`` steps back to back (a decode loop: each call waits for the last, no other
 program between): its *back to back* median. XLA's CUDA graphs start later when another
 program ran just before (the interleaved rounds), SGLang's graph hardly (``scripts/launch_probe.py``).
@@ -337,10 +338,18 @@ def fused_step(backend: str, options: dict | None = None, form: str = "scan"):
     return jax.jit(step, donate_argnums=donate, compiler_options=options)
 
 
+# The Triton backend's kernels: the profiler names a jax-triton launch after its Triton function.
+TRITON_KERNELS = ("verify_kernel", "verify_prep_kernel", "commit_tuples_kernel", "commit_snapshots_kernel")
+
+
+def _ours(name: str) -> bool:
+    return "gdn_" in name or name in TRITON_KERNELS
+
+
 def _kernels_not_ours(device: dict | None) -> list[dict]:
     if not device:
         return []
-    return [k for k in device["kernels"] if "gdn_" not in k["name"]]
+    return [k for k in device["kernels"] if not _ours(k["name"])]
 
 
 def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: int, kinds=STEP_KINDS,
@@ -560,7 +569,7 @@ def _row_dict(r: Row, b2b=None) -> dict:
          "wall_back_to_back": summarize(b2b if b2b is not None else np.zeros(0))}  # fmt: skip
     if r.device:
         d["device_us"] = r.device["us_per_call"]
-        ours = sum(k["us_per_call"] for k in r.device["kernels"] if "gdn_" in k["name"])
+        ours = sum(k["us_per_call"] for k in r.device["kernels"] if _ours(k["name"]))
         d["our_kernels_us"] = ours
         d["other_kernels"] = [
             {"name": k["name"], "launches": k["launches_per_call"], "us": k["us_per_call"]}

@@ -6,6 +6,7 @@
 #   step      benchmarks.step at STEP_CONFIGS (default 25x4,8x16,8x4,8x8), both record modes, STEP_KINDS, STEP_BACKENDS
 #   tfrt      the same with XLA's TFRT GPU client (XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1), TFRT_KINDS, 25x4 and 8x16
 #   timeline  scripts/host_timeline.py at 25x4 (TIMELINE_FORMS) under both clients
+#   sass_fused  Nsight Compute on scripts/sass_fused.py at SASS_CONFIG: the fused kernel's SASS and stalls per variant
 #   fused     scripts/tune_fused.py at FUSED_CONFIGS (default 25x4,8x16): the fused step per variant (FUSED_VARIANTS)
 set -u
 OUT=${OUT:-/tmp/out}
@@ -40,6 +41,14 @@ for phase in ${PHASES:-probe tests step tfrt timeline}; do
           --depth 16 --out $O/timeline-$client > $O/timeline-$client.log 2>&1; tail -6 $O/timeline-$client.log
       done
       unset XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT ;;
+    sass_fused)  # the fused kernel's SASS and stall samples per launch variant (scripts/sass_fused.py), from Nsight Compute
+      timeout ${SASS_TIMEOUT:-240} ncu --clock-control none -k "regex:gdn_verify_tuples|verify_kernel" --launch-count 12 \
+        --section LaunchStats --section Occupancy --section SpeedOfLight --section WarpStateStats --section SourceCounters \
+        -f -o $O/sass_fused python3 scripts/sass_fused.py --config ${SASS_CONFIG:-8x16} > $O/sass_fused_ncu.log 2>&1
+      tail -4 $O/sass_fused_ncu.log
+      ncu -i $O/sass_fused.ncu-rep --page details --csv > $O/sass_fused_details.csv 2> $O/sass_fused_err.log
+      ncu -i $O/sass_fused.ncu-rep --page source --print-source sass --csv > $O/sass_fused.csv 2>> $O/sass_fused_err.log
+      rm -f $O/sass_fused.ncu-rep; wc -l $O/sass_fused*.csv; tail -2 $O/sass_fused_err.log ;;
     fused)
       OUT=$O timeout ${FUSED_TIMEOUT:-240} python3 scripts/tune_fused.py --configs ${FUSED_CONFIGS:-25x4,8x16} \
         ${FUSED_VARIANTS:+--variants $FUSED_VARIANTS} > $O/tune_fused.log 2>&1; grep -v "^\s*$" $O/tune_fused.log | tail -24 ;;

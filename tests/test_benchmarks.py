@@ -183,3 +183,16 @@ def test_step_benchmark_runs_on_the_cpu(tmp_path):
     assert kinds["scan-mesh"]["notes"] == ["2 layers", "mesh 1x1 (tensor x data)"] and result["env"]["mesh"] == "1x1"
     assert all(r["wall"]["n"] == 2 and r["failed"] is None for r in kinds.values())
     assert "| 2x2 | reference | tuples | scan |" in (out / "results.md").read_text()
+
+
+def test_the_triton_backends_kernels_count_as_ours():
+    """The step report counts the Triton backend's kernels (named after their Triton functions
+    by the profiler) as ours, and every name it knows is a kernel of that backend."""
+    import importlib
+
+    from benchmarks import step as bstep
+
+    modules = [importlib.import_module(f"gdn_lossless_jax.backends.triton.{m}") for m in ("verify", "commit")]
+    assert all(any(hasattr(m, n) for m in modules) for n in bstep.TRITON_KERNELS)
+    kernels = [{"name": n} for n in ("verify_kernel", "gdn_verify_tuples", "loop_select_fusion_4")]
+    assert [k["name"] for k in bstep._kernels_not_ours({"kernels": kernels})] == ["loop_select_fusion_4"]

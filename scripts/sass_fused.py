@@ -1,0 +1,57 @@
+"""Launch the fused kernel (``commit_and_verify``) once per launch variant, for Nsight Compute's
+SASS view and its per-instruction stall samples (run by ``scripts/gpu_session.sh sass_fused``).
+
+One-layer fused steps (``benchmarks.step``'s ``fused_step``, unrolled with ``out=``) at one
+configuration: the Pallas kernel with ``pending_replay="split"`` and ``"rows"``, and the Triton
+backend's (``"rows"``). Each variant's step is called twice (compile and warm-up, then the
+launch ncu profiles: ``--launch-skip`` the warm-ups by running ncu with ``-k`` on the kernel
+names and the NVTX-free order below)::
+
+    ncu -k "regex:gdn_verify_tuples|verify_kernel" --section SourceCounters ... \\
+        python scripts/sass_fused.py --config 8x16
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import jax
+
+from benchmarks import cases as bc
+from benchmarks import step as bstep
+from gdn_lossless_jax.backends import pallas as gp
+from gdn_lossless_jax.backends import triton as gt
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", default="8x16")
+    p.add_argument("--variants", default="pallas:split,pallas:rows,triton:rows")
+    args = p.parse_args()
+    mode = bc.MODES["h200"]
+    cfg = bc.parse_configs(args.config, mode.configs)[0]
+    geometry = dataclasses.replace(mode.geometry.reduced(gdn_layers=1), name=mode.geometry.name)
+    inp = bstep.make_inputs(cfg, geometry, seed=0)
+    s = inp.shape
+    for variant in args.variants.split(","):
+        backend, replay = variant.split(":")
+        impl = gp if backend == "pallas" else gt
+        saved = impl.verify.__kwdefaults__["config"]
+        impl.verify.__kwdefaults__["config"] = dataclasses.replace(saved, pending_replay=replay)
+        try:
+            pool = bstep._allocate(inp, "tuples", 1)
+            box = [bstep._filled((pool.ssm, pool.tape, pool.tape), 11)]
+            obuf = [bstep._filled(jax.ShapeDtypeStruct((1, s.N, s.D, s.HV, s.V), inp.qkv["q"].dtype), 9)]
+            fn = bstep.fused_step(backend, form="unrolled-out")
+            for _ in range(2):
+                outs, ssm, written, old = fn(*box[0], inp.params, inp.qkv, inp.index_sets[0], obuf[0])
+                box[0], obuf[0] = (ssm, old, written), outs
+                jax.block_until_ready(outs)
+            print("launched", variant, flush=True)
+        finally:
+            impl.verify.__kwdefaults__["config"] = saved
+
+
+if __name__ == "__main__":
+    main()
