@@ -233,7 +233,7 @@ def run_suite(mode, configs, backends, *, peer, clock, seed: int, label: str = "
                       f"{len(configs) - 1} configurations (from the first one)")  # fmt: skip
     copies = [x for r in rows if r["op"] == "copy" for x in r["samples_us"]]
     copy = None
-    if copies:
+    if copies and np.median(copies) > 0:  # (a copy too small for the clock gives no rate)
         med = float(np.median(copies))
         nbytes = next(r["bytes"] for r in rows if r["op"] == "copy")
         copy = {"median_us": med, "bytes": nbytes, "rate_gbps": nbytes / (med * 1e-6) / 1e9, "n": len(copies)}
@@ -364,10 +364,10 @@ def main(argv=None) -> int:
         if not final:  # an interim file: the rows so far, ratios without the final copy rate
             from .report import finish_rows
 
-            copies = [x for r in result["rows"] if r["op"] == "copy" for x in r["samples_us"]]
-            if copies:
-                import numpy as np
+            import numpy as np
 
+            copies = [x for r in result["rows"] if r["op"] == "copy" for x in r["samples_us"]]
+            if copies and np.median(copies) > 0:
                 nb = next(r["bytes"] for r in result["rows"] if r["op"] == "copy")
                 rate = nb / (float(np.median(copies)) * 1e-6) / 1e9
                 result["copy"] = {"median_us": float(np.median(copies)), "bytes": nb, "rate_gbps": rate, "n": len(copies)}

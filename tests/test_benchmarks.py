@@ -19,6 +19,7 @@ if str(ROOT) not in sys.path:  # `benchmarks` lives at the repository root, besi
 from benchmarks import cases as bc  # noqa: E402
 from benchmarks import peer_sglang, traffic  # noqa: E402
 from benchmarks.run import main  # noqa: E402
+from conftest import ON_GPU  # noqa: E402
 from gdn_lossless_jax.cases import CommitIndices, Shape  # noqa: E402
 
 RECORDS = ("tuples", "snapshots")
@@ -75,6 +76,7 @@ def _run(tmp_path, *extra):
     return out, json.loads((out / "results.json").read_text())
 
 
+@pytest.mark.skipif(ON_GPU, reason="tests the CPU run, where the triton backend is skipped (on a GPU it runs)")
 def test_cpu_small_run_writes_every_row(tmp_path):
     # Several calls per timed invocation and two state copies: the structure of the GPU run.
     out, res = _run(tmp_path, "--backends", "reference,triton", "--trials", "2", "--reps", "2", "--commit-reps", "2",
@@ -127,6 +129,7 @@ def test_cpu_small_run_writes_every_row(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(ON_GPU, reason="Pallas runs in interpret mode on the CPU only")
 def test_cpu_small_run_with_pallas_interpret(tmp_path):
     _, res = _run(tmp_path, "--backends", "pallas", "--configs", "2x2", "--trials", "2")
     keys = {(r["backend"], r["op"], r["record"]) for r in res["rows"]}
