@@ -197,13 +197,16 @@ _OTHER_LAUNCHES = [{"pending_replay": m} for m in PENDING_REPLAYS if m != Verify
     {"pending_slice_v": not VerifyConfig().pending_slice_v}]
 
 
-@pytest.mark.parametrize("fields", _OTHER_LAUNCHES, ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
-def test_other_launches_of_the_fused_pallas_kernel(fields, seed):
+@pytest.mark.parametrize("fields,dtype", [(f, F32) for f in _OTHER_LAUNCHES] + [({"pending_replay": "rows"}, BF16)],
+                         ids=lambda x: ",".join(f"{k}={v}" for k, v in x.items()) if isinstance(x, dict) else
+                         jnp.dtype(x).name)  # fmt: skip
+def test_other_launches_of_the_fused_pallas_kernel(fields, dtype, seed):
     """The Pallas fused kernel's other launches (``VerifyConfig.pending_replay``, ``pending_slice_v``)
-    give the separate path's bits: pools, outputs and tapes, fp32 pool, both record modes of the
-    previous step, the inputs stacked over layers (read at the layer, or ``v`` sliced by XLA)."""
+    give the separate path's bits: pools, outputs and tapes, fp32 pools (and a bf16 one for the
+    replay that reads the pool back), both record modes of the previous step, the inputs stacked
+    over layers (read at the layer, or ``v`` sliced by XLA)."""
     steps, records = _steps(seed), ("snapshots", "tuples", "tuples")
-    pool = _pool(seed, F32)
+    pool = _pool(seed, dtype)
     want = separate(pool, steps, records, "pallas")
     got = fused(pool, steps, records, "pallas", stacked=True, config=VerifyConfig(**fields))
     assert_bitwise_equal(want, got, f"pools, outputs and tapes with VerifyConfig({fields})")

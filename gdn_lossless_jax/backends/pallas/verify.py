@@ -137,7 +137,13 @@ class VerifyConfig:
     running one (32 more registers a thread at 8 rows). On the H200 ``"split"`` made the fused
     step 4-9% faster (25 x 4: 1669 against 1794 us of device time, unrolled with ``out=``).
     Loading the next step's tape during a step took the kernel from 128 to 168 registers (12
-    warps an SM instead of 16) and was 10-20% slower; not kept.
+    warps an SM instead of 16) and was 10-20% slower; not kept. ``"rows"`` replays on a
+    ``[BV, K]`` tile with the lanes across K (a step's ``k`` in ``K / 32`` registers a lane, not
+    ``K / 4``), stores the committed states, and the chain reads the state back from the pool
+    after a barrier (:func:`_apply_pending_rows`). The Triton backend's kernel gains 7-14% from it;
+    XLA's build of this one takes 130 registers (12 warps an SM; 128 and below: 16), and it was
+    faster only at 25 x 4 (49.7 against 51.5 us a layer), slower at 8 x 16 (46.1 against 39.9)
+    and 8 x 8 (``benchmarks/NOTES.md``, eleventh session).
     ``pending_slice_v``: the fused tuple kernel reads one layer's ``v`` sliced out by XLA (a
     copy of ~2 us and one more launch a layer) rather than the stack at the layer. Reading the
     stack was 22% slower while the fused kernel took 168 registers; at 128-130 it costs up to
@@ -426,7 +432,6 @@ def _apply_pending_rows(refs, pool_ref, w: _Where, form: str, control: str | Non
     if control != "track_after_write":
         acc = steps(0, upto, S0, track_store)
         steps(upto + 1, jnp.where(track, ptstep, -1), acc, track_store)  # a track step after the accepted one
-
     else:  # the control: the accepted state stored first, the track state replayed from the advanced state
         acc = steps(0, upto, S0, lambda t, Sc: None)
 
