@@ -45,8 +45,8 @@ def main(argv=None) -> int:
                         "XLA), fixed (the two tapes keep their roles between calls: the same work, wrong for a "
                         "decode, to see what their swap costs), pair (one executable per parity of the step), "
                         "triton (the Triton backend's kernels instead of Pallas': a pending_replay of its own, "
-                        "rows or split), pf (with triton: VerifyConfig.prefetch_pending=True; without it False), lq (Pallas: "
-                        "prefetch_q=False, each step's q loaded in that step)")
+                        "rows or split), pf (with triton: VerifyConfig.prefetch_pending=True; without it False), "
+                        "lq (Pallas: prefetch_q=False, each step's q loaded in that step)")
     p.add_argument("--records", default="tuples", help="record modes of the step (the pending tape's too)")
     p.add_argument("--calls", type=int, default=4, help="steps per traced invocation")
     p.add_argument("--invocations", type=int, default=3)

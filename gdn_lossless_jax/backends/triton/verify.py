@@ -105,7 +105,8 @@ class VerifyConfig:
         if self.order not in (None, *ORDERS):
             raise ValueError(f"VerifyConfig: order must be None or one of {ORDERS}, got {self.order!r}")
         if self.pending_replay not in PENDING_REPLAYS:
-            raise ValueError(f"VerifyConfig: pending_replay must be one of {PENDING_REPLAYS}, got {self.pending_replay!r}")
+            raise ValueError(f"VerifyConfig: pending_replay must be one of {PENDING_REPLAYS}, "
+                             f"got {self.pending_replay!r}")
         if self.evict not in ("", "evict_first", "evict_last"):
             raise ValueError(f"VerifyConfig: evict must be '', 'evict_first' or 'evict_last', got {self.evict!r}")
         for name in ("block_v", "num_warps", "k_chunk", "prep_heads"):
@@ -317,8 +318,8 @@ def _apply_pending(S, pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_
 
 
 @jit
-def _apply_pending_rows(pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr, pk_ptr, pg_ptr,
-                        n, h, hv, i_v, layer, slot, slot_ok, rows, m_v, NS: tl.constexpr, H: tl.constexpr,
+def _apply_pending_rows(pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr, pk_ptr,
+                        pg_ptr, n, h, hv, i_v, layer, slot, slot_ok, rows, m_v, NS: tl.constexpr, H: tl.constexpr,
                         HV: tl.constexpr, V: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, KP: tl.constexpr,
                         PR: tl.constexpr, PD: tl.constexpr, PREFETCH: tl.constexpr, PDP: tl.constexpr, KL: tl.constexpr,
                         EVICT: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
@@ -461,8 +462,8 @@ def verify_kernel(
         _apply_pending_rows(pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr, pk_ptr,
                             pg_ptr, n, h, hv, i_v, layer, slot, slot_ok, rows, m_v, NS, H, HV, V, K, BV, KP, PR, PD,
                             PREFETCH, PDP, KL, EVICT, INTERPRET)  # fmt: skip
-        S = _to_f32(tl.load(pool_out_ptr + base * V * K + tile, mask=m_tile & slot_ok, other=0.0, eviction_policy=EVICT),
-                    INTERPRET)  # fmt: skip
+        S = _to_f32(tl.load(pool_out_ptr + base * V * K + tile, mask=m_tile & slot_ok, other=0.0,
+                            eviction_policy=EVICT), INTERPRET)  # fmt: skip
     else:
         S = _to_f32(tl.load(state_ptr + base * V * K + tile, mask=m_tile & slot_ok, other=0.0, eviction_policy=EVICT),
                     INTERPRET)  # fmt: skip
