@@ -140,7 +140,7 @@ class VerifyConfig:
     warps an SM instead of 16) and was 10-20% slower; not kept. ``"rows"`` replays on a
     ``[BV, K]`` tile with the lanes across K (a step's ``k`` in ``K / 32`` registers a lane, not
     ``K / 4``), stores the committed states, and the chain reads the state back from the pool
-    after a barrier (:func:`_apply_pending_rows`). The Triton backend's kernel gains 7-14% from it;
+    after a barrier (in ``_kernel``). The Triton backend's kernel gains 7-14% from it;
     XLA's build of this one takes 130 registers (12 warps an SM; 128 and below: 16), and it was
     faster only at 25 x 4 (49.7 against 51.5 us a layer), slower at 8 x 16 (46.1 against 39.9)
     and 8 x 8 (``benchmarks/NOTES.md``, eleventh session).
@@ -386,66 +386,6 @@ def _apply_pending(refs, pending: str, state_ref, pool_ref, w: _Where, cols, S0,
     return [a.astype(dt).astype(F32) for a in acc]
 
 
-def _apply_pending_rows(refs, pool_ref, w: _Where, form: str, control: str | None, evict, barrier: bool):
-    """:func:`_apply_pending` of a pending tuple commit (``VerifyConfig.pending_replay="rows"``) on
-    a ``[BV, K]`` tile (Triton lays it out with the lanes across K: a step's ``k`` is ``K / 32``
-    registers a lane, where the chain's chunks hold ``K / 4``): the state read from the pool, the
-    steps to the accepted one replayed with the rule (the track state stored on the way), then
-    on to a later track step, the accepted state stored last. Nothing is returned: the chain
-    reads the state the pool now holds, after a barrier (its lanes read what other lanes of the
-    program wrote; ``barrier`` is False in interpret mode, which runs a program as one).
-    ``control`` as in :func:`_apply_pending`."""
-    prow_ref, pstep_ref, ptslot_ref, ptstep_ref, player_ref, u_ref, k_ref, g_ref = refs
-    n, hv, h, vs = w.n, w.hv, w.h, w.vs
-    pl_ = player_ref[0]
-    prow, pstep, ptslot, ptstep = prow_ref[n], pstep_ref[n], ptslot_ref[n], ptstep_ref[n]
-    R, Dp = u_ref.shape[1], u_ref.shape[2]
-    S = pool_ref.shape[1]
-    valid = w.slot_ok & (prow >= 0) & (prow < R)
-    accept = valid & (pstep >= 0) & (pstep < Dp)
-    track = valid & (ptstep >= 0) & (ptstep < Dp) & (ptslot >= 0) & (ptslot < S)
-    prow = jnp.where(valid, prow, 0)
-    dt = pool_ref.dtype
-    shape = (vs.size, pool_ref.shape[-1])
-    S0 = plgpu.load(pool_ref.at[w.layer, w.slot, hv, vs, :], mask=jnp.broadcast_to(w.slot_ok, shape), other=0.0,
-                    eviction_policy=evict).astype(F32)  # fmt: skip
-    update = replay_update("naive" if control == "naive" else form)
-
-    def store(at, tile):
-        pool_ref[w.layer, at, hv, vs, :] = tile.astype(dt)
-
-    def steps(first, upto, S, on_step):
-        def body(t, Sc):
-            Sc = update(Sc, rounding.exp(g_ref[pl_, prow, t, hv]), k_ref[pl_, prow, t, pl.ds(h, 1), :],
-                        u_ref[pl_, prow, t, hv, vs])  # fmt: skip
-            on_step(t, Sc)
-            return Sc
-
-        return jax.lax.fori_loop(first, upto + 1, body, S)
-
-    def track_store(t, Sc):
-        @pl.when(track & (t == ptstep))
-        def _():
-            store(ptslot, Sc)
-
-    upto = jnp.where(accept, pstep, -1)
-    if control != "track_after_write":
-        acc = steps(0, upto, S0, track_store)
-        steps(upto + 1, jnp.where(track, ptstep, -1), acc, track_store)  # a track step after the accepted one
-    else:  # the control: the accepted state stored first, the track state replayed from the advanced state
-        acc = steps(0, upto, S0, lambda t, Sc: None)
-
-    @pl.when(accept)
-    def _():
-        store(w.slot, acc)
-
-    if control == "track_after_write":
-        advanced = jnp.where(accept, acc.astype(dt).astype(F32), S0)
-        steps(0, jnp.where(track, ptstep, -1), advanced, track_store)
-    if barrier:
-        plgpu.debug_barrier()
-
-
 def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bool, row_vectors: bool, one_pass: bool,
             k_chunk: int, loop: bool, evict: str | None, prefetch_q: bool, tiles_first: bool, dot_fma: str,
             pending: str | None = None, control: str | None = None, stacked: bool = False,
@@ -494,9 +434,18 @@ def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bo
 
     start = 9 + (2 if into else 0)
     end = len(refs) - n_out - (2 if out_into else 0)
-    if pending == "tuples" and pending_replay == "rows":  # the commit, then the state the pool now holds
-        _apply_pending_rows(refs[start:end], refs[-1], w, form, control, evict, barrier)
-        S = _load_state(refs[-1], w, cols, evict)
+    if pending == "tuples" and pending_replay == "rows":
+        # The commit replayed on the whole [BV, K] tile (one chunk: Triton lays it out with the lanes
+        # across K, so a step's k is K / 32 registers a lane, where the chain's chunks hold K / 4),
+        # then the state the pool now holds, in the chain's chunks, after a barrier: its lanes read
+        # what other lanes of the program wrote (interpret mode runs a program as one).
+        whole = _chunks(k_ref.shape[-1], k_ref.shape[-1])
+        pool_ref = refs[-1]
+        _apply_pending(refs[start:end], pending, pool_ref, pool_ref, w, whole, _load_state(pool_ref, w, whole, evict),
+                       form, control, "split")  # fmt: skip
+        if barrier:
+            plgpu.debug_barrier()
+        S = _load_state(pool_ref, w, cols, evict)
     else:
         S = _load_state(state_ref, w, cols, evict)
         if pending:
