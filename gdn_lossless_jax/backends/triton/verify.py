@@ -262,6 +262,22 @@ def _replay_step(Sc, t, lead, h, hv, rows, kidx, m_tile, m_v, pu_ptr, pk_ptr, pg
 
 
 @jit
+def _pending_request(prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, n, slot_ok, NS: tl.constexpr,
+                     PR: tl.constexpr, PD: tl.constexpr):  # fmt: skip
+    """Request ``n``'s pending commit: its accepted step, track slot and track step, whether it
+    writes the accepted and the track state (the commit's masks), and its row of the previous tape."""
+    prow = tl.load(prows_ptr + n).to(tl.int64)
+    pstep = tl.load(psteps_ptr + n)
+    ptslot = tl.load(ptslots_ptr + n).to(tl.int64)
+    ptstep = tl.load(ptsteps_ptr + n)
+    valid = slot_ok & (prow >= 0) & (prow < PR)
+    accept = valid & (pstep >= 0) & (pstep < PD)
+    track = valid & (ptstep >= 0) & (ptstep < PD) & (ptslot >= 0) & (ptslot < NS)
+    lead = tl.load(player_ptr).to(tl.int64) * PR + tl.where(valid, prow, 0)
+    return pstep, ptslot, ptstep, accept, track, lead
+
+
+@jit
 def _apply_pending(S, pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr, pk_ptr, pg_ptr,
                    pstates_ptr, n, h, hv, i_v, layer, slot, slot_ok, rows, kidx, tile, m_v, m_k, m_tile,
                    NS: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
@@ -277,14 +293,8 @@ def _apply_pending(S, pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_
     way), then on from the accepted state to a later track step: no step runs twice, and where
     nothing was accepted the result *is* ``S`` (already in the pool's dtype), so ``S`` need not
     live past the replay's start (the Pallas kernel's ``pending_replay="split"``)."""
-    prow = tl.load(prows_ptr + n).to(tl.int64)
-    pstep = tl.load(psteps_ptr + n)
-    ptslot = tl.load(ptslots_ptr + n).to(tl.int64)
-    ptstep = tl.load(ptsteps_ptr + n)
-    valid = slot_ok & (prow >= 0) & (prow < PR)
-    accept = valid & (pstep >= 0) & (pstep < PD)
-    track = valid & (ptstep >= 0) & (ptstep < PD) & (ptslot >= 0) & (ptslot < NS)
-    lead = tl.load(player_ptr).to(tl.int64) * PR + tl.where(valid, prow, 0)
+    pstep, ptslot, ptstep, accept, track, lead = _pending_request(prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr,
+                                                                  player_ptr, n, slot_ok, NS, PR, PD)  # fmt: skip
     dst_acc = pool_out_ptr + ((layer * NS + slot) * HV + hv) * V * K + tile
     dst_trk = pool_out_ptr + ((layer * NS + tl.where(track, ptslot, 0)) * HV + hv) * V * K + tile
     if PENDING == 2:
@@ -335,14 +345,8 @@ def _apply_pending_rows(pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptstep
     m2 = m_v[:, None] & m_c[None, :]
     at_slot = pool_out_ptr + ((layer * NS + slot) * HV + hv) * V * K + tile2
     S = _to_f32(tl.load(at_slot, mask=m2 & slot_ok, other=0.0, eviction_policy=EVICT), INTERPRET)
-    prow = tl.load(prows_ptr + n).to(tl.int64)
-    pstep = tl.load(psteps_ptr + n)
-    ptslot = tl.load(ptslots_ptr + n).to(tl.int64)
-    ptstep = tl.load(ptsteps_ptr + n)
-    valid = slot_ok & (prow >= 0) & (prow < PR)
-    accept = valid & (pstep >= 0) & (pstep < PD)
-    track = valid & (ptstep >= 0) & (ptstep < PD) & (ptslot >= 0) & (ptslot < NS)
-    lead = tl.load(player_ptr).to(tl.int64) * PR + tl.where(valid, prow, 0)
+    pstep, ptslot, ptstep, accept, track, lead = _pending_request(prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr,
+                                                                  player_ptr, n, slot_ok, NS, PR, PD)  # fmt: skip
     dst_trk = pool_out_ptr + ((layer * NS + tl.where(track, ptslot, 0)) * HV + hv) * V * K + tile2
     upto = tl.where(accept, pstep, -1)
     tstep = tl.where(track, ptstep, -1)
