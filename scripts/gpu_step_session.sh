@@ -3,10 +3,12 @@
 # at most 8 files). Phases (PHASES, default all, in this order):
 #   probe     scripts/graph_launch_probe.py: host launch cost per kernel of XLA's and PyTorch's CUDA graphs
 #   tests     pytest of TEST_FILES (default the step's and the fused step's tests), PYTEST_K
-#   step      benchmarks.step at STEP_CONFIGS (default 25x4,8x16,8x4,8x8), both record modes, STEP_KINDS, STEP_BACKENDS
+#   step      benchmarks.step at STEP_CONFIGS (default 25x4,8x16,8x4,8x8), STEP_RECORDS (default both), STEP_KINDS, STEP_BACKENDS
 #   tfrt      the same with XLA's TFRT GPU client (XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1), TFRT_KINDS, 25x4 and 8x16
 #   timeline  scripts/host_timeline.py at 25x4 (TIMELINE_FORMS) under both clients
 #   sass_fused  Nsight Compute on scripts/sass_fused.py at SASS_CONFIG: the fused kernel's SASS and stalls per variant
+#   regs      Nsight Compute's launch statistics of the fused kernels (scripts/sass_fused.py at SASS_CONFIG), without and
+#             with ptxas capped at 128 registers (benchmarks.step.max_regs_option)
 #   fused     scripts/tune_fused.py at FUSED_CONFIGS (default 25x4,8x16): the fused step per variant (FUSED_VARIANTS)
 set -u
 OUT=${OUT:-/tmp/out}
@@ -27,7 +29,7 @@ for phase in ${PHASES:-probe tests step tfrt timeline}; do
       grep -E "FAILED|ERROR| passed| failed" $O/gpu_tests.log | tail -12 ;;
     step)
       timeout 260 python3 -m benchmarks.step --out $O/step --configs ${STEP_CONFIGS:-25x4,8x16,8x4,8x8} --backends ${STEP_BACKENDS:-pallas} \
-        --kinds ${STEP_KINDS:-pool-python,scan,unrolled,scan-out,unrolled-out,fused} --budget-s 8 --rounds 20 > $O/step.log 2>&1
+        --kinds ${STEP_KINDS:-pool-python,scan,unrolled,scan-out,unrolled-out,fused} ${STEP_RECORDS:+--records $STEP_RECORDS} --budget-s 8 --rounds 20 > $O/step.log 2>&1
       grep "^|" $O/step.log ;;
     tfrt)
       XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1 timeout 150 python3 -m benchmarks.step --out $O/step-tfrt --configs 25x4,8x16 \
@@ -49,6 +51,14 @@ for phase in ${PHASES:-probe tests step tfrt timeline}; do
       ncu -i $O/sass_fused.ncu-rep --page details --csv > $O/sass_fused_details.csv 2> $O/sass_fused_err.log
       ncu -i $O/sass_fused.ncu-rep --page source --print-source sass --csv > $O/sass_fused.csv 2>> $O/sass_fused_err.log
       rm -f $O/sass_fused.ncu-rep; wc -l $O/sass_fused*.csv; tail -2 $O/sass_fused_err.log ;;
+    regs)
+      for cap in 0 128; do
+        timeout 150 ncu --clock-control none -k "regex:gdn_verify_tuples|verify_kernel" --launch-count 6 \
+          --section LaunchStats --section Occupancy --csv python3 scripts/sass_fused.py --config ${SASS_CONFIG:-25x4} \
+          --max-regs $cap > $O/regs-$cap.csv 2> $O/regs-$cap.err
+        grep -E '"(Registers Per Thread|Achieved Occupancy|Theoretical Occupancy|Duration)"' $O/regs-$cap.csv \
+          | cut -d, -f5,13-15 | head -30
+      done ;;
     fused)
       OUT=$O timeout ${FUSED_TIMEOUT:-240} python3 scripts/tune_fused.py --configs ${FUSED_CONFIGS:-25x4,8x16} \
         ${FUSED_VARIANTS:+--variants $FUSED_VARIANTS} > $O/tune_fused.log 2>&1; grep -v "^\s*$" $O/tune_fused.log | tail -24 ;;

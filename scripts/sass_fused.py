@@ -28,6 +28,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default="8x16")
     p.add_argument("--variants", default="pallas:split,pallas:rows,triton:rows")
+    p.add_argument("--max-regs", type=int, default=0, help="cap ptxas's registers a thread (0: no cap)")
     args = p.parse_args()
     mode = bc.MODES["h200"]
     cfg = bc.parse_configs(args.config, mode.configs)[0]
@@ -43,7 +44,8 @@ def main() -> None:
             pool = bstep._allocate(inp, "tuples", 1)
             box = [bstep._filled((pool.ssm, pool.tape, pool.tape), 11)]
             obuf = [bstep._filled(jax.ShapeDtypeStruct((1, s.N, s.D, s.HV, s.V), inp.qkv["q"].dtype), 9)]
-            fn = bstep.fused_step(backend, form="unrolled-out")
+            options = bstep.max_regs_option(args.max_regs) if args.max_regs else None
+            fn = bstep.fused_step(backend, options, form="unrolled-out")
             for _ in range(2):
                 outs, ssm, written, old = fn(*box[0], inp.params, inp.qkv, inp.index_sets[0], obuf[0])
                 box[0], obuf[0] = (ssm, old, written), outs
