@@ -83,7 +83,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import functools
 import json
 import os
 import time
@@ -113,24 +112,9 @@ NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
 #: The direct step's earlier forms, and steps compiled without command buffers (``-nocb``), for
 #: comparison; run only when ``--kinds`` names them.
 OLD_KINDS = ("scan-sliced", "pool-scan-sliced", "unrolled-lists", "scan-nocb", "unrolled-nocb", "fused-nocb",
-             "unrolled-out-r128", "fused-out-r128",
              "pool-scan-nocb")
 #: The same steps through a MeshPlan (``--mesh``); run only when ``--kinds`` names them.
 MESH_KINDS = ("pool-scan-mesh", "scan-mesh")
-
-
-@functools.cache
-def max_regs_option(n: int) -> dict:
-    """``compiler_options`` that cap ptxas at ``n`` registers a thread for one jitted step (the ``-r128``
-    rows): 129-136 registers hold a one-warp program to 12 warps an SM instead of 16 (each scheduler
-    allocates whole warps from its own registers). The option's name differs between XLA versions."""
-    for name in ("xla_gpu_ptx_compiler_extra_flags", "xla_gpu_asm_extra_flags"):
-        try:
-            jax.jit(lambda x: x, compiler_options={name: f"--maxrregcount={n}"}).lower(1).compile()
-            return {name: f"--maxrregcount={n}"}
-        except Exception:  # noqa: BLE001 - not this XLA's name
-            continue
-    raise RuntimeError("this XLA has no option for ptxas's extra flags")
 
 
 @dataclasses.dataclass
@@ -402,12 +386,9 @@ def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: in
 
     d_box = [(p_box[0].ssm, p_box[0].tape)]  # the direct rows own a second pool of the same shape
     d_box[0] = _filled(d_box[0], seed + 7)
-    r128 = max_regs_option(128) if any(k.endswith("-r128") for k in kinds) else None
-    suffix_options = {"-nocb": NO_COMMAND_BUFFERS, "-r128": r128}
-    fns = {f: direct_step(backend, f.removesuffix("-nocb").removesuffix("-r128"),
-                          options=next((o for x, o in suffix_options.items() if f.endswith(x)), None))
+    fns = {f: direct_step(backend, f.removesuffix("-nocb"), options=NO_COMMAND_BUFFERS if f.endswith("-nocb") else None)
            for f in ("scan", "unrolled", "scan-out", "unrolled-out", "scan-sliced", "unrolled-lists", "scan-nocb",
-                     "unrolled-nocb", "unrolled-out-r128") if f in kinds}  # fmt: skip
+                     "unrolled-nocb") if f in kinds}  # fmt: skip
     s = inp.shape  # the outputs buffer of the -out rows, made only when one runs
     o_box = [_filled(jax.ShapeDtypeStruct((L, s.N, s.D, s.HV, s.V), inp.qkv["q"].dtype), seed + 9)
              if any("-out" in k for k in kinds) else None]  # fmt: skip
@@ -464,7 +445,7 @@ def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: in
 
     runs = {"pool-python": run_python, "pool-jit": run_pool(pool_jit, False), "pool-scan": run_pool(pool_scan, True),
             **{f: run_direct(f) for f in fns}, "fused": run_fused(), "fused-out": run_fused(form="unrolled-out"),
-            "fused-nocb": run_fused(NO_COMMAND_BUFFERS), "fused-out-r128": run_fused(r128, "unrolled-out"),
+            "fused-nocb": run_fused(NO_COMMAND_BUFFERS),
             "pool-scan-nocb": run_pool(pool_scan_nocb, True), "pool-scan-sliced": run_pool(pool_scan_sliced, True),
             "pool-deferred": run_deferred}  # fmt: skip
     if any(k in kinds for k in MESH_KINDS):

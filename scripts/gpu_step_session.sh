@@ -7,8 +7,8 @@
 #   tfrt      the same with XLA's TFRT GPU client (XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1), TFRT_KINDS, 25x4 and 8x16
 #   timeline  scripts/host_timeline.py at 25x4 (TIMELINE_FORMS) under both clients
 #   sass_fused  Nsight Compute on scripts/sass_fused.py at SASS_CONFIG: the fused kernel's SASS and stalls per variant
-#   regs      Nsight Compute's launch statistics of the fused kernels (scripts/sass_fused.py at SASS_CONFIG), without and
-#             with ptxas capped at 128 registers (benchmarks.step.max_regs_option)
+#   regs      Nsight Compute's registers and duration of the fused kernel per launch variant (scripts/sass_fused.py
+#             --variants REGS_VARIANTS, e.g. "pallas:split,pallas:rows:dot_fma='u'") at REGS_CONFIGS (default 25x4 8x16)
 #   fused     scripts/tune_fused.py at FUSED_CONFIGS (default 25x4,8x16): the fused step per variant (FUSED_VARIANTS)
 set -u
 OUT=${OUT:-/tmp/out}
@@ -51,13 +51,13 @@ for phase in ${PHASES:-probe tests step tfrt timeline}; do
       ncu -i $O/sass_fused.ncu-rep --page details --csv > $O/sass_fused_details.csv 2> $O/sass_fused_err.log
       ncu -i $O/sass_fused.ncu-rep --page source --print-source sass --csv > $O/sass_fused.csv 2>> $O/sass_fused_err.log
       rm -f $O/sass_fused.ncu-rep; wc -l $O/sass_fused*.csv; tail -2 $O/sass_fused_err.log ;;
-    regs)
-      for cap in 0 128; do
-        timeout 150 ncu --clock-control none -k "regex:gdn_verify_tuples|verify_kernel" --launch-count 6 \
-          --section LaunchStats --section Occupancy --csv python3 scripts/sass_fused.py --config ${SASS_CONFIG:-25x4} \
-          --max-regs $cap > $O/regs-$cap.csv 2> $O/regs-$cap.err
-        grep -E '"(Registers Per Thread|Achieved Occupancy|Theoretical Occupancy|Duration)"' $O/regs-$cap.csv \
-          | cut -d, -f5,13-15 | head -30
+    regs)  # registers and duration of the fused kernel per launch variant (scripts/sass_fused.py --variants)
+      for cfg in ${REGS_CONFIGS:-25x4 8x16}; do
+        timeout 200 ncu --clock-control none -k "regex:gdn_verify_tuples|verify_kernel" --section LaunchStats \
+          --section Occupancy --section SpeedOfLight --csv python3 scripts/sass_fused.py --config $cfg \
+          ${REGS_VARIANTS:+--variants "$REGS_VARIANTS"} > $O/regs-$cfg.csv 2> $O/regs-$cfg.err
+        grep launched $O/regs-$cfg.csv
+        grep -E '"(Registers Per Thread|Duration)"' $O/regs-$cfg.csv | awk -F'","' '{print "'$cfg'", $1, $13, $15}' | paste - -
       done ;;
     fused)
       OUT=$O timeout ${FUSED_TIMEOUT:-240} python3 scripts/tune_fused.py --configs ${FUSED_CONFIGS:-25x4,8x16} \

@@ -14,6 +14,7 @@ names and the NVTX-free order below)::
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 
 import jax
@@ -27,8 +28,8 @@ from gdn_lossless_jax.backends import triton as gt
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default="8x16")
-    p.add_argument("--variants", default="pallas:split,pallas:rows,triton:rows")
-    p.add_argument("--max-regs", type=int, default=0, help="cap ptxas's registers a thread (0: no cap)")
+    p.add_argument("--variants", default="pallas:split,pallas:rows,triton:rows",
+                   help="backend:replay[:field=value...] (VerifyConfig fields, Python literals), comma-separated")
     args = p.parse_args()
     mode = bc.MODES["h200"]
     cfg = bc.parse_configs(args.config, mode.configs)[0]
@@ -36,16 +37,17 @@ def main() -> None:
     inp = bstep.make_inputs(cfg, geometry, seed=0)
     s = inp.shape
     for variant in args.variants.split(","):
-        backend, replay = variant.split(":")
+        backend, replay, *fields = variant.split(":")  # backend:replay[:field=value...] of VerifyConfig
         impl = gp if backend == "pallas" else gt
         saved = impl.verify.__kwdefaults__["config"]
-        impl.verify.__kwdefaults__["config"] = dataclasses.replace(saved, pending_replay=replay)
+        extra = {k: ast.literal_eval(v) for k, v in (f.split("=", 1) for f in fields)}
+        base = saved or impl.VerifyConfig()  # None: the Pallas backend's tuned_config of the shape
+        impl.verify.__kwdefaults__["config"] = dataclasses.replace(base, pending_replay=replay, **extra)
         try:
             pool = bstep._allocate(inp, "tuples", 1)
             box = [bstep._filled((pool.ssm, pool.tape, pool.tape), 11)]
             obuf = [bstep._filled(jax.ShapeDtypeStruct((1, s.N, s.D, s.HV, s.V), inp.qkv["q"].dtype), 9)]
-            options = bstep.max_regs_option(args.max_regs) if args.max_regs else None
-            fn = bstep.fused_step(backend, options, form="unrolled-out")
+            fn = bstep.fused_step(backend, form="unrolled-out")
             for _ in range(2):
                 outs, ssm, written, old = fn(*box[0], inp.params, inp.qkv, inp.index_sets[0], obuf[0])
                 box[0], obuf[0] = (ssm, old, written), outs

@@ -27,7 +27,7 @@ from benchmarks import cases as bc
 from benchmarks import step as bstep
 from benchmarks.devtime import device_time
 from gdn_lossless_jax.backends import pallas as gp
-from gdn_lossless_jax.backends.pallas.verify import PENDING_REPLAYS, VerifyConfig
+from gdn_lossless_jax.backends.pallas.verify import DOT_FMA, PENDING_REPLAYS, VerifyConfig
 
 T0 = time.perf_counter()
 
@@ -46,7 +46,8 @@ def main(argv=None) -> int:
                         "decode, to see what their swap costs), pair (one executable per parity of the step), "
                         "triton (the Triton backend's kernels instead of Pallas': a pending_replay of its own, "
                         "rows or split), pf (with triton: VerifyConfig.prefetch_pending=True; without it False), "
-                        "lq (Pallas: prefetch_q=False, each step's q loaded in that step)")
+                        "lq (Pallas: prefetch_q=False, each step's q loaded in that step), df-none / df-u / df-both "
+                        "(Pallas: that dot_fma), tuned (Pallas: the backend's default, tuned_config of the shape)")
     p.add_argument("--records", default="tuples", help="record modes of the step (the pending tape's too)")
     p.add_argument("--calls", type=int, default=4, help="steps per traced invocation")
     p.add_argument("--invocations", type=int, default=3)
@@ -56,7 +57,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     mode = bc.MODES[args.mode]
     rows = []
-    default = gp.verify.__kwdefaults__["config"]
+    default = VerifyConfig()  # the class defaults (the backend's default is None: its tuned_config of the shape)
     for cfg in bc.parse_configs(args.configs, mode.configs):
         inp = bstep.make_inputs(cfg, mode.geometry, seed=args.seed)
         s, L = inp.shape, inp.geometry.gdn_layers
@@ -75,12 +76,14 @@ def main(argv=None) -> int:
                     launch = gt.VerifyConfig(prefetch_pending="pf" in tags, pending_replay=replay)
                 else:
                     replay = next((t for t in tags if t in PENDING_REPLAYS), default.pending_replay)
-                    impl, saved = gp, default
-                    launch = VerifyConfig(pending_replay=replay, pending_slice_v="slice" in tags,
-                                          prefetch_q="lq" not in tags)  # fmt: skip
+                    impl, saved = gp, gp.verify.__kwdefaults__["config"]
+                    dot_fma = next((d for d in DOT_FMA if f"df-{d}" in tags), default.dot_fma)
+                    launch = None if "tuned" in tags else VerifyConfig(
+                        pending_replay=replay, pending_slice_v="slice" in tags, prefetch_q="lq" not in tags,
+                        dot_fma=dot_fma)  # fmt: skip
                 impl.verify.__kwdefaults__["config"] = launch
                 try:
-                    if not kind.startswith("fused"):
+                    if not kind.startswith("fused"):  # the separate step: the variant's verify launch
                         fn = bstep.direct_step(backend, kind)
                         box = [bstep._filled((pool.ssm, pool.tape), args.seed + 7)]
 

@@ -12,6 +12,7 @@ accepted state was written in place (the Pallas kernel's test switches), must be
 
 import dataclasses
 import importlib.util
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -210,6 +211,35 @@ def test_other_launches_of_the_fused_pallas_kernel(fields, dtype, seed):
     want = separate(pool, steps, records, "pallas")
     got = fused(pool, steps, records, "pallas", stacked=True, config=VerifyConfig(**fields))
     assert_bitwise_equal(want, got, f"pools, outputs and tapes with VerifyConfig({fields})")
+
+
+def test_tuned_launches_apply_to_verify_and_the_fused_kernel_alike(monkeypatch, seed):
+    """With no ``config`` the Pallas backend launches :func:`tuned_config` of the shape (its ``TUNED``
+    table, which can change the outputs' low bits): with an entry for two of the decode's three shapes
+    and none for the third, the verify and the fused kernel of each shape take the same launch, so the
+    fused steps still equal the separate ones bit for bit."""
+    pv = sys.modules[VerifyConfig.__module__]  # the module (the package's `verify` is its function)
+    assert pv.tuned_config(25, 4, F32) == VerifyConfig(pending_replay="rows", dot_fma="u")  # the H200's entry
+    assert pv.tuned_config(25, 4, BF16) == VerifyConfig() == pv.tuned_config(8, 16, F32)
+    entry = {"pending_replay": "rows", "dot_fma": "u"}
+    for shape in ((4, 3, "float32"), (5, 4, "float32")):  # _steps' first and last steps; not (4, 2)
+        monkeypatch.setitem(pv.TUNED, shape, entry)
+    seen = []
+
+    def spy(N, D, dtype):
+        seen.append((N, D, pv.TUNED.get((N, D, jnp.dtype(dtype).name))))
+        return tuned(N, D, dtype)
+
+    tuned = pv.tuned_config
+    monkeypatch.setattr(pv, "tuned_config", spy)
+    jax.clear_caches()  # earlier tests' traces of the same shapes hold the launch they resolved
+    steps, records = _steps(seed), ("tuples",) * 3
+    pool = _pool(seed, F32)
+    want = separate(pool, steps, records, "pallas")
+    got = fused(pool, steps, records, "pallas")
+    assert_bitwise_equal(want, got, "pools, outputs and tapes with tuned launches at two of three shapes")
+    assert {(4, 3, entry["pending_replay"]), (5, 4, entry["pending_replay"]), (4, 2, None)} <= {
+        (n, d, e and e["pending_replay"]) for n, d, e in seen}, seen
 
 
 def _triton_other_launches():

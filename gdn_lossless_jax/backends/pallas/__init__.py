@@ -71,8 +71,10 @@ def _form(form: str | None, allowed=FORMS) -> str:
 
 
 def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, slots=None, layer=None, tape=None,
-           tape_layer=None, rows=None, pending=None, form=None, config=VerifyConfig(), pending_control=None, out=None,
+           tape_layer=None, rows=None, pending=None, form=None, config=None, pending_control=None, out=None,
            out_layer=None):  # fmt: skip
+    """See :func:`gdn_lossless_jax.verify`; ``config`` (a :class:`VerifyConfig`) sets the kernel's tile
+    and launch, by default :func:`~gdn_lossless_jax.backends.pallas.verify.tuned_config` of the shape."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
         return _verify(

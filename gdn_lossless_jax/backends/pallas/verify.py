@@ -59,7 +59,7 @@ from .conv import scalar
 from .rounding import ops as rounding_ops
 from .rounding import replay_update
 
-__all__ = ["VerifyConfig", "verify", "ALGORITHMS"]
+__all__ = ["VerifyConfig", "verify", "ALGORITHMS", "TUNED", "tuned_config"]
 
 F32 = jnp.float32
 ALGORITHMS = ("chain", "gram")
@@ -197,6 +197,28 @@ class VerifyConfig:
 
     def fit(self, V: int) -> "VerifyConfig":
         return dataclasses.replace(self, block_v=min(self.block_v, V))
+
+
+#: Launches that beat :class:`VerifyConfig`'s defaults at one shape, by ``(requests N, drafts D, pool
+#: dtype)``: :func:`tuned_config` gives them where no ``config`` is passed. Both differ from the defaults
+#: only in what XLA's build of the fused kernel costs in registers, which no flag caps (ptxas's
+#: ``--maxrregcount`` through XLA changed nothing): at 25 x 4 ``pending_replay="rows"`` with
+#: ``dot_fma="u"`` takes 128 registers a thread (16 one-warp programs an SM) where the defaults take 130
+#: (12); on the H200 (jax 0.11.2) the fused step (unrolled, ``out=``) took 1484 against 1648 us of
+#: device time, the kernel 45.9 against 51.4 us a layer, and the separate step 1903 against 1882
+#: (its verify 31.8 against 31.1 us: the outputs' dot is not fused). The same launch at 8 x 4, 8 x 8
+#: and 8 x 16 took 148 registers and was 4-17% slower (``benchmarks/NOTES.md``, twelfth session).
+#: ``dot_fma`` changes the outputs' low bits, so the verify and the fused kernel of a shape always
+#: take the same entry (the fused step's outputs equal the separate step's).
+TUNED: dict[tuple[int, int, str], dict] = {
+    (25, 4, "float32"): {"pending_replay": "rows", "dot_fma": "u"},
+}
+
+
+def tuned_config(N: int, D: int, dtype) -> VerifyConfig:
+    """:class:`VerifyConfig` with the :data:`TUNED` entry for ``N`` requests of ``D`` drafts on a
+    pool of ``dtype``, or the defaults."""
+    return VerifyConfig(**TUNED.get((int(N), int(D), jnp.dtype(dtype).name), {}))
 
 
 class _Where(NamedTuple):
@@ -718,7 +740,7 @@ def _store_row(ref, w: _Where, idx, value, evict=None):
 @functools.partial(jax.jit, static_argnames=("record", "scale", "out_dtype", "config", "form", "interpret",
                                              "pending_control"))
 def verify(
-    state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, config=VerifyConfig(), form, interpret,
+    state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, config=None, form, interpret,
     slots=None, layer=None, tape=None, tape_layer=None, rows=None, pending=None, pending_control=None, out=None,
     out_layer=None,
 ):  # fmt: skip
@@ -756,7 +778,7 @@ def verify(
     N = q.shape[-4]
     _, _, HV, V, K = state.shape
     layer, tape_layer = scalar(layer), scalar(tape_layer)
-    cfg = config.fit(V)
+    cfg = (tuned_config(N, D, state.dtype) if config is None else config).fit(V)
     if stacked and cfg.algorithm == "gram":  # the Gram prologue reads one layer: slice it out (a copy)
         q, k, v, a, b, A_log, dt_bias = (
             jax.lax.dynamic_index_in_dim(x, layer[0], 0, keepdims=False) if is_stacked(n, x) else x

@@ -43,11 +43,7 @@ except ImportError as e:  # the package still imports; check_available reports t
         constexpr = None
 
 
-__all__ = ["triton", "tl", "libdevice", "IMPORT_ERROR", "jit", "next_power_of_2", "LAUNCHES"]
-
-#: How the kernels launch (``VerifyConfig.launch``, ``CommitConfig.launch``): through jax-triton (a
-#: legacy custom call, outside XLA's CUDA graphs) or as XLA's own Triton custom call (``_xla.py``).
-LAUNCHES = ("jax-triton", "xla")
+__all__ = ["triton", "tl", "libdevice", "IMPORT_ERROR", "jit", "next_power_of_2"]
 
 
 def jit(fn):

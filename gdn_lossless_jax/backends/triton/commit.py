@@ -29,12 +29,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 from ._lang import exp as _exp
 from ._lang import fma as _fma
 from ._lang import from_f32 as _from_f32
-from ._lang import LAUNCHES, jit, next_power_of_2, tl
+from ._lang import jit, next_power_of_2, tl
 from ._lang import to_f32 as _to_f32
 
 __all__ = [
@@ -87,7 +86,6 @@ class CommitConfig:
     block: int = 2048
     copy_warps: int = 4
     evict: str = ""
-    launch: str = os.environ.get("GDN_TRITON_LAUNCH", "jax-triton")
 
 
 @jit
@@ -265,12 +263,12 @@ def _replay(state0, u, k, g, steps, *, config, form):
 
 def _commit_tuples(pool, u, k, g, slots, steps, track_slots, track_steps, rows, *, config, form):
     import jax
-    from ._xla import launch
+    import jax_triton as jt
 
     R, D = u.shape[1], u.shape[2]
     sizes, grid = tuple_launch(pool.shape, k.shape, R, D, slots.shape[0], config)
-    return launch(
-        config.launch, pool, u, k, g, slots, steps, track_slots, track_steps, rows,
+    return jt.triton_call(
+        pool, u, k, g, slots, steps, track_slots, track_steps, rows,
         kernel=commit_tuples_kernel,
         out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
         grid=grid,
@@ -288,12 +286,12 @@ def _commit_tuples(pool, u, k, g, slots, steps, track_slots, track_steps, rows, 
 
 def _commit_snapshots(pool, states, slots, steps, track_slots, track_steps, rows, *, config):
     import jax
-    from ._xla import launch
+    import jax_triton as jt
 
     R, D = states.shape[1], states.shape[2]
     sizes, grid = snapshot_launch(pool.shape, R, D, slots.shape[0], config)
-    return launch(
-        config.launch, pool, states, slots, steps, track_slots, track_steps, rows,
+    return jt.triton_call(
+        pool, states, slots, steps, track_slots, track_steps, rows,
         kernel=commit_snapshots_kernel,
         out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
         grid=grid,

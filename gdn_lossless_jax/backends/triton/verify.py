@@ -44,12 +44,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 from ._lang import exp as _exp
 from ._lang import fma as _fma
 from ._lang import from_f32 as _from_f32
-from ._lang import LAUNCHES, jit, next_power_of_2, tl
+from ._lang import jit, next_power_of_2, tl
 from ._lang import log as _log
 from ._lang import to_f32 as _to_f32
 
@@ -101,7 +100,6 @@ class VerifyConfig:
     prep_heads: int = 2
     prefetch_pending: bool = True
     pending_replay: str = "rows"
-    launch: str = os.environ.get("GDN_TRITON_LAUNCH", "jax-triton")
 
     def __post_init__(self):
         if self.order not in (None, *ORDERS):
@@ -109,8 +107,6 @@ class VerifyConfig:
         if self.pending_replay not in PENDING_REPLAYS:
             raise ValueError(f"VerifyConfig: pending_replay must be one of {PENDING_REPLAYS}, "
                              f"got {self.pending_replay!r}")
-        if self.launch not in LAUNCHES:
-            raise ValueError(f"VerifyConfig: launch must be one of {LAUNCHES}, got {self.launch!r}")
         if self.evict not in ("", "evict_first", "evict_last"):
             raise ValueError(f"VerifyConfig: evict must be '', 'evict_first' or 'evict_last', got {self.evict!r}")
         for name in ("block_v", "num_warps", "k_chunk", "prep_heads"):
@@ -565,7 +561,7 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
             record, scale, out_dtype, config):  # fmt: skip
     import jax
     import jax.numpy as jnp
-    from ._xla import launch
+    import jax_triton as jt
 
     i32, f32 = jnp.int32, jnp.float32
     if slots is None:  # the state0 form: a one-layer pool whose slot n is request n
@@ -594,8 +590,8 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
         bufs_out = [jax.ShapeDtypeStruct(tape.k.shape, f32), jax.ShapeDtypeStruct(tape.g.shape, f32)]
     else:
         buf_sizes, bufs_in, bufs_out = {}, (dummy, dummy), [unused, unused]
-    qn, kn, g, beta, kbuf, gbuf = launch(
-        config.launch, q, k, a, b, A_log, dt_bias, layer, rows, tape_layer, *bufs_in,
+    qn, kn, g, beta, kbuf, gbuf = jt.triton_call(
+        q, k, a, b, A_log, dt_bias, layer, rows, tape_layer, *bufs_in,
         kernel=verify_prep_kernel,
         out_shape=[jax.ShapeDtypeStruct((N, D, H, K), f32)] * 2 + [jax.ShapeDtypeStruct((N, D, HV), f32)] * 2 + bufs_out,
         grid=grid,
@@ -647,8 +643,8 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
     if out is not None:
         aliases[len(inputs) - 1] = 0  # the outputs buffer, the last input
     sizes, grid = launch_sizes(state.shape, q.shape[-4:], config, record)
-    out, snap, u, new_pool = launch(
-        config.launch, *inputs,
+    out, snap, u, new_pool = jt.triton_call(
+        *inputs,
         kernel=verify_kernel,
         out_shape=out_shape,
         grid=grid,
