@@ -143,7 +143,8 @@ class VerifyConfig:
     after a barrier (in ``_kernel``). The Triton backend's kernel gains 7-14% from it;
     XLA's build of this one takes 130 registers (12 warps an SM; 128 and below: 16), and it was
     faster only at 25 x 4 (49.7 against 51.5 us a layer), slower at 8 x 16 (46.1 against 39.9)
-    and 8 x 8 (``benchmarks/NOTES.md``, eleventh session).
+    and 8 x 8 (``benchmarks/NOTES.md``, eleventh session). With ``dot_fma="u"`` it takes 128 at
+    25 x 4 and 45.9 us: the launch of :data:`TUNED` there.
     ``pending_slice_v``: the fused tuple kernel reads one layer's ``v`` sliced out by XLA (a
     copy of ~2 us and one more launch a layer) rather than the stack at the layer. Reading the
     stack was 22% slower while the fused kernel took 168 registers; at 128-130 it costs up to
