@@ -391,13 +391,13 @@ def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: in
                      "unrolled-nocb") if f in kinds}  # fmt: skip
     s = inp.shape  # the outputs buffer of the -out rows, made only when one runs
     o_box = [_filled(jax.ShapeDtypeStruct((L, s.N, s.D, s.HV, s.V), inp.qkv["q"].dtype), seed + 9)
-             if any("-out" in k for k in kinds) else None]  # fmt: skip
+             if any(k.endswith("-out") for k in kinds) else None]  # fmt: skip
 
     def run_direct(form):
         def run():
             lists = form == "unrolled-lists"
             src = (inp.layers["params"], inp.layers["qkv"]) if lists else (inp.params, inp.qkv)
-            obuf = o_box if "-out" in form else []  # the outputs buffer, donated and returned
+            obuf = o_box if form.endswith("-out") else []  # the outputs buffer, donated and returned
             outs, ssm, tape = fns[form](*d_box[0], *src, next_ix(), *obuf)
             if obuf:
                 o_box[0] = outs

@@ -224,13 +224,12 @@ def test_tuned_launches_apply_to_verify_and_the_fused_kernel_alike(monkeypatch, 
     entry = {"pending_replay": "rows", "dot_fma": "u"}
     for shape in ((4, 3, "float32"), (5, 4, "float32")):  # _steps' first and last steps; not (4, 2)
         monkeypatch.setitem(pv.TUNED, shape, entry)
-    seen = []
+    seen, tuned = [], pv.tuned_config
 
-    def spy(N, D, dtype):
+    def spy(N, D, dtype):  # records which entry each trace took
         seen.append((N, D, pv.TUNED.get((N, D, jnp.dtype(dtype).name))))
         return tuned(N, D, dtype)
 
-    tuned = pv.tuned_config
     monkeypatch.setattr(pv, "tuned_config", spy)
     jax.clear_caches()  # earlier tests' traces of the same shapes hold the launch they resolved
     steps, records = _steps(seed), ("tuples",) * 3

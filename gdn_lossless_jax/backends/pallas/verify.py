@@ -201,16 +201,17 @@ class VerifyConfig:
 
 
 #: Launches that beat :class:`VerifyConfig`'s defaults at one shape, by ``(requests N, drafts D, pool
-#: dtype)``: :func:`tuned_config` gives them where no ``config`` is passed. Both differ from the defaults
-#: only in what XLA's build of the fused kernel costs in registers, which no flag caps (ptxas's
-#: ``--maxrregcount`` through XLA changed nothing): at 25 x 4 ``pending_replay="rows"`` with
-#: ``dot_fma="u"`` takes 128 registers a thread (16 one-warp programs an SM) where the defaults take 130
-#: (12); on the H200 (jax 0.11.2) the fused step (unrolled, ``out=``) took 1484 against 1648 us of
-#: device time, the kernel 45.9 against 51.4 us a layer, and the separate step 1903 against 1882
-#: (its verify 31.8 against 31.1 us: the outputs' dot is not fused). The same launch at 8 x 4, 8 x 8
-#: and 8 x 16 took 148 registers and was 4-17% slower (``benchmarks/NOTES.md``, twelfth session).
-#: ``dot_fma`` changes the outputs' low bits, so the verify and the fused kernel of a shape always
-#: take the same entry (the fused step's outputs equal the separate step's).
+#: dtype)``: :func:`tuned_config` gives them where no ``config`` is passed. An entry computes what the
+#: defaults compute (up to the outputs' low bits, through ``dot_fma``); it differs in the registers
+#: XLA's build of the fused kernel takes, which no flag caps (ptxas's ``--maxrregcount`` through XLA
+#: changed nothing). At 25 x 4 ``pending_replay="rows"`` with ``dot_fma="u"`` takes 128 registers a
+#: thread (16 one-warp programs an SM) where the defaults take 130 (12); on the H200 (jax 0.11.2) the
+#: fused step (unrolled, ``out=``) took 1484 against 1648 us of device time, the kernel 45.9 against
+#: 51.4 us a layer, and the separate step 1903 against 1882 (its verify 31.8 against 31.1 us: the
+#: outputs' dot is not fused). The same launch at 8 x 4, 8 x 8 and 8 x 16 took 148 registers and was
+#: 4-17% slower (``benchmarks/NOTES.md``, twelfth session). Because ``dot_fma`` changes the outputs'
+#: low bits, the verify and the fused kernel of a shape always take the same entry (the fused step's
+#: outputs equal the separate step's).
 TUNED: dict[tuple[int, int, str], dict] = {
     (25, 4, "float32"): {"pending_replay": "rows", "dot_fma": "u"},
 }
