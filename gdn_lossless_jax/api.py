@@ -26,7 +26,8 @@ STATE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 def _shape(x) -> tuple[int, ...]:
-    return tuple(np.shape(x))
+    shape = getattr(x, "shape", None)  # arrays, tracers and ShapeDtypeStructs: their own tuple (no NumPy call)
+    return shape if type(shape) is tuple else tuple(np.shape(x))
 
 
 def _fmt(shape) -> str:
@@ -38,11 +39,16 @@ def _dtype(x):
 
 
 def _is_float(x) -> bool:
-    return jnp.issubdtype(_dtype(x), jnp.floating)
+    d = _dtype(x)  # NumPy's own kinds answer at once; the rest (bfloat16, float8, int4: kind V) ask JAX
+    return d.kind == "f" if getattr(d, "kind", "V") in "biuf" else jnp.issubdtype(d, jnp.floating)
 
 
 def _is_int(x) -> bool:
-    return jnp.issubdtype(_dtype(x), jnp.integer)
+    d = _dtype(x)
+    return d.kind in "iu" if getattr(d, "kind", "V") in "biuf" else jnp.issubdtype(d, jnp.integer)
+
+
+_INT32 = np.dtype(np.int32)  # compared as a NumPy dtype (against jnp.int32, a scalar type, it costs a hash)
 
 
 def as_index(x):
@@ -56,7 +62,7 @@ def as_index(x):
     iteration (XLA does not hoist it), and XLA re-records a loop body's graph every iteration
     anyway."""
     if isinstance(x, jax.Array):
-        x = x if x.dtype == jnp.int32 else x.astype(jnp.int32)
+        x = x if x.dtype == _INT32 else x.astype(jnp.int32)
         here = isinstance(x, jax.core.Tracer) and x.ndim >= 1 and _STAGING.get() and _traced_here(x)
         return staged(x) if here else x
     return np.asarray(x, np.int32)
