@@ -27,7 +27,8 @@ from benchmarks import cases as bc
 from benchmarks import step as bstep
 from benchmarks.devtime import device_time
 from gdn_lossless_jax.backends import pallas as gp
-from gdn_lossless_jax.backends.pallas.verify import DOT_FMA, PENDING_REPLAYS, VerifyConfig
+from gdn_lossless_jax.backends.pallas.verify import PENDING_REPLAYS, VerifyConfig
+from variants import verify_config
 
 T0 = time.perf_counter()
 
@@ -46,8 +47,9 @@ def main(argv=None) -> int:
                         "decode, to see what their swap costs), pair (one executable per parity of the step), "
                         "triton (the Triton backend's kernels instead of Pallas': a pending_replay of its own, "
                         "rows or split), pf (with triton: VerifyConfig.prefetch_pending=True; without it False), "
-                        "lq (Pallas: prefetch_q=False, each step's q loaded in that step), df-none / df-u / df-both "
-                        "(Pallas: that dot_fma), tuned (Pallas: the backend's default, tuned_config of the shape)")
+                        "lq (Pallas: prefetch_q=False, each step's q loaded in that step), tuned (Pallas: the "
+                        "backend's default, tuned_config of the shape), and scripts/variants.py's tags (Pallas: "
+                        "dfn / dfu / dfb for a dot_fma, kcN, ...)")
     p.add_argument("--records", default="tuples", help="record modes of the step (the pending tape's too)")
     p.add_argument("--calls", type=int, default=4, help="steps per traced invocation")
     p.add_argument("--invocations", type=int, default=3)
@@ -77,10 +79,9 @@ def main(argv=None) -> int:
                 else:
                     replay = next((t for t in tags if t in PENDING_REPLAYS), default.pending_replay)
                     impl, saved = gp, gp.verify.__kwdefaults__["config"]
-                    dot_fma = next((d for d in DOT_FMA if f"df-{d}" in tags), default.dot_fma)
-                    launch = None if "tuned" in tags else VerifyConfig(
-                        pending_replay=replay, pending_slice_v="slice" in tags, prefetch_q="lq" not in tags,
-                        dot_fma=dot_fma)  # fmt: skip
+                    # scripts/variants.py's tags apply too (dfu: dot_fma="u", kcN, ...)
+                    launch = None if "tuned" in tags else verify_config(
+                        tags, pending_replay=replay, pending_slice_v="slice" in tags, prefetch_q="lq" not in tags)
                 impl.verify.__kwdefaults__["config"] = launch
                 try:
                     if not kind.startswith("fused"):  # the separate step: the variant's verify launch
