@@ -23,8 +23,9 @@ A variant is ``REQUESTSxDRAFTS:RECORD:BLOCK_V:NUM_WARPS[:TAG...]``, with the tag
 ``scripts/variants.py`` (``gram``, ``one_pass``, ``kcN``, ``unN``, ``nsN``, ``noef``, ``lq``, ``mma``, ``prc``...), ``portable``
 and ``pend`` (the fused kernel: a pending tuple commit applied first, ``commit_and_verify``).
 Prefixed with ``triton:``, it is the triton backend's chain kernel instead (tags of
-``variants.triton_verify_config``), compiled from its source by the Triton Python, with jax-triton's
-16-byte pointer alignment and fp fusion off (its prologue is not counted);
+``variants.triton_verify_config``, and ``pend``: its fused kernel), compiled from its source by the Triton Python,
+with jax-triton's 16-byte pointer alignment, fp fusion off and ``maxnreg`` where ``mrN`` asks (its prologue is not
+counted);
 ``k_chunk`` and ``unroll`` default to ``VerifyConfig``'s (the counts in results before the fourth
 session were taken with the whole-K tile, ``kc128``, and all steps unrolled). A loop's body is
 counted once: the bounds of a looped chain (``unroll`` < D) are per loop body, not per launch.
@@ -63,10 +64,14 @@ for v in json.load(open(os.path.join(work, "index.json"))):
         V_ = importlib.import_module("gdn_triton_kernels.verify")
         sizes, _ = V_.launch_sizes(tuple(t["state"]), tuple(t["q"]), V_.VerifyConfig(**t["config"]), t["record"])
         consts = dict(sizes, SNAPSHOTS=t["record"] == "snapshots", EVICT=t["config"]["evict"], INTERPRET=False,
-                      DMAX=t["q"][1])  # fmt: skip
+                      DMAX=t["q"][1], **t.get("pending", {}))  # fmt: skip
         sig = {"state_ptr": "*fp32", "slots_ptr": "*i32", "layer_ptr": "*i32", "tape_layer_ptr": "*i32", "qn_ptr": "*fp32", "kn_ptr": "*fp32",
                "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*fp32", "rows_ptr": "*i32", "buf_in_ptr": "*fp32",
-               "out_ptr": "*bf16", "snap_ptr": "*fp32", "u_ptr": "*fp32"}  # fmt: skip
+               "prows_ptr": "*i32", "psteps_ptr": "*i32", "ptslots_ptr": "*i32", "ptsteps_ptr": "*i32", "player_ptr": "*i32",
+               "pu_ptr": "*fp32", "pk_ptr": "*fp32", "pg_ptr": "*fp32", "pstates_ptr": "*fp32", "out_layer_ptr": "*i32",
+               "out_in_ptr": "*bf16", "out_ptr": "*bf16", "snap_ptr": "*fp32", "u_ptr": "*fp32", "pool_out_ptr": "*fp32"}  # fmt: skip
+        if t["config"].get("max_registers"):  # what the backend's _with_maxnreg adds to jax-triton's build
+            opts["maxnreg"] = t["config"]["max_registers"]
         attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(sig))}  # 16-byte aligned pointers
         src = ASTSource(V_.verify_kernel, signature=dict(sig, **{c: "constexpr" for c in consts}), constexprs=consts,
                         attrs=attrs)
@@ -117,6 +122,11 @@ def lower(variants, work: Path) -> None:
             cfg = triton_verify_config(parts[5:], block_v=int(bv), num_warps=int(w))
             triton = {"state": [N, 32, 128, 128], "q": [N, D, 16, 128], "record": record,
                       "config": dataclasses.asdict(cfg)}
+            if "pend" in parts[5:]:  # the fused kernel: a pending tuple commit of D steps (as the wrapper sizes it)
+                from gdn_lossless_jax.backends.triton.verify import next_power_of_2 as p2
+
+                triton["pending"] = dict(PENDING=1, PR=N, PD=D, PREFETCH=cfg.prefetch_pending, PDP=p2(D), KL=p2(4),
+                                         ROWS=cfg.pending_replay == "rows", KP=128)  # fmt: skip
             index.append({"name": spec.replace(":", "_"), "spec": spec, "num_warps": int(w),
                           "num_stages": cfg.num_stages, "warps": N * 32 * (128 // int(bv)) * int(w), "triton": triton})
             continue

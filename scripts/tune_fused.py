@@ -28,7 +28,7 @@ from benchmarks import step as bstep
 from benchmarks.devtime import device_time
 from gdn_lossless_jax.backends import pallas as gp
 from gdn_lossless_jax.backends.pallas.verify import PENDING_REPLAYS, VerifyConfig
-from variants import verify_config
+from variants import triton_verify_config, verify_config
 
 T0 = time.perf_counter()
 
@@ -46,7 +46,8 @@ def main(argv=None) -> int:
                         "XLA), fixed (the two tapes keep their roles between calls: the same work, wrong for a "
                         "decode, to see what their swap costs), pair (one executable per parity of the step), "
                         "triton (the Triton backend's kernels instead of Pallas': a pending_replay of its own, "
-                        "rows or split), pf (with triton: VerifyConfig.prefetch_pending=True; without it False), "
+                        "rows or split), npf (with triton: VerifyConfig.prefetch_pending=False), mrN (with triton: "
+                        "max_registers=N; bvN: block_v=N), "
                         "lq (Pallas: prefetch_q=False, each step's q loaded in that step), tuned (Pallas: the "
                         "backend's default, tuned_config of the shape), and scripts/variants.py's tags (Pallas: "
                         "dfn / dfu / dfb for a dot_fma, kcN, ...)")
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
 
                     impl, saved = gt, gt.verify.__kwdefaults__["config"]
                     replay = next((t for t in tags if t in TRITON_REPLAYS), gt.VerifyConfig().pending_replay)
-                    launch = gt.VerifyConfig(prefetch_pending="pf" in tags, pending_replay=replay)
+                    launch = triton_verify_config(tags, pending_replay=replay, prefetch_pending="npf" not in tags)
                 else:
                     replay = next((t for t in tags if t in PENDING_REPLAYS), default.pending_replay)
                     impl, saved = gp, gp.verify.__kwdefaults__["config"]

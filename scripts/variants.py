@@ -19,12 +19,12 @@ _REPLAYS = {"prc": {"pending_replay": "carry"}, "prs": {"pending_replay": "split
 
 def _apply(tags, fields: dict, named: dict, numbered) -> dict:
     """``fields`` with each tag applied in turn: a name from ``named`` (its field values), or a
-    prefix from ``numbered`` followed by a number; other tags are ignored."""
+    prefix from ``numbered`` (prefix -> field) followed by a number; other tags are ignored."""
     for tag in tags:
         if tag in named:
             fields.update(named[tag])
         elif tag[:2] in numbered and tag[2:].isdigit():
-            fields[_NUMBERED[tag[:2]]] = int(tag[2:])
+            fields[numbered[tag[:2]]] = int(tag[2:])
     return fields
 
 
@@ -38,10 +38,12 @@ def verify_config(tags, **fields):
 
 def triton_verify_config(tags, **fields):
     """The triton backend's :class:`VerifyConfig` with the tags that apply to it (``kcN``, ``nsN``,
-    ``phN``, ``tf`` / ``rf``, ``noef`` (``evict=""``))."""
+    ``phN``, ``mrN`` (``max_registers=N``), ``bvN`` (``block_v=N``), ``tf`` / ``rf``, ``noef`` (``evict=""``), ``prs`` / ``prr``)."""
     from gdn_lossless_jax.backends.triton import VerifyConfig
 
-    return VerifyConfig(**_apply(tags, fields, {"noef": {"evict": ""}, **_ORDERS}, ("kc", "ns", "ph")))
+    numbered = {k: _NUMBERED[k] for k in ("kc", "ns", "ph")} | {"mr": "max_registers", "bv": "block_v"}
+    named = {"noef": {"evict": ""}, "prs": {"pending_replay": "split"}, "prr": {"pending_replay": "rows"}, **_ORDERS}
+    return VerifyConfig(**_apply(tags, fields, named, numbered))
 
 
 def commit_case(N: int, D: int, layers: int = 30):
