@@ -24,8 +24,7 @@ A variant is ``REQUESTSxDRAFTS:RECORD:BLOCK_V:NUM_WARPS[:TAG...]``, with the tag
 and ``pend`` (the fused kernel: a pending tuple commit applied first, ``commit_and_verify``).
 Prefixed with ``triton:``, it is the triton backend's chain kernel instead (tags of
 ``variants.triton_verify_config``, and ``pend``: its fused kernel), compiled from its source by the Triton Python,
-with jax-triton's 16-byte pointer alignment, fp fusion off and ``maxnreg`` where ``mrN`` asks (its prologue is not
-counted);
+with jax-triton's 16-byte pointer alignment and fp fusion off (its prologue is not counted);
 ``k_chunk`` and ``unroll`` default to ``VerifyConfig``'s (the counts in results before the fourth
 session were taken with the whole-K tile, ``kc128``, and all steps unrolled). A loop's body is
 counted once: the bounds of a looped chain (``unroll`` < D) are per loop body, not per launch.
@@ -70,8 +69,6 @@ for v in json.load(open(os.path.join(work, "index.json"))):
                "prows_ptr": "*i32", "psteps_ptr": "*i32", "ptslots_ptr": "*i32", "ptsteps_ptr": "*i32", "player_ptr": "*i32",
                "pu_ptr": "*fp32", "pk_ptr": "*fp32", "pg_ptr": "*fp32", "pstates_ptr": "*fp32", "out_layer_ptr": "*i32",
                "out_in_ptr": "*bf16", "out_ptr": "*bf16", "snap_ptr": "*fp32", "u_ptr": "*fp32", "pool_out_ptr": "*fp32"}  # fmt: skip
-        if t["config"].get("max_registers"):  # what the backend's _with_maxnreg adds to jax-triton's build
-            opts["maxnreg"] = t["config"]["max_registers"]
         attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(sig))}  # 16-byte aligned pointers
         src = ASTSource(V_.verify_kernel, signature=dict(sig, **{c: "constexpr" for c in consts}), constexprs=consts,
                         attrs=attrs)

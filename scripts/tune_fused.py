@@ -46,8 +46,8 @@ def main(argv=None) -> int:
                         "XLA), fixed (the two tapes keep their roles between calls: the same work, wrong for a "
                         "decode, to see what their swap costs), pair (one executable per parity of the step), "
                         "triton (the Triton backend's kernels instead of Pallas': a pending_replay of its own, "
-                        "rows or split), npf (with triton: VerifyConfig.prefetch_pending=False), mrN (with triton: "
-                        "max_registers=N; bvN: block_v=N), "
+                        "rows or split), npf (with triton: VerifyConfig.prefetch_pending=False), bvN (with triton: "
+                        "block_v=N), "
                         "lq (Pallas: prefetch_q=False, each step's q loaded in that step), tuned (Pallas: the "
                         "backend's default, tuned_config of the shape), and scripts/variants.py's tags (Pallas: "
                         "dfn / dfu / dfb for a dot_fma, kcN, ...)")

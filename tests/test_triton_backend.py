@@ -192,7 +192,6 @@ VERIFY_CONFIGS = [
     {"block_v": 128, "num_warps": 8},
     {"order": "tiles", "evict": "", "prep_heads": 16},
     {"order": "requests", "prep_heads": 1, "num_stages": 2},
-    {"max_registers": 80},  # spills to local memory: the same arithmetic
 ]
 
 
@@ -258,8 +257,6 @@ def test_commit_reads_the_tape_pitch_from_its_shape(seed):
         ({"prep_heads": 3}, "prep_heads must be a power of 2, got 3"),
         ({"order": "heads"}, "order must be None or one of ('requests', 'tiles'), got 'heads'"),
         ({"evict": "evict_never"}, "evict must be '', 'evict_first' or 'evict_last', got 'evict_never'"),
-        ({"max_registers": 16}, "max_registers must be None or in [24, 255], got 16"),
-        ({"max_registers": 256}, "max_registers must be None or in [24, 255], got 256"),
     ],
 )
 def test_verify_config_rejects_bad_fields(fields, needle):
@@ -291,40 +288,3 @@ def test_verify_launch_sizes():
     assert grid == (25, 4, 8) and (sizes["PH"], sizes["BR"], sizes["BK"]) == (2, 4, 128)
     sizes, grid = prep_launch((5, 3, 3, 24), 6, VerifyConfig(prep_heads=4))
     assert grid == (5, 3, 1) and (sizes["PH"], sizes["BR"], sizes["BK"]) == (4, 8, 32)
-
-
-def test_max_registers_reaches_tritons_build(monkeypatch):
-    """``VerifyConfig.max_registers`` reaches Triton's ``maxnreg`` option through jax-triton's build
-    (which passes Triton only its launch parameters): a kernel launched with ``MAXNREG`` > 0 is
-    built by a backend whose options carry it; one without is built as before. jax-triton is
-    stood in for by a module of the same name, so this runs on the CPU too."""
-    import importlib
-    import sys
-    import types
-
-    tv = importlib.import_module("gdn_lossless_jax.backends.triton.verify")  # the package's `verify` is a function
-
-    seen = []
-
-    class Backend:
-        def parse_options(self, opts):
-            seen.append(opts)
-            return opts
-
-    def build(backend_init_func, platform, fn, *args, metaparams, **kwargs):  # jax-triton's signature, in short
-        return backend_init_func(0, 90).parse_options({"num_warps": 1})
-
-    lib = types.SimpleNamespace(get_or_create_triton_kernel=build)
-    monkeypatch.setitem(sys.modules, "jax_triton", types.SimpleNamespace(triton_lib=lib))
-    monkeypatch.setitem(sys.modules, "jax_triton.triton_lib", lib)
-    tv._with_maxnreg.cache_clear()
-    try:
-        tv._with_maxnreg()
-        tv._with_maxnreg()  # installed once
-        wrapped = lib.get_or_create_triton_kernel
-        assert wrapped is not build and wrapped.__wrapped__ is build
-        assert wrapped(lambda *a: Backend(), "cuda", None, metaparams={"MAXNREG": 96}) == {"num_warps": 1, "maxnreg": 96}
-        assert wrapped(lambda *a: Backend(), "cuda", None, metaparams={"MAXNREG": 0}) == {"num_warps": 1}
-        assert wrapped(lambda *a: Backend(), "cuda", None, metaparams={}) == {"num_warps": 1}
-    finally:
-        tv._with_maxnreg.cache_clear()

@@ -89,12 +89,6 @@ class VerifyConfig:
         made the fused step (unrolled, ``out=``) 7% faster at 25 x 4 (1497 against 1613 us of
         device time) and 14% at 8 x 16 (1278 against 1484). Loading the replay's steps ahead
         (all of them first, or one step ahead) changed nothing.
-      max_registers: a cap on the chain kernel's registers a thread (PTX ``.maxnreg``, Triton's
-        ``maxnreg`` option, which jax-triton 0.3.1 does not pass on: :func:`_with_maxnreg` adds
-        it to the kernel's build). None: ptxas chooses. An SM's warp schedulers hold whole warps
-        out of 16K registers each, so below 128, 96, 80 and 64 a thread they hold 4, 5, 6 and 8
-        one-warp programs; values ptxas cannot meet spill to local memory. The arithmetic does
-        not change, so the outputs and the tape do not either.
     """
 
     block_v: int = 8
@@ -106,11 +100,8 @@ class VerifyConfig:
     prep_heads: int = 2
     prefetch_pending: bool = True
     pending_replay: str = "rows"
-    max_registers: int | None = None
 
     def __post_init__(self):
-        if self.max_registers is not None and not 24 <= self.max_registers <= 255:
-            raise ValueError(f"VerifyConfig: max_registers must be None or in [24, 255], got {self.max_registers!r}")
         if self.order not in (None, *ORDERS):
             raise ValueError(f"VerifyConfig: order must be None or one of {ORDERS}, got {self.order!r}")
         if self.pending_replay not in PENDING_REPLAYS:
@@ -445,7 +436,6 @@ def verify_kernel(
     KL: tl.constexpr = 1,  # the 128-byte lines of a k row, rounded up to a power of two (PREFETCH)
     XN: tl.constexpr = 0,  # v stacked over layers: its requests per layer (0: not stacked)
     ON: tl.constexpr = 0,  # the outputs go to [out_layer, n] of a buffer of ON requests (0: fresh outputs)
-    MAXNREG: tl.constexpr = 0,  # VerifyConfig.max_registers (0: none); read by _with_maxnreg, not by the body
 ):
     if TILES_FIRST:
         i_v = tl.program_id(0)
@@ -538,30 +528,6 @@ def prep_launch(q_shape, HV: int, config: VerifyConfig):
     PH = min(config.prep_heads, next_power_of_2(H))
     sizes = {"H": H, "HV": HV, "K": K, "BK": next_power_of_2(K), "PH": PH, "BR": next_power_of_2(PH * (HV // H))}
     return sizes, (N, D, -(-H // PH))
-
-
-@functools.cache
-def _with_maxnreg() -> None:
-    """Make jax-triton build a kernel launched with a ``MAXNREG`` constexpr > 0 with Triton's
-    ``maxnreg`` option (jax-triton 0.3.1 passes Triton only its launch parameters). The
-    constexpr is part of jax-triton's cache key, so capped and uncapped builds never mix."""
-    from jax_triton import triton_lib
-
-    build = triton_lib.get_or_create_triton_kernel
-
-    @functools.wraps(build)
-    def get_or_create_triton_kernel(backend_init_func, *args, metaparams, **kwargs):
-        cap = metaparams.get("MAXNREG", 0)
-        if cap:
-            def backend_init_func(*a, _init=backend_init_func):  # noqa: ANN202
-                backend = _init(*a)
-                parse = backend.parse_options
-                backend.parse_options = lambda opts: parse({**opts, "maxnreg": cap})
-                return backend
-
-        return build(backend_init_func, *args, metaparams=metaparams, **kwargs)
-
-    triton_lib.get_or_create_triton_kernel = get_or_create_triton_kernel
 
 
 @functools.cache
@@ -677,8 +643,6 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
     if out is not None:
         aliases[len(inputs) - 1] = 0  # the outputs buffer, the last input
     sizes, grid = launch_sizes(state.shape, q.shape[-4:], config, record)
-    if config.max_registers:
-        _with_maxnreg()
     out, snap, u, new_pool = jt.triton_call(
         *inputs,
         kernel=verify_kernel,
@@ -697,7 +661,6 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
         INTERPRET=False,
         XN=N if v.ndim == 5 else 0,
         ON=0 if out is None else N,
-        MAXNREG=config.max_registers or 0,
     )  # fmt: skip
     fields = (snap,) if snapshots else ((u, kbuf, gbuf) if into else (u, kn, g))
     return (out, fields) if pending is None else (out, fields, new_pool)
