@@ -250,7 +250,7 @@ def run_kernels(spec: CaseSpec, work: Path):
         record = "snapshots" if snapshots else "tuples"
         sizes, grid = V_.launch_sizes(tuple(T["pool"].shape), tuple(x["q"].shape), cfg, record)
         V_.verify_kernel[grid](T["pool"], slots_t, lay, lay, qn, kt, x["v"], g, beta, rows_t, buf, *[rows_t] * 4, lay,
-                               *[unused] * 4, o, snap, u, unused, **sizes,
+                               *[unused] * 4, lay, unused, o, snap, u, unused, **sizes,
                                **(buf_sizes or dict(DMAX=D)), SNAPSHOTS=snapshots, EVICT=cfg.evict,
                                INTERPRET=True)  # fmt: skip
         return o, (snap,) if snapshots else (u, kt, g)
@@ -411,7 +411,7 @@ def compile_kernels() -> None:
                    "kn_ptr": "*fp32", "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*fp32", "rows_ptr": "*i32",
                    "buf_in_ptr": "*fp32", "prows_ptr": "*i32", "psteps_ptr": "*i32", "ptslots_ptr": "*i32",
                    "ptsteps_ptr": "*i32", "player_ptr": "*i32", "pu_ptr": "*fp32", "pk_ptr": "*fp32", "pg_ptr": "*fp32",
-                   "pstates_ptr": f"*{state}", "out_ptr": "*bf16", "snap_ptr": f"*{state}" if snapshots else "*fp32",
+                   "pstates_ptr": f"*{state}", "out_layer_ptr": "*i32", "out_in_ptr": "*bf16", "out_ptr": "*bf16", "snap_ptr": f"*{state}" if snapshots else "*fp32",
                    "u_ptr": "*fp32", "pool_out_ptr": f"*{state}"}  # fmt: skip
             mode = "snapshots" if snapshots else "tuples"
             sizes, _ = V_.launch_sizes((1, N, HV, Vd, K), (N, D, H, K), vcfg, mode)

@@ -192,6 +192,10 @@ VERIFY_CONFIGS = [
     {"block_v": 128, "num_warps": 8},
     {"order": "tiles", "evict": "", "prep_heads": 16},
     {"order": "requests", "prep_heads": 1, "num_stages": 2},
+    {"chain": "chunks"},
+    {"chain": "chunks", "block_v": 16, "num_warps": 2},
+    {"chain": "rows", "block_v": 32},
+    {"chain": "rows", "block_v": 4, "order": "tiles"},
 ]
 
 
@@ -257,6 +261,7 @@ def test_commit_reads_the_tape_pitch_from_its_shape(seed):
         ({"prep_heads": 3}, "prep_heads must be a power of 2, got 3"),
         ({"order": "heads"}, "order must be None or one of ('requests', 'tiles'), got 'heads'"),
         ({"evict": "evict_never"}, "evict must be '', 'evict_first' or 'evict_last', got 'evict_never'"),
+        ({"chain": "lanes"}, "chain must be one of ('chunks', 'rows'), got 'lanes'"),
     ],
 )
 def test_verify_config_rejects_bad_fields(fields, needle):
@@ -271,7 +276,8 @@ def test_verify_config_rejects_bad_fields(fields, needle):
 def test_verify_launch_sizes():
     """The grids and constexpr sizes, computed without Triton: tiles first for snapshots and
     requests first for tuples unless ``order`` says otherwise; chunks and tiles that overhang
-    K and V round up (the kernel masks them); the prologue's head groups."""
+    K and V round up (the kernel masks them); the rows chain's lanes (at most 32, and a
+    program's rows at most its lanes); the prologue's head groups."""
     from gdn_lossless_jax.backends.triton.verify import VerifyConfig, launch_sizes, prep_launch
 
     state, q = (25, 32, 128, 128), (25, 4, 16, 128)
@@ -284,6 +290,13 @@ def test_verify_launch_sizes():
     sizes, grid = launch_sizes((5, 6, 20, 24), (5, 3, 2, 24), VerifyConfig(), "tuples")
     assert grid == (5, 6, 3) and (sizes["C"], sizes["NC"], sizes["BV"]) == (16, 2, 8)
     assert launch_sizes((1, 2, 4, 8), (1, 1, 1, 8), VerifyConfig(block_v=32, k_chunk=64))[0]["BV"] == 4
+    rows = lambda **f: launch_sizes(state, q, VerifyConfig(chain="rows", **f))[0]  # noqa: E731
+    assert {k: rows()[k] for k in ("LANES", "KP", "LOG_E", "LOG_BV", "LOG_G")} == dict(LANES=32, KP=128, LOG_E=2,
+                                                                                      LOG_BV=3, LOG_G=2)  # fmt: skip
+    assert rows(block_v=64)["BV"] == 32 and rows(block_v=64)["LOG_G"] == 0  # at most a row a lane
+    small = launch_sizes((1, 2, 20, 12), (1, 1, 1, 12), VerifyConfig(chain="rows", block_v=32))
+    assert small[0]["LANES"] == 16 and small[0]["BV"] == 16 and small[0]["LOG_E"] == 0 and small[1] == (1, 2, 2)
+    assert "LANES" not in launch_sizes(state, q, VerifyConfig(chain="chunks"))[0]
     sizes, grid = prep_launch(q, 32, VerifyConfig())
     assert grid == (25, 4, 8) and (sizes["PH"], sizes["BR"], sizes["BK"]) == (2, 4, 128)
     sizes, grid = prep_launch((5, 3, 3, 24), 6, VerifyConfig(prep_heads=4))

@@ -56,6 +56,7 @@ __all__ = ["VerifyConfig", "verify", "verify_kernel", "verify_prep_kernel", "lau
 
 ORDERS = ("requests", "tiles")
 PENDING_REPLAYS = ("rows", "split")
+CHAINS = ("chunks", "rows")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +90,15 @@ class VerifyConfig:
         made the fused step (unrolled, ``out=``) 7% faster at 25 x 4 (1497 against 1613 us of
         device time) and 14% at 8 x 16 (1278 against 1484). Loading the replay's steps ahead
         (all of them first, or one step ahead) changed nothing.
+      chain: the layout of the chain's state tile. ``"chunks"``: ``[BV, K / C, C]`` chunks with 8
+        lanes across the rows and 4 across the columns, so a reduction over K ends in 2 shuffle
+        levels, but every step's q and k are loaded once a row (32 registers a lane each, a
+        copy in each of 8 lanes). ``"rows"``: a ``[BV, K]`` tile with the 32 lanes across K, the
+        rows in registers (a step's q and k are 4 registers a lane, loaded once); its reductions
+        send half of a lane's rows at each butterfly level (:func:`_row_sums`). With ``"rows"``
+        a pending tuple commit is always replayed on that tile (``pending_replay`` is not read)
+        and the state handed to the chain in registers. ``u`` and the outputs differ between the
+        two in their low bits (the reductions' order); the tape replays exactly either way.
     """
 
     block_v: int = 8
@@ -100,8 +110,11 @@ class VerifyConfig:
     prep_heads: int = 2
     prefetch_pending: bool = True
     pending_replay: str = "rows"
+    chain: str = "rows"
 
     def __post_init__(self):
+        if self.chain not in CHAINS:
+            raise ValueError(f"VerifyConfig: chain must be one of {CHAINS}, got {self.chain!r}")
         if self.order not in (None, *ORDERS):
             raise ValueError(f"VerifyConfig: order must be None or one of {ORDERS}, got {self.order!r}")
         if self.pending_replay not in PENDING_REPLAYS:
@@ -332,13 +345,15 @@ def _apply_pending_rows(pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptstep
                         pg_ptr, n, h, hv, i_v, layer, slot, slot_ok, rows, m_v, NS: tl.constexpr, H: tl.constexpr,
                         HV: tl.constexpr, V: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, KP: tl.constexpr,
                         PR: tl.constexpr, PD: tl.constexpr, PREFETCH: tl.constexpr, PDP: tl.constexpr, KL: tl.constexpr,
-                        EVICT: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+                        EVICT: tl.constexpr, INTERPRET: tl.constexpr, HAND: tl.constexpr = False):  # fmt: skip
     """The previous step's tuple commit of this program's tile (``VerifyConfig.pending_replay="rows"``),
     with :func:`_apply_pending`'s masks, rule and order, on a ``[BV, K]`` tile with the lanes
     across K (a step's ``k`` is ``K / 32`` registers a lane, not the chunk layout's ``K / 4``): the
     state read from the pool, the steps to the accepted one replayed (the track state stored on
-    the way), then on to a later track step, the accepted state stored last. Nothing is returned:
-    the chain reads the state the pool now holds, after the barrier at the end."""
+    the way), then on to a later track step, the accepted state stored last. The chunk chain
+    reads the state the pool now holds, after the barrier at the end; the rows chain (``HAND``,
+    the same layout) takes it as returned: the accepted state as the pool holds it, or the
+    state as read."""
     cols = tl.arange(0, KP)  # K rounded up to a power of two
     m_c = cols < K
     tile2 = rows[:, None] * K + cols[None, :]
@@ -364,8 +379,11 @@ def _apply_pending_rows(pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptstep
         Sc = _replay_row_step(Sc, t, lead, h, hv, rows, cols, m_c, m_v, pu_ptr, pk_ptr, pg_ptr, H, HV, V, K, PD,
                               INTERPRET)  # fmt: skip
         tl.store(dst_trk, _from_f32(Sc, dt, INTERPRET), mask=m2 & track & (t == ptstep))
-    tl.store(at_slot, _from_f32(acc, dt, INTERPRET), mask=m2 & accept)
-    tl.debug_barrier()  # the chain's lanes read lines that other lanes of the program wrote
+    acc = _from_f32(acc, dt, INTERPRET)
+    tl.store(at_slot, acc, mask=m2 & accept)
+    if not HAND:
+        tl.debug_barrier()  # the chain's lanes read lines that other lanes of the program wrote
+    return _to_f32(acc, INTERPRET)
 
 
 @jit
@@ -377,6 +395,64 @@ def _replay_row_step(Sc, t, lead, h, hv, rows, cols, m_c, m_v, pu_ptr, pk_ptr, p
     u = tl.load(pu_ptr + ((lead * PD + t) * HV + hv) * V + rows, mask=m_v, other=0.0)
     Sd = Sc * _exp(tl.load(pg_ptr + (lead * PD + t) * HV + hv), INTERPRET)
     return _fma(tl.broadcast_to(kt[None, :], Sd.shape), tl.broadcast_to(u[:, None], Sd.shape), Sd, INTERPRET)
+
+
+@jit
+def _bfly(x, M: tl.constexpr, W: tl.constexpr):
+    """``x [R, W]`` with lane ``l`` taking lane ``l ^ M``'s values (the last axis is the lanes of
+    :func:`_chain_rows`; Triton builds this gather as warp shuffles)."""
+    return tl.gather(x, tl.broadcast_to((tl.arange(0, W) ^ M)[None, :], x.shape), 1)
+
+
+@jit
+def _halves(P, R: tl.constexpr, W: tl.constexpr):
+    """``P [R, W]`` split into its rows ``[0, R / 2)`` and ``[R / 2, R)``."""
+    return tl.split(tl.permute(tl.reshape(P, (2, R // 2, W)), (1, 2, 0)))
+
+
+@jit
+def _row_sums(X, Y, BV: tl.constexpr, W: tl.constexpr, E: tl.constexpr, LOG_E: tl.constexpr, LOG_BV: tl.constexpr,
+              LOG_G: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    """``sum_k X * Y`` of two ``[BV, W * E]`` tiles, as ``[1, W]``: lane ``l`` holds row
+    ``l // (W / BV)``'s sum. Each lane's ``E`` columns first (products in pairs, the second
+    fused into the first with the pinned fma, then a tree), then ``log2(BV)`` butterfly levels
+    that each send half the rows a lane holds and keep the other half (``BV - 1`` shuffles in
+    all, not ``log2(W)`` a row), then ``log2(W / BV)`` that add. The order is fixed by these
+    tensor operations, the same compiled or interpreted."""
+    if E > 1:
+        x0, x1 = tl.split(tl.reshape(X, (BV, W, E // 2, 2)))
+        y0, y1 = tl.split(tl.reshape(Y, (BV, W, E // 2, 2)))
+        P = _fma(x1, y1, x0 * y0, INTERPRET)  # [BV, W, E / 2]
+        for i in tl.static_range(LOG_E - 1):  # the pairs' sums as a tree
+            a, b = tl.split(tl.reshape(P, (BV, W, E >> (i + 2), 2)))
+            P = a + b
+        P = tl.reshape(P, (BV, W))
+    else:
+        P = tl.reshape(X * Y, (BV, W))
+    lane = tl.arange(0, W)[None, :]
+    for j in tl.static_range(LOG_BV):
+        M = W >> (j + 1)
+        lo, hi = _halves(P, BV >> j, W)
+        b = ((lane // M) & 1) == 1
+        P = tl.where(b, hi, lo) + _bfly(tl.where(b, lo, hi), M, W)
+    for j in tl.static_range(LOG_G):
+        P = P + _bfly(P, (W // BV) >> (j + 1), W)
+    return P
+
+
+@jit
+def _all_rows(x, BV: tl.constexpr, W: tl.constexpr, E: tl.constexpr, LOG_BV: tl.constexpr):
+    """``x [1, W]`` as :func:`_row_sums` leaves it (lane ``l`` holds row ``l // (W / BV)``) to a
+    ``[BV, W * E]`` tile of row ``r``'s value across row ``r``, in every lane: the butterfly levels
+    of :func:`_row_sums` run backwards, each lane receiving the rows its partner kept."""
+    lane = tl.arange(0, W)[None, :]
+    X = x
+    for j in tl.static_range(LOG_BV - 1, -1, -1):
+        M = W >> (j + 1)
+        Y = _bfly(X, M, W)
+        b = ((lane // M) & 1) == 1
+        X = tl.reshape(tl.permute(tl.join(tl.where(b, Y, X), tl.where(b, X, Y)), (2, 0, 1)), (BV >> j, W))
+    return tl.reshape(tl.broadcast_to(tl.reshape(X, (BV, W, 1)), (BV, W, E)), (BV, W * E))
 
 
 @jit
@@ -436,6 +512,10 @@ def verify_kernel(
     KL: tl.constexpr = 1,  # the 128-byte lines of a k row, rounded up to a power of two (PREFETCH)
     XN: tl.constexpr = 0,  # v stacked over layers: its requests per layer (0: not stacked)
     ON: tl.constexpr = 0,  # the outputs go to [out_layer, n] of a buffer of ON requests (0: fresh outputs)
+    LANES: tl.constexpr = 0,  # the rows chain's lanes (VerifyConfig.chain="rows"; 0: the chunk chain)
+    LOG_E: tl.constexpr = 0,  # log2 of its columns a lane (KP / LANES), rows (BV), lanes a row (LANES / BV)
+    LOG_BV: tl.constexpr = 0,
+    LOG_G: tl.constexpr = 0,
 ):
     if TILES_FIRST:
         i_v = tl.program_id(0)
@@ -447,14 +527,7 @@ def verify_kernel(
     h = hv // (HV // H)
 
     rows = i_v * BV + tl.arange(0, BV)
-    kidx = tl.arange(0, NC)[None, :, None] * C + tl.arange(0, C)[None, None, :]  # [1, NC, C]
     m_v = rows < V
-    m_k = kidx < K
-    tile = rows[:, None, None] * K + kidx  # [BV, NC, C]
-    m_tile = m_v[:, None, None] & m_k
-    MASK_V: tl.constexpr = V % BV != 0
-    MASK_K: tl.constexpr = NC * C != K
-    MASK_TILE: tl.constexpr = MASK_V or MASK_K
 
     # The state by slot (SGLang's h0_indices): zeros for a slot outside [0, S).
     slot = tl.load(slots_ptr + n).to(tl.int64)
@@ -462,6 +535,47 @@ def verify_kernel(
     layer = tl.load(layer_ptr).to(tl.int64)
     slot = tl.where(slot_ok, slot, 0)
     base = (layer * NS + slot) * HV + hv
+    if INTO:  # the tape's row in the buffer; an out-of-range row writes nothing
+        row = tl.load(rows_ptr + n).to(tl.int64)
+        row_ok = (row >= 0) & (row < R)
+        lead = tl.load(tape_layer_ptr).to(tl.int64) * R + tl.where(row_ok, row, 0)
+    else:
+        lead = n
+        row_ok = n >= 0
+    nv = layer * XN + n if XN else n  # request n of the layer in a stacked v
+    no = tl.load(out_layer_ptr).to(tl.int64) * ON + n if ON else n  # request n's outputs
+    if LANES:
+        _chain_rows(state_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr,
+                    player_ptr, pu_ptr, pk_ptr, pg_ptr, pstates_ptr, out_ptr, snap_ptr, u_ptr, pool_out_ptr, n, h, hv,
+                    i_v, layer, slot, slot_ok, base, lead, row_ok, nv, no, rows, m_v, NS, D, H, HV, V, K, BV, SNAPSHOTS,
+                    EVICT, INTERPRET, INTO, DMAX, PENDING, PR, PD, PREFETCH, KP, PDP, KL, LANES, LOG_E, LOG_BV,
+                    LOG_G)  # fmt: skip
+    else:
+        _chain_chunks(state_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, prows_ptr, psteps_ptr, ptslots_ptr,
+                      ptsteps_ptr, player_ptr, pu_ptr, pk_ptr, pg_ptr, pstates_ptr, out_ptr, snap_ptr, u_ptr,
+                      pool_out_ptr, n, h, hv, i_v, layer, slot, slot_ok, base, lead, row_ok, nv, no, rows, m_v, NS, D, H,
+                      HV, V, K, BV, C, NC, SNAPSHOTS, EVICT, INTERPRET, INTO, DMAX, PENDING, PR, PD, PREFETCH, ROWS, KP,
+                      PDP, KL)  # fmt: skip
+
+
+@jit
+def _chain_chunks(state_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr,
+                  player_ptr, pu_ptr, pk_ptr, pg_ptr, pstates_ptr, out_ptr, snap_ptr, u_ptr, pool_out_ptr, n, h, hv, i_v,
+                  layer, slot, slot_ok, base, lead, row_ok, nv, no, rows, m_v, NS: tl.constexpr, D: tl.constexpr,
+                  H: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, K: tl.constexpr, BV: tl.constexpr,
+                  C: tl.constexpr, NC: tl.constexpr, SNAPSHOTS: tl.constexpr, EVICT: tl.constexpr,
+                  INTERPRET: tl.constexpr, INTO: tl.constexpr, DMAX: tl.constexpr, PENDING: tl.constexpr,
+                  PR: tl.constexpr, PD: tl.constexpr, PREFETCH: tl.constexpr, ROWS: tl.constexpr, KP: tl.constexpr,
+                  PDP: tl.constexpr, KL: tl.constexpr):  # fmt: skip
+    """The chain on ``[BV, K / C, C]`` chunks (``VerifyConfig.chain="chunks"``), step t + 1's inputs
+    loaded during step t."""
+    kidx = tl.arange(0, NC)[None, :, None] * C + tl.arange(0, C)[None, None, :]  # [1, NC, C]
+    m_k = kidx < K
+    tile = rows[:, None, None] * K + kidx  # [BV, NC, C]
+    m_tile = m_v[:, None, None] & m_k
+    MASK_V: tl.constexpr = V % BV != 0
+    MASK_K: tl.constexpr = NC * C != K
+    MASK_TILE: tl.constexpr = MASK_V or MASK_K
     if ROWS and PENDING == 1:  # the pending tuple commit first, then the state the pool now holds
         _apply_pending_rows(pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr, pk_ptr,
                             pg_ptr, n, h, hv, i_v, layer, slot, slot_ok, rows, m_v, NS, H, HV, V, K, BV, KP, PR, PD,
@@ -476,15 +590,6 @@ def verify_kernel(
         S = _apply_pending(S, pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr, pk_ptr,
                            pg_ptr, pstates_ptr, n, h, hv, i_v, layer, slot, slot_ok, rows, kidx, tile, m_v, m_k, m_tile,
                            NS, H, HV, V, K, BV, NC, C, PR, PD, PENDING, PREFETCH, PDP, KL, INTERPRET)  # fmt: skip
-    if INTO:  # the tape's row in the buffer; an out-of-range row writes nothing
-        row = tl.load(rows_ptr + n).to(tl.int64)
-        row_ok = (row >= 0) & (row < R)
-        lead = tl.load(tape_layer_ptr).to(tl.int64) * R + tl.where(row_ok, row, 0)
-    else:
-        lead = n
-        row_ok = n >= 0
-    nv = layer * XN + n if XN else n  # request n of the layer in a stacked v
-    no = tl.load(out_layer_ptr).to(tl.int64) * ON + n if ON else n  # request n's outputs
     q, k, v, alpha, beta = _step_inputs(qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, n, nv, 0, h, hv, rows, kidx, m_v,
                                         m_k, D, H, HV, V, K, BV, NC, C, MASK_V, MASK_K, INTERPRET)  # fmt: skip
     for t in range(D):
@@ -507,6 +612,78 @@ def verify_kernel(
         q, k, v, alpha, beta = q1, k1, v1, alpha1, beta1
 
 
+@jit
+def _row_inputs(qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, n, nv, t, h, hv, cols, my_row, D: tl.constexpr,
+                H: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                INTERPRET: tl.constexpr):  # fmt: skip
+    """Step t's q and k (``[KP]``: one lane's columns each, no copies), each lane's row of v
+    (``[1, W]``), decay and beta."""
+    qk = ((n * D + t) * H + h) * K + cols
+    q = _load(qn_ptr + qk, cols < K, KP != K, "")
+    k = _load(kn_ptr + qk, cols < K, KP != K, "")
+    v = _to_f32(tl.load(v_ptr + ((nv * D + t) * HV + hv) * V + my_row, mask=my_row < V, other=0.0), INTERPRET)
+    gt = (n * D + t) * HV + hv
+    return q, k, v, _exp(tl.load(g_ptr + gt), INTERPRET), tl.load(beta_ptr + gt)
+
+
+@jit
+def _chain_rows(state_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr,
+                player_ptr, pu_ptr, pk_ptr, pg_ptr, pstates_ptr, out_ptr, snap_ptr, u_ptr, pool_out_ptr, n, h, hv, i_v,
+                layer, slot, slot_ok, base, lead, row_ok, nv, no, rows, m_v, NS: tl.constexpr, D: tl.constexpr,
+                H: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, K: tl.constexpr, BV: tl.constexpr,
+                SNAPSHOTS: tl.constexpr, EVICT: tl.constexpr, INTERPRET: tl.constexpr, INTO: tl.constexpr,
+                DMAX: tl.constexpr, PENDING: tl.constexpr, PR: tl.constexpr, PD: tl.constexpr,
+                PREFETCH: tl.constexpr, KP: tl.constexpr, PDP: tl.constexpr, KL: tl.constexpr,
+                W: tl.constexpr, LOG_E: tl.constexpr, LOG_BV: tl.constexpr, LOG_G: tl.constexpr):  # fmt: skip
+    """The chain on a ``[BV, KP]`` tile with ``W`` lanes across K (``VerifyConfig.chain="rows"``):
+    a step's q and k are ``KP / W`` registers a lane and loaded once, not once a row; each
+    reduction over K is :func:`_row_sums`, and ``u`` reaches every lane's rows through
+    :func:`_all_rows`. A pending tuple commit is replayed on the same tile and its state handed
+    over in registers. Step t + 1's inputs are loaded during step t."""
+    E: tl.constexpr = KP // W
+    cols = tl.arange(0, KP)
+    m_c = cols < K
+    tile = rows[:, None] * K + cols[None, :]
+    m_tile = m_v[:, None] & m_c[None, :]
+    MASK_TILE: tl.constexpr = V % BV != 0 or KP != K
+    if PENDING == 1:
+        S = _apply_pending_rows(pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr,
+                                pk_ptr, pg_ptr, n, h, hv, i_v, layer, slot, slot_ok, rows, m_v, NS, H, HV, V, K, BV, KP,
+                                PR, PD, PREFETCH, PDP, KL, EVICT, INTERPRET, True)  # fmt: skip
+    else:
+        S = _to_f32(tl.load(state_ptr + base * V * K + tile, mask=m_tile & slot_ok, other=0.0, eviction_policy=EVICT),
+                    INTERPRET)  # fmt: skip
+        if PENDING == 2:  # the previous snapshots: the chunk chain's copy, on this tile
+            S = _apply_pending(S, pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr,
+                               pk_ptr, pg_ptr, pstates_ptr, n, h, hv, i_v, layer, slot, slot_ok, rows, cols, tile, m_v,
+                               m_c, m_tile, NS, H, HV, V, K, BV, 1, KP, PR, PD, PENDING, PREFETCH, PDP, KL,
+                               INTERPRET)  # fmt: skip
+    lane = tl.arange(0, W)[None, :]
+    G: tl.constexpr = W // BV
+    my_row = i_v * BV + lane // G  # [1, W]: the row whose sums lane l holds
+    m_mine = (my_row < V) & (lane % G == 0)  # one lane of each row stores it
+    q, k, v, alpha, beta = _row_inputs(qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, n, nv, 0, h, hv, cols, my_row, D, H,
+                                       HV, V, K, KP, INTERPRET)  # fmt: skip
+    for t in range(D):
+        q1, k1, v1, alpha1, beta1 = _row_inputs(qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, n, nv,
+                                                tl.minimum(t + 1, D - 1), h, hv, cols, my_row, D, H, HV, V, K, KP,
+                                                INTERPRET)  # fmt: skip
+        kb = tl.broadcast_to(k[None, :], S.shape)
+        Sd = S * alpha
+        u = beta * (v - _row_sums(Sd, kb, BV, W, E, LOG_E, LOG_BV, LOG_G, INTERPRET))  # [1, W]
+        S = _fma(kb, _all_rows(u, BV, W, E, LOG_BV), Sd, INTERPRET)
+        o = _row_sums(S, tl.broadcast_to(q[None, :], S.shape), BV, W, E, LOG_E, LOG_BV, LOG_G, INTERPRET)
+        tl.store(out_ptr + ((no * D + t) * HV + hv) * V + my_row, _from_f32(o, out_ptr.dtype.element_ty, INTERPRET),
+                 mask=m_mine)  # fmt: skip
+        at = (lead * DMAX + t) * HV + hv
+        if SNAPSHOTS:
+            _store(snap_ptr + at * V * K + tile, _from_f32(S, snap_ptr.dtype.element_ty, INTERPRET), m_tile & row_ok,
+                   MASK_TILE or INTO, EVICT)  # fmt: skip
+        else:
+            tl.store(u_ptr + at * V + my_row, u, mask=m_mine & row_ok)
+        q, k, v, alpha, beta = q1, k1, v1, alpha1, beta1
+
+
 def launch_sizes(state_shape, q_shape, config: VerifyConfig, record: str = "tuples"):
     """The chain kernel's constexpr sizes and its grid, from the shapes alone (``state_shape``:
     the pool ``[L, S, HV, V, K]``, or ``[N, HV, V, K]`` for the state0 form)."""
@@ -515,9 +692,15 @@ def launch_sizes(state_shape, q_shape, config: VerifyConfig, record: str = "tupl
     N, D, H = q_shape[:3]
     BV = min(next_power_of_2(config.block_v), next_power_of_2(V))
     C = min(config.k_chunk, next_power_of_2(K))
+    KP = next_power_of_2(K)
     tiles_first = (config.order or ("tiles" if record == "snapshots" else "requests")) == "tiles"
     sizes = {"NS": S, "D": D, "H": H, "HV": HV, "V": V, "K": K, "BV": BV, "C": C, "NC": -(-K // C),
-             "TILES_FIRST": tiles_first}  # fmt: skip
+             "TILES_FIRST": tiles_first, "KP": KP}  # fmt: skip
+    if config.chain == "rows":  # W lanes across K, at most 32; a program's rows at most W
+        W = min(32, KP)
+        BV = sizes["BV"] = min(BV, W)
+        log2 = lambda x: x.bit_length() - 1  # noqa: E731 (powers of two)
+        sizes |= {"LANES": W, "LOG_E": log2(KP // W), "LOG_BV": log2(BV), "LOG_G": log2(W // BV)}
     NV = -(-V // BV)
     return sizes, ((NV, HV, N) if tiles_first else (N, HV, NV))
 
@@ -636,7 +819,7 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
         pend_sizes = dict(PENDING=2 if snap_prev else 1, PR=lead.shape[1], PD=lead.shape[2],
                           PREFETCH=config.prefetch_pending and not snap_prev, PDP=next_power_of_2(lead.shape[2]),
                           KL=next_power_of_2(-(-K // 32)),
-                          ROWS=config.pending_replay == "rows", KP=next_power_of_2(K))
+                          ROWS=config.pending_replay == "rows")
         aliases[0] = 3
     out_in = [dummy] * 2 if out is None else [as1(out_layer), out]
     inputs = [state, slots, layer, tape_layer, qn, kn, v, g, beta, rows, buf, *pend_in, *out_in]
