@@ -374,16 +374,17 @@ def _apply_pending_rows(pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptstep
         acc = _replay_row_step(acc, t, lead, h, hv, rows, cols, m_c, m_v, pu_ptr, pk_ptr, pg_ptr, H, HV, V, K, PD,
                                INTERPRET)  # fmt: skip
         tl.store(dst_trk, _from_f32(acc, dt, INTERPRET), mask=m2 & track & (t == ptstep))
+    tl.store(at_slot, _from_f32(acc, dt, INTERPRET), mask=m2 & accept)  # before a later track state: distinct slots
     Sc = acc
     for t in range(upto + 1, tstep + 1):  # a track step after the accepted one
         Sc = _replay_row_step(Sc, t, lead, h, hv, rows, cols, m_c, m_v, pu_ptr, pk_ptr, pg_ptr, H, HV, V, K, PD,
                               INTERPRET)  # fmt: skip
         tl.store(dst_trk, _from_f32(Sc, dt, INTERPRET), mask=m2 & track & (t == ptstep))
-    acc = _from_f32(acc, dt, INTERPRET)
-    tl.store(at_slot, acc, mask=m2 & accept)
     if not HAND:
         tl.debug_barrier()  # the chain's lanes read lines that other lanes of the program wrote
-    return _to_f32(acc, INTERPRET)
+    # the state the pool now holds (HAND: each lane's own lines, no barrier needed; the accepted
+    # state is not held through a later track step)
+    return _to_f32(tl.load(at_slot, mask=m2 & slot_ok, other=0.0, eviction_policy=EVICT), INTERPRET)
 
 
 @jit
@@ -441,17 +442,12 @@ def _row_sums(X, Y, BV: tl.constexpr, W: tl.constexpr, E: tl.constexpr, LOG_E: t
 
 
 @jit
-def _all_rows(x, BV: tl.constexpr, W: tl.constexpr, E: tl.constexpr, LOG_BV: tl.constexpr):
+def _all_rows(x, BV: tl.constexpr, W: tl.constexpr, E: tl.constexpr):
     """``x [1, W]`` as :func:`_row_sums` leaves it (lane ``l`` holds row ``l // (W / BV)``) to a
-    ``[BV, W * E]`` tile of row ``r``'s value across row ``r``, in every lane: the butterfly levels
-    of :func:`_row_sums` run backwards, each lane receiving the rows its partner kept."""
-    lane = tl.arange(0, W)[None, :]
-    X = x
-    for j in tl.static_range(LOG_BV - 1, -1, -1):
-        M = W >> (j + 1)
-        Y = _bfly(X, M, W)
-        b = ((lane // M) & 1) == 1
-        X = tl.reshape(tl.permute(tl.join(tl.where(b, Y, X), tl.where(b, X, Y)), (2, 0, 1)), (BV >> j, W))
+    ``[BV, W * E]`` tile of row ``r``'s value across row ``r``, in every lane: one gather, each
+    row's value read from the first lane holding it (``BV`` independent shuffles)."""
+    idx = tl.broadcast_to((tl.arange(0, BV) * (W // BV))[:, None], (BV, W))
+    X = tl.gather(tl.broadcast_to(x, (BV, W)), idx, 1)
     return tl.reshape(tl.broadcast_to(tl.reshape(X, (BV, W, 1)), (BV, W, E)), (BV, W * E))
 
 
@@ -671,7 +667,7 @@ def _chain_rows(state_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, prows_ptr, ps
         kb = tl.broadcast_to(k[None, :], S.shape)
         Sd = S * alpha
         u = beta * (v - _row_sums(Sd, kb, BV, W, E, LOG_E, LOG_BV, LOG_G, INTERPRET))  # [1, W]
-        S = _fma(kb, _all_rows(u, BV, W, E, LOG_BV), Sd, INTERPRET)
+        S = _fma(kb, _all_rows(u, BV, W, E), Sd, INTERPRET)
         o = _row_sums(S, tl.broadcast_to(q[None, :], S.shape), BV, W, E, LOG_E, LOG_BV, LOG_G, INTERPRET)
         tl.store(out_ptr + ((no * D + t) * HV + hv) * V + my_row, _from_f32(o, out_ptr.dtype.element_ty, INTERPRET),
                  mask=m_mine)  # fmt: skip
