@@ -245,8 +245,7 @@ def _triton_other_launches():
     from gdn_lossless_jax.backends.triton.verify import PENDING_REPLAYS, VerifyConfig as TritonConfig
 
     default = TritonConfig()
-    other = "chunks" if default.chain == "rows" else "rows"
-    return [{"prefetch_pending": not default.prefetch_pending}, {"chain": other}] + [
+    return [{"prefetch_pending": not default.prefetch_pending}, {"chain": "rows"}] + [
         {"chain": "chunks", "pending_replay": m} for m in PENDING_REPLAYS]
 
 
@@ -255,7 +254,7 @@ def _triton_other_launches():
 @pytest.mark.parametrize("fields", _triton_other_launches(), ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
 def test_other_launches_of_the_fused_triton_kernel(fields, dtype, seed, monkeypatch):
     """The Triton fused kernel's other launches (``VerifyConfig.prefetch_pending`` switched from
-    its default, the other chain layout, each ``pending_replay`` of the chunk chain) give the
+    its default, the rows chain at every D, each ``pending_replay`` of the chunk chain) give the
     separate path's bits with the same launch: pools, outputs and tapes, both record modes of
     the previous step."""
     from gdn_lossless_jax.backends import triton as gt

@@ -261,7 +261,7 @@ def test_commit_reads_the_tape_pitch_from_its_shape(seed):
         ({"prep_heads": 3}, "prep_heads must be a power of 2, got 3"),
         ({"order": "heads"}, "order must be None or one of ('requests', 'tiles'), got 'heads'"),
         ({"evict": "evict_never"}, "evict must be '', 'evict_first' or 'evict_last', got 'evict_never'"),
-        ({"chain": "lanes"}, "chain must be one of ('chunks', 'rows'), got 'lanes'"),
+        ({"chain": "lanes"}, "chain must be None or one of ('chunks', 'rows'), got 'lanes'"),
     ],
 )
 def test_verify_config_rejects_bad_fields(fields, needle):
@@ -277,7 +277,7 @@ def test_verify_launch_sizes():
     """The grids and constexpr sizes, computed without Triton: tiles first for snapshots and
     requests first for tuples unless ``order`` says otherwise; chunks and tiles that overhang
     K and V round up (the kernel masks them); the rows chain's lanes (at most 32, and a
-    program's rows at most its lanes); the prologue's head groups."""
+    program's rows at most its lanes), the default's chain by D; the prologue's head groups."""
     from gdn_lossless_jax.backends.triton.verify import VerifyConfig, launch_sizes, prep_launch
 
     state, q = (25, 32, 128, 128), (25, 4, 16, 128)
@@ -297,6 +297,8 @@ def test_verify_launch_sizes():
     small = launch_sizes((1, 2, 20, 12), (1, 1, 1, 12), VerifyConfig(chain="rows", block_v=32))
     assert small[0]["LANES"] == 16 and small[0]["BV"] == 16 and small[0]["LOG_E"] == 0 and small[1] == (1, 2, 2)
     assert "LANES" not in launch_sizes(state, q, VerifyConfig(chain="chunks"))[0]
+    assert "LANES" in launch_sizes(state, q, VerifyConfig())[0]  # the default: rows up to 4 drafts, chunks above
+    assert "LANES" not in launch_sizes(state, (25, 5, 16, 128), VerifyConfig())[0]
     sizes, grid = prep_launch(q, 32, VerifyConfig())
     assert grid == (25, 4, 8) and (sizes["PH"], sizes["BR"], sizes["BK"]) == (2, 4, 128)
     sizes, grid = prep_launch((5, 3, 3, 24), 6, VerifyConfig(prep_heads=4))

@@ -21,6 +21,14 @@ The design of the Pallas backend's default launch (``backends/pallas/verify.py``
     S     = fma(k_t, u, Sd)                # explicit: fp fusion would fuse the other product
     o_t   = sum_k S * q_t
 
+Up to 4 drafts (``VerifyConfig.chain``) the chain holds the tile as ``[BV, K]`` with the 32
+lanes across K instead (:func:`_chain_rows`): a step's q and k are then 4 registers a lane,
+loaded once rather than once a row, and a reduction over K sends half of the rows a lane
+holds at each butterfly level (:func:`_row_sums`); u returns to every row by one gather
+(72 registers a thread instead of 128; 27.4 against 31.8 us at 25 x 4 on the H200). Its
+dependent shuffles make it slower at 16 drafts. The reductions' order, and so u's and the
+outputs' low bits, differ between the two chains.
+
 One kernel body serves both record modes (the constexpr ``SNAPSHOTS`` only chooses what is
 stored, ``TILES_FIRST`` only how the program ids are read), so the outputs are identical by
 construction (scripts/triton_interpret_check.py checks that the two variants' TTGIR carry the
@@ -57,6 +65,7 @@ __all__ = ["VerifyConfig", "verify", "verify_kernel", "verify_prep_kernel", "lau
 ORDERS = ("requests", "tiles")
 PENDING_REPLAYS = ("rows", "split")
 CHAINS = ("chunks", "rows")
+ROWS_UP_TO = 4  # VerifyConfig.chain=None: the rows chain up to this many drafts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,10 +104,16 @@ class VerifyConfig:
         levels, but every step's q and k are loaded once a row (32 registers a lane each, a
         copy in each of 8 lanes). ``"rows"``: a ``[BV, K]`` tile with the 32 lanes across K, the
         rows in registers (a step's q and k are 4 registers a lane, loaded once); its reductions
-        send half of a lane's rows at each butterfly level (:func:`_row_sums`). With ``"rows"``
-        a pending tuple commit is always replayed on that tile (``pending_replay`` is not read)
-        and the state handed to the chain in registers. ``u`` and the outputs differ between the
-        two in their low bits (the reductions' order); the tape replays exactly either way.
+        send half of a lane's rows at each butterfly level (:func:`_row_sums`), a longer chain
+        of dependent shuffles a step. With ``"rows"`` a pending tuple commit is always replayed
+        on that tile (``pending_replay`` is not read). None (the default): ``"rows"`` up to 4
+        drafts, ``"chunks"`` above. ``u`` and the outputs differ between the two in their low
+        bits (the reductions' order), the same way in both record modes and in the fused
+        kernel; the tape replays exactly either way. On the H200 (``benchmarks/NOTES.md``,
+        thirteenth session), kernel us a layer, rows against chunks: the tuple verify 27.4
+        against 31.8 at 25 x 4 (72 registers against 128), 12.5 against 13.1 at 8 x 4, 20.3
+        against 19.5 at 8 x 8, 35.8 against 32.2 at 8 x 16; the fused kernel 43.4 against 46.4,
+        17.4 against 17.7, 24.4 against 24.7, 39.2 against 39.0.
     """
 
     block_v: int = 8
@@ -110,11 +125,11 @@ class VerifyConfig:
     prep_heads: int = 2
     prefetch_pending: bool = True
     pending_replay: str = "rows"
-    chain: str = "rows"
+    chain: str | None = None
 
     def __post_init__(self):
-        if self.chain not in CHAINS:
-            raise ValueError(f"VerifyConfig: chain must be one of {CHAINS}, got {self.chain!r}")
+        if self.chain not in (None, *CHAINS):
+            raise ValueError(f"VerifyConfig: chain must be None or one of {CHAINS}, got {self.chain!r}")
         if self.order not in (None, *ORDERS):
             raise ValueError(f"VerifyConfig: order must be None or one of {ORDERS}, got {self.order!r}")
         if self.pending_replay not in PENDING_REPLAYS:
@@ -692,7 +707,7 @@ def launch_sizes(state_shape, q_shape, config: VerifyConfig, record: str = "tupl
     tiles_first = (config.order or ("tiles" if record == "snapshots" else "requests")) == "tiles"
     sizes = {"NS": S, "D": D, "H": H, "HV": HV, "V": V, "K": K, "BV": BV, "C": C, "NC": -(-K // C),
              "TILES_FIRST": tiles_first, "KP": KP}  # fmt: skip
-    if config.chain == "rows":  # W lanes across K, at most 32; a program's rows at most W
+    if (config.chain or ("rows" if D <= ROWS_UP_TO else "chunks")) == "rows":  # W lanes across K (<= 32), BV <= W
         W = min(32, KP)
         BV = sizes["BV"] = min(BV, W)
         log2 = lambda x: x.bit_length() - 1  # noqa: E731 (powers of two)
