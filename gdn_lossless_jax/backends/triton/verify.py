@@ -36,9 +36,10 @@ same arithmetic in the same layouts). ``record="snapshots"`` stores the state af
 (``[N, D, HV, V, K]``, state0's dtype); ``record="tuples"`` stores ``u [N, D, HV, V]``, with
 the prologue's ``k [N, D, H, K]`` and ``g [N, D, HV]`` (fp32) as the rest of the tape.
 
-On the H200 this takes 33.4 us per layer for tuples and 74.4 us for snapshots at 25 x 4 (the
-Pallas kernel's times; the first design here, one program per 32 rows on 4 warps with the
-whole-K tile and the norms in every program, took 97 and 108 us).
+On the H200 this takes 27.5 us per layer for tuples and 70.0 us for snapshots at 25 x 4 with the
+rows chain (31.8 and 74.4 us with the chunks, the Pallas kernel's times; the first design here,
+one program per 32 rows on 4 warps with the whole-K tile and the norms in every program, took
+97 and 108 us).
 
 The wrappers launch with fp fusion off (``_lang.py``): every multiply and add rounds as
 written. (With it on, the reductions' products and sums contract into fmas: on the H200 the
