@@ -366,10 +366,11 @@ def _apply_pending_rows(pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptstep
     with :func:`_apply_pending`'s masks, rule and order, on a ``[BV, K]`` tile with the lanes
     across K (a step's ``k`` is ``K / 32`` registers a lane, not the chunk layout's ``K / 4``): the
     state read from the pool, the steps to the accepted one replayed (the track state stored on
-    the way), then on to a later track step, the accepted state stored last. The chunk chain
-    reads the state the pool now holds, after the barrier at the end; the rows chain (``HAND``,
-    the same layout) takes it as returned: the accepted state as the pool holds it, or the
-    state as read."""
+    the way), the accepted state stored, then on to a later track step (its destination is
+    another slot: duplicate destinations are undefined, as in :func:`gdn_lossless_jax.commit`).
+    Returns the state the pool now holds at the request's slot: the chunk chain reads it again
+    after the barrier at the end; the rows chain (``HAND``, the same layout) takes this, which
+    each lane read back from its own lines (no barrier needed)."""
     cols = tl.arange(0, KP)  # K rounded up to a power of two
     m_c = cols < K
     tile2 = rows[:, None] * K + cols[None, :]
@@ -398,8 +399,8 @@ def _apply_pending_rows(pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptstep
         tl.store(dst_trk, _from_f32(Sc, dt, INTERPRET), mask=m2 & track & (t == ptstep))
     if not HAND:
         tl.debug_barrier()  # the chain's lanes read lines that other lanes of the program wrote
-    # the state the pool now holds (HAND: each lane's own lines, no barrier needed; the accepted
-    # state is not held through a later track step)
+    # the state the pool now holds (HAND: each lane's own lines; the accepted state is not held in
+    # registers through a later track step)
     return _to_f32(tl.load(at_slot, mask=m2 & slot_ok, other=0.0, eviction_policy=EVICT), INTERPRET)
 
 
@@ -650,8 +651,9 @@ def _chain_rows(state_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, prows_ptr, ps
     """The chain on a ``[BV, KP]`` tile with ``W`` lanes across K (``VerifyConfig.chain="rows"``):
     a step's q and k are ``KP / W`` registers a lane and loaded once, not once a row; each
     reduction over K is :func:`_row_sums`, and ``u`` reaches every lane's rows through
-    :func:`_all_rows`. A pending tuple commit is replayed on the same tile and its state handed
-    over in registers. Step t + 1's inputs are loaded during step t."""
+    :func:`_all_rows`. A pending tuple commit is replayed on the same tile, and the chain starts
+    from the state each lane wrote back (:func:`_apply_pending_rows`). Step t + 1's inputs are
+    loaded during step t."""
     E: tl.constexpr = KP // W
     cols = tl.arange(0, KP)
     m_c = cols < K
