@@ -342,6 +342,45 @@ def fused_step(backend: str, options: dict | None = None, form: str = "scan"):
 TRITON_KERNELS = ("verify_kernel", "verify_prep_kernel", "commit_tuples_kernel", "commit_snapshots_kernel")
 
 
+def direct_runner(fn, form: str, inp: StepInputs, box: list, o_box: list, next_ix):
+    """One call of a direct step ``fn`` (:func:`direct_step` of ``form``): the pool's states and
+    tape from ``box[0]``, replaced by the call's (donated); the outputs buffer ``o_box[0]`` of the
+    ``-out`` forms likewise; the index set from ``next_ix()``. Returns the outputs, not waited for."""
+
+    def one():
+        lists = form == "unrolled-lists"
+        src = (inp.layers["params"], inp.layers["qkv"]) if lists else (inp.params, inp.qkv)
+        obuf = o_box if form.endswith("-out") else []  # the outputs buffer, donated and returned
+        outs, ssm, tape = fn(*box[0], *src, next_ix(), *obuf)
+        if obuf:
+            o_box[0] = outs
+        box[0] = (ssm, tape)
+        return outs
+
+    return one
+
+
+def fused_runner(fns, form: str, inp: StepInputs, box: list, o_box: list, fixed: bool = False):
+    """One call of the fused step (:func:`fused_step` of ``form``; ``fns`` one executable, or one
+    per parity of the step, taken in turn) on ``box[0]``: the states, the tape the last call
+    wrote (this call commits it) and the other tape (this call writes it); the two tapes swap
+    roles after the call unless ``fixed`` (the same work, wrong for a decode: what the swap
+    costs). The outputs buffer as in :func:`direct_runner`. Returns the outputs, not waited for."""
+    calls = [0]
+
+    def one():
+        fn = fns[calls[0] % len(fns)]
+        calls[0] += 1
+        obuf = o_box if form == "unrolled-out" else []
+        outs, ssm, written, old = fn(*box[0], inp.params, inp.qkv, inp.index_sets[0], *obuf)
+        if obuf:
+            o_box[0] = outs
+        box[0] = (ssm, written, old) if fixed else (ssm, old, written)  # next: write old, commit this one
+        return outs
+
+    return one
+
+
 def _ours(name: str) -> bool:
     return "gdn_" in name or name in TRITON_KERNELS
 
@@ -394,15 +433,10 @@ def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: in
              if any(k.endswith("-out") for k in kinds) else None]  # fmt: skip
 
     def run_direct(form):
+        one = direct_runner(fns[form], form, inp, d_box, o_box, next_ix)
+
         def run():
-            lists = form == "unrolled-lists"
-            src = (inp.layers["params"], inp.layers["qkv"]) if lists else (inp.params, inp.qkv)
-            obuf = o_box if form.endswith("-out") else []  # the outputs buffer, donated and returned
-            outs, ssm, tape = fns[form](*d_box[0], *src, next_ix(), *obuf)
-            if obuf:
-                o_box[0] = outs
-            d_box[0] = (ssm, tape)
-            jax.block_until_ready((outs, ssm, tape))
+            jax.block_until_ready((one(), d_box[0]))
 
         return run
 
@@ -411,20 +445,13 @@ def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: in
         # tape in each role (the tapes swap roles every step; one executable seeing them swapped
         # re-records its whole CUDA graph before every call, ~0.35 ms at 25x4 on the H200)
         fns = [fused_step(backend, options, form) for _ in range(2 if form == "unrolled-out" else 1)]
-        parity = [0]
         f_box = [None]  # each fused row its own buffers: another row's swap would swap this one's tapes' roles
+        one = fused_runner(fns, form, inp, f_box, o_box)
 
         def run():
             if f_box[0] is None:  # a pool and two tape buffers of its own, made on the first call
                 f_box[0] = _filled((p_box[0].ssm, p_box[0].tape, p_box[0].tape), seed + 11)
-            fused_fn = fns[parity[0] % len(fns)]
-            parity[0] += 1
-            obuf = o_box if form == "unrolled-out" else []
-            outs, ssm, written, old = fused_fn(*f_box[0], inp.params, inp.qkv, inp.index_sets[0], *obuf)
-            if obuf:
-                o_box[0] = outs
-            f_box[0] = (ssm, old, written)  # the next step writes the old buffer and commits from this one
-            jax.block_until_ready((outs, f_box[0]))
+            jax.block_until_ready((one(), f_box[0]))
 
         return run
 

@@ -47,11 +47,9 @@ def main() -> None:
             pool = bstep._allocate(inp, "tuples", 1)
             box = [bstep._filled((pool.ssm, pool.tape, pool.tape), 11)]
             obuf = [bstep._filled(jax.ShapeDtypeStruct((1, s.N, s.D, s.HV, s.V), inp.qkv["q"].dtype), 9)]
-            fn = bstep.fused_step(backend, form="unrolled-out")
+            one = bstep.fused_runner([bstep.fused_step(backend, form="unrolled-out")], "unrolled-out", inp, box, obuf)
             for _ in range(2):
-                outs, ssm, written, old = fn(*box[0], inp.params, inp.qkv, inp.index_sets[0], obuf[0])
-                box[0], obuf[0] = (ssm, old, written), outs
-                jax.block_until_ready(outs)
+                jax.block_until_ready(one())
             print("launched", variant, flush=True)
         finally:
             impl.verify.__kwdefaults__["config"] = saved

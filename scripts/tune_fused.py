@@ -86,32 +86,15 @@ def main(argv=None) -> int:
                 impl.verify.__kwdefaults__["config"] = launch
                 try:
                     if not kind.startswith("fused"):  # the separate step: the variant's verify launch
-                        fn = bstep.direct_step(backend, kind)
                         box = [bstep._filled((pool.ssm, pool.tape), args.seed + 7)]
-
-                        def one(fn=fn, box=box, out=kind.endswith("-out"), inp=inp, o_box=o_box):
-                            outs, ssm, tape = fn(*box[0], inp.params, inp.qkv, inp.index_sets[0], *o_box[:out])
-                            box[0] = (ssm, tape)
-                            if out:
-                                o_box[0] = outs
-                            return outs
+                        one = bstep.direct_runner(bstep.direct_step(backend, kind), kind, inp, box, o_box,
+                                                  lambda inp=inp: inp.index_sets[0])  # fmt: skip
                     else:
-                        out = kind == "fused-out"
+                        form = "unrolled-out" if kind == "fused-out" else "scan"
                         # pair: one executable per parity of the step (each sees the tapes in the same roles)
-                        fns = [bstep.fused_step(backend, form="unrolled-out" if out else "scan")
-                               for _ in range(2 if "pair" in tags else 1)]  # fmt: skip
+                        fns = [bstep.fused_step(backend, form=form) for _ in range(2 if "pair" in tags else 1)]
                         box = [bstep._filled((pool.ssm, pool.tape, pool.tape), args.seed + 11)]
-                        calls = [0]
-
-                        def one(fns=fns, box=box, out=out, fixed="fixed" in tags, calls=calls, inp=inp, o_box=o_box):
-                            fn = fns[calls[0] % len(fns)]
-                            calls[0] += 1
-                            outs, ssm, written, old = fn(*box[0], inp.params, inp.qkv, inp.index_sets[0], *o_box[:out])
-                            # fixed: the tapes keep their roles (wrong for a decode, same work): no buffer moves
-                            box[0] = (ssm, written, old) if fixed else (ssm, old, written)
-                            if out:
-                                o_box[0] = outs
-                            return outs
+                        one = bstep.fused_runner(fns, form, inp, box, o_box, fixed="fixed" in tags)
 
                     for _ in range(2):  # both parities compiled
                         jax.block_until_ready(one())
