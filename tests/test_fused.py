@@ -11,6 +11,7 @@ accepted state was written in place (the Pallas kernel's test switches), must be
 """
 
 import dataclasses
+import importlib
 import importlib.util
 import sys
 
@@ -245,7 +246,7 @@ def _triton_other_launches():
     from gdn_lossless_jax.backends.triton.verify import PENDING_REPLAYS, VerifyConfig as TritonConfig
 
     default = TritonConfig()
-    return [{"prefetch_pending": not default.prefetch_pending}, {"chain": "rows"}] + [
+    return [{"prefetch_pending": not default.prefetch_pending}, {"chain": "rows"}, {"chain": "rows", "persistent": 3}] + [
         {"chain": "chunks", "pending_replay": m} for m in PENDING_REPLAYS]
 
 
@@ -262,6 +263,8 @@ def test_other_launches_of_the_fused_triton_kernel(fields, dtype, seed, monkeypa
     steps, records = _steps(seed), ("snapshots", "tuples", "tuples")
     pool = _pool(seed, dtype)
     config = gt.VerifyConfig(**fields)
+    if config.persistent:  # on a device of one SM: that many programs, each over many tiles
+        monkeypatch.setattr(importlib.import_module("gdn_lossless_jax.backends.triton.verify"), "_sm_count", lambda: 1)
     # the separate path's verify takes the same launch (the chain's layout changes u's and the outputs' low bits)
     monkeypatch.setitem(gt.verify.__kwdefaults__, "config", config)
     jax.clear_caches()  # traces of earlier tests hold the default launch

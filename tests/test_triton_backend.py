@@ -196,7 +196,32 @@ VERIFY_CONFIGS = [
     {"chain": "chunks", "block_v": 16, "num_warps": 2},
     {"chain": "rows", "block_v": 32},
     {"chain": "rows", "block_v": 4, "order": "tiles"},
+    {"chain": "rows", "persistent": 2},
 ]
+
+
+@requires_triton
+@pytest.mark.parametrize("programs", [1, 3, 1000])
+def test_a_persistent_launch_gives_the_plain_launchs_bits(programs, seed, monkeypatch):
+    """``VerifyConfig.persistent``: ``programs`` programs in all (a device of one SM), each over
+    many tiles with the next tile's state loaded ahead (1000: more programs than tiles), give
+    the bits of one program a tile, both record modes, fp32 and bf16 states, a padding slot."""
+    tb = backends.resolve("triton", "verify")
+    monkeypatch.setattr(importlib.import_module("gdn_lossless_jax.backends.triton.verify"), "_sm_count", lambda: 1)
+    jax.clear_caches()
+    shape = Shape(N=5, D=4, H=4, HV=8, K=128, V=96)  # 12 tiles a request, the last rows masked by V
+    try:
+        for dtype in (F32, BF16):
+            x = verify_inputs(seed, shape, kind="mixed", state_dtype=dtype)
+            pool, slots = x.pop("state0")[None], jnp.array([0, 3, -1, 2, 4], jnp.int32)
+            pool = jnp.concatenate([pool, pool[:, :2] * 0.5], axis=1)  # 7 slots, request 2 on a padding slot
+            for record in gl.RECORD_MODES:
+                kw = dict(record=record, scale=128**-0.5, out_dtype=jnp.dtype(BF16), slots=slots, layer=0)
+                plain = tb.verify(pool, **x, **kw, config=tb.VerifyConfig(chain="rows"))
+                got = tb.verify(pool, **x, **kw, config=tb.VerifyConfig(chain="rows", persistent=programs))
+                assert_bitwise_equal(plain, got, f"{record}, {jnp.dtype(dtype).name} state, {programs} programs")
+    finally:
+        jax.clear_caches()
 
 
 @requires_triton
@@ -262,6 +287,7 @@ def test_commit_reads_the_tape_pitch_from_its_shape(seed):
         ({"order": "heads"}, "order must be None or one of ('requests', 'tiles'), got 'heads'"),
         ({"evict": "evict_never"}, "evict must be '', 'evict_first' or 'evict_last', got 'evict_never'"),
         ({"chain": "lanes"}, "chain must be None or one of ('chunks', 'rows'), got 'lanes'"),
+        ({"persistent": -1}, "persistent must be an int >= 0 (programs per SM), got -1"),
     ],
 )
 def test_verify_config_rejects_bad_fields(fields, needle):
@@ -299,6 +325,12 @@ def test_verify_launch_sizes():
     assert "LANES" not in launch_sizes(state, q, VerifyConfig(chain="chunks"))[0]
     assert "LANES" in launch_sizes(state, q, VerifyConfig())[0]  # the default: rows up to 4 drafts, chunks above
     assert "LANES" not in launch_sizes(state, (25, 5, 16, 128), VerifyConfig())[0]
+    # a persistent launch: one axis of programs per SM (at most one a tile), over every tile; not the chunk chain
+    sizes, grid = launch_sizes(state, q, VerifyConfig(persistent=4), "tuples", sms=132)
+    assert grid == (528,) and sizes["PERSIST"] == 25 * 32 * 16
+    assert launch_sizes((1, 2, 20, 12), (1, 1, 1, 12), VerifyConfig(persistent=8), sms=132)[1] == (6,)  # 6 tiles
+    sizes, grid = launch_sizes(state, (25, 5, 16, 128), VerifyConfig(persistent=4), "tuples")
+    assert "PERSIST" not in sizes and grid == (25, 32, 16)
     sizes, grid = prep_launch(q, 32, VerifyConfig())
     assert grid == (25, 4, 8) and (sizes["PH"], sizes["BR"], sizes["BK"]) == (2, 4, 128)
     sizes, grid = prep_launch((5, 3, 3, 24), 6, VerifyConfig(prep_heads=4))

@@ -115,6 +115,11 @@ class VerifyConfig:
         against 31.8 at 25 x 4 (72 registers against 128), 12.5 against 13.1 at 8 x 4, 20.3
         against 19.5 at 8 x 8, 35.8 against 32.2 at 8 x 16; the fused kernel 43.4 against 46.4,
         17.4 against 17.7, 24.4 against 24.7, 39.2 against 39.0.
+      persistent: programs per SM of a persistent launch of the rows chain (0: one program per
+        tile). Each program then takes the tiles ``p, p + P, ...`` (``P`` programs in all) and
+        loads the next tile's state while the chain of this one runs, so that the chain's
+        shuffles and the state's bytes overlap instead of every wave loading, then computing.
+        The arithmetic is the same, bit for bit. The chunk chain ignores it.
     """
 
     block_v: int = 8
@@ -127,6 +132,7 @@ class VerifyConfig:
     prefetch_pending: bool = True
     pending_replay: str = "rows"
     chain: str | None = None
+    persistent: int = 0
 
     def __post_init__(self):
         if self.chain not in (None, *CHAINS):
@@ -138,6 +144,8 @@ class VerifyConfig:
                              f"got {self.pending_replay!r}")
         if self.evict not in ("", "evict_first", "evict_last"):
             raise ValueError(f"VerifyConfig: evict must be '', 'evict_first' or 'evict_last', got {self.evict!r}")
+        if not isinstance(self.persistent, int) or self.persistent < 0:
+            raise ValueError(f"VerifyConfig: persistent must be an int >= 0 (programs per SM), got {self.persistent!r}")
         for name in ("block_v", "num_warps", "k_chunk", "prep_heads"):
             n = getattr(self, name)
             if n < 1 or n & (n - 1):
@@ -361,7 +369,8 @@ def _apply_pending_rows(pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptstep
                         pg_ptr, n, h, hv, i_v, layer, slot, slot_ok, rows, m_v, NS: tl.constexpr, H: tl.constexpr,
                         HV: tl.constexpr, V: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, KP: tl.constexpr,
                         PR: tl.constexpr, PD: tl.constexpr, PREFETCH: tl.constexpr, PDP: tl.constexpr, KL: tl.constexpr,
-                        EVICT: tl.constexpr, INTERPRET: tl.constexpr, HAND: tl.constexpr = False):  # fmt: skip
+                        EVICT: tl.constexpr, INTERPRET: tl.constexpr, HAND: tl.constexpr = False, S_pre=0.0,
+                        HAVE_S: tl.constexpr = False):  # fmt: skip
     """The previous step's tuple commit of this program's tile (``VerifyConfig.pending_replay="rows"``),
     with :func:`_apply_pending`'s masks, rule and order, on a ``[BV, K]`` tile with the lanes
     across K (a step's ``k`` is ``K / 32`` registers a lane, not the chunk layout's ``K / 4``): the
@@ -370,13 +379,17 @@ def _apply_pending_rows(pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptstep
     another slot: duplicate destinations are undefined, as in :func:`gdn_lossless_jax.commit`).
     Returns the state the pool now holds at the request's slot: the chunk chain reads it again
     after the barrier at the end; the rows chain (``HAND``, the same layout) takes this, which
-    each lane read back from its own lines (no barrier needed)."""
+    each lane read back from its own lines (no barrier needed). With ``HAVE_S`` the state read
+    from the pool is ``S_pre`` (loaded ahead by a persistent launch)."""
     cols = tl.arange(0, KP)  # K rounded up to a power of two
     m_c = cols < K
     tile2 = rows[:, None] * K + cols[None, :]
     m2 = m_v[:, None] & m_c[None, :]
     at_slot = pool_out_ptr + ((layer * NS + slot) * HV + hv) * V * K + tile2
-    S = _to_f32(tl.load(at_slot, mask=m2 & slot_ok, other=0.0, eviction_policy=EVICT), INTERPRET)
+    if HAVE_S:
+        S = _to_f32(S_pre, INTERPRET)
+    else:
+        S = _to_f32(tl.load(at_slot, mask=m2 & slot_ok, other=0.0, eviction_policy=EVICT), INTERPRET)
     pstep, ptslot, ptstep, accept, track, lead = _pending_request(prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr,
                                                                   player_ptr, n, slot_ok, NS, PR, PD)  # fmt: skip
     dst_trk = pool_out_ptr + ((layer * NS + tl.where(track, ptslot, 0)) * HV + hv) * V * K + tile2
@@ -529,14 +542,71 @@ def verify_kernel(
     LOG_E: tl.constexpr = 0,  # log2 of its columns a lane (KP / LANES), rows (BV), lanes a row (LANES / BV)
     LOG_BV: tl.constexpr = 0,
     LOG_G: tl.constexpr = 0,
+    PERSIST: tl.constexpr = 0,  # a persistent launch over this many tiles (VerifyConfig.persistent; the rows chain)
 ):
-    if TILES_FIRST:
-        i_v = tl.program_id(0)
-        n = tl.program_id(2).to(tl.int64)
+    if PERSIST:  # a grid of tl.num_programs(0) programs, each over tiles first, first + P, ...: the
+        # next tile's state is loaded while this one's chain runs (the requests first: n, hv, tile)
+        first = tl.program_id(0)
+        P = tl.num_programs(0)
+        ptr = pool_out_ptr if PENDING == 1 else state_ptr
+        layer = tl.load(layer_ptr).to(tl.int64)
+        S_next = _tile_state(ptr, slots_ptr, layer, first, PERSIST, NS, HV, V, K, BV, KP, EVICT)
+        NVT: tl.constexpr = (V + BV - 1) // BV
+        for idx in range(first, PERSIST, P):
+            S = S_next
+            S_next = _tile_state(ptr, slots_ptr, layer, idx + P, PERSIST, NS, HV, V, K, BV, KP, EVICT)
+            _tile(state_ptr, slots_ptr, layer_ptr, tape_layer_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, rows_ptr,
+                  prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr, pk_ptr, pg_ptr, pstates_ptr,
+                  out_layer_ptr, out_ptr, snap_ptr, u_ptr, pool_out_ptr, tl.cast(idx // (HV * NVT), tl.int64),
+                  (idx // NVT) % HV, idx % NVT, S, True, NS, D, H, HV, V, K, BV, C, NC, SNAPSHOTS, EVICT, INTERPRET,
+                  INTO, R, DMAX, PENDING, PR, PD, PREFETCH, ROWS, KP, PDP, KL, XN, ON, LANES, LOG_E, LOG_BV,
+                  LOG_G)  # fmt: skip
     else:
-        i_v = tl.program_id(2)
-        n = tl.program_id(0).to(tl.int64)
-    hv = tl.program_id(1)
+        if TILES_FIRST:
+            i_v = tl.program_id(0)
+            n = tl.program_id(2).to(tl.int64)
+        else:
+            i_v = tl.program_id(2)
+            n = tl.program_id(0).to(tl.int64)
+        _tile(state_ptr, slots_ptr, layer_ptr, tape_layer_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, rows_ptr,
+              prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr, pk_ptr, pg_ptr, pstates_ptr,
+              out_layer_ptr, out_ptr, snap_ptr, u_ptr, pool_out_ptr, n, tl.program_id(1), i_v, 0.0, False, NS, D, H, HV,
+              V, K, BV, C, NC, SNAPSHOTS, EVICT, INTERPRET, INTO, R, DMAX, PENDING, PR, PD, PREFETCH, ROWS, KP, PDP, KL,
+              XN, ON, LANES, LOG_E, LOG_BV, LOG_G)  # fmt: skip
+
+
+@jit
+def _tile_state(ptr, slots_ptr, layer, idx, NT: tl.constexpr, NS: tl.constexpr, HV: tl.constexpr, V: tl.constexpr,
+                K: tl.constexpr, BV: tl.constexpr, KP: tl.constexpr, EVICT: tl.constexpr):  # fmt: skip
+    """The state tile ``idx`` of a persistent launch (``VerifyConfig.persistent``) reads: the
+    ``[BV, KP]`` tile at ``[layer, slots[n]]`` as the rows chain reads it (zeros for a slot
+    outside ``[0, S)`` or ``idx >= NT``), in the pool's dtype."""
+    NVT: tl.constexpr = (V + BV - 1) // BV
+    ok = idx < NT
+    i = tl.where(ok, idx, 0)
+    n = (i // (HV * NVT)).to(tl.int64)
+    hv = (i // NVT) % HV
+    rows = (i % NVT) * BV + tl.arange(0, BV)
+    cols = tl.arange(0, KP)
+    slot = tl.load(slots_ptr + n).to(tl.int64)
+    slot_ok = ok & (slot >= 0) & (slot < NS)
+    at = ((layer * NS + tl.where(slot_ok, slot, 0)) * HV + hv) * V * K + rows[:, None] * K + cols[None, :]
+    m = (rows < V)[:, None] & (cols < K)[None, :]
+    return tl.load(ptr + at, mask=m & slot_ok, other=0.0, eviction_policy=EVICT)
+
+
+@jit
+def _tile(state_ptr, slots_ptr, layer_ptr, tape_layer_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, rows_ptr, prows_ptr,
+          psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr, pk_ptr, pg_ptr, pstates_ptr, out_layer_ptr, out_ptr,
+          snap_ptr, u_ptr, pool_out_ptr, n, hv, i_v, S_pre, HAVE_S: tl.constexpr, NS: tl.constexpr, D: tl.constexpr,
+          H: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+          NC: tl.constexpr, SNAPSHOTS: tl.constexpr, EVICT: tl.constexpr, INTERPRET: tl.constexpr, INTO: tl.constexpr,
+          R: tl.constexpr, DMAX: tl.constexpr, PENDING: tl.constexpr, PR: tl.constexpr, PD: tl.constexpr,
+          PREFETCH: tl.constexpr, ROWS: tl.constexpr, KP: tl.constexpr, PDP: tl.constexpr, KL: tl.constexpr,
+          XN: tl.constexpr, ON: tl.constexpr, LANES: tl.constexpr, LOG_E: tl.constexpr, LOG_BV: tl.constexpr,
+          LOG_G: tl.constexpr):  # fmt: skip
+    """One program's tile: request ``n``, v-head ``hv``, rows ``[i_v * BV, (i_v + 1) * BV)``
+    (``S_pre``: its state already loaded, with ``HAVE_S``; the rows chain only)."""
     h = hv // (HV // H)
 
     rows = i_v * BV + tl.arange(0, BV)
@@ -562,7 +632,7 @@ def verify_kernel(
                     player_ptr, pu_ptr, pk_ptr, pg_ptr, pstates_ptr, out_ptr, snap_ptr, u_ptr, pool_out_ptr, n, h, hv,
                     i_v, layer, slot, slot_ok, base, lead, row_ok, nv, no, rows, m_v, NS, D, H, HV, V, K, BV, SNAPSHOTS,
                     EVICT, INTERPRET, INTO, DMAX, PENDING, PR, PD, PREFETCH, KP, PDP, KL, LANES, LOG_E, LOG_BV,
-                    LOG_G)  # fmt: skip
+                    LOG_G, S_pre, HAVE_S)  # fmt: skip
     else:
         _chain_chunks(state_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, prows_ptr, psteps_ptr, ptslots_ptr,
                       ptsteps_ptr, player_ptr, pu_ptr, pk_ptr, pg_ptr, pstates_ptr, out_ptr, snap_ptr, u_ptr,
@@ -647,13 +717,15 @@ def _chain_rows(state_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, prows_ptr, ps
                 SNAPSHOTS: tl.constexpr, EVICT: tl.constexpr, INTERPRET: tl.constexpr, INTO: tl.constexpr,
                 DMAX: tl.constexpr, PENDING: tl.constexpr, PR: tl.constexpr, PD: tl.constexpr,
                 PREFETCH: tl.constexpr, KP: tl.constexpr, PDP: tl.constexpr, KL: tl.constexpr,
-                W: tl.constexpr, LOG_E: tl.constexpr, LOG_BV: tl.constexpr, LOG_G: tl.constexpr):  # fmt: skip
+                W: tl.constexpr, LOG_E: tl.constexpr, LOG_BV: tl.constexpr, LOG_G: tl.constexpr, S_pre,
+                HAVE_S: tl.constexpr):  # fmt: skip
     """The chain on a ``[BV, KP]`` tile with ``W`` lanes across K (``VerifyConfig.chain="rows"``):
     a step's q and k are ``KP / W`` registers a lane and loaded once, not once a row; each
     reduction over K is :func:`_row_sums`, and ``u`` reaches every lane's rows through
     :func:`_all_rows`. A pending tuple commit is replayed on the same tile, and the chain starts
     from the state each lane wrote back (:func:`_apply_pending_rows`). Step t + 1's inputs are
-    loaded during step t."""
+    loaded during step t. With ``HAVE_S`` the tile's state is ``S_pre`` (a persistent launch
+    loaded it during the previous tile), not loaded here."""
     E: tl.constexpr = KP // W
     cols = tl.arange(0, KP)
     m_c = cols < K
@@ -663,10 +735,13 @@ def _chain_rows(state_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, prows_ptr, ps
     if PENDING == 1:
         S = _apply_pending_rows(pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr,
                                 pk_ptr, pg_ptr, n, h, hv, i_v, layer, slot, slot_ok, rows, m_v, NS, H, HV, V, K, BV, KP,
-                                PR, PD, PREFETCH, PDP, KL, EVICT, INTERPRET, True)  # fmt: skip
+                                PR, PD, PREFETCH, PDP, KL, EVICT, INTERPRET, True, S_pre, HAVE_S)  # fmt: skip
     else:
-        S = _to_f32(tl.load(state_ptr + base * V * K + tile, mask=m_tile & slot_ok, other=0.0, eviction_policy=EVICT),
-                    INTERPRET)  # fmt: skip
+        if HAVE_S:
+            S = _to_f32(S_pre, INTERPRET)
+        else:
+            S = _to_f32(tl.load(state_ptr + base * V * K + tile, mask=m_tile & slot_ok, other=0.0,
+                                eviction_policy=EVICT), INTERPRET)  # fmt: skip
         if PENDING == 2:  # the previous snapshots: the chunk chain's copy, on this tile
             S = _apply_pending(S, pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr,
                                pk_ptr, pg_ptr, pstates_ptr, n, h, hv, i_v, layer, slot, slot_ok, rows, cols, tile, m_v,
@@ -698,9 +773,10 @@ def _chain_rows(state_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, prows_ptr, ps
         q, k, v, alpha, beta = q1, k1, v1, alpha1, beta1
 
 
-def launch_sizes(state_shape, q_shape, config: VerifyConfig, record: str = "tuples"):
+def launch_sizes(state_shape, q_shape, config: VerifyConfig, record: str = "tuples", sms: int = 132):
     """The chain kernel's constexpr sizes and its grid, from the shapes alone (``state_shape``:
-    the pool ``[L, S, HV, V, K]``, or ``[N, HV, V, K]`` for the state0 form)."""
+    the pool ``[L, S, HV, V, K]``, or ``[N, HV, V, K]`` for the state0 form) and, for a
+    persistent launch (``config.persistent``), the device's ``sms``."""
     HV, V, K = state_shape[-3:]
     S = state_shape[-4] if len(state_shape) == 5 else state_shape[0]
     N, D, H = q_shape[:3]
@@ -715,6 +791,10 @@ def launch_sizes(state_shape, q_shape, config: VerifyConfig, record: str = "tupl
         BV = sizes["BV"] = min(BV, W)
         log2 = lambda x: x.bit_length() - 1  # noqa: E731 (powers of two)
         sizes |= {"LANES": W, "LOG_E": log2(KP // W), "LOG_BV": log2(BV), "LOG_G": log2(W // BV)}
+        if config.persistent:
+            tiles = N * HV * -(-V // BV)
+            sizes["PERSIST"] = tiles
+            return sizes, (max(1, min(tiles, config.persistent * sms)),)
     NV = -(-V // BV)
     return sizes, ((NV, HV, N) if tiles_first else (N, HV, NV))
 
@@ -725,6 +805,14 @@ def prep_launch(q_shape, HV: int, config: VerifyConfig):
     PH = min(config.prep_heads, next_power_of_2(H))
     sizes = {"H": H, "HV": HV, "K": K, "BK": next_power_of_2(K), "PH": PH, "BR": next_power_of_2(PH * (HV // H))}
     return sizes, (N, D, -(-H // PH))
+
+
+@functools.cache
+def _sm_count() -> int:
+    """The SMs of the first GPU (132 where jaxlib does not say: an H100 or H200)."""
+    import jax
+
+    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
 @functools.cache
@@ -839,7 +927,7 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
     inputs = [state, slots, layer, tape_layer, qn, kn, v, g, beta, rows, buf, *pend_in, *out_in]
     if out is not None:
         aliases[len(inputs) - 1] = 0  # the outputs buffer, the last input
-    sizes, grid = launch_sizes(state.shape, q.shape[-4:], config, record)
+    sizes, grid = launch_sizes(state.shape, q.shape[-4:], config, record, _sm_count() if config.persistent else 132)
     out, snap, u, new_pool = jt.triton_call(
         *inputs,
         kernel=verify_kernel,
