@@ -7,6 +7,7 @@
 #   tfrt      the same with XLA's TFRT GPU client (XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1), TFRT_KINDS, 25x4 and 8x16
 #   timeline  scripts/host_timeline.py at 25x4 (TIMELINE_FORMS) under both clients
 #   sass_fused  Nsight Compute on scripts/sass_fused.py at SASS_CONFIG: the fused kernel's SASS and stalls per variant
+#             (SASS_VARIANTS, default the script's)
 #   regs      Nsight Compute's registers and duration of the fused kernel per launch variant (scripts/sass_fused.py
 #             --variants REGS_VARIANTS, e.g. "pallas:split,pallas:rows:dot_fma='u'") at REGS_CONFIGS (default 25x4 8x16)
 #   fused     scripts/tune_fused.py at FUSED_CONFIGS (default 25x4,8x16): the fused step per variant (FUSED_VARIANTS)
@@ -46,7 +47,9 @@ for phase in ${PHASES:-probe tests step tfrt timeline}; do
     sass_fused)  # the fused kernel's SASS and stall samples per launch variant (scripts/sass_fused.py), from Nsight Compute
       timeout ${SASS_TIMEOUT:-240} ncu --clock-control none -k "regex:gdn_verify_tuples|verify_kernel" --launch-count 12 \
         --section LaunchStats --section Occupancy --section SpeedOfLight --section WarpStateStats --section SourceCounters \
-        -f -o $O/sass_fused python3 scripts/sass_fused.py --config ${SASS_CONFIG:-8x16} > $O/sass_fused_ncu.log 2>&1
+        --section MemoryWorkloadAnalysis --section SchedulerStats \
+        -f -o $O/sass_fused python3 scripts/sass_fused.py --config ${SASS_CONFIG:-8x16} \
+        ${SASS_VARIANTS:+--variants "$SASS_VARIANTS"} > $O/sass_fused_ncu.log 2>&1
       tail -4 $O/sass_fused_ncu.log
       ncu -i $O/sass_fused.ncu-rep --page details --csv > $O/sass_fused_details.csv 2> $O/sass_fused_err.log
       ncu -i $O/sass_fused.ncu-rep --page source --print-source sass --csv > $O/sass_fused.csv 2>> $O/sass_fused_err.log

@@ -3,7 +3,8 @@ SASS view and its per-instruction stall samples (run by ``scripts/gpu_session.sh
 
 One-layer fused steps (``benchmarks.step``'s ``fused_step``, unrolled with ``out=``) at one
 configuration: the Pallas kernel with ``pending_replay="split"`` and ``"rows"``, and the Triton
-backend's (``"rows"``). Each variant's step is called twice (compile and warm-up, then the
+backend's (``"rows"``). A variant whose replay is ``none`` launches the separate step's verify
+(one layer, unrolled, ``out=``) instead, with no pending commit. Each variant's step is called twice (compile and warm-up, then the
 launch ncu profiles: ``--launch-skip`` the warm-ups by running ncu with ``-k`` on the kernel
 names and the NVTX-free order below)::
 
@@ -42,12 +43,19 @@ def main() -> None:
         saved = impl.verify.__kwdefaults__["config"]
         extra = {k: ast.literal_eval(v) for k, v in (f.split("=", 1) for f in fields)}
         base = saved or impl.VerifyConfig()  # None: the Pallas backend's tuned_config of the shape
-        impl.verify.__kwdefaults__["config"] = dataclasses.replace(base, pending_replay=replay, **extra)
+        replay_field = {} if replay == "none" else {"pending_replay": replay}
+        impl.verify.__kwdefaults__["config"] = dataclasses.replace(base, **replay_field, **extra)
         try:
             pool = bstep._allocate(inp, "tuples", 1)
-            box = [bstep._filled((pool.ssm, pool.tape, pool.tape), 11)]
             obuf = [bstep._filled(jax.ShapeDtypeStruct((1, s.N, s.D, s.HV, s.V), inp.qkv["q"].dtype), 9)]
-            one = bstep.fused_runner([bstep.fused_step(backend, form="unrolled-out")], "unrolled-out", inp, box, obuf)
+            if replay == "none":  # the separate step's verify
+                box = [bstep._filled((pool.ssm, pool.tape), 11)]
+                one = bstep.direct_runner(bstep.direct_step(backend, "unrolled-out"), "unrolled-out", inp, box, obuf,
+                                          lambda: inp.index_sets[0])  # fmt: skip
+            else:
+                box = [bstep._filled((pool.ssm, pool.tape, pool.tape), 11)]
+                one = bstep.fused_runner([bstep.fused_step(backend, form="unrolled-out")], "unrolled-out", inp, box,
+                                         obuf)  # fmt: skip
             for _ in range(2):
                 jax.block_until_ready(one())
             print("launched", variant, flush=True)

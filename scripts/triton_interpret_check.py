@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import itertools
 import json
 import os
 import subprocess
@@ -439,9 +440,10 @@ def compile_kernels() -> None:
                 assert not [o for o in cf if o.startswith(("mul.f32", "add.f32", "div.full", "div.approx"))], cf
                 print(f"  compiled fused verify ({mode}, pending {('tuples', 'snapshots')[pending - 1]}, {state}): "
                       f"fma.rn {cf['fma.rn.f32']} (plain {c['fma.rn.f32']})")
-            psizes, _ = V_.launch_sizes((1, N, HV, Vd, K), (N, D, H, K), dataclasses.replace(vcfg, persistent=2), mode)
-            assert "PERSIST" in psizes, "the default chain at D=4 launches persistent"
-            for pending in (0, 1):  # a persistent launch (VerifyConfig.persistent): the same float operations
+            ahead = [dataclasses.replace(vcfg, persistent=2), dataclasses.replace(vcfg, state_ahead=64)]
+            for pending, acfg in itertools.product((0, 1), ahead):  # loading ahead: the same float operations
+                psizes, _ = V_.launch_sizes((1, N, HV, Vd, K), (N, D, H, K), acfg, mode)
+                assert "PERSIST" in psizes or "AHEAD" in psizes, acfg
                 pk = build(V_.verify_kernel, sig, dict(**psizes, SNAPSHOTS=snapshots, EVICT=vcfg.evict, INTERPRET=False,
                                                        INTO=True, R=7, DMAX=D + 2, PENDING=pending, PR=7, PD=D),
                            False, vcfg.num_warps, vcfg.num_stages)  # fmt: skip
@@ -449,7 +451,7 @@ def compile_kernels() -> None:
                                                         INTO=True, R=7, DMAX=D + 2, PENDING=pending, PR=7, PD=D),
                             False, vcfg.num_warps, vcfg.num_stages) if pending else into  # fmt: skip
                 assert ops(pk.asm["ptx"]) == ops(ref.asm["ptx"]), f"verify ({mode}, pending {pending}): persistent ops"
-            print(f"  persistent verify ({mode}, {state}): the same float operations, plain and fused")
+            print(f"  persistent verify and state_ahead ({mode}, {state}): the same float operations, plain and fused")
         assert digests[False] == digests[True], f"verify ({state}): the record modes' TTGIR arithmetic differs"
         print(f"  verify ({state}): tuples and snapshots TTGIR arithmetic identical ({digests[False]})")
         sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "A_log_ptr": "*fp32",

@@ -246,7 +246,8 @@ def _triton_other_launches():
     from gdn_lossless_jax.backends.triton.verify import PENDING_REPLAYS, VerifyConfig as TritonConfig
 
     default = TritonConfig()
-    return [{"prefetch_pending": not default.prefetch_pending}, {"chain": "rows"}, {"chain": "rows", "persistent": 3}] + [
+    return [{"prefetch_pending": not default.prefetch_pending}, {"chain": "rows"}, {"chain": "rows", "persistent": 3},
+            {"state_ahead": 9}, {"chain": "chunks", "state_ahead": 9}] + [
         {"chain": "chunks", "pending_replay": m} for m in PENDING_REPLAYS]
 
 

@@ -201,11 +201,15 @@ VERIFY_CONFIGS = [
 
 
 @requires_triton
-@pytest.mark.parametrize("programs", [1, 3, 1000])
-def test_a_persistent_launch_gives_the_plain_launchs_bits(programs, seed, monkeypatch):
-    """``VerifyConfig.persistent``: ``programs`` programs in all (a device of one SM), each over
-    many tiles with the next tile's state loaded ahead (1000: more programs than tiles), give
-    the bits of one program a tile, both record modes, fp32 and bf16 states, a padding slot."""
+@pytest.mark.parametrize("fields", [{"persistent": 1}, {"persistent": 3}, {"persistent": 1000}, {"state_ahead": 5},
+                                    {"state_ahead": 10**6}, {"chain": "chunks", "state_ahead": 7}],
+                         ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))  # fmt: skip
+def test_launches_that_load_ahead_give_the_plain_launchs_bits(fields, seed, monkeypatch):
+    """``VerifyConfig.persistent``: that many programs in all (a device of one SM), each over
+    many tiles with the next tile's state loaded ahead (1000: more programs than tiles), and
+    ``state_ahead`` (an L2 prefetch of a later program's tile, past the grid's end too) give the
+    bits of the plain launch of the same chain: both record modes, fp32 and bf16 states, a
+    padding slot."""
     tb = backends.resolve("triton", "verify")
     monkeypatch.setattr(importlib.import_module("gdn_lossless_jax.backends.triton.verify"), "_sm_count", lambda: 1)
     jax.clear_caches()
@@ -217,9 +221,10 @@ def test_a_persistent_launch_gives_the_plain_launchs_bits(programs, seed, monkey
             pool = jnp.concatenate([pool, pool[:, :2] * 0.5], axis=1)  # 7 slots, request 2 on a padding slot
             for record in gl.RECORD_MODES:
                 kw = dict(record=record, scale=128**-0.5, out_dtype=jnp.dtype(BF16), slots=slots, layer=0)
-                plain = tb.verify(pool, **x, **kw, config=tb.VerifyConfig(chain="rows"))
-                got = tb.verify(pool, **x, **kw, config=tb.VerifyConfig(chain="rows", persistent=programs))
-                assert_bitwise_equal(plain, got, f"{record}, {jnp.dtype(dtype).name} state, {programs} programs")
+                config = tb.VerifyConfig(**{"chain": "rows", **fields})
+                plain = tb.verify(pool, **x, **kw, config=tb.VerifyConfig(chain=config.chain))
+                got = tb.verify(pool, **x, **kw, config=config)
+                assert_bitwise_equal(plain, got, f"{record}, {jnp.dtype(dtype).name} state, {fields}")
     finally:
         jax.clear_caches()
 
@@ -288,6 +293,7 @@ def test_commit_reads_the_tape_pitch_from_its_shape(seed):
         ({"evict": "evict_never"}, "evict must be '', 'evict_first' or 'evict_last', got 'evict_never'"),
         ({"chain": "lanes"}, "chain must be None or one of ('chunks', 'rows'), got 'lanes'"),
         ({"persistent": -1}, "persistent must be an int >= 0 (programs per SM), got -1"),
+        ({"state_ahead": 1.5}, "state_ahead must be an int >= 0 (programs), got 1.5"),
     ],
 )
 def test_verify_config_rejects_bad_fields(fields, needle):
@@ -331,6 +337,11 @@ def test_verify_launch_sizes():
     assert launch_sizes((1, 2, 20, 12), (1, 1, 1, 12), VerifyConfig(persistent=8), sms=132)[1] == (6,)  # 6 tiles
     sizes, grid = launch_sizes(state, (25, 5, 16, 128), VerifyConfig(persistent=4), "tuples")
     assert "PERSIST" not in sizes and grid == (25, 32, 16)
+    sizes, grid = launch_sizes(state, q, VerifyConfig(state_ahead=2048), "tuples")  # an L2 prefetch, either chain
+    assert (sizes["AHEAD"], sizes["GN"]) == (2048, 25) and grid == (25, 32, 16)
+    assert launch_sizes(state, (25, 5, 16, 128), VerifyConfig(state_ahead=64))[0]["AHEAD"] == 64
+    with pytest.raises(ValueError, match="state_ahead does not apply to a persistent launch"):
+        launch_sizes(state, q, VerifyConfig(persistent=4, state_ahead=64))
     sizes, grid = prep_launch(q, 32, VerifyConfig())
     assert grid == (25, 4, 8) and (sizes["PH"], sizes["BR"], sizes["BK"]) == (2, 4, 128)
     sizes, grid = prep_launch((5, 3, 3, 24), 6, VerifyConfig(prep_heads=4))

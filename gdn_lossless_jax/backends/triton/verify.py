@@ -120,6 +120,10 @@ class VerifyConfig:
         loads the next tile's state while the chain of this one runs, so that the chain's
         shuffles and the state's bytes overlap instead of every wave loading, then computing.
         The arithmetic is the same, bit for bit. The chunk chain ignores it.
+      state_ahead: each program asks L2 for the state tile of the program this many places
+        after it in launch order (``prefetch.global.L2``, one instruction a lane, no registers),
+        so that a program starts with its state on its way from memory, not yet to be fetched.
+        0: no prefetch. Either chain; not with a persistent launch.
     """
 
     block_v: int = 8
@@ -133,6 +137,7 @@ class VerifyConfig:
     pending_replay: str = "rows"
     chain: str | None = None
     persistent: int = 0
+    state_ahead: int = 0
 
     def __post_init__(self):
         if self.chain not in (None, *CHAINS):
@@ -144,6 +149,8 @@ class VerifyConfig:
                              f"got {self.pending_replay!r}")
         if self.evict not in ("", "evict_first", "evict_last"):
             raise ValueError(f"VerifyConfig: evict must be '', 'evict_first' or 'evict_last', got {self.evict!r}")
+        if not isinstance(self.state_ahead, int) or self.state_ahead < 0:
+            raise ValueError(f"VerifyConfig: state_ahead must be an int >= 0 (programs), got {self.state_ahead!r}")
         if not isinstance(self.persistent, int) or self.persistent < 0:
             raise ValueError(f"VerifyConfig: persistent must be an int >= 0 (programs per SM), got {self.persistent!r}")
         for name in ("block_v", "num_warps", "k_chunk", "prep_heads"):
@@ -543,6 +550,8 @@ def verify_kernel(
     LOG_BV: tl.constexpr = 0,
     LOG_G: tl.constexpr = 0,
     PERSIST: tl.constexpr = 0,  # a persistent launch over this many tiles (VerifyConfig.persistent; the rows chain)
+    AHEAD: tl.constexpr = 0,  # the state tile of the program this many places later asked of L2 (state_ahead)
+    GN: tl.constexpr = 1,  # the requests (AHEAD: the grid's sizes as constants)
 ):
     if PERSIST:  # a grid of tl.num_programs(0) programs, each over tiles first, first + P, ...: the
         # next tile's state is loaded while this one's chain runs (the requests first: n, hv, tile)
@@ -568,11 +577,46 @@ def verify_kernel(
         else:
             i_v = tl.program_id(2)
             n = tl.program_id(0).to(tl.int64)
+        if AHEAD and not INTERPRET:
+            _prefetch_state(state_ptr, slots_ptr, layer_ptr, AHEAD, GN, NS, HV, V, K, BV, KP, TILES_FIRST)
         _tile(state_ptr, slots_ptr, layer_ptr, tape_layer_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, rows_ptr,
               prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr, pk_ptr, pg_ptr, pstates_ptr,
               out_layer_ptr, out_ptr, snap_ptr, u_ptr, pool_out_ptr, n, tl.program_id(1), i_v, 0.0, False, NS, D, H, HV,
               V, K, BV, C, NC, SNAPSHOTS, EVICT, INTERPRET, INTO, R, DMAX, PENDING, PR, PD, PREFETCH, ROWS, KP, PDP, KL,
               XN, ON, LANES, LOG_E, LOG_BV, LOG_G)  # fmt: skip
+
+
+@jit
+def _prefetch_state(state_ptr, slots_ptr, layer_ptr, AHEAD: tl.constexpr, GN: tl.constexpr, NS: tl.constexpr,
+                    HV: tl.constexpr,
+                    V: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, KP: tl.constexpr,
+                    TILES_FIRST: tl.constexpr):  # fmt: skip
+    """``prefetch.global.L2`` of the lines of the state tile that the program ``AHEAD`` places
+    after this one in launch order (x fastest, then y, then z) reads; nothing past the grid's end
+    or for a slot outside ``[0, S)``."""
+    NVT: tl.constexpr = (V + BV - 1) // BV
+    X: tl.constexpr = NVT if TILES_FIRST else GN  # the grid's sizes, constants (no division at run time)
+    Y: tl.constexpr = HV
+    Z: tl.constexpr = GN if TILES_FIRST else NVT
+    lin = tl.program_id(0) + X * (tl.program_id(1) + Y * tl.program_id(2)) + AHEAD
+    ok = lin < X * Y * Z
+    lin = tl.where(ok, lin, 0)
+    hv = (lin // X) % Y
+    if TILES_FIRST:
+        i_v = lin % X
+        n = lin // (X * Y)
+    else:
+        i_v = lin // (X * Y)
+        n = lin % X
+    slot = tl.load(slots_ptr + n.to(tl.int64)).to(tl.int64)
+    ok = ok & (slot >= 0) & (slot < NS)
+    layer = tl.load(layer_ptr).to(tl.int64)
+    base = ((layer * NS + tl.where(ok, slot, 0)) * HV + hv) * V * K
+    LP: tl.constexpr = KP // 32 if KP >= 32 else 1  # a row's 128-byte lines (fp32; a bf16 line is asked twice)
+    rows = tl.minimum(i_v * BV + tl.arange(0, BV), V - 1)
+    cols = tl.minimum(tl.arange(0, LP) * 32, K - 1)
+    if ok:
+        _prefetch_l2(state_ptr + base + rows[:, None] * K + cols[None, :])
 
 
 @jit
@@ -792,10 +836,15 @@ def launch_sizes(state_shape, q_shape, config: VerifyConfig, record: str = "tupl
         log2 = lambda x: x.bit_length() - 1  # noqa: E731 (powers of two)
         sizes |= {"LANES": W, "LOG_E": log2(KP // W), "LOG_BV": log2(BV), "LOG_G": log2(W // BV)}
         if config.persistent:
+            if config.state_ahead:
+                raise ValueError("VerifyConfig: state_ahead does not apply to a persistent launch (persistent="
+                                 f"{config.persistent}); set one of them")
             tiles = N * HV * -(-V // BV)
             sizes["PERSIST"] = tiles
             return sizes, (max(1, min(tiles, config.persistent * sms)),)
     NV = -(-V // BV)
+    if config.state_ahead:
+        sizes |= {"AHEAD": config.state_ahead, "GN": N}
     return sizes, ((NV, HV, N) if tiles_first else (N, HV, NV))
 
 
