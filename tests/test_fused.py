@@ -247,7 +247,8 @@ def _triton_other_launches():
 
     default = TritonConfig()
     return [{"prefetch_pending": not default.prefetch_pending}, {"chain": "rows"}, {"chain": "rows", "persistent": 3},
-            {"state_ahead": 9}, {"chain": "chunks", "state_ahead": 9}] + [
+            {"state_ahead": 9}, {"chain": "chunks", "state_ahead": 9}, {"replay_ahead": True},
+            {"chain": "rows", "unroll": True, "replay_ahead": True}] + [
         {"chain": "chunks", "pending_replay": m} for m in PENDING_REPLAYS]
 
 

@@ -202,14 +202,15 @@ VERIFY_CONFIGS = [
 
 @requires_triton
 @pytest.mark.parametrize("fields", [{"persistent": 1}, {"persistent": 3}, {"persistent": 1000}, {"state_ahead": 5},
-                                    {"state_ahead": 10**6}, {"chain": "chunks", "state_ahead": 7}],
+                                    {"state_ahead": 10**6}, {"chain": "chunks", "state_ahead": 7}, {"unroll": True},
+                                    {"unroll": True, "persistent": 2}],
                          ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))  # fmt: skip
 def test_launches_that_load_ahead_give_the_plain_launchs_bits(fields, seed, monkeypatch):
     """``VerifyConfig.persistent``: that many programs in all (a device of one SM), each over
-    many tiles with the next tile's state loaded ahead (1000: more programs than tiles), and
-    ``state_ahead`` (an L2 prefetch of a later program's tile, past the grid's end too) give the
-    bits of the plain launch of the same chain: both record modes, fp32 and bf16 states, a
-    padding slot."""
+    many tiles with the next tile's state loaded ahead (1000: more programs than tiles),
+    ``state_ahead`` (an L2 prefetch of a later program's tile, past the grid's end too) and
+    ``unroll`` give the bits of the plain launch of the same chain: both record modes, fp32 and
+    bf16 states, a padding slot."""
     tb = backends.resolve("triton", "verify")
     monkeypatch.setattr(importlib.import_module("gdn_lossless_jax.backends.triton.verify"), "_sm_count", lambda: 1)
     jax.clear_caches()

@@ -124,6 +124,12 @@ class VerifyConfig:
         after it in launch order (``prefetch.global.L2``, one instruction a lane, no registers),
         so that a program starts with its state on its way from memory, not yet to be fetched.
         0: no prefetch. Either chain; not with a persistent launch.
+      unroll: the rows chain's steps unrolled (the chunk chain ignores it): a step's output
+        reduction, which the next step does not wait on, may then overlap the next step's.
+        The same arithmetic, bit for bit.
+      replay_ahead: in the rows chain's fused kernel, the pending step t + 1's ``k``, ``u`` and
+        decay are loaded during step t of the replay (step 0's beside the state), not each at the
+        top of its own step.
     """
 
     block_v: int = 8
@@ -138,6 +144,8 @@ class VerifyConfig:
     chain: str | None = None
     persistent: int = 0
     state_ahead: int = 0
+    unroll: bool = False
+    replay_ahead: bool = False
 
     def __post_init__(self):
         if self.chain not in (None, *CHAINS):
@@ -377,7 +385,7 @@ def _apply_pending_rows(pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptstep
                         HV: tl.constexpr, V: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, KP: tl.constexpr,
                         PR: tl.constexpr, PD: tl.constexpr, PREFETCH: tl.constexpr, PDP: tl.constexpr, KL: tl.constexpr,
                         EVICT: tl.constexpr, INTERPRET: tl.constexpr, HAND: tl.constexpr = False, S_pre=0.0,
-                        HAVE_S: tl.constexpr = False):  # fmt: skip
+                        HAVE_S: tl.constexpr = False, AHEAD_STEPS: tl.constexpr = False):  # fmt: skip
     """The previous step's tuple commit of this program's tile (``VerifyConfig.pending_replay="rows"``),
     with :func:`_apply_pending`'s masks, rule and order, on a ``[BV, K]`` tile with the lanes
     across K (a step's ``k`` is ``K / 32`` registers a lane, not the chunk layout's ``K / 4``): the
@@ -407,21 +415,58 @@ def _apply_pending_rows(pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptstep
                           PDP, KL)  # fmt: skip
     dt = pool_out_ptr.dtype.element_ty
     acc = S
-    for t in range(upto + 1):
-        acc = _replay_row_step(acc, t, lead, h, hv, rows, cols, m_c, m_v, pu_ptr, pk_ptr, pg_ptr, H, HV, V, K, PD,
-                               INTERPRET)  # fmt: skip
-        tl.store(dst_trk, _from_f32(acc, dt, INTERPRET), mask=m2 & track & (t == ptstep))
+    if AHEAD_STEPS:  # step t + 1's k, u and decay loaded during step t (step 0's with the state)
+        kt, u, a = _replay_row_inputs(0, lead, h, hv, rows, cols, m_c, m_v, pu_ptr, pk_ptr, pg_ptr, H, HV, V, K, PD,
+                                      INTERPRET)  # fmt: skip
+        for t in range(upto + 1):
+            kt1, u1, a1 = _replay_row_inputs(tl.minimum(t + 1, PD - 1), lead, h, hv, rows, cols, m_c, m_v, pu_ptr,
+                                             pk_ptr, pg_ptr, H, HV, V, K, PD, INTERPRET)  # fmt: skip
+            acc = _replay_row_update(acc, kt, u, a, INTERPRET)
+            tl.store(dst_trk, _from_f32(acc, dt, INTERPRET), mask=m2 & track & (t == ptstep))
+            kt, u, a = kt1, u1, a1
+    else:
+        for t in range(upto + 1):
+            acc = _replay_row_step(acc, t, lead, h, hv, rows, cols, m_c, m_v, pu_ptr, pk_ptr, pg_ptr, H, HV, V, K, PD,
+                                   INTERPRET)  # fmt: skip
+            tl.store(dst_trk, _from_f32(acc, dt, INTERPRET), mask=m2 & track & (t == ptstep))
     tl.store(at_slot, _from_f32(acc, dt, INTERPRET), mask=m2 & accept)  # before a later track state: distinct slots
+    if HAND:
+        # the state the pool now holds at the slot: acc, unless a later track step replays on (then
+        # read back from the lines this lane wrote, not held in registers through those steps)
+        if tstep > upto:
+            Sc = acc
+            for t in range(upto + 1, tstep + 1):  # a track step after the accepted one
+                Sc = _replay_row_step(Sc, t, lead, h, hv, rows, cols, m_c, m_v, pu_ptr, pk_ptr, pg_ptr, H, HV, V, K,
+                                      PD, INTERPRET)  # fmt: skip
+                tl.store(dst_trk, _from_f32(Sc, dt, INTERPRET), mask=m2 & track & (t == ptstep))
+            res = _to_f32(tl.load(at_slot, mask=m2 & slot_ok, other=0.0, eviction_policy=EVICT), INTERPRET)
+        else:
+            res = acc
+        return res
     Sc = acc
     for t in range(upto + 1, tstep + 1):  # a track step after the accepted one
         Sc = _replay_row_step(Sc, t, lead, h, hv, rows, cols, m_c, m_v, pu_ptr, pk_ptr, pg_ptr, H, HV, V, K, PD,
                               INTERPRET)  # fmt: skip
         tl.store(dst_trk, _from_f32(Sc, dt, INTERPRET), mask=m2 & track & (t == ptstep))
-    if not HAND:
-        tl.debug_barrier()  # the chain's lanes read lines that other lanes of the program wrote
-    # the state the pool now holds (HAND: each lane's own lines; the accepted state is not held in
-    # registers through a later track step)
+    tl.debug_barrier()  # the chain's lanes read lines that other lanes of the program wrote
     return _to_f32(tl.load(at_slot, mask=m2 & slot_ok, other=0.0, eviction_policy=EVICT), INTERPRET)
+
+
+@jit
+def _replay_row_inputs(t, lead, h, hv, rows, cols, m_c, m_v, pu_ptr, pk_ptr, pg_ptr, H: tl.constexpr,
+                       HV: tl.constexpr, V: tl.constexpr, K: tl.constexpr, PD: tl.constexpr,
+                       INTERPRET: tl.constexpr):  # fmt: skip
+    """Pending step ``t``'s ``k`` (``[KP]``), the tile's rows of ``u`` and the decay."""
+    kt = tl.load(pk_ptr + ((lead * PD + t) * H + h) * K + cols, mask=m_c, other=0.0)
+    u = tl.load(pu_ptr + ((lead * PD + t) * HV + hv) * V + rows, mask=m_v, other=0.0)
+    return kt, u, _exp(tl.load(pg_ptr + (lead * PD + t) * HV + hv), INTERPRET)
+
+
+@jit
+def _replay_row_update(Sc, kt, u, alpha, INTERPRET: tl.constexpr):
+    """The rule on a ``[BV, K]`` tile: ``fma(k, u, rn(S * alpha))``."""
+    Sd = Sc * alpha
+    return _fma(tl.broadcast_to(kt[None, :], Sd.shape), tl.broadcast_to(u[:, None], Sd.shape), Sd, INTERPRET)
 
 
 @jit
@@ -429,10 +474,9 @@ def _replay_row_step(Sc, t, lead, h, hv, rows, cols, m_c, m_v, pu_ptr, pk_ptr, p
                      HV: tl.constexpr, V: tl.constexpr, K: tl.constexpr, PD: tl.constexpr,
                      INTERPRET: tl.constexpr):  # fmt: skip
     """:func:`_replay_step` on a ``[BV, K]`` tile."""
-    kt = tl.load(pk_ptr + ((lead * PD + t) * H + h) * K + cols, mask=m_c, other=0.0)
-    u = tl.load(pu_ptr + ((lead * PD + t) * HV + hv) * V + rows, mask=m_v, other=0.0)
-    Sd = Sc * _exp(tl.load(pg_ptr + (lead * PD + t) * HV + hv), INTERPRET)
-    return _fma(tl.broadcast_to(kt[None, :], Sd.shape), tl.broadcast_to(u[:, None], Sd.shape), Sd, INTERPRET)
+    kt, u, alpha = _replay_row_inputs(t, lead, h, hv, rows, cols, m_c, m_v, pu_ptr, pk_ptr, pg_ptr, H, HV, V, K, PD,
+                                      INTERPRET)  # fmt: skip
+    return _replay_row_update(Sc, kt, u, alpha, INTERPRET)
 
 
 @jit
@@ -552,6 +596,8 @@ def verify_kernel(
     PERSIST: tl.constexpr = 0,  # a persistent launch over this many tiles (VerifyConfig.persistent; the rows chain)
     AHEAD: tl.constexpr = 0,  # the state tile of the program this many places later asked of L2 (state_ahead)
     GN: tl.constexpr = 1,  # the requests (AHEAD: the grid's sizes as constants)
+    UNROLL: tl.constexpr = False,  # the rows chain's steps unrolled (VerifyConfig.unroll)
+    REPLAY_AHEAD: tl.constexpr = False,  # the rows replay's step t + 1 loaded during step t (replay_ahead)
 ):
     if PERSIST:  # a grid of tl.num_programs(0) programs, each over tiles first, first + P, ...: the
         # next tile's state is loaded while this one's chain runs (the requests first: n, hv, tile)
@@ -569,7 +615,7 @@ def verify_kernel(
                   out_layer_ptr, out_ptr, snap_ptr, u_ptr, pool_out_ptr, tl.cast(idx // (HV * NVT), tl.int64),
                   (idx // NVT) % HV, idx % NVT, S, True, NS, D, H, HV, V, K, BV, C, NC, SNAPSHOTS, EVICT, INTERPRET,
                   INTO, R, DMAX, PENDING, PR, PD, PREFETCH, ROWS, KP, PDP, KL, XN, ON, LANES, LOG_E, LOG_BV,
-                  LOG_G)  # fmt: skip
+                  LOG_G, UNROLL, REPLAY_AHEAD)  # fmt: skip
     else:
         if TILES_FIRST:
             i_v = tl.program_id(0)
@@ -583,7 +629,7 @@ def verify_kernel(
               prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr, pk_ptr, pg_ptr, pstates_ptr,
               out_layer_ptr, out_ptr, snap_ptr, u_ptr, pool_out_ptr, n, tl.program_id(1), i_v, 0.0, False, NS, D, H, HV,
               V, K, BV, C, NC, SNAPSHOTS, EVICT, INTERPRET, INTO, R, DMAX, PENDING, PR, PD, PREFETCH, ROWS, KP, PDP, KL,
-              XN, ON, LANES, LOG_E, LOG_BV, LOG_G)  # fmt: skip
+              XN, ON, LANES, LOG_E, LOG_BV, LOG_G, UNROLL, REPLAY_AHEAD)  # fmt: skip
 
 
 @jit
@@ -648,7 +694,7 @@ def _tile(state_ptr, slots_ptr, layer_ptr, tape_layer_ptr, qn_ptr, kn_ptr, v_ptr
           R: tl.constexpr, DMAX: tl.constexpr, PENDING: tl.constexpr, PR: tl.constexpr, PD: tl.constexpr,
           PREFETCH: tl.constexpr, ROWS: tl.constexpr, KP: tl.constexpr, PDP: tl.constexpr, KL: tl.constexpr,
           XN: tl.constexpr, ON: tl.constexpr, LANES: tl.constexpr, LOG_E: tl.constexpr, LOG_BV: tl.constexpr,
-          LOG_G: tl.constexpr):  # fmt: skip
+          LOG_G: tl.constexpr, UNROLL: tl.constexpr, REPLAY_AHEAD: tl.constexpr):  # fmt: skip
     """One program's tile: request ``n``, v-head ``hv``, rows ``[i_v * BV, (i_v + 1) * BV)``
     (``S_pre``: its state already loaded, with ``HAVE_S``; the rows chain only)."""
     h = hv // (HV // H)
@@ -676,7 +722,7 @@ def _tile(state_ptr, slots_ptr, layer_ptr, tape_layer_ptr, qn_ptr, kn_ptr, v_ptr
                     player_ptr, pu_ptr, pk_ptr, pg_ptr, pstates_ptr, out_ptr, snap_ptr, u_ptr, pool_out_ptr, n, h, hv,
                     i_v, layer, slot, slot_ok, base, lead, row_ok, nv, no, rows, m_v, NS, D, H, HV, V, K, BV, SNAPSHOTS,
                     EVICT, INTERPRET, INTO, DMAX, PENDING, PR, PD, PREFETCH, KP, PDP, KL, LANES, LOG_E, LOG_BV,
-                    LOG_G, S_pre, HAVE_S)  # fmt: skip
+                    LOG_G, S_pre, HAVE_S, UNROLL, REPLAY_AHEAD)  # fmt: skip
     else:
         _chain_chunks(state_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, prows_ptr, psteps_ptr, ptslots_ptr,
                       ptsteps_ptr, player_ptr, pu_ptr, pk_ptr, pg_ptr, pstates_ptr, out_ptr, snap_ptr, u_ptr,
@@ -762,7 +808,7 @@ def _chain_rows(state_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, prows_ptr, ps
                 DMAX: tl.constexpr, PENDING: tl.constexpr, PR: tl.constexpr, PD: tl.constexpr,
                 PREFETCH: tl.constexpr, KP: tl.constexpr, PDP: tl.constexpr, KL: tl.constexpr,
                 W: tl.constexpr, LOG_E: tl.constexpr, LOG_BV: tl.constexpr, LOG_G: tl.constexpr, S_pre,
-                HAVE_S: tl.constexpr):  # fmt: skip
+                HAVE_S: tl.constexpr, UNROLL: tl.constexpr, REPLAY_AHEAD: tl.constexpr):  # fmt: skip
     """The chain on a ``[BV, KP]`` tile with ``W`` lanes across K (``VerifyConfig.chain="rows"``):
     a step's q and k are ``KP / W`` registers a lane and loaded once, not once a row; each
     reduction over K is :func:`_row_sums`, and ``u`` reaches every lane's rows through
@@ -779,7 +825,8 @@ def _chain_rows(state_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, prows_ptr, ps
     if PENDING == 1:
         S = _apply_pending_rows(pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr,
                                 pk_ptr, pg_ptr, n, h, hv, i_v, layer, slot, slot_ok, rows, m_v, NS, H, HV, V, K, BV, KP,
-                                PR, PD, PREFETCH, PDP, KL, EVICT, INTERPRET, True, S_pre, HAVE_S)  # fmt: skip
+                                PR, PD, PREFETCH, PDP, KL, EVICT, INTERPRET, True, S_pre, HAVE_S,
+                                REPLAY_AHEAD)  # fmt: skip
     else:
         if HAVE_S:
             S = _to_f32(S_pre, INTERPRET)
@@ -797,24 +844,46 @@ def _chain_rows(state_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, prows_ptr, ps
     m_mine = (my_row < V) & (lane % G == 0)  # one lane of each row stores it
     q, k, v, alpha, beta = _row_inputs(qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, n, nv, 0, h, hv, cols, my_row, D, H,
                                        HV, V, K, KP, INTERPRET)  # fmt: skip
-    for t in range(D):
-        q1, k1, v1, alpha1, beta1 = _row_inputs(qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, n, nv,
-                                                tl.minimum(t + 1, D - 1), h, hv, cols, my_row, D, H, HV, V, K, KP,
-                                                INTERPRET)  # fmt: skip
-        kb = tl.broadcast_to(k[None, :], S.shape)
-        Sd = S * alpha
-        u = beta * (v - _row_sums(Sd, kb, BV, W, E, LOG_E, LOG_BV, LOG_G, INTERPRET))  # [1, W]
-        S = _fma(kb, _all_rows(u, BV, W, E), Sd, INTERPRET)
-        o = _row_sums(S, tl.broadcast_to(q[None, :], S.shape), BV, W, E, LOG_E, LOG_BV, LOG_G, INTERPRET)
-        tl.store(out_ptr + ((no * D + t) * HV + hv) * V + my_row, _from_f32(o, out_ptr.dtype.element_ty, INTERPRET),
-                 mask=m_mine)  # fmt: skip
-        at = (lead * DMAX + t) * HV + hv
-        if SNAPSHOTS:
-            _store(snap_ptr + at * V * K + tile, _from_f32(S, snap_ptr.dtype.element_ty, INTERPRET), m_tile & row_ok,
-                   MASK_TILE or INTO, EVICT)  # fmt: skip
-        else:
-            tl.store(u_ptr + at * V + my_row, u, mask=m_mine & row_ok)
-        q, k, v, alpha, beta = q1, k1, v1, alpha1, beta1
+    if UNROLL:  # the steps unrolled: a step's output reduction may overlap the next step's chain
+        for t in tl.static_range(D):
+            S, q, k, v, alpha, beta = _row_step(S, q, k, v, alpha, beta, t, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr,
+                                                out_ptr, snap_ptr, u_ptr, n, nv, no, h, hv, lead, row_ok, cols, my_row,
+                                                m_mine, tile, m_tile, D, H, HV, V, K, BV, KP, SNAPSHOTS, EVICT,
+                                                INTERPRET, INTO, DMAX, W, E, LOG_E, LOG_BV, LOG_G)  # fmt: skip
+    else:
+        for t in range(D):
+            S, q, k, v, alpha, beta = _row_step(S, q, k, v, alpha, beta, t, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr,
+                                                out_ptr, snap_ptr, u_ptr, n, nv, no, h, hv, lead, row_ok, cols, my_row,
+                                                m_mine, tile, m_tile, D, H, HV, V, K, BV, KP, SNAPSHOTS, EVICT,
+                                                INTERPRET, INTO, DMAX, W, E, LOG_E, LOG_BV, LOG_G)  # fmt: skip
+
+
+@jit
+def _row_step(S, q, k, v, alpha, beta, t, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, snap_ptr, u_ptr, n, nv, no, h,
+              hv, lead, row_ok, cols, my_row, m_mine, tile, m_tile, D: tl.constexpr, H: tl.constexpr,
+              HV: tl.constexpr, V: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, KP: tl.constexpr,
+              SNAPSHOTS: tl.constexpr, EVICT: tl.constexpr, INTERPRET: tl.constexpr, INTO: tl.constexpr,
+              DMAX: tl.constexpr, W: tl.constexpr, E: tl.constexpr, LOG_E: tl.constexpr, LOG_BV: tl.constexpr,
+              LOG_G: tl.constexpr):  # fmt: skip
+    """Step ``t`` of :func:`_chain_rows` from its state ``S`` and inputs; returns the next state
+    and step t + 1's inputs (loaded first)."""
+    MASK_TILE: tl.constexpr = V % BV != 0 or KP != K
+    q1, k1, v1, alpha1, beta1 = _row_inputs(qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, n, nv, tl.minimum(t + 1, D - 1), h,
+                                            hv, cols, my_row, D, H, HV, V, K, KP, INTERPRET)  # fmt: skip
+    kb = tl.broadcast_to(k[None, :], S.shape)
+    Sd = S * alpha
+    u = beta * (v - _row_sums(Sd, kb, BV, W, E, LOG_E, LOG_BV, LOG_G, INTERPRET))  # [1, W]
+    S = _fma(kb, _all_rows(u, BV, W, E), Sd, INTERPRET)
+    o = _row_sums(S, tl.broadcast_to(q[None, :], S.shape), BV, W, E, LOG_E, LOG_BV, LOG_G, INTERPRET)
+    tl.store(out_ptr + ((no * D + t) * HV + hv) * V + my_row, _from_f32(o, out_ptr.dtype.element_ty, INTERPRET),
+             mask=m_mine)  # fmt: skip
+    at = (lead * DMAX + t) * HV + hv
+    if SNAPSHOTS:
+        _store(snap_ptr + at * V * K + tile, _from_f32(S, snap_ptr.dtype.element_ty, INTERPRET), m_tile & row_ok,
+               MASK_TILE or INTO, EVICT)  # fmt: skip
+    else:
+        tl.store(u_ptr + at * V + my_row, u, mask=m_mine & row_ok)
+    return S, q1, k1, v1, alpha1, beta1
 
 
 def launch_sizes(state_shape, q_shape, config: VerifyConfig, record: str = "tuples", sms: int = 132):
@@ -834,7 +903,8 @@ def launch_sizes(state_shape, q_shape, config: VerifyConfig, record: str = "tupl
         W = min(32, KP)
         BV = sizes["BV"] = min(BV, W)
         log2 = lambda x: x.bit_length() - 1  # noqa: E731 (powers of two)
-        sizes |= {"LANES": W, "LOG_E": log2(KP // W), "LOG_BV": log2(BV), "LOG_G": log2(W // BV)}
+        sizes |= {"LANES": W, "LOG_E": log2(KP // W), "LOG_BV": log2(BV), "LOG_G": log2(W // BV),
+                  "UNROLL": bool(config.unroll), "REPLAY_AHEAD": bool(config.replay_ahead)}
         if config.persistent:
             if config.state_ahead:
                 raise ValueError("VerifyConfig: state_ahead does not apply to a persistent launch (persistent="
