@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import itertools
 import json
 import os
 import subprocess
@@ -74,11 +73,11 @@ class CaseSpec:
     dtype: str  # state dtype: float32 | bfloat16
     block_v: int = 32
     L: int = 2
-    persistent: int = 0  # VerifyConfig.persistent, on a device of one SM (that many programs in all)
+    unroll: bool | None = None  # VerifyConfig.unroll (None: the default by D)
 
     @property
     def name(self) -> str:
-        tail = f"-P{self.persistent}" if self.persistent else ""
+        tail = "" if self.unroll is None else f"-unroll{int(self.unroll)}"
         return f"D{self.D}-H{self.H}-HV{self.HV}-K{self.K}-V{self.V}-N{self.N}-{self.dtype}-BV{self.block_v}{tail}"
 
 
@@ -88,7 +87,7 @@ def case_specs(quick: bool) -> list[CaseSpec]:
             CaseSpec(N=5, D=4, H=2, HV=4, K=8, V=16, dtype="bfloat16", block_v=8),
             CaseSpec(N=1, D=3, H=4, HV=16, K=8, V=16, dtype="float32"),
             CaseSpec(N=5, D=2, H=1, HV=2, K=12, V=20, dtype="float32", block_v=8),
-            CaseSpec(N=5, D=4, H=2, HV=4, K=8, V=16, dtype="bfloat16", block_v=8, persistent=3),
+            CaseSpec(N=5, D=4, H=2, HV=4, K=8, V=16, dtype="bfloat16", block_v=8, unroll=False),
         ]
     # The CPU equivalence matrix's draft lengths, each with one of its head layouts and
     # pool setups in turn (the reference's XLA:CPU compile per shape dominates the time).
@@ -101,7 +100,6 @@ def case_specs(quick: bool) -> list[CaseSpec]:
     specs.append(CaseSpec(N=5, D=3, H=1, HV=2, K=12, V=20, dtype="float32", block_v=8))
     specs.append(CaseSpec(N=4, D=5, H=2, HV=6, K=24, V=40, dtype="bfloat16", block_v=16))
     specs.append(CaseSpec(N=2, D=4, H=2, HV=4, K=128, V=128, dtype="float32", block_v=32))
-    specs.append(CaseSpec(N=5, D=3, H=1, HV=2, K=12, V=20, dtype="float32", block_v=8, persistent=3))
     return specs
 
 
@@ -230,7 +228,7 @@ def run_kernels(spec: CaseSpec, work: Path):
         jax-triton's aliasing (the same tensor as input and output)."""
         x = {n: T[f"L{layer}_{n}"].contiguous() for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias")}
         unused = torch.empty(1, dtype=f32)
-        cfg = V_.VerifyConfig(block_v=spec.block_v, persistent=spec.persistent)
+        cfg = V_.VerifyConfig(block_v=spec.block_v, unroll=spec.unroll)
         lay = torch.tensor([layer], dtype=torch.int32)
         into = bufs is not None
         buf_sizes = dict(INTO=True, R=R, DMAX=D) if into else {}
@@ -253,7 +251,7 @@ def run_kernels(spec: CaseSpec, work: Path):
             u = unused if snapshots else nan(N, D, HV, V)
         buf = (snap if snapshots else u) if into else unused
         record = "snapshots" if snapshots else "tuples"
-        sizes, grid = V_.launch_sizes(tuple(T["pool"].shape), tuple(x["q"].shape), cfg, record, sms=1)
+        sizes, grid = V_.launch_sizes(tuple(T["pool"].shape), tuple(x["q"].shape), cfg, record)
         V_.verify_kernel[grid](T["pool"], slots_t, lay, lay, qn, kt, x["v"], g, beta, rows_t, buf, *[rows_t] * 4, lay,
                                *[unused] * 4, lay, unused, o, snap, u, unused, **sizes,
                                **(buf_sizes or dict(DMAX=D)), SNAPSHOTS=snapshots, EVICT=cfg.evict,
@@ -440,18 +438,6 @@ def compile_kernels() -> None:
                 assert not [o for o in cf if o.startswith(("mul.f32", "add.f32", "div.full", "div.approx"))], cf
                 print(f"  compiled fused verify ({mode}, pending {('tuples', 'snapshots')[pending - 1]}, {state}): "
                       f"fma.rn {cf['fma.rn.f32']} (plain {c['fma.rn.f32']})")
-            ahead = [dataclasses.replace(vcfg, persistent=2), dataclasses.replace(vcfg, state_ahead=64)]
-            for pending, acfg in itertools.product((0, 1), ahead):  # loading ahead: the same float operations
-                psizes, _ = V_.launch_sizes((1, N, HV, Vd, K), (N, D, H, K), acfg, mode)
-                assert "PERSIST" in psizes or "AHEAD" in psizes, acfg
-                pk = build(V_.verify_kernel, sig, dict(**psizes, SNAPSHOTS=snapshots, EVICT=vcfg.evict, INTERPRET=False,
-                                                       INTO=True, R=7, DMAX=D + 2, PENDING=pending, PR=7, PD=D),
-                           False, vcfg.num_warps, vcfg.num_stages)  # fmt: skip
-                ref = build(V_.verify_kernel, sig, dict(**sizes, SNAPSHOTS=snapshots, EVICT=vcfg.evict, INTERPRET=False,
-                                                        INTO=True, R=7, DMAX=D + 2, PENDING=pending, PR=7, PD=D),
-                            False, vcfg.num_warps, vcfg.num_stages) if pending else into  # fmt: skip
-                assert ops(pk.asm["ptx"]) == ops(ref.asm["ptx"]), f"verify ({mode}, pending {pending}): persistent ops"
-            print(f"  persistent verify and state_ahead ({mode}, {state}): the same float operations, plain and fused")
         assert digests[False] == digests[True], f"verify ({state}): the record modes' TTGIR arithmetic differs"
         print(f"  verify ({state}): tuples and snapshots TTGIR arithmetic identical ({digests[False]})")
         sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "A_log_ptr": "*fp32",

@@ -11,7 +11,6 @@ accepted state was written in place (the Pallas kernel's test switches), must be
 """
 
 import dataclasses
-import importlib
 import importlib.util
 import sys
 
@@ -246,9 +245,8 @@ def _triton_other_launches():
     from gdn_lossless_jax.backends.triton.verify import PENDING_REPLAYS, VerifyConfig as TritonConfig
 
     default = TritonConfig()
-    return [{"prefetch_pending": not default.prefetch_pending}, {"chain": "rows"}, {"chain": "rows", "persistent": 3},
-            {"state_ahead": 9}, {"chain": "chunks", "state_ahead": 9}, {"replay_ahead": True},
-            {"chain": "rows", "unroll": True, "replay_ahead": True}] + [
+    return [{"prefetch_pending": not default.prefetch_pending}, {"chain": "rows"}, {"chain": "rows", "unroll": False},
+            {"chain": "rows", "unroll": True, "block_v": 16}] + [
         {"chain": "chunks", "pending_replay": m} for m in PENDING_REPLAYS]
 
 
@@ -257,7 +255,7 @@ def _triton_other_launches():
 @pytest.mark.parametrize("fields", _triton_other_launches(), ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
 def test_other_launches_of_the_fused_triton_kernel(fields, dtype, seed, monkeypatch):
     """The Triton fused kernel's other launches (``VerifyConfig.prefetch_pending`` switched from
-    its default, the rows chain at every D, each ``pending_replay`` of the chunk chain) give the
+    its default, the rows chain at every D, unrolled or not, each ``pending_replay`` of the chunk chain) give the
     separate path's bits with the same launch: pools, outputs and tapes, both record modes of
     the previous step."""
     from gdn_lossless_jax.backends import triton as gt
@@ -265,8 +263,6 @@ def test_other_launches_of_the_fused_triton_kernel(fields, dtype, seed, monkeypa
     steps, records = _steps(seed), ("snapshots", "tuples", "tuples")
     pool = _pool(seed, dtype)
     config = gt.VerifyConfig(**fields)
-    if config.persistent:  # on a device of one SM: that many programs, each over many tiles
-        monkeypatch.setattr(importlib.import_module("gdn_lossless_jax.backends.triton.verify"), "_sm_count", lambda: 1)
     # the separate path's verify takes the same launch (the chain's layout changes u's and the outputs' low bits)
     monkeypatch.setitem(gt.verify.__kwdefaults__, "config", config)
     jax.clear_caches()  # traces of earlier tests hold the default launch

@@ -196,38 +196,28 @@ VERIFY_CONFIGS = [
     {"chain": "chunks", "block_v": 16, "num_warps": 2},
     {"chain": "rows", "block_v": 32},
     {"chain": "rows", "block_v": 4, "order": "tiles"},
-    {"chain": "rows", "persistent": 2},
+    {"chain": "rows", "unroll": False},
+    {"chain": "rows", "unroll": True, "block_v": 16},
 ]
 
 
 @requires_triton
-@pytest.mark.parametrize("fields", [{"persistent": 1}, {"persistent": 3}, {"persistent": 1000}, {"state_ahead": 5},
-                                    {"state_ahead": 10**6}, {"chain": "chunks", "state_ahead": 7}, {"unroll": True},
-                                    {"unroll": True, "persistent": 2}],
-                         ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))  # fmt: skip
-def test_launches_that_load_ahead_give_the_plain_launchs_bits(fields, seed, monkeypatch):
-    """``VerifyConfig.persistent``: that many programs in all (a device of one SM), each over
-    many tiles with the next tile's state loaded ahead (1000: more programs than tiles),
-    ``state_ahead`` (an L2 prefetch of a later program's tile, past the grid's end too) and
-    ``unroll`` give the bits of the plain launch of the same chain: both record modes, fp32 and
-    bf16 states, a padding slot."""
+@pytest.mark.parametrize("D", [1, 3, 8])
+def test_the_unrolled_rows_chain_gives_the_loops_bits(D, seed):
+    """``VerifyConfig.unroll`` changes the schedule, never a bit: the rows chain unrolled and as
+    a loop, both record modes, fp32 and bf16 states, the pool form with a padding slot."""
     tb = backends.resolve("triton", "verify")
-    monkeypatch.setattr(importlib.import_module("gdn_lossless_jax.backends.triton.verify"), "_sm_count", lambda: 1)
-    jax.clear_caches()
-    shape = Shape(N=5, D=4, H=4, HV=8, K=128, V=96)  # 12 tiles a request, the last rows masked by V
-    try:
-        for dtype in (F32, BF16):
-            x = verify_inputs(seed, shape, kind="mixed", state_dtype=dtype)
-            pool, slots = x.pop("state0")[None], jnp.array([0, 3, -1, 2, 4], jnp.int32)
-            pool = jnp.concatenate([pool, pool[:, :2] * 0.5], axis=1)  # 7 slots, request 2 on a padding slot
-            for record in gl.RECORD_MODES:
-                kw = dict(record=record, scale=128**-0.5, out_dtype=jnp.dtype(BF16), slots=slots, layer=0)
-                config = tb.VerifyConfig(**{"chain": "rows", **fields})
-                plain = tb.verify(pool, **x, **kw, config=tb.VerifyConfig(chain=config.chain))
-                got = tb.verify(pool, **x, **kw, config=config)
-                assert_bitwise_equal(plain, got, f"{record}, {jnp.dtype(dtype).name} state, {fields}")
-    finally:
-        jax.clear_caches()
+    shape = Shape(N=5, D=D, H=4, HV=8, K=128, V=96)  # the last tile's rows masked by V
+    for dtype in (F32, BF16):
+        x = verify_inputs(seed, shape, kind="mixed", state_dtype=dtype)
+        pool = x.pop("state0")[None]
+        pool = jnp.concatenate([pool, pool[:, :2] * 0.5], axis=1)  # 7 slots; request 2 reads a padding slot
+        slots = jnp.array([0, 3, -1, 2, 4], jnp.int32)
+        for record in gl.RECORD_MODES:
+            kw = {"record": record, "scale": 128**-0.5, "out_dtype": jnp.dtype(BF16), "slots": slots, "layer": 0}
+            loop = tb.verify(pool, **x, **kw, config=tb.VerifyConfig(chain="rows", unroll=False))
+            unrolled = tb.verify(pool, **x, **kw, config=tb.VerifyConfig(chain="rows", unroll=True))
+            assert_bitwise_equal(loop, unrolled, f"{record}, {jnp.dtype(dtype).name} state, D={D}")
 
 
 @requires_triton
@@ -293,8 +283,6 @@ def test_commit_reads_the_tape_pitch_from_its_shape(seed):
         ({"order": "heads"}, "order must be None or one of ('requests', 'tiles'), got 'heads'"),
         ({"evict": "evict_never"}, "evict must be '', 'evict_first' or 'evict_last', got 'evict_never'"),
         ({"chain": "lanes"}, "chain must be None or one of ('chunks', 'rows'), got 'lanes'"),
-        ({"persistent": -1}, "persistent must be an int >= 0 (programs per SM), got -1"),
-        ({"state_ahead": 1.5}, "state_ahead must be an int >= 0 (programs), got 1.5"),
     ],
 )
 def test_verify_config_rejects_bad_fields(fields, needle):
@@ -330,19 +318,12 @@ def test_verify_launch_sizes():
     small = launch_sizes((1, 2, 20, 12), (1, 1, 1, 12), VerifyConfig(chain="rows", block_v=32))
     assert small[0]["LANES"] == 16 and small[0]["BV"] == 16 and small[0]["LOG_E"] == 0 and small[1] == (1, 2, 2)
     assert "LANES" not in launch_sizes(state, q, VerifyConfig(chain="chunks"))[0]
-    assert "LANES" in launch_sizes(state, q, VerifyConfig())[0]  # the default: rows up to 4 drafts, chunks above
-    assert "LANES" not in launch_sizes(state, (25, 5, 16, 128), VerifyConfig())[0]
-    # a persistent launch: one axis of programs per SM (at most one a tile), over every tile; not the chunk chain
-    sizes, grid = launch_sizes(state, q, VerifyConfig(persistent=4), "tuples", sms=132)
-    assert grid == (528,) and sizes["PERSIST"] == 25 * 32 * 16
-    assert launch_sizes((1, 2, 20, 12), (1, 1, 1, 12), VerifyConfig(persistent=8), sms=132)[1] == (6,)  # 6 tiles
-    sizes, grid = launch_sizes(state, (25, 5, 16, 128), VerifyConfig(persistent=4), "tuples")
-    assert "PERSIST" not in sizes and grid == (25, 32, 16)
-    sizes, grid = launch_sizes(state, q, VerifyConfig(state_ahead=2048), "tuples")  # an L2 prefetch, either chain
-    assert (sizes["AHEAD"], sizes["GN"]) == (2048, 25) and grid == (25, 32, 16)
-    assert launch_sizes(state, (25, 5, 16, 128), VerifyConfig(state_ahead=64))[0]["AHEAD"] == 64
-    with pytest.raises(ValueError, match="state_ahead does not apply to a persistent launch"):
-        launch_sizes(state, q, VerifyConfig(persistent=4, state_ahead=64))
+    assert launch_sizes(state, q, VerifyConfig())[0]["UNROLL"]  # the default: rows, unrolled, up to 8 drafts
+    assert launch_sizes(state, (25, 8, 16, 128), VerifyConfig())[0]["UNROLL"]
+    assert "LANES" not in launch_sizes(state, (25, 9, 16, 128), VerifyConfig())[0]  # chunks above
+    assert not launch_sizes(state, q, VerifyConfig(unroll=False))[0]["UNROLL"]
+    assert launch_sizes(state, (25, 16, 16, 128), VerifyConfig(chain="rows", unroll=True))[0]["UNROLL"]
+    assert not launch_sizes(state, (25, 16, 16, 128), VerifyConfig(chain="rows"))[0]["UNROLL"]
     sizes, grid = prep_launch(q, 32, VerifyConfig())
     assert grid == (25, 4, 8) and (sizes["PH"], sizes["BR"], sizes["BK"]) == (2, 4, 128)
     sizes, grid = prep_launch((5, 3, 3, 24), 6, VerifyConfig(prep_heads=4))

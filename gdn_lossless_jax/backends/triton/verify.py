@@ -66,7 +66,8 @@ __all__ = ["VerifyConfig", "verify", "verify_kernel", "verify_prep_kernel", "lau
 ORDERS = ("requests", "tiles")
 PENDING_REPLAYS = ("rows", "split")
 CHAINS = ("chunks", "rows")
-ROWS_UP_TO = 4  # VerifyConfig.chain=None: the rows chain up to this many drafts
+ROWS_UP_TO = 8  # VerifyConfig.chain=None: the rows chain up to this many drafts
+UNROLL_UP_TO = 8  # VerifyConfig.unroll=None: the rows chain's steps unrolled up to this many drafts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,29 +108,22 @@ class VerifyConfig:
         rows in registers (a step's q and k are 4 registers a lane, loaded once); its reductions
         send half of a lane's rows at each butterfly level (:func:`_row_sums`), a longer chain
         of dependent shuffles a step. With ``"rows"`` a pending tuple commit is always replayed
-        on that tile (``pending_replay`` is not read). None (the default): ``"rows"`` up to 4
-        drafts, ``"chunks"`` above. ``u`` and the outputs differ between the two in their low
+        on that tile (``pending_replay`` is not read). None (the default): ``"rows"`` up to 8
+        drafts (4 before the steps were unrolled, ``unroll``), ``"chunks"`` above. ``u`` and the outputs differ between the two in their low
         bits (the reductions' order), the same way in both record modes and in the fused
         kernel; the tape replays exactly either way. On the H200 (``benchmarks/NOTES.md``,
         thirteenth session), kernel us a layer, rows against chunks: the tuple verify 27.4
         against 31.8 at 25 x 4 (72 registers against 128), 12.5 against 13.1 at 8 x 4, 20.3
         against 19.5 at 8 x 8, 35.8 against 32.2 at 8 x 16; the fused kernel 43.4 against 46.4,
         17.4 against 17.7, 24.4 against 24.7, 39.2 against 39.0.
-      persistent: programs per SM of a persistent launch of the rows chain (0: one program per
-        tile). Each program then takes the tiles ``p, p + P, ...`` (``P`` programs in all) and
-        loads the next tile's state while the chain of this one runs, so that the chain's
-        shuffles and the state's bytes overlap instead of every wave loading, then computing.
-        The arithmetic is the same, bit for bit. The chunk chain ignores it.
-      state_ahead: each program asks L2 for the state tile of the program this many places
-        after it in launch order (``prefetch.global.L2``, one instruction a lane, no registers),
-        so that a program starts with its state on its way from memory, not yet to be fetched.
-        0: no prefetch. Either chain; not with a persistent launch.
-      unroll: the rows chain's steps unrolled (the chunk chain ignores it): a step's output
-        reduction, which the next step does not wait on, may then overlap the next step's.
-        The same arithmetic, bit for bit.
-      replay_ahead: in the rows chain's fused kernel, the pending step t + 1's ``k``, ``u`` and
-        decay are loaded during step t of the replay (step 0's beside the state), not each at the
-        top of its own step.
+      unroll: the rows chain's steps unrolled (the chunk chain ignores it), so that a step's
+        output reduction, which the next step does not wait on, can overlap the next step's
+        chain. The same arithmetic, bit for bit. None (the default): unrolled up to 8 drafts.
+        On the H200 (``benchmarks/NOTES.md``, fourteenth session), fused kernel us a layer:
+        41.0 against 42.8 at 25 x 4 (95 registers), 15.8 against 16.9 at 8 x 4, and at 8 x 8
+        22.6 (64 registers) against the chunk chain's 24.6 (128); at 8 x 16 41.6 against
+        the chunk chain's 38.9. The verify alone moved less: 27.2 against 27.2, 11.1 against
+        12.5, 19.4 against 19.4, 31.6 against 32.1.
     """
 
     block_v: int = 8
@@ -142,10 +136,7 @@ class VerifyConfig:
     prefetch_pending: bool = True
     pending_replay: str = "rows"
     chain: str | None = None
-    persistent: int = 0
-    state_ahead: int = 0
-    unroll: bool = False
-    replay_ahead: bool = False
+    unroll: bool | None = None
 
     def __post_init__(self):
         if self.chain not in (None, *CHAINS):
@@ -157,10 +148,6 @@ class VerifyConfig:
                              f"got {self.pending_replay!r}")
         if self.evict not in ("", "evict_first", "evict_last"):
             raise ValueError(f"VerifyConfig: evict must be '', 'evict_first' or 'evict_last', got {self.evict!r}")
-        if not isinstance(self.state_ahead, int) or self.state_ahead < 0:
-            raise ValueError(f"VerifyConfig: state_ahead must be an int >= 0 (programs), got {self.state_ahead!r}")
-        if not isinstance(self.persistent, int) or self.persistent < 0:
-            raise ValueError(f"VerifyConfig: persistent must be an int >= 0 (programs per SM), got {self.persistent!r}")
         for name in ("block_v", "num_warps", "k_chunk", "prep_heads"):
             n = getattr(self, name)
             if n < 1 or n & (n - 1):
@@ -384,8 +371,7 @@ def _apply_pending_rows(pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptstep
                         pg_ptr, n, h, hv, i_v, layer, slot, slot_ok, rows, m_v, NS: tl.constexpr, H: tl.constexpr,
                         HV: tl.constexpr, V: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, KP: tl.constexpr,
                         PR: tl.constexpr, PD: tl.constexpr, PREFETCH: tl.constexpr, PDP: tl.constexpr, KL: tl.constexpr,
-                        EVICT: tl.constexpr, INTERPRET: tl.constexpr, HAND: tl.constexpr = False, S_pre=0.0,
-                        HAVE_S: tl.constexpr = False, AHEAD_STEPS: tl.constexpr = False):  # fmt: skip
+                        EVICT: tl.constexpr, INTERPRET: tl.constexpr, HAND: tl.constexpr = False):  # fmt: skip
     """The previous step's tuple commit of this program's tile (``VerifyConfig.pending_replay="rows"``),
     with :func:`_apply_pending`'s masks, rule and order, on a ``[BV, K]`` tile with the lanes
     across K (a step's ``k`` is ``K / 32`` registers a lane, not the chunk layout's ``K / 4``): the
@@ -393,18 +379,15 @@ def _apply_pending_rows(pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptstep
     the way), the accepted state stored, then on to a later track step (its destination is
     another slot: duplicate destinations are undefined, as in :func:`gdn_lossless_jax.commit`).
     Returns the state the pool now holds at the request's slot: the chunk chain reads it again
-    after the barrier at the end; the rows chain (``HAND``, the same layout) takes this, which
-    each lane read back from its own lines (no barrier needed). With ``HAVE_S`` the state read
-    from the pool is ``S_pre`` (loaded ahead by a persistent launch)."""
+    after the barrier at the end; the rows chain (``HAND``, the same layout) takes this: the
+    accepted state as stored (rounded to the pool's dtype), or, where a later track step
+    replayed on, read back by each lane from its own lines (no barrier needed)."""
     cols = tl.arange(0, KP)  # K rounded up to a power of two
     m_c = cols < K
     tile2 = rows[:, None] * K + cols[None, :]
     m2 = m_v[:, None] & m_c[None, :]
     at_slot = pool_out_ptr + ((layer * NS + slot) * HV + hv) * V * K + tile2
-    if HAVE_S:
-        S = _to_f32(S_pre, INTERPRET)
-    else:
-        S = _to_f32(tl.load(at_slot, mask=m2 & slot_ok, other=0.0, eviction_policy=EVICT), INTERPRET)
+    S = _to_f32(tl.load(at_slot, mask=m2 & slot_ok, other=0.0, eviction_policy=EVICT), INTERPRET)
     pstep, ptslot, ptstep, accept, track, lead = _pending_request(prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr,
                                                                   player_ptr, n, slot_ok, NS, PR, PD)  # fmt: skip
     dst_trk = pool_out_ptr + ((layer * NS + tl.where(track, ptslot, 0)) * HV + hv) * V * K + tile2
@@ -415,34 +398,25 @@ def _apply_pending_rows(pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptstep
                           PDP, KL)  # fmt: skip
     dt = pool_out_ptr.dtype.element_ty
     acc = S
-    if AHEAD_STEPS:  # step t + 1's k, u and decay loaded during step t (step 0's with the state)
-        kt, u, a = _replay_row_inputs(0, lead, h, hv, rows, cols, m_c, m_v, pu_ptr, pk_ptr, pg_ptr, H, HV, V, K, PD,
-                                      INTERPRET)  # fmt: skip
-        for t in range(upto + 1):
-            kt1, u1, a1 = _replay_row_inputs(tl.minimum(t + 1, PD - 1), lead, h, hv, rows, cols, m_c, m_v, pu_ptr,
-                                             pk_ptr, pg_ptr, H, HV, V, K, PD, INTERPRET)  # fmt: skip
-            acc = _replay_row_update(acc, kt, u, a, INTERPRET)
-            tl.store(dst_trk, _from_f32(acc, dt, INTERPRET), mask=m2 & track & (t == ptstep))
-            kt, u, a = kt1, u1, a1
-    else:
-        for t in range(upto + 1):
-            acc = _replay_row_step(acc, t, lead, h, hv, rows, cols, m_c, m_v, pu_ptr, pk_ptr, pg_ptr, H, HV, V, K, PD,
-                                   INTERPRET)  # fmt: skip
-            tl.store(dst_trk, _from_f32(acc, dt, INTERPRET), mask=m2 & track & (t == ptstep))
+    for t in range(upto + 1):
+        acc = _replay_row_step(acc, t, lead, h, hv, rows, cols, m_c, m_v, pu_ptr, pk_ptr, pg_ptr, H, HV, V, K, PD,
+                               INTERPRET)  # fmt: skip
+        tl.store(dst_trk, _from_f32(acc, dt, INTERPRET), mask=m2 & track & (t == ptstep))
     tl.store(at_slot, _from_f32(acc, dt, INTERPRET), mask=m2 & accept)  # before a later track state: distinct slots
     if HAND:
-        # the state the pool now holds at the slot: acc, unless a later track step replays on (then
-        # read back from the lines this lane wrote, not held in registers through those steps)
+        # the state the pool now holds at the slot: acc as stored (rounded to the pool's dtype),
+        # unless a later track step replays on; then read back from the lines this lane wrote
+        # (the accepted state is not held in registers through those steps)
         if tstep > upto:
             Sc = acc
             for t in range(upto + 1, tstep + 1):  # a track step after the accepted one
                 Sc = _replay_row_step(Sc, t, lead, h, hv, rows, cols, m_c, m_v, pu_ptr, pk_ptr, pg_ptr, H, HV, V, K,
                                       PD, INTERPRET)  # fmt: skip
                 tl.store(dst_trk, _from_f32(Sc, dt, INTERPRET), mask=m2 & track & (t == ptstep))
-            res = _to_f32(tl.load(at_slot, mask=m2 & slot_ok, other=0.0, eviction_policy=EVICT), INTERPRET)
+            held = _to_f32(tl.load(at_slot, mask=m2 & slot_ok, other=0.0, eviction_policy=EVICT), INTERPRET)
         else:
-            res = acc
-        return res
+            held = _to_f32(_from_f32(acc, dt, INTERPRET), INTERPRET)
+        return held
     Sc = acc
     for t in range(upto + 1, tstep + 1):  # a track step after the accepted one
         Sc = _replay_row_step(Sc, t, lead, h, hv, rows, cols, m_c, m_v, pu_ptr, pk_ptr, pg_ptr, H, HV, V, K, PD,
@@ -453,30 +427,14 @@ def _apply_pending_rows(pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptstep
 
 
 @jit
-def _replay_row_inputs(t, lead, h, hv, rows, cols, m_c, m_v, pu_ptr, pk_ptr, pg_ptr, H: tl.constexpr,
-                       HV: tl.constexpr, V: tl.constexpr, K: tl.constexpr, PD: tl.constexpr,
-                       INTERPRET: tl.constexpr):  # fmt: skip
-    """Pending step ``t``'s ``k`` (``[KP]``), the tile's rows of ``u`` and the decay."""
-    kt = tl.load(pk_ptr + ((lead * PD + t) * H + h) * K + cols, mask=m_c, other=0.0)
-    u = tl.load(pu_ptr + ((lead * PD + t) * HV + hv) * V + rows, mask=m_v, other=0.0)
-    return kt, u, _exp(tl.load(pg_ptr + (lead * PD + t) * HV + hv), INTERPRET)
-
-
-@jit
-def _replay_row_update(Sc, kt, u, alpha, INTERPRET: tl.constexpr):
-    """The rule on a ``[BV, K]`` tile: ``fma(k, u, rn(S * alpha))``."""
-    Sd = Sc * alpha
-    return _fma(tl.broadcast_to(kt[None, :], Sd.shape), tl.broadcast_to(u[:, None], Sd.shape), Sd, INTERPRET)
-
-
-@jit
 def _replay_row_step(Sc, t, lead, h, hv, rows, cols, m_c, m_v, pu_ptr, pk_ptr, pg_ptr, H: tl.constexpr,
                      HV: tl.constexpr, V: tl.constexpr, K: tl.constexpr, PD: tl.constexpr,
                      INTERPRET: tl.constexpr):  # fmt: skip
     """:func:`_replay_step` on a ``[BV, K]`` tile."""
-    kt, u, alpha = _replay_row_inputs(t, lead, h, hv, rows, cols, m_c, m_v, pu_ptr, pk_ptr, pg_ptr, H, HV, V, K, PD,
-                                      INTERPRET)  # fmt: skip
-    return _replay_row_update(Sc, kt, u, alpha, INTERPRET)
+    kt = tl.load(pk_ptr + ((lead * PD + t) * H + h) * K + cols, mask=m_c, other=0.0)
+    u = tl.load(pu_ptr + ((lead * PD + t) * HV + hv) * V + rows, mask=m_v, other=0.0)
+    Sd = Sc * _exp(tl.load(pg_ptr + (lead * PD + t) * HV + hv), INTERPRET)
+    return _fma(tl.broadcast_to(kt[None, :], Sd.shape), tl.broadcast_to(u[:, None], Sd.shape), Sd, INTERPRET)
 
 
 @jit
@@ -593,110 +551,15 @@ def verify_kernel(
     LOG_E: tl.constexpr = 0,  # log2 of its columns a lane (KP / LANES), rows (BV), lanes a row (LANES / BV)
     LOG_BV: tl.constexpr = 0,
     LOG_G: tl.constexpr = 0,
-    PERSIST: tl.constexpr = 0,  # a persistent launch over this many tiles (VerifyConfig.persistent; the rows chain)
-    AHEAD: tl.constexpr = 0,  # the state tile of the program this many places later asked of L2 (state_ahead)
-    GN: tl.constexpr = 1,  # the requests (AHEAD: the grid's sizes as constants)
     UNROLL: tl.constexpr = False,  # the rows chain's steps unrolled (VerifyConfig.unroll)
-    REPLAY_AHEAD: tl.constexpr = False,  # the rows replay's step t + 1 loaded during step t (replay_ahead)
 ):
-    if PERSIST:  # a grid of tl.num_programs(0) programs, each over tiles first, first + P, ...: the
-        # next tile's state is loaded while this one's chain runs (the requests first: n, hv, tile)
-        first = tl.program_id(0)
-        P = tl.num_programs(0)
-        ptr = pool_out_ptr if PENDING == 1 else state_ptr
-        layer = tl.load(layer_ptr).to(tl.int64)
-        S_next = _tile_state(ptr, slots_ptr, layer, first, PERSIST, NS, HV, V, K, BV, KP, EVICT)
-        NVT: tl.constexpr = (V + BV - 1) // BV
-        for idx in range(first, PERSIST, P):
-            S = S_next
-            S_next = _tile_state(ptr, slots_ptr, layer, idx + P, PERSIST, NS, HV, V, K, BV, KP, EVICT)
-            _tile(state_ptr, slots_ptr, layer_ptr, tape_layer_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, rows_ptr,
-                  prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr, pk_ptr, pg_ptr, pstates_ptr,
-                  out_layer_ptr, out_ptr, snap_ptr, u_ptr, pool_out_ptr, tl.cast(idx // (HV * NVT), tl.int64),
-                  (idx // NVT) % HV, idx % NVT, S, True, NS, D, H, HV, V, K, BV, C, NC, SNAPSHOTS, EVICT, INTERPRET,
-                  INTO, R, DMAX, PENDING, PR, PD, PREFETCH, ROWS, KP, PDP, KL, XN, ON, LANES, LOG_E, LOG_BV,
-                  LOG_G, UNROLL, REPLAY_AHEAD)  # fmt: skip
-    else:
-        if TILES_FIRST:
-            i_v = tl.program_id(0)
-            n = tl.program_id(2).to(tl.int64)
-        else:
-            i_v = tl.program_id(2)
-            n = tl.program_id(0).to(tl.int64)
-        if AHEAD and not INTERPRET:
-            _prefetch_state(state_ptr, slots_ptr, layer_ptr, AHEAD, GN, NS, HV, V, K, BV, KP, TILES_FIRST)
-        _tile(state_ptr, slots_ptr, layer_ptr, tape_layer_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, rows_ptr,
-              prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr, pk_ptr, pg_ptr, pstates_ptr,
-              out_layer_ptr, out_ptr, snap_ptr, u_ptr, pool_out_ptr, n, tl.program_id(1), i_v, 0.0, False, NS, D, H, HV,
-              V, K, BV, C, NC, SNAPSHOTS, EVICT, INTERPRET, INTO, R, DMAX, PENDING, PR, PD, PREFETCH, ROWS, KP, PDP, KL,
-              XN, ON, LANES, LOG_E, LOG_BV, LOG_G, UNROLL, REPLAY_AHEAD)  # fmt: skip
-
-
-@jit
-def _prefetch_state(state_ptr, slots_ptr, layer_ptr, AHEAD: tl.constexpr, GN: tl.constexpr, NS: tl.constexpr,
-                    HV: tl.constexpr,
-                    V: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, KP: tl.constexpr,
-                    TILES_FIRST: tl.constexpr):  # fmt: skip
-    """``prefetch.global.L2`` of the lines of the state tile that the program ``AHEAD`` places
-    after this one in launch order (x fastest, then y, then z) reads; nothing past the grid's end
-    or for a slot outside ``[0, S)``."""
-    NVT: tl.constexpr = (V + BV - 1) // BV
-    X: tl.constexpr = NVT if TILES_FIRST else GN  # the grid's sizes, constants (no division at run time)
-    Y: tl.constexpr = HV
-    Z: tl.constexpr = GN if TILES_FIRST else NVT
-    lin = tl.program_id(0) + X * (tl.program_id(1) + Y * tl.program_id(2)) + AHEAD
-    ok = lin < X * Y * Z
-    lin = tl.where(ok, lin, 0)
-    hv = (lin // X) % Y
     if TILES_FIRST:
-        i_v = lin % X
-        n = lin // (X * Y)
+        i_v = tl.program_id(0)
+        n = tl.program_id(2).to(tl.int64)
     else:
-        i_v = lin // (X * Y)
-        n = lin % X
-    slot = tl.load(slots_ptr + n.to(tl.int64)).to(tl.int64)
-    ok = ok & (slot >= 0) & (slot < NS)
-    layer = tl.load(layer_ptr).to(tl.int64)
-    base = ((layer * NS + tl.where(ok, slot, 0)) * HV + hv) * V * K
-    LP: tl.constexpr = KP // 32 if KP >= 32 else 1  # a row's 128-byte lines (fp32; a bf16 line is asked twice)
-    rows = tl.minimum(i_v * BV + tl.arange(0, BV), V - 1)
-    cols = tl.minimum(tl.arange(0, LP) * 32, K - 1)
-    if ok:
-        _prefetch_l2(state_ptr + base + rows[:, None] * K + cols[None, :])
-
-
-@jit
-def _tile_state(ptr, slots_ptr, layer, idx, NT: tl.constexpr, NS: tl.constexpr, HV: tl.constexpr, V: tl.constexpr,
-                K: tl.constexpr, BV: tl.constexpr, KP: tl.constexpr, EVICT: tl.constexpr):  # fmt: skip
-    """The state tile ``idx`` of a persistent launch (``VerifyConfig.persistent``) reads: the
-    ``[BV, KP]`` tile at ``[layer, slots[n]]`` as the rows chain reads it (zeros for a slot
-    outside ``[0, S)`` or ``idx >= NT``), in the pool's dtype."""
-    NVT: tl.constexpr = (V + BV - 1) // BV
-    ok = idx < NT
-    i = tl.where(ok, idx, 0)
-    n = (i // (HV * NVT)).to(tl.int64)
-    hv = (i // NVT) % HV
-    rows = (i % NVT) * BV + tl.arange(0, BV)
-    cols = tl.arange(0, KP)
-    slot = tl.load(slots_ptr + n).to(tl.int64)
-    slot_ok = ok & (slot >= 0) & (slot < NS)
-    at = ((layer * NS + tl.where(slot_ok, slot, 0)) * HV + hv) * V * K + rows[:, None] * K + cols[None, :]
-    m = (rows < V)[:, None] & (cols < K)[None, :]
-    return tl.load(ptr + at, mask=m & slot_ok, other=0.0, eviction_policy=EVICT)
-
-
-@jit
-def _tile(state_ptr, slots_ptr, layer_ptr, tape_layer_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, rows_ptr, prows_ptr,
-          psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr, pk_ptr, pg_ptr, pstates_ptr, out_layer_ptr, out_ptr,
-          snap_ptr, u_ptr, pool_out_ptr, n, hv, i_v, S_pre, HAVE_S: tl.constexpr, NS: tl.constexpr, D: tl.constexpr,
-          H: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-          NC: tl.constexpr, SNAPSHOTS: tl.constexpr, EVICT: tl.constexpr, INTERPRET: tl.constexpr, INTO: tl.constexpr,
-          R: tl.constexpr, DMAX: tl.constexpr, PENDING: tl.constexpr, PR: tl.constexpr, PD: tl.constexpr,
-          PREFETCH: tl.constexpr, ROWS: tl.constexpr, KP: tl.constexpr, PDP: tl.constexpr, KL: tl.constexpr,
-          XN: tl.constexpr, ON: tl.constexpr, LANES: tl.constexpr, LOG_E: tl.constexpr, LOG_BV: tl.constexpr,
-          LOG_G: tl.constexpr, UNROLL: tl.constexpr, REPLAY_AHEAD: tl.constexpr):  # fmt: skip
-    """One program's tile: request ``n``, v-head ``hv``, rows ``[i_v * BV, (i_v + 1) * BV)``
-    (``S_pre``: its state already loaded, with ``HAVE_S``; the rows chain only)."""
+        i_v = tl.program_id(2)
+        n = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1)
     h = hv // (HV // H)
 
     rows = i_v * BV + tl.arange(0, BV)
@@ -722,7 +585,7 @@ def _tile(state_ptr, slots_ptr, layer_ptr, tape_layer_ptr, qn_ptr, kn_ptr, v_ptr
                     player_ptr, pu_ptr, pk_ptr, pg_ptr, pstates_ptr, out_ptr, snap_ptr, u_ptr, pool_out_ptr, n, h, hv,
                     i_v, layer, slot, slot_ok, base, lead, row_ok, nv, no, rows, m_v, NS, D, H, HV, V, K, BV, SNAPSHOTS,
                     EVICT, INTERPRET, INTO, DMAX, PENDING, PR, PD, PREFETCH, KP, PDP, KL, LANES, LOG_E, LOG_BV,
-                    LOG_G, S_pre, HAVE_S, UNROLL, REPLAY_AHEAD)  # fmt: skip
+                    LOG_G, UNROLL)  # fmt: skip
     else:
         _chain_chunks(state_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, prows_ptr, psteps_ptr, ptslots_ptr,
                       ptsteps_ptr, player_ptr, pu_ptr, pk_ptr, pg_ptr, pstates_ptr, out_ptr, snap_ptr, u_ptr,
@@ -807,15 +670,14 @@ def _chain_rows(state_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, prows_ptr, ps
                 SNAPSHOTS: tl.constexpr, EVICT: tl.constexpr, INTERPRET: tl.constexpr, INTO: tl.constexpr,
                 DMAX: tl.constexpr, PENDING: tl.constexpr, PR: tl.constexpr, PD: tl.constexpr,
                 PREFETCH: tl.constexpr, KP: tl.constexpr, PDP: tl.constexpr, KL: tl.constexpr,
-                W: tl.constexpr, LOG_E: tl.constexpr, LOG_BV: tl.constexpr, LOG_G: tl.constexpr, S_pre,
-                HAVE_S: tl.constexpr, UNROLL: tl.constexpr, REPLAY_AHEAD: tl.constexpr):  # fmt: skip
+                W: tl.constexpr, LOG_E: tl.constexpr, LOG_BV: tl.constexpr, LOG_G: tl.constexpr,
+                UNROLL: tl.constexpr):  # fmt: skip
     """The chain on a ``[BV, KP]`` tile with ``W`` lanes across K (``VerifyConfig.chain="rows"``):
     a step's q and k are ``KP / W`` registers a lane and loaded once, not once a row; each
     reduction over K is :func:`_row_sums`, and ``u`` reaches every lane's rows through
     :func:`_all_rows`. A pending tuple commit is replayed on the same tile, and the chain starts
     from the state each lane wrote back (:func:`_apply_pending_rows`). Step t + 1's inputs are
-    loaded during step t. With ``HAVE_S`` the tile's state is ``S_pre`` (a persistent launch
-    loaded it during the previous tile), not loaded here."""
+    loaded during step t."""
     E: tl.constexpr = KP // W
     cols = tl.arange(0, KP)
     m_c = cols < K
@@ -825,14 +687,10 @@ def _chain_rows(state_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, prows_ptr, ps
     if PENDING == 1:
         S = _apply_pending_rows(pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr,
                                 pk_ptr, pg_ptr, n, h, hv, i_v, layer, slot, slot_ok, rows, m_v, NS, H, HV, V, K, BV, KP,
-                                PR, PD, PREFETCH, PDP, KL, EVICT, INTERPRET, True, S_pre, HAVE_S,
-                                REPLAY_AHEAD)  # fmt: skip
+                                PR, PD, PREFETCH, PDP, KL, EVICT, INTERPRET, True)  # fmt: skip
     else:
-        if HAVE_S:
-            S = _to_f32(S_pre, INTERPRET)
-        else:
-            S = _to_f32(tl.load(state_ptr + base * V * K + tile, mask=m_tile & slot_ok, other=0.0,
-                                eviction_policy=EVICT), INTERPRET)  # fmt: skip
+        S = _to_f32(tl.load(state_ptr + base * V * K + tile, mask=m_tile & slot_ok, other=0.0, eviction_policy=EVICT),
+                    INTERPRET)  # fmt: skip
         if PENDING == 2:  # the previous snapshots: the chunk chain's copy, on this tile
             S = _apply_pending(S, pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr,
                                pk_ptr, pg_ptr, pstates_ptr, n, h, hv, i_v, layer, slot, slot_ok, rows, cols, tile, m_v,
@@ -865,8 +723,9 @@ def _row_step(S, q, k, v, alpha, beta, t, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr
               SNAPSHOTS: tl.constexpr, EVICT: tl.constexpr, INTERPRET: tl.constexpr, INTO: tl.constexpr,
               DMAX: tl.constexpr, W: tl.constexpr, E: tl.constexpr, LOG_E: tl.constexpr, LOG_BV: tl.constexpr,
               LOG_G: tl.constexpr):  # fmt: skip
-    """Step ``t`` of :func:`_chain_rows` from its state ``S`` and inputs; returns the next state
-    and step t + 1's inputs (loaded first)."""
+    """Step ``t`` of :func:`_chain_rows` from its state ``S`` and inputs: the output and the
+    step's ``u`` (or snapshot) stored; returns the next state and step t + 1's inputs (loaded
+    first)."""
     MASK_TILE: tl.constexpr = V % BV != 0 or KP != K
     q1, k1, v1, alpha1, beta1 = _row_inputs(qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, n, nv, tl.minimum(t + 1, D - 1), h,
                                             hv, cols, my_row, D, H, HV, V, K, KP, INTERPRET)  # fmt: skip
@@ -886,10 +745,9 @@ def _row_step(S, q, k, v, alpha, beta, t, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr
     return S, q1, k1, v1, alpha1, beta1
 
 
-def launch_sizes(state_shape, q_shape, config: VerifyConfig, record: str = "tuples", sms: int = 132):
+def launch_sizes(state_shape, q_shape, config: VerifyConfig, record: str = "tuples"):
     """The chain kernel's constexpr sizes and its grid, from the shapes alone (``state_shape``:
-    the pool ``[L, S, HV, V, K]``, or ``[N, HV, V, K]`` for the state0 form) and, for a
-    persistent launch (``config.persistent``), the device's ``sms``."""
+    the pool ``[L, S, HV, V, K]``, or ``[N, HV, V, K]`` for the state0 form)."""
     HV, V, K = state_shape[-3:]
     S = state_shape[-4] if len(state_shape) == 5 else state_shape[0]
     N, D, H = q_shape[:3]
@@ -903,18 +761,9 @@ def launch_sizes(state_shape, q_shape, config: VerifyConfig, record: str = "tupl
         W = min(32, KP)
         BV = sizes["BV"] = min(BV, W)
         log2 = lambda x: x.bit_length() - 1  # noqa: E731 (powers of two)
-        sizes |= {"LANES": W, "LOG_E": log2(KP // W), "LOG_BV": log2(BV), "LOG_G": log2(W // BV),
-                  "UNROLL": bool(config.unroll), "REPLAY_AHEAD": bool(config.replay_ahead)}
-        if config.persistent:
-            if config.state_ahead:
-                raise ValueError("VerifyConfig: state_ahead does not apply to a persistent launch (persistent="
-                                 f"{config.persistent}); set one of them")
-            tiles = N * HV * -(-V // BV)
-            sizes["PERSIST"] = tiles
-            return sizes, (max(1, min(tiles, config.persistent * sms)),)
+        unroll = D <= UNROLL_UP_TO if config.unroll is None else config.unroll
+        sizes |= {"LANES": W, "LOG_E": log2(KP // W), "LOG_BV": log2(BV), "LOG_G": log2(W // BV), "UNROLL": unroll}
     NV = -(-V // BV)
-    if config.state_ahead:
-        sizes |= {"AHEAD": config.state_ahead, "GN": N}
     return sizes, ((NV, HV, N) if tiles_first else (N, HV, NV))
 
 
@@ -924,14 +773,6 @@ def prep_launch(q_shape, HV: int, config: VerifyConfig):
     PH = min(config.prep_heads, next_power_of_2(H))
     sizes = {"H": H, "HV": HV, "K": K, "BK": next_power_of_2(K), "PH": PH, "BR": next_power_of_2(PH * (HV // H))}
     return sizes, (N, D, -(-H // PH))
-
-
-@functools.cache
-def _sm_count() -> int:
-    """The SMs of the first GPU (132 where jaxlib does not say: an H100 or H200)."""
-    import jax
-
-    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
 @functools.cache
@@ -1046,7 +887,7 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
     inputs = [state, slots, layer, tape_layer, qn, kn, v, g, beta, rows, buf, *pend_in, *out_in]
     if out is not None:
         aliases[len(inputs) - 1] = 0  # the outputs buffer, the last input
-    sizes, grid = launch_sizes(state.shape, q.shape[-4:], config, record, _sm_count() if config.persistent else 132)
+    sizes, grid = launch_sizes(state.shape, q.shape[-4:], config, record)
     out, snap, u, new_pool = jt.triton_call(
         *inputs,
         kernel=verify_kernel,
