@@ -123,7 +123,7 @@ def lower(variants, work: Path) -> None:
                 from gdn_lossless_jax.backends.triton.verify import next_power_of_2 as p2
 
                 triton["pending"] = dict(PENDING=1, PR=N, PD=D, PREFETCH=cfg.prefetch_pending, PDP=p2(D), KL=p2(4),
-                                         ROWS=cfg.pending_replay == "rows", DECAYS=cfg.replay_decays)  # fmt: skip
+                                         ROWS=cfg.pending_replay == "rows")  # fmt: skip
             index.append({"name": spec.replace(":", "_"), "spec": spec, "num_warps": int(w),
                           "num_stages": cfg.num_stages, "warps": N * 32 * (128 // int(bv)) * int(w), "triton": triton})
             continue

@@ -39,13 +39,13 @@ def verify_config(tags, **fields):
 def triton_verify_config(tags, **fields):
     """The triton backend's :class:`VerifyConfig` with the tags that apply to it (``kcN``, ``nsN``,
     ``phN``, ``bvN`` (``block_v=N``), ``chr`` / ``chc`` (``chain="rows"`` / ``"chunks"``),
-    ``unr`` / ``unl`` (``unroll=True`` / ``False``), ``nrd`` (``replay_decays=False``), ``tf`` / ``rf``, ``noef`` (``evict=""``), ``prs`` / ``prr``)."""
+    ``unr`` / ``unl`` (``unroll=True`` / ``False``), ``tf`` / ``rf``, ``noef`` (``evict=""``), ``prs`` / ``prr``)."""
     from gdn_lossless_jax.backends.triton import VerifyConfig
 
     numbered = {k: _NUMBERED[k] for k in ("kc", "ns", "ph")} | {"bv": "block_v"}
     named = {"noef": {"evict": ""}, "prs": {"pending_replay": "split"}, "prr": {"pending_replay": "rows"},
              "chr": {"chain": "rows"}, "chc": {"chain": "chunks"}, "unr": {"unroll": True},
-             "unl": {"unroll": False}, "nrd": {"replay_decays": False}, **_ORDERS}  # fmt: skip
+             "unl": {"unroll": False}, **_ORDERS}  # fmt: skip
     return VerifyConfig(**_apply(tags, fields, named, numbered))
 
 

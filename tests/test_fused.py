@@ -246,7 +246,7 @@ def _triton_other_launches():
 
     default = TritonConfig()
     return [{"prefetch_pending": not default.prefetch_pending}, {"chain": "rows"}, {"chain": "rows", "unroll": False},
-            {"chain": "rows", "unroll": True, "block_v": 16}, {"replay_decays": False}] + [
+            {"chain": "rows", "unroll": True, "block_v": 16}] + [
         {"chain": "chunks", "pending_replay": m} for m in PENDING_REPLAYS]
 
 

@@ -124,10 +124,6 @@ class VerifyConfig:
         22.6 (64 registers) against the chunk chain's 24.6 (128); at 8 x 16 41.6 against
         the chunk chain's 38.9. The verify alone moved less: 27.2 against 27.2, 11.1 against
         12.5, 19.4 against 19.4, 31.6 against 32.1.
-      replay_decays: the rows chain's fused kernel loads every pending step's decay at once
-        beside the state (one vector, its ``exp`` taken together) and picks step t's out of it,
-        instead of loading it at the top of step t: the load the replay's steps waited on most
-        (Nsight Compute, fourteenth session). The same bits.
     """
 
     block_v: int = 8
@@ -141,7 +137,6 @@ class VerifyConfig:
     pending_replay: str = "rows"
     chain: str | None = None
     unroll: bool | None = None
-    replay_decays: bool = True
 
     def __post_init__(self):
         if self.chain not in (None, *CHAINS):
@@ -376,8 +371,7 @@ def _apply_pending_rows(pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptstep
                         pg_ptr, n, h, hv, i_v, layer, slot, slot_ok, rows, m_v, NS: tl.constexpr, H: tl.constexpr,
                         HV: tl.constexpr, V: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, KP: tl.constexpr,
                         PR: tl.constexpr, PD: tl.constexpr, PREFETCH: tl.constexpr, PDP: tl.constexpr, KL: tl.constexpr,
-                        EVICT: tl.constexpr, INTERPRET: tl.constexpr, HAND: tl.constexpr = False,
-                        DECAYS: tl.constexpr = False):  # fmt: skip
+                        EVICT: tl.constexpr, INTERPRET: tl.constexpr, HAND: tl.constexpr = False):  # fmt: skip
     """The previous step's tuple commit of this program's tile (``VerifyConfig.pending_replay="rows"``),
     with :func:`_apply_pending`'s masks, rule and order, on a ``[BV, K]`` tile with the lanes
     across K (a step's ``k`` is ``K / 32`` registers a lane, not the chunk layout's ``K / 4``): the
@@ -399,19 +393,14 @@ def _apply_pending_rows(pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptstep
     dst_trk = pool_out_ptr + ((layer * NS + tl.where(track, ptslot, 0)) * HV + hv) * V * K + tile2
     upto = tl.where(accept, pstep, -1)
     tstep = tl.where(track, ptstep, -1)
-    ts = tl.arange(0, PDP)
-    if DECAYS:  # every pending step's decay in one load beside the state's, not one trip a step
-        alphas = _exp(tl.load(pg_ptr + (lead * PD + ts) * HV + hv, mask=ts < PD, other=0.0), INTERPRET)
-    else:
-        alphas = ts.to(tl.float32)  # not read
     if PREFETCH:
         _prefetch_pending(pu_ptr, pk_ptr, pg_ptr, lead, tl.maximum(upto, tstep), h, hv, i_v, H, HV, V, K, BV, PD,
                           PDP, KL)  # fmt: skip
     dt = pool_out_ptr.dtype.element_ty
     acc = S
     for t in range(upto + 1):
-        acc = _replay_row_step(acc, t, lead, h, hv, rows, cols, m_c, m_v, pu_ptr, pk_ptr, pg_ptr, alphas, H, HV, V, K,
-                               PD, PDP, DECAYS, INTERPRET)  # fmt: skip
+        acc = _replay_row_step(acc, t, lead, h, hv, rows, cols, m_c, m_v, pu_ptr, pk_ptr, pg_ptr, H, HV, V, K, PD,
+                               INTERPRET)  # fmt: skip
         tl.store(dst_trk, _from_f32(acc, dt, INTERPRET), mask=m2 & track & (t == ptstep))
     tl.store(at_slot, _from_f32(acc, dt, INTERPRET), mask=m2 & accept)  # before a later track state: distinct slots
     if HAND:
@@ -421,8 +410,8 @@ def _apply_pending_rows(pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptstep
         if tstep > upto:
             Sc = acc
             for t in range(upto + 1, tstep + 1):  # a track step after the accepted one
-                Sc = _replay_row_step(Sc, t, lead, h, hv, rows, cols, m_c, m_v, pu_ptr, pk_ptr, pg_ptr, alphas, H, HV,
-                                      V, K, PD, PDP, DECAYS, INTERPRET)  # fmt: skip
+                Sc = _replay_row_step(Sc, t, lead, h, hv, rows, cols, m_c, m_v, pu_ptr, pk_ptr, pg_ptr, H, HV, V, K,
+                                      PD, INTERPRET)  # fmt: skip
                 tl.store(dst_trk, _from_f32(Sc, dt, INTERPRET), mask=m2 & track & (t == ptstep))
             held = _to_f32(tl.load(at_slot, mask=m2 & slot_ok, other=0.0, eviction_policy=EVICT), INTERPRET)
         else:
@@ -430,26 +419,21 @@ def _apply_pending_rows(pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptstep
         return held
     Sc = acc
     for t in range(upto + 1, tstep + 1):  # a track step after the accepted one
-        Sc = _replay_row_step(Sc, t, lead, h, hv, rows, cols, m_c, m_v, pu_ptr, pk_ptr, pg_ptr, alphas, H, HV, V, K,
-                              PD, PDP, DECAYS, INTERPRET)  # fmt: skip
+        Sc = _replay_row_step(Sc, t, lead, h, hv, rows, cols, m_c, m_v, pu_ptr, pk_ptr, pg_ptr, H, HV, V, K, PD,
+                              INTERPRET)  # fmt: skip
         tl.store(dst_trk, _from_f32(Sc, dt, INTERPRET), mask=m2 & track & (t == ptstep))
     tl.debug_barrier()  # the chain's lanes read lines that other lanes of the program wrote
     return _to_f32(tl.load(at_slot, mask=m2 & slot_ok, other=0.0, eviction_policy=EVICT), INTERPRET)
 
 
 @jit
-def _replay_row_step(Sc, t, lead, h, hv, rows, cols, m_c, m_v, pu_ptr, pk_ptr, pg_ptr, alphas, H: tl.constexpr,
-                     HV: tl.constexpr, V: tl.constexpr, K: tl.constexpr, PD: tl.constexpr, PDP: tl.constexpr,
-                     DECAYS: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
-    """:func:`_replay_step` on a ``[BV, K]`` tile; with ``DECAYS`` the step's decay is taken from
-    ``alphas`` (every pending step's, ``[PDP]``), not loaded here."""
+def _replay_row_step(Sc, t, lead, h, hv, rows, cols, m_c, m_v, pu_ptr, pk_ptr, pg_ptr, H: tl.constexpr,
+                     HV: tl.constexpr, V: tl.constexpr, K: tl.constexpr, PD: tl.constexpr,
+                     INTERPRET: tl.constexpr):  # fmt: skip
+    """:func:`_replay_step` on a ``[BV, K]`` tile."""
     kt = tl.load(pk_ptr + ((lead * PD + t) * H + h) * K + cols, mask=m_c, other=0.0)
     u = tl.load(pu_ptr + ((lead * PD + t) * HV + hv) * V + rows, mask=m_v, other=0.0)
-    if DECAYS:  # step t's alone, the others' zeros added: exactly it
-        alpha = tl.sum(tl.where(tl.arange(0, PDP) == t, alphas, 0.0), 0)
-    else:
-        alpha = _exp(tl.load(pg_ptr + (lead * PD + t) * HV + hv), INTERPRET)
-    Sd = Sc * alpha
+    Sd = Sc * _exp(tl.load(pg_ptr + (lead * PD + t) * HV + hv), INTERPRET)
     return _fma(tl.broadcast_to(kt[None, :], Sd.shape), tl.broadcast_to(u[:, None], Sd.shape), Sd, INTERPRET)
 
 
@@ -568,7 +552,6 @@ def verify_kernel(
     LOG_BV: tl.constexpr = 0,
     LOG_G: tl.constexpr = 0,
     UNROLL: tl.constexpr = False,  # the rows chain's steps unrolled (VerifyConfig.unroll)
-    DECAYS: tl.constexpr = False,  # the rows replay's decays loaded at once (VerifyConfig.replay_decays)
 ):
     if TILES_FIRST:
         i_v = tl.program_id(0)
@@ -602,7 +585,7 @@ def verify_kernel(
                     player_ptr, pu_ptr, pk_ptr, pg_ptr, pstates_ptr, out_ptr, snap_ptr, u_ptr, pool_out_ptr, n, h, hv,
                     i_v, layer, slot, slot_ok, base, lead, row_ok, nv, no, rows, m_v, NS, D, H, HV, V, K, BV, SNAPSHOTS,
                     EVICT, INTERPRET, INTO, DMAX, PENDING, PR, PD, PREFETCH, KP, PDP, KL, LANES, LOG_E, LOG_BV,
-                    LOG_G, UNROLL, DECAYS)  # fmt: skip
+                    LOG_G, UNROLL)  # fmt: skip
     else:
         _chain_chunks(state_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, prows_ptr, psteps_ptr, ptslots_ptr,
                       ptsteps_ptr, player_ptr, pu_ptr, pk_ptr, pg_ptr, pstates_ptr, out_ptr, snap_ptr, u_ptr,
@@ -688,7 +671,7 @@ def _chain_rows(state_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, prows_ptr, ps
                 DMAX: tl.constexpr, PENDING: tl.constexpr, PR: tl.constexpr, PD: tl.constexpr,
                 PREFETCH: tl.constexpr, KP: tl.constexpr, PDP: tl.constexpr, KL: tl.constexpr,
                 W: tl.constexpr, LOG_E: tl.constexpr, LOG_BV: tl.constexpr, LOG_G: tl.constexpr,
-                UNROLL: tl.constexpr, DECAYS: tl.constexpr):  # fmt: skip
+                UNROLL: tl.constexpr):  # fmt: skip
     """The chain on a ``[BV, KP]`` tile with ``W`` lanes across K (``VerifyConfig.chain="rows"``):
     a step's q and k are ``KP / W`` registers a lane and loaded once, not once a row; each
     reduction over K is :func:`_row_sums`, and ``u`` reaches every lane's rows through
@@ -704,7 +687,7 @@ def _chain_rows(state_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, prows_ptr, ps
     if PENDING == 1:
         S = _apply_pending_rows(pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr,
                                 pk_ptr, pg_ptr, n, h, hv, i_v, layer, slot, slot_ok, rows, m_v, NS, H, HV, V, K, BV, KP,
-                                PR, PD, PREFETCH, PDP, KL, EVICT, INTERPRET, True, DECAYS)  # fmt: skip
+                                PR, PD, PREFETCH, PDP, KL, EVICT, INTERPRET, True)  # fmt: skip
     else:
         S = _to_f32(tl.load(state_ptr + base * V * K + tile, mask=m_tile & slot_ok, other=0.0, eviction_policy=EVICT),
                     INTERPRET)  # fmt: skip
@@ -895,7 +878,7 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
         lead = prev.states if snap_prev else prev.u
         fields = [dummy] * 3 + [prev.states] if snap_prev else [prev.u, prev.k, prev.g, dummy]
         pend_in = [prows, psteps, ptslots, ptsteps, as1(prev_layer), *fields]
-        pend_sizes = dict(PENDING=2 if snap_prev else 1, PR=lead.shape[1], PD=lead.shape[2], DECAYS=config.replay_decays,
+        pend_sizes = dict(PENDING=2 if snap_prev else 1, PR=lead.shape[1], PD=lead.shape[2],
                           PREFETCH=config.prefetch_pending and not snap_prev, PDP=next_power_of_2(lead.shape[2]),
                           KL=next_power_of_2(-(-K // 32)),
                           ROWS=config.pending_replay == "rows")
