@@ -283,6 +283,7 @@ def test_commit_reads_the_tape_pitch_from_its_shape(seed):
         ({"order": "heads"}, "order must be None or one of ('requests', 'tiles'), got 'heads'"),
         ({"evict": "evict_never"}, "evict must be '', 'evict_first' or 'evict_last', got 'evict_never'"),
         ({"chain": "lanes"}, "chain must be None or one of ('chunks', 'rows'), got 'lanes'"),
+        ({"unroll": 4}, "unroll must be None, True or False, got 4"),
     ],
 )
 def test_verify_config_rejects_bad_fields(fields, needle):

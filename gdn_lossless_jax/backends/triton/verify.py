@@ -109,9 +109,10 @@ class VerifyConfig:
         send half of a lane's rows at each butterfly level (:func:`_row_sums`), a longer chain
         of dependent shuffles a step. With ``"rows"`` a pending tuple commit is always replayed
         on that tile (``pending_replay`` is not read). None (the default): ``"rows"`` up to 8
-        drafts (4 before the steps were unrolled, ``unroll``), ``"chunks"`` above. ``u`` and the outputs differ between the two in their low
-        bits (the reductions' order), the same way in both record modes and in the fused
-        kernel; the tape replays exactly either way. On the H200 (``benchmarks/NOTES.md``,
+        drafts (up to 4 before the steps were unrolled, ``unroll``), ``"chunks"`` above. ``u``
+        and the outputs differ between the two in their low bits (the reductions' order), the
+        same way in both record modes and in the fused kernel; the tape replays exactly either
+        way. On the H200 (``benchmarks/NOTES.md``,
         thirteenth session), kernel us a layer, rows against chunks: the tuple verify 27.4
         against 31.8 at 25 x 4 (72 registers against 128), 12.5 against 13.1 at 8 x 4, 20.3
         against 19.5 at 8 x 8, 35.8 against 32.2 at 8 x 16; the fused kernel 43.4 against 46.4,
@@ -141,6 +142,8 @@ class VerifyConfig:
     def __post_init__(self):
         if self.chain not in (None, *CHAINS):
             raise ValueError(f"VerifyConfig: chain must be None or one of {CHAINS}, got {self.chain!r}")
+        if self.unroll not in (None, True, False):
+            raise ValueError(f"VerifyConfig: unroll must be None, True or False, got {self.unroll!r}")
         if self.order not in (None, *ORDERS):
             raise ValueError(f"VerifyConfig: order must be None or one of {ORDERS}, got {self.order!r}")
         if self.pending_replay not in PENDING_REPLAYS:
@@ -676,14 +679,13 @@ def _chain_rows(state_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, prows_ptr, ps
     a step's q and k are ``KP / W`` registers a lane and loaded once, not once a row; each
     reduction over K is :func:`_row_sums`, and ``u`` reaches every lane's rows through
     :func:`_all_rows`. A pending tuple commit is replayed on the same tile, and the chain starts
-    from the state each lane wrote back (:func:`_apply_pending_rows`). Step t + 1's inputs are
-    loaded during step t."""
+    from the state it hands over (:func:`_apply_pending_rows`). Step t + 1's inputs are loaded
+    during step t (:func:`_row_step`); ``UNROLL`` unrolls the steps."""
     E: tl.constexpr = KP // W
     cols = tl.arange(0, KP)
     m_c = cols < K
     tile = rows[:, None] * K + cols[None, :]
     m_tile = m_v[:, None] & m_c[None, :]
-    MASK_TILE: tl.constexpr = V % BV != 0 or KP != K
     if PENDING == 1:
         S = _apply_pending_rows(pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr,
                                 pk_ptr, pg_ptr, n, h, hv, i_v, layer, slot, slot_ok, rows, m_v, NS, H, HV, V, K, BV, KP,
