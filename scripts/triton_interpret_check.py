@@ -175,6 +175,10 @@ def make_inputs(spec: CaseSpec, seed: int, work: Path):
     normal = lambda *s: rng.standard_normal(s, dtype=np.float32)  # noqa: E731
     pool = jnp.asarray(0.5 * normal(L, S, spec.HV, spec.V, spec.K)).astype(dt)
     idx = commit_indices(seed, N=N, D=D, slots_in_pool=S, rows_in_tape=R, invalid=True, permute_rows=True)
+    # one request's track step after its accepted one (the replay goes on past the accepted state)
+    live = [n for n in range(N) if 0 <= idx.slots[n] < S and 0 <= idx.rows[n] < R and 0 <= idx.track_slots[n] < S]
+    if D >= 2 and live:
+        idx.steps[live[0]], idx.track_steps[live[0]] = 0, D - 1
     slot_safe = np.clip(idx.slots, 0, S - 1)
     slot_ok = ((idx.slots >= 0) & (idx.slots < S))[:, None, None, None]
     arrays = dict(
@@ -222,10 +226,12 @@ def run_kernels(spec: CaseSpec, work: Path):
     rows_t = T["rows"].to(torch.int32).contiguous()
     slots_t = T["slots"].to(torch.int32).contiguous()
 
-    def verify(layer: int, snapshots: bool, bufs=None):
+    def verify(layer: int, snapshots: bool, bufs=None, pool=None, pending=None):
         """The kernels read the state from the pool by slot; with ``bufs`` (the tape buffers
         ``[L, R, D, ...]``) the tape goes into them at [layer, rows[n]], in place as under
-        jax-triton's aliasing (the same tensor as input and output)."""
+        jax-triton's aliasing (the same tensor as input and output). ``pool``: another pool than
+        the case's; with ``pending`` (the tuple tape buffers and the commit's index arrays) the
+        fused kernel commits the tape's row of each request at ``layer`` first, in ``pool``."""
         x = {n: T[f"L{layer}_{n}"].contiguous() for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias")}
         unused = torch.empty(1, dtype=f32)
         cfg = V_.VerifyConfig(block_v=spec.block_v, unroll=spec.unroll)
@@ -251,11 +257,19 @@ def run_kernels(spec: CaseSpec, work: Path):
             u = unused if snapshots else nan(N, D, HV, V)
         buf = (snap if snapshots else u) if into else unused
         record = "snapshots" if snapshots else "tuples"
-        sizes, grid = V_.launch_sizes(tuple(T["pool"].shape), tuple(x["q"].shape), cfg, record)
-        V_.verify_kernel[grid](T["pool"], slots_t, lay, lay, qn, kt, x["v"], g, beta, rows_t, buf, *[rows_t] * 4, lay,
-                               *[unused] * 4, lay, unused, o, snap, u, unused, **sizes,
-                               **(buf_sizes or dict(DMAX=D)), SNAPSHOTS=snapshots, EVICT=cfg.evict,
-                               INTERPRET=True)  # fmt: skip
+        state = T["pool"] if pool is None else pool
+        sizes, grid = V_.launch_sizes(tuple(state.shape), tuple(x["q"].shape), cfg, record)
+        if pending is None:
+            pend_in, pend_sizes, pool_out = [*[rows_t] * 4, lay, *[unused] * 4], {}, unused
+        else:  # (prows, psteps, ptslots, ptsteps) of the commit, the tape [L, R, D, ...] read at `layer`
+            (pu, pk, pg), (p_slots, p_steps, p_tslots, p_tsteps, p_rows) = pending
+            assert torch.equal(p_slots, slots_t), "the fused kernel commits at the verify's slots"
+            pend_in, pool_out = [p_rows, p_steps, p_tslots, p_tsteps, lay, pu, pk, pg, unused], state
+            pend_sizes = dict(PENDING=1, PR=pu.shape[1], PD=pu.shape[2], PREFETCH=False,
+                              PDP=V_.next_power_of_2(pu.shape[2]), KL=V_.next_power_of_2(-(-K // 32)), ROWS=True)
+        V_.verify_kernel[grid](state, slots_t, lay, lay, qn, kt, x["v"], g, beta, rows_t, buf, *pend_in, lay, unused, o,
+                               snap, u, pool_out, **sizes, **(buf_sizes or dict(DMAX=D)), **pend_sizes,
+                               SNAPSHOTS=snapshots, EVICT=cfg.evict, INTERPRET=True)  # fmt: skip
         return o, (snap,) if snapshots else (u, kt, g)
 
     rows = T["rows"].numpy()
@@ -290,6 +304,20 @@ def run_kernels(spec: CaseSpec, work: Path):
     sizes, grid = C_.tuple_launch(tuple(pool.shape), tuple(tapes["k"].shape), R, D, N, ccfg)
     C_.commit_tuples_kernel[grid](pool, tapes["u"], tapes["k"], tapes["g"], *idx, pool, **sizes, INTERPRET=True)
     out["commit_tuples"] = pool
+
+    # The commit fused into the next verify (PENDING=1, commit_and_verify): layer by layer in
+    # one pool, against the commit kernel's pool and a plain verify on it.
+    fused_pool = T["pool"].clone()
+    for layer in range(L):
+        for snapshots in (False, True):
+            o_w, f_w = verify(layer, snapshots=snapshots, pool=out["commit_tuples"].clone())
+            work_pool = fused_pool if snapshots else fused_pool.clone()  # the pool commits once, in the last
+            o_f, f_f = verify(layer, snapshots=snapshots, pool=work_pool,
+                              pending=((tapes["u"], tapes["k"], tapes["g"]), idx))  # fmt: skip
+            mode = "snapshots" if snapshots else "tuples"
+            out.update({f"L{layer}_fused_{mode}_out": o_f, f"L{layer}_fused_{mode}_out_want": o_w,
+                        f"L{layer}_fused_{mode}_rec": f_f[0], f"L{layer}_fused_{mode}_rec_want": f_w[0]})  # fmt: skip
+    out["fused_pool"] = fused_pool
 
     pool = T["pool"].clone()
     sizes, grid = C_.snapshot_launch(tuple(pool.shape), R, D, N, ccfg)
@@ -590,6 +618,13 @@ def compare(spec: CaseSpec, work: Path) -> dict:
             expected[:, slot] = snaps[:, row, step]
             written.add(slot)
     bitwise("commit == expectation from snapshots", expected, got["commit_tuples"])
+    # The commit fused into the next verify: the commit kernel's pool, and a plain verify's bits on it.
+    bitwise("fused kernel's pool == commit kernel's pool", got["commit_tuples"], got["fused_pool"])
+    for layer in range(L):
+        for mode in ("tuples", "snapshots"):
+            p = f"L{layer}_fused_{mode}_"
+            bitwise(p + "outputs == verify after the commit", got[p + "out_want"], got[p + "out"])
+            bitwise(p + "tape == verify after the commit", got[p + "rec_want"], got[p + "rec"])
     untouched = [s for s in range(S) if s not in written]
     assert untouched, "the case must leave slots untouched"
     bitwise("untouched slots keep their bits", inp["pool"][:, untouched], got["commit_tuples"][:, untouched])
