@@ -4,9 +4,9 @@ SASS view and its per-instruction stall samples (run by ``scripts/gpu_session.sh
 One-layer fused steps (``benchmarks.step``'s ``fused_step``, unrolled with ``out=``) at one
 configuration: the Pallas kernel with ``pending_replay="split"`` and ``"rows"``, and the Triton
 backend's (``"rows"``). A variant whose replay is ``none`` launches the separate step's verify
-(one layer, unrolled, ``out=``) instead, with no pending commit. Each variant's step is called twice (compile and warm-up, then the
-launch ncu profiles: ``--launch-skip`` the warm-ups by running ncu with ``-k`` on the kernel
-names and the NVTX-free order below)::
+(one layer, unrolled, ``out=``) instead, with no pending commit. Each variant's step is called
+twice (compile and warm-up, then the launch ncu profiles: ``--launch-skip`` the warm-ups by
+running ncu with ``-k`` on the kernel names and the NVTX-free order below)::
 
     ncu -k "regex:gdn_verify_tuples|verify_kernel" --section SourceCounters ... \\
         python scripts/sass_fused.py --config 8x16

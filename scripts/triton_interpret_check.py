@@ -311,7 +311,7 @@ def run_kernels(spec: CaseSpec, work: Path):
     for layer in range(L):
         for snapshots in (False, True):
             o_w, f_w = verify(layer, snapshots=snapshots, pool=out["commit_tuples"].clone())
-            work_pool = fused_pool if snapshots else fused_pool.clone()  # the pool commits once, in the last
+            work_pool = fused_pool if snapshots else fused_pool.clone()  # tuples in a copy: one commit a layer
             o_f, f_f = verify(layer, snapshots=snapshots, pool=work_pool,
                               pending=((tapes["u"], tapes["k"], tapes["g"]), idx))  # fmt: skip
             mode = "snapshots" if snapshots else "tuples"
