@@ -76,6 +76,7 @@ for v in json.load(open(os.path.join(work, "index.json"))):
     else:
         k = triton.compile(p, target=GPUTarget("cuda", 90, 32), options=opts)
     open(p + ".ptx", "w").write(k.asm["ptx"])
+    open(p + ".ttgir", "w").write(k.asm["ttgir"])  # the layouts (ttg.convert_layout) of each variant
     open(p + ".cubin", "wb").write(k.asm["cubin"])
     info = subprocess.run([os.path.join(bins, "ptxas"), "-v", "-arch=sm_90a", p + ".ptx", "-o", p + ".ptxas.cubin"],
                           capture_output=True, text=True).stderr
