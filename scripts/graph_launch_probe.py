@@ -2,12 +2,17 @@
 PyTorch's, on chains of tiny dependent kernels (no profiler: CUPTI slows graph launches).
 
 For ``n`` in ``--nodes``, a ``jax.jit`` of ``n`` dependent tiny kernels (Pallas ``x + 1`` on
-``[8, 128]`` fp32, or XLA fusions kept apart by optimization barriers) and a PyTorch CUDA graph
+``[8, 128]`` fp32, the same written in Triton and called through jax-triton, or XLA fusions kept
+apart by optimization barriers) and a PyTorch CUDA graph
 of ``n`` tiny kernels (``x.add_(1)``) are each timed ``--calls`` times: the time until the
 call returns (the host's launch) and until the device is done (``block_until_ready`` /
 ``torch.cuda.synchronize``), medians. The slope over ``n`` is the launch cost per kernel::
 
     python scripts/graph_launch_probe.py --nodes 1,8,16,32,64,128
+
+The jax-triton row names the installed release: 0.3's launches are legacy custom calls, which
+XLA keeps out of its command buffers (CUDA graphs); 0.4's are FFI calls. Its slope against the
+Pallas row's says whether that release's launches are graphed (``--no-triton`` leaves it out).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ def _median_us(fn, calls: int, sync) -> tuple[float, float]:
     return float(np.median(ret) * 1e6), float(np.median(done) * 1e6)
 
 
-def jax_rows(nodes, calls):
+def jax_rows(nodes, calls, with_triton=True):
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
@@ -57,7 +62,30 @@ def jax_rows(nodes, calls):
         return jax.jit(f)
 
     x = jnp.zeros((8, 128), jnp.float32)
-    for name, make in (("jax pallas", pallas_chain), ("jax xla", xla_chain)):
+    chains = [("jax pallas", pallas_chain), ("jax xla", xla_chain)]
+    if with_triton:
+        import jax_triton as jt
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def add_one_kernel(x_ptr, o_ptr, N: tl.constexpr):
+            i = tl.arange(0, N)
+            tl.store(o_ptr + i, tl.load(x_ptr + i) + 1.0)
+
+        def triton_chain(n):
+            def f(x):
+                for _ in range(n):
+                    x = jt.triton_call(x, kernel=add_one_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                       grid=(1,), num_warps=4, N=x.size)  # fmt: skip
+                return x
+
+            return jax.jit(f)
+
+        import importlib.metadata
+
+        chains.append((f"jax-triton {importlib.metadata.version('jax-triton')}", triton_chain))
+    for name, make in chains:
         for n in nodes:
             f = make(n)
             jax.block_until_ready(f(x))
@@ -88,12 +116,13 @@ def main() -> int:
     ap.add_argument("--nodes", default="1,8,16,32,64,128")
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--no-torch", dest="torch", action="store_false")
+    ap.add_argument("--no-triton", dest="triton", action="store_false", help="leave out the jax-triton chain")
     a = ap.parse_args()
     nodes = [int(n) for n in a.nodes.split(",")]
-    rows = list(jax_rows(nodes, a.calls)) + (list(torch_rows(nodes, a.calls)) if a.torch else [])
-    print(f"{'what':12s} {'kernels':>7s} {'returns us':>11s} {'done us':>8s}")
+    rows = list(jax_rows(nodes, a.calls, a.triton)) + (list(torch_rows(nodes, a.calls)) if a.torch else [])
+    print(f"{'what':18s} {'kernels':>7s} {'returns us':>11s} {'done us':>8s}")
     for name, n, ret, done in rows:
-        print(f"{name:12s} {n:7d} {ret:11.1f} {done:8.1f}")
+        print(f"{name:18s} {n:7d} {ret:11.1f} {done:8.1f}")
     for name in dict.fromkeys(r[0] for r in rows):
         pts = [(n, ret, done) for w, n, ret, done in rows if w == name]
         if len(pts) > 1:
