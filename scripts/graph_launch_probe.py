@@ -63,10 +63,15 @@ def jax_rows(nodes, calls, with_triton=True):
 
     x = jnp.zeros((8, 128), jnp.float32)
     chains = [("jax pallas", pallas_chain), ("jax xla", xla_chain)]
-    if with_triton:
-        import jax_triton as jt
-        import triton
-        import triton.language as tl
+    if with_triton and jax.default_backend() != "gpu":
+        print(f"the jax-triton chain left out: it launches on a GPU, and JAX's backend is {jax.default_backend()!r}")
+    elif with_triton:
+        try:
+            import jax_triton as jt
+            import triton
+            import triton.language as tl
+        except ImportError as e:
+            raise SystemExit(f"the jax-triton chain needs jax-triton and triton ({e}); or pass --no-triton") from e
 
         @triton.jit
         def add_one_kernel(x_ptr, o_ptr, N: tl.constexpr):
