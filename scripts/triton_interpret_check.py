@@ -74,12 +74,10 @@ class CaseSpec:
     block_v: int = 32
     L: int = 2
     unroll: bool | None = None  # VerifyConfig.unroll (None: the default by D)
-    persistent: int = 0  # VerifyConfig.persistent: this many programs in all (a device of one SM)
 
     @property
     def name(self) -> str:
         tail = "" if self.unroll is None else f"-unroll{int(self.unroll)}"
-        tail += f"-P{self.persistent}" if self.persistent else ""
         return f"D{self.D}-H{self.H}-HV{self.HV}-K{self.K}-V{self.V}-N{self.N}-{self.dtype}-BV{self.block_v}{tail}"
 
 
@@ -90,7 +88,6 @@ def case_specs(quick: bool) -> list[CaseSpec]:
             CaseSpec(N=1, D=3, H=4, HV=16, K=8, V=16, dtype="float32"),
             CaseSpec(N=5, D=2, H=1, HV=2, K=12, V=20, dtype="float32", block_v=8),
             CaseSpec(N=5, D=4, H=2, HV=4, K=8, V=16, dtype="bfloat16", block_v=8, unroll=False),
-            CaseSpec(N=5, D=4, H=2, HV=4, K=8, V=16, dtype="bfloat16", block_v=8, persistent=3),
         ]
     # The CPU equivalence matrix's draft lengths, each with one of its head layouts and
     # pool setups in turn (the reference's XLA:CPU compile per shape dominates the time).
@@ -237,7 +234,7 @@ def run_kernels(spec: CaseSpec, work: Path):
         fused kernel commits the tape's row of each request at ``layer`` first, in ``pool``."""
         x = {n: T[f"L{layer}_{n}"].contiguous() for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias")}
         unused = torch.empty(1, dtype=f32)
-        cfg = V_.VerifyConfig(block_v=spec.block_v, unroll=spec.unroll, persistent=spec.persistent)
+        cfg = V_.VerifyConfig(block_v=spec.block_v, unroll=spec.unroll)
         lay = torch.tensor([layer], dtype=torch.int32)
         into = bufs is not None
         buf_sizes = dict(INTO=True, R=R, DMAX=D) if into else {}
@@ -261,7 +258,7 @@ def run_kernels(spec: CaseSpec, work: Path):
         buf = (snap if snapshots else u) if into else unused
         record = "snapshots" if snapshots else "tuples"
         state = T["pool"] if pool is None else pool
-        sizes, grid = V_.launch_sizes(tuple(state.shape), tuple(x["q"].shape), cfg, record, sms=1)
+        sizes, grid = V_.launch_sizes(tuple(state.shape), tuple(x["q"].shape), cfg, record)
         if pending is None:
             pend_in, pend_sizes, pool_out = [*[rows_t] * 4, lay, *[unused] * 4], {}, unused
         else:  # (prows, psteps, ptslots, ptsteps) of the commit, the tape [L, R, D, ...] read at `layer`

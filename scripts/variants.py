@@ -39,15 +39,13 @@ def verify_config(tags, **fields):
 def triton_verify_config(tags, **fields):
     """The triton backend's :class:`VerifyConfig` with the tags that apply to it (``kcN``, ``nsN``,
     ``phN``, ``bvN`` (``block_v=N``), ``chr`` / ``chc`` (``chain="rows"`` / ``"chunks"``),
-    ``unr`` / ``unl`` (``unroll=True`` / ``False``), ``tf`` / ``rf``, ``noef`` (``evict=""``), ``prs`` / ``prr``,
-    ``ppN`` (``persistent=N`` programs an SM), ``sa0`` / ``sa1`` / ``sa2`` (``state_ahead=""`` / ``"l1"`` / ``"l2"``))."""
+    ``unr`` / ``unl`` (``unroll=True`` / ``False``), ``tf`` / ``rf``, ``noef`` (``evict=""``), ``prs`` / ``prr``)."""
     from gdn_lossless_jax.backends.triton import VerifyConfig
 
-    numbered = {k: _NUMBERED[k] for k in ("kc", "ns", "ph")} | {"bv": "block_v", "pp": "persistent"}
+    numbered = {k: _NUMBERED[k] for k in ("kc", "ns", "ph")} | {"bv": "block_v"}
     named = {"noef": {"evict": ""}, "prs": {"pending_replay": "split"}, "prr": {"pending_replay": "rows"},
              "chr": {"chain": "rows"}, "chc": {"chain": "chunks"}, "unr": {"unroll": True},
-             "unl": {"unroll": False}, "sa0": {"state_ahead": ""}, "sa1": {"state_ahead": "l1"},
-             "sa2": {"state_ahead": "l2"}, **_ORDERS}  # fmt: skip
+             "unl": {"unroll": False}, **_ORDERS}  # fmt: skip
     return VerifyConfig(**_apply(tags, fields, named, numbered))
 
 

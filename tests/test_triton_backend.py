@@ -221,43 +221,6 @@ def test_the_unrolled_rows_chain_gives_the_loops_bits(D, seed):
 
 
 @requires_triton
-@pytest.mark.parametrize("fields", [{"persistent": 3}, {"persistent": 2, "state_ahead": "l2"},
-                                    {"persistent": 5, "state_ahead": ""}],
-                         ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))  # fmt: skip
-def test_a_persistent_launch_gives_the_same_bits(fields, seed, monkeypatch):
-    """``VerifyConfig.persistent`` (a few programs, each over many tiles: the device taken as one
-    SM) changes the schedule, never a bit: the verify in both record modes from a pool with a
-    padding slot, fp32 and bf16, and the fused kernel over ``tests/test_fused.py``'s decode, each
-    against the default launch."""
-    import test_fused as tfu
-
-    from gdn_lossless_jax.backends.triton import verify as tv
-
-    monkeypatch.setattr(tv, "_sm_count", lambda: 1)
-    jax.clear_caches()
-    tb = backends.resolve("triton", "verify")
-    cfg = tb.VerifyConfig(**fields)
-    shape = Shape(N=5, D=4, H=4, HV=8, K=128, V=96)  # the last tile's rows masked by V
-    try:
-        for dtype in (F32, BF16):
-            x = verify_inputs(seed, shape, kind="mixed", state_dtype=dtype)
-            pool = x.pop("state0")[None]
-            pool = jnp.concatenate([pool, pool[:, :2] * 0.5], axis=1)  # 7 slots; request 2 reads a padding slot
-            slots = jnp.array([0, 3, -1, 2, 4], jnp.int32)
-            for record in gl.RECORD_MODES:
-                kw = {"record": record, "scale": 128**-0.5, "out_dtype": jnp.dtype(BF16), "slots": slots, "layer": 0}
-                want = tb.verify(pool, **x, **kw, config=tb.VerifyConfig())
-                got = tb.verify(pool, **x, **kw, config=cfg)
-                assert_bitwise_equal(want, got, f"verify, {record}, {jnp.dtype(dtype).name} state")
-            steps, records = tfu._steps(seed), ("snapshots", "tuples", "tuples")
-            want = tfu.fused(tfu._pool(seed, dtype), steps, records, "triton", config=tb.VerifyConfig())
-            got = tfu.fused(tfu._pool(seed, dtype), steps, records, "triton", config=cfg)
-            assert_bitwise_equal(want, got, f"the fused steps, {jnp.dtype(dtype).name} pool")
-    finally:
-        jax.clear_caches()
-
-
-@requires_triton
 @pytest.mark.parametrize("fields", VERIFY_CONFIGS, ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))
 def test_any_verify_config_replays_exactly(fields, seed):
     """Tiles, warps, chunks, and the grid's order may change the reductions, never

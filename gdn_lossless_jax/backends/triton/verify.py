@@ -125,12 +125,6 @@ class VerifyConfig:
         22.6 (64 registers) against the chunk chain's 24.6 (128); at 8 x 16 41.6 against
         the chunk chain's 38.9. The verify alone moved less: 27.2 against 27.2, 11.1 against
         12.5, 19.4 against 19.4, 31.6 against 32.1.
-      persistent: programs an SM of a persistent launch (0, the default: one program a tile).
-        Each program runs tiles ``p, p + P, ...`` in the grid's launch order, the same
-        arithmetic bit for bit.
-      state_ahead: with ``persistent``, each program asks for the state lines of its next tile
-        while it runs this one, with no registers held: ``"l1"`` (``prefetch.global.L1``; the
-        same SM reads them), ``"l2"``, or ``""`` (none).
     """
 
     block_v: int = 8
@@ -144,14 +138,8 @@ class VerifyConfig:
     pending_replay: str = "rows"
     chain: str | None = None
     unroll: bool | None = None
-    persistent: int = 0
-    state_ahead: str = "l1"
 
     def __post_init__(self):
-        if not isinstance(self.persistent, int) or self.persistent < 0:
-            raise ValueError(f"VerifyConfig: persistent must be an int >= 0 (programs an SM), got {self.persistent!r}")
-        if self.state_ahead not in ("", "l1", "l2"):
-            raise ValueError(f"VerifyConfig: state_ahead must be '', 'l1' or 'l2', got {self.state_ahead!r}")
         if self.chain not in (None, *CHAINS):
             raise ValueError(f"VerifyConfig: chain must be None or one of {CHAINS}, got {self.chain!r}")
         if self.unroll not in (None, True, False):
@@ -567,99 +555,14 @@ def verify_kernel(
     LOG_BV: tl.constexpr = 0,
     LOG_G: tl.constexpr = 0,
     UNROLL: tl.constexpr = False,  # the rows chain's steps unrolled (VerifyConfig.unroll)
-    PERSIST: tl.constexpr = 0,  # a persistent launch over this many tiles (VerifyConfig.persistent; 0: one a program)
-    GN: tl.constexpr = 1,  # PERSIST: the requests
-    AHEAD: tl.constexpr = 0,  # PERSIST: the next tile's state lines asked of 1: L1, 2: L2 (VerifyConfig.state_ahead)
 ):
-    if PERSIST:  # tl.num_programs(0) programs, each over tiles first, first + P, ... in the grid's launch order
-        first = tl.program_id(0)
-        P = tl.num_programs(0)
-        if AHEAD:
-            nslot = tl.load(slots_ptr + _tile_n(tl.minimum(first + P, PERSIST - 1), GN, HV, V, BV, TILES_FIRST))
-        for idx in range(first, PERSIST, P):
-            if AHEAD:  # the next tile's state, asked for a tile ahead; the slot after it loaded for the next turn
-                if not INTERPRET:
-                    _prefetch_tile(pool_out_ptr if PENDING == 1 else state_ptr, layer_ptr, nslot, idx + P, PERSIST,
-                                   GN, NS, HV, V, K, BV, KP, TILES_FIRST, AHEAD)  # fmt: skip
-                nslot = tl.load(slots_ptr + _tile_n(tl.minimum(idx + 2 * P, PERSIST - 1), GN, HV, V, BV, TILES_FIRST))
-            NVT: tl.constexpr = (V + BV - 1) // BV
-            if TILES_FIRST:
-                i_v = idx % NVT
-                hv = (idx // NVT) % HV
-            else:
-                i_v = idx // (GN * HV)
-                hv = (idx // GN) % HV
-            _tile(state_ptr, slots_ptr, layer_ptr, tape_layer_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, rows_ptr,
-                  prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr, pk_ptr, pg_ptr, pstates_ptr,
-                  out_layer_ptr, out_ptr, snap_ptr, u_ptr, pool_out_ptr,
-                  tl.cast(_tile_n(idx, GN, HV, V, BV, TILES_FIRST), tl.int64), hv, i_v, NS, D, H, HV, V, K, BV, C, NC,
-                  SNAPSHOTS, EVICT, INTERPRET, INTO, R, DMAX, PENDING, PR, PD, PREFETCH, ROWS, KP, PDP, KL, XN, ON,
-                  LANES, LOG_E, LOG_BV, LOG_G, UNROLL)  # fmt: skip
-    else:
-        if TILES_FIRST:
-            i_v = tl.program_id(0)
-            n = tl.program_id(2).to(tl.int64)
-        else:
-            i_v = tl.program_id(2)
-            n = tl.program_id(0).to(tl.int64)
-        _tile(state_ptr, slots_ptr, layer_ptr, tape_layer_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, rows_ptr,
-              prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr, pk_ptr, pg_ptr, pstates_ptr,
-              out_layer_ptr, out_ptr, snap_ptr, u_ptr, pool_out_ptr, n, tl.program_id(1), i_v, NS, D, H, HV, V, K, BV,
-              C, NC, SNAPSHOTS, EVICT, INTERPRET, INTO, R, DMAX, PENDING, PR, PD, PREFETCH, ROWS, KP, PDP, KL, XN, ON,
-              LANES, LOG_E, LOG_BV, LOG_G, UNROLL)  # fmt: skip
-
-
-@jit
-def _tile_n(idx, GN: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, TILES_FIRST: tl.constexpr):
-    """The request of a persistent launch's tile ``idx`` (the grid's launch order)."""
-    NVT: tl.constexpr = (V + BV - 1) // BV
     if TILES_FIRST:
-        return idx // (NVT * HV)
+        i_v = tl.program_id(0)
+        n = tl.program_id(2).to(tl.int64)
     else:
-        return idx % GN
-
-
-@jit
-def _prefetch_tile(ptr, layer_ptr, slot, idx, NT: tl.constexpr, GN: tl.constexpr, NS: tl.constexpr, HV: tl.constexpr,
-                   V: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, KP: tl.constexpr, TILES_FIRST: tl.constexpr,
-                   AHEAD: tl.constexpr):  # fmt: skip
-    """The lines of tile ``idx``'s state (request slot ``slot``) asked of L1 (``AHEAD`` 1) or L2
-    (2), one instruction a line, no registers held; nothing past the last tile or for a slot outside
-    ``[0, S)``."""
-    NVT: tl.constexpr = (V + BV - 1) // BV
-    if TILES_FIRST:
-        i_v = idx % NVT
-        hv = (idx // NVT) % HV
-    else:
-        i_v = idx // (GN * HV)
-        hv = (idx // GN) % HV
-    slot = slot.to(tl.int64)
-    ok = (idx < NT) & (slot >= 0) & (slot < NS)
-    layer = tl.load(layer_ptr).to(tl.int64)
-    base = ((layer * NS + tl.where(ok, slot, 0)) * HV + hv) * V * K
-    LP: tl.constexpr = KP // 32 if KP >= 32 else 1  # a row's 128-byte lines (fp32; a bf16 line is asked twice)
-    rows = tl.minimum(i_v * BV + tl.arange(0, BV), V - 1)
-    cols = tl.minimum(tl.arange(0, LP) * 32, K - 1)
-    if ok:
-        ptrs = ptr + base + rows[:, None] * K + cols[None, :]
-        if AHEAD == 1:
-            tl.inline_asm_elementwise("prefetch.global.L1 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                      is_pure=False, pack=1)  # fmt: skip
-        else:
-            _prefetch_l2(ptrs)
-
-
-@jit
-def _tile(state_ptr, slots_ptr, layer_ptr, tape_layer_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, rows_ptr, prows_ptr,
-          psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr, pk_ptr, pg_ptr, pstates_ptr, out_layer_ptr, out_ptr,
-          snap_ptr, u_ptr, pool_out_ptr, n, hv, i_v, NS: tl.constexpr, D: tl.constexpr, H: tl.constexpr,
-          HV: tl.constexpr, V: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, NC: tl.constexpr,
-          SNAPSHOTS: tl.constexpr, EVICT: tl.constexpr, INTERPRET: tl.constexpr, INTO: tl.constexpr, R: tl.constexpr,
-          DMAX: tl.constexpr, PENDING: tl.constexpr, PR: tl.constexpr, PD: tl.constexpr, PREFETCH: tl.constexpr,
-          ROWS: tl.constexpr, KP: tl.constexpr, PDP: tl.constexpr, KL: tl.constexpr, XN: tl.constexpr,
-          ON: tl.constexpr, LANES: tl.constexpr, LOG_E: tl.constexpr, LOG_BV: tl.constexpr, LOG_G: tl.constexpr,
-          UNROLL: tl.constexpr):  # fmt: skip
-    """One program's tile: request ``n``, v-head ``hv``, rows ``[i_v * BV, (i_v + 1) * BV)``."""
+        i_v = tl.program_id(2)
+        n = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1)
     h = hv // (HV // H)
 
     rows = i_v * BV + tl.arange(0, BV)
@@ -844,10 +747,9 @@ def _row_step(S, q, k, v, alpha, beta, t, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr
     return S, q1, k1, v1, alpha1, beta1
 
 
-def launch_sizes(state_shape, q_shape, config: VerifyConfig, record: str = "tuples", sms: int = 132):
+def launch_sizes(state_shape, q_shape, config: VerifyConfig, record: str = "tuples"):
     """The chain kernel's constexpr sizes and its grid, from the shapes alone (``state_shape``:
-    the pool ``[L, S, HV, V, K]``, or ``[N, HV, V, K]`` for the state0 form; ``sms``: the
-    device's SMs, for a persistent launch)."""
+    the pool ``[L, S, HV, V, K]``, or ``[N, HV, V, K]`` for the state0 form)."""
     HV, V, K = state_shape[-3:]
     S = state_shape[-4] if len(state_shape) == 5 else state_shape[0]
     N, D, H = q_shape[:3]
@@ -864,18 +766,7 @@ def launch_sizes(state_shape, q_shape, config: VerifyConfig, record: str = "tupl
         unroll = D <= UNROLL_UP_TO if config.unroll is None else config.unroll
         sizes |= {"LANES": W, "LOG_E": log2(KP // W), "LOG_BV": log2(BV), "LOG_G": log2(W // BV), "UNROLL": unroll}
     NV = -(-V // BV)
-    if config.persistent:
-        tiles = NV * HV * N
-        sizes |= {"PERSIST": tiles, "GN": N, "AHEAD": {"": 0, "l1": 1, "l2": 2}[config.state_ahead]}
-        return sizes, (max(1, min(tiles, config.persistent * sms)),)
     return sizes, ((NV, HV, N) if tiles_first else (N, HV, NV))
-
-
-def _sm_count() -> int:
-    """The SMs of the first device (132, an H100's or H200's, where jaxlib does not say)."""
-    import jax
-
-    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
 def prep_launch(q_shape, HV: int, config: VerifyConfig):
@@ -998,7 +889,7 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
     inputs = [state, slots, layer, tape_layer, qn, kn, v, g, beta, rows, buf, *pend_in, *out_in]
     if out is not None:
         aliases[len(inputs) - 1] = 0  # the outputs buffer, the last input
-    sizes, grid = launch_sizes(state.shape, q.shape[-4:], config, record, _sm_count() if config.persistent else 132)
+    sizes, grid = launch_sizes(state.shape, q.shape[-4:], config, record)
     out, snap, u, new_pool = jt.triton_call(
         *inputs,
         kernel=verify_kernel,
