@@ -18,7 +18,10 @@ kernels (Pallas ``x + 1`` on ``[8, 128]`` fp32, its input donated) is timed from
 
 each with XLA's command buffers on (the default) and off (``xla_gpu_enable_command_buffer=""``
 for the jit), and the PyTorch graph itself timed the same way (``torch graph``). Medians of
-``--calls``, wall-clock and the time until the call returns::
+``--calls``, wall-clock and the time until the call returns. Last, a jit as long as a step
+(the chain plus a pass over a ``--long-mb`` buffer, donated) run ``--calls`` times blocking on
+each call, then as many dispatched ahead with one block at the end: per call, the difference is
+what waiting on every step costs::
 
     python scripts/call_floor_probe.py --nodes 1,64
 """
@@ -37,6 +40,7 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--other-nodes", type=int, default=1, help="kernels in the other program (jax, torch)")
     ap.add_argument("--pool-mb", type=int, default=0, help="a donated buffer of this size passed through the timed jit")
+    ap.add_argument("--long-mb", type=int, default=4096, help="the long jit's buffer (0: not run)")
     ap.add_argument("--idle-us", type=float, default=1000.0, help="spin and sleep: how long the host waits")
     ap.add_argument("--no-torch", dest="torch", action="store_false")
     a = ap.parse_args()
@@ -97,6 +101,30 @@ def main() -> int:
                     wall.append(time.perf_counter() - t)
                 label = f"{n} kernels, cb {'on' if cmdbuf else 'off'}"
                 print(f"{label:>16} {name:>7} {np.median(wall) * 1e6:9.1f} {np.median(ret) * 1e6:11.1f}", flush=True)
+    if a.long_mb:
+        n = int(a.nodes.split(",")[-1])
+
+        def long(x, big):
+            for _ in range(n):
+                x = kernel(x)
+            return x, big * 1.0000001
+
+        f = jax.jit(long, donate_argnums=(0, 1))
+        box = [jnp.zeros((8, 128), jnp.float32), jnp.ones((a.long_mb << 18,), jnp.float32)]
+        for _ in range(5):
+            box = list(jax.block_until_ready(f(*box)))
+        walls = []
+        for _ in range(a.calls):
+            t = time.perf_counter()
+            box = list(jax.block_until_ready(f(*box)))
+            walls.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        for _ in range(a.calls):
+            box = list(f(*box))
+        jax.block_until_ready(box)
+        ahead = (time.perf_counter() - t) / a.calls
+        print(f"long jit ({n} kernels and {a.long_mb} MB read and written): blocking on each call "
+              f"{np.median(walls) * 1e6:.1f} us a call (median), dispatched ahead {ahead * 1e6:.1f} us a call", flush=True)
     if "torch" in before:
         import torch
 
