@@ -62,7 +62,10 @@ not ours (names without ``gdn_``, other than the Triton backend's kernel functio
 so hidden work shows. ``wall / device`` is the overhead of the way the step is written (launch
 gaps, host work). Then each row runs
 ``--b2b-calls`` steps back to back (a decode loop: each call waits for the last, no other
-program between): its *back to back* median. XLA's CUDA graphs start later when another
+program between): its *back to back* median; then as many dispatched *ahead*, one wait at the
+end (a decode loop that keeps its accept decision on the device and runs ahead of it): the
+time a step, median of 5 such runs. A blocking call pays ~0.3 ms more than one dispatched
+ahead on the H200 (``scripts/call_floor_probe.py``). XLA's CUDA graphs start later when another
 program ran just before (the interleaved rounds), SGLang's graph hardly (``scripts/launch_probe.py``).
 
 Run (H200, about 3 minutes)::
@@ -438,6 +441,7 @@ def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: in
         def run():
             jax.block_until_ready((one(), d_box[0]))
 
+        run.ahead = (one, lambda: jax.block_until_ready((d_box[0], o_box[0])))
         return run
 
     def run_fused(options=None, form="scan"):
@@ -453,6 +457,7 @@ def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: in
                 f_box[0] = _filled((p_box[0].ssm, p_box[0].tape, p_box[0].tape), seed + 11)
             jax.block_until_ready((one(), f_box[0]))
 
+        run.ahead = (one, lambda: jax.block_until_ready((f_box[0], o_box[0])))  # (run makes f_box first)
         return run
 
     q_box = [None]
@@ -489,7 +494,8 @@ def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: in
             run()  # compile and first call
             first = time.perf_counter() - t
             rows.append(Row(config=cfg, backend=backend, op=kind, record=record, calls=1, traffic=Traffic(0, 0),
-                            run=run, compile_s=first, notes=[f"{L} layers"] + mesh_note(kind)))  # fmt: skip
+                            run=run, compile_s=first, notes=[f"{L} layers"] + mesh_note(kind),
+                            ahead=getattr(run, "ahead", None)))  # fmt: skip
             clock.log(f"{cfg} {backend} {record} {kind}: first call {first:.2f} s")
         except Exception as e:  # noqa: BLE001 - report, go on
             clock.log(f"{cfg} {backend} {record} {kind}: FAILED: {type(e).__name__}: {str(e)[:300]}")
@@ -568,7 +574,7 @@ def sglang_row(inp: StepInputs, clock: Clock, src=None) -> tuple[Row | None, str
         torch.cuda.synchronize()
 
     row = Row(config=inp.config.label, backend="sglang", op="step", record="snapshots", calls=1, traffic=Traffic(0, 0),
-              run=timed, compile_s=first, notes=[f"{peer.origin}; {L} verify launches + 2 scatters; {how}; on {dev}"])  # fmt: skip
+              run=timed, compile_s=first, ahead=(run, torch.cuda.synchronize), notes=[f"{peer.origin}; {L} verify launches + 2 scatters; {how}; on {dev}"])  # fmt: skip
     return row, how
 
 
@@ -590,10 +596,31 @@ def back_to_back(rows: list[Row], calls: int) -> dict:
     return out
 
 
-def _row_dict(r: Row, b2b=None) -> dict:
+def run_ahead(rows: list[Row], calls: int, repeats: int = 5) -> dict:
+    """Each row with ``ahead`` dispatched ``calls`` times without waiting, then one wait (a
+    decode loop that runs ahead): seconds a call, one value per repeat."""
+    out = {}
+    for r in rows:
+        if r.failed or not calls or r.ahead is None:
+            continue
+        dispatch, block = r.ahead
+        ts = []
+        for _ in range(repeats):
+            block()
+            t = time.perf_counter()
+            for _ in range(calls):
+                dispatch()
+            block()
+            ts.append((time.perf_counter() - t) / calls)
+        out[r.key] = np.asarray(ts)
+    return out
+
+
+def _row_dict(r: Row, b2b=None, ahead=None) -> dict:
     d = {"config": r.config, "backend": r.backend, "kind": r.op, "record": r.record, "first_call_s": r.compile_s,
          "notes": r.notes, "failed": r.failed, "wall": summarize(np.asarray(r.raw)),
-         "wall_back_to_back": summarize(b2b if b2b is not None else np.zeros(0))}  # fmt: skip
+         "wall_back_to_back": summarize(b2b if b2b is not None else np.zeros(0)),
+         "wall_ahead": summarize(ahead if ahead is not None else np.zeros(0))}  # fmt: skip
     if r.device:
         d["device_us"] = r.device["us_per_call"]
         ours = sum(k["us_per_call"] for k in r.device["kernels"] if _ours(k["name"]))
@@ -612,14 +639,16 @@ def _row_dict(r: Row, b2b=None) -> dict:
 def _table(rows: list[dict]) -> list[str]:
     out = [
         "| config | backend | record | step | wall median us (p10-p90) | device us | ours us | wall / device | "
-        "vs SGLang (wall) | back to back us | vs SGLang (back to back) |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "vs SGLang (wall) | back to back us | vs SGLang (back to back) | ahead us | vs SGLang (ahead) |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     peer = {r["config"]: r["wall"].get("median_us") for r in rows if r["backend"] == "sglang" and r["wall"].get("n")}
     peer_b = {r["config"]: (r.get("wall_back_to_back") or {}).get("median_us") for r in rows if r["backend"] == "sglang"}
 
-    def b2b(r):
-        m, ref = (r.get("wall_back_to_back") or {}).get("median_us"), peer_b.get(r["config"])
+    peer_a = {r["config"]: (r.get("wall_ahead") or {}).get("median_us") for r in rows if r["backend"] == "sglang"}
+
+    def b2b(r, key="wall_back_to_back", peers=peer_b):
+        m, ref = (r.get(key) or {}).get("median_us"), peers.get(r["config"])
         if not m:
             return " - | - |"
         return f" {m:.0f} | " + (f"{ref / m:.2f}x |" if ref and r["backend"] != "sglang" else " |")
@@ -628,7 +657,7 @@ def _table(rows: list[dict]) -> list[str]:
         w = r["wall"]
         if not w.get("n"):
             out.append(f"| {r['config']} | {r['backend']} | {r['record']} | {r['kind']} | failed: {r['failed']} "
-                       "| | | | | | |")
+                       "| | | | | | | | |")
             continue
         ref = peer.get(r["config"])
         vs = f"{ref / w['median_us']:.2f}x" if ref and r["backend"] != "sglang" else ""
@@ -641,7 +670,7 @@ def _table(rows: list[dict]) -> list[str]:
             else f"| {r['config']} | {r['backend']} | {r['record']} | {r['kind']} | {w['median_us']:.0f} "
             f"({w['p10_us']:.0f}-{w['p90_us']:.0f}) | - | - | - | {vs} |"
         )
-        out[-1] += b2b(r)
+        out[-1] += b2b(r) + b2b(r, "wall_ahead", peer_a)
     return out
 
 
@@ -737,9 +766,10 @@ def main(argv=None) -> int:
         run_rounds(rows, trials=args.rounds, min_trials=min(8, args.rounds), seed=args.seed, clock=clock,
                    label=cfg.label, warmup=args.warmup, deadline=time.perf_counter() + args.budget_s)  # fmt: skip
         b2b = back_to_back(rows, args.b2b_calls)
+        ahead = run_ahead(rows, args.b2b_calls)
         if args.device_invocations:
             device_pass(rows, invocations=args.device_invocations, clock=clock, label=cfg.label)
-        result["rows"] += [_row_dict(r, b2b.get(r.key)) for r in rows]
+        result["rows"] += [_row_dict(r, b2b.get(r.key), ahead.get(r.key)) for r in rows]
         write_report(result, out)
         del rows, inp
     print("\n".join(_table(result["rows"])))

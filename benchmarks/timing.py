@@ -48,6 +48,8 @@ class Row:
       traffic: bytes one call must move.
       run: one invocation, blocking until the device is done.
       noop: the same dispatch with (almost) no device work, blocking.
+      ahead: ``(dispatch, block)``: one invocation that does not wait for the device, and a
+        wait for all dispatched so far (a loop that runs ahead, ``benchmarks.step``).
     """
 
     config: str
@@ -65,6 +67,7 @@ class Row:
     overhead: list[float] = dataclasses.field(default_factory=list)  # seconds per noop
     failed: str | None = None
     device: dict | None = None  # from a profiler trace (benchmarks.devtime), GPU only
+    ahead: tuple[Callable[[], object], Callable[[], None]] | None = None  # (one call without blocking, block)
 
     @property
     def key(self) -> str:
