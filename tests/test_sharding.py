@@ -85,20 +85,27 @@ def make_plan(tp: int, dp: int, explicit: bool = False) -> sharding.MeshPlan:
     return sharding.MeshPlan(mesh, tensor="tensor", data="data")
 
 
+# The mesh suite in two subprocesses of about two minutes each (xdist can run them on both workers):
+# the demo model's tests, and the rest.
+MESH_GROUPS = {"model": "model_spec or demo", "functions": "not (model_spec or demo)"}
+
+
+@pytest.mark.longest
 @pytest.mark.skipif(N_DEVICES >= SIMULATED, reason=f"{N_DEVICES} devices here: the mesh tests run in this process")
-def test_mesh_suite_in_subprocess():
+@pytest.mark.parametrize("group", MESH_GROUPS)
+def test_mesh_suite_in_subprocess(group):
     flags = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={SIMULATED}").strip()
     env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     # The one-device and multi-process tests run here.
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", __file__, "-k",
-           "not one_device and not multihost"]  # fmt: skip
+           f"({MESH_GROUPS[group]}) and not one_device and not multihost"]  # fmt: skip
     t = time.perf_counter()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     run = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=600)
     out = run.stdout + run.stderr
     assert run.returncode == 0, f"{' '.join(cmd)} failed (exit {run.returncode}):\n{out[-6000:]}"
     assert re.search(r"\d+ passed", out), out[-3000:]
-    print(f"mesh suite in a subprocess: {time.perf_counter() - t:.0f} s\n{out[-400:]}")
+    print(f"mesh suite ({group}) in a subprocess: {time.perf_counter() - t:.0f} s\n{out[-400:]}")
 
 
 # ---------------------------------------------------------------------------------
