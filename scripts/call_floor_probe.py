@@ -40,7 +40,8 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--other-nodes", type=int, default=1, help="kernels in the other program (jax, torch)")
     ap.add_argument("--pool-mb", type=int, default=0, help="a donated buffer of this size passed through the timed jit")
-    ap.add_argument("--long-mb", type=int, default=4096, help="the long jit's buffer (0: not run)")
+    ap.add_argument("--long-mb", type=int, default=None, help="the long jit's buffer (0: not run; default 4096 on a "
+                    "GPU, 64 on the CPU)")
     ap.add_argument("--idle-us", type=float, default=1000.0, help="spin and sleep: how long the host waits")
     ap.add_argument("--no-torch", dest="torch", action="store_false")
     a = ap.parse_args()
@@ -50,6 +51,8 @@ def main() -> int:
     from jax.experimental import pallas as pl
 
     interpret = jax.default_backend() == "cpu"
+    if a.long_mb is None:
+        a.long_mb = 64 if interpret else 4096
 
     def add_one(x_ref, o_ref):
         o_ref[...] = x_ref[...] + 1.0
