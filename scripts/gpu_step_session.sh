@@ -2,7 +2,7 @@
 # One device call for the speculative step (issue 15). Logs go to /tmp/o, packed into $OUT/results.tgz (a call returns
 # at most 8 files). Phases (PHASES, default all, in this order):
 #   probe     scripts/graph_launch_probe.py: host launch cost per kernel of XLA's and PyTorch's CUDA graphs
-#   tests     pytest of TEST_FILES (default the step's and the fused step's tests), PYTEST_K
+#   tests     pytest of TEST_FILES (default the step's and the fused step's tests), PYTEST_K, with GDN_FULL_TESTS=1
 #   step      benchmarks.step at STEP_CONFIGS (default 25x4,8x16,8x4,8x8), STEP_RECORDS (default both), STEP_KINDS, STEP_BACKENDS
 #   tfrt      the same with XLA's TFRT GPU client (XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1), TFRT_KINDS, 25x4 and 8x16
 #   timeline  scripts/host_timeline.py at 25x4 (TIMELINE_FORMS) under both clients
@@ -25,6 +25,7 @@ for phase in ${PHASES:-probe tests step tfrt timeline}; do
   case "$phase" in
     probe) timeout 120 python3 scripts/graph_launch_probe.py 2>&1 | tee $O/graph_launch_probe.log | tail -24 ;;
     tests)
+      export GDN_FULL_TESTS=1  # the extended parameter sets CI's CPU run leaves out (docs/testing.md)
       timeout ${TEST_TIMEOUT:-300} python3 -m pytest -n 8 -v --tb=short -rfs -p no:cacheprovider \
         ${TEST_FILES:-tests/test_step.py tests/test_fused.py} ${PYTEST_K:+-k "$PYTEST_K"} > $O/gpu_tests.log 2>&1
       grep -E "FAILED|ERROR| passed| failed" $O/gpu_tests.log | tail -12 ;;

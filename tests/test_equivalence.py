@@ -1,8 +1,9 @@
 """The shared equivalence suite (tests/equivalence.py) over backends and geometries.
 
 On a CPU: the reference over D in {1, 2, 3, 4, 8, 16} x (H, HV) in {(16, 32), (4, 16),
-(8, 8)} at small head dims (N = 1 with an fp32 pool, N = 5 with a bf16 pool) plus
-K = V = 128 cases; the Pallas kernels in interpret mode over a smaller matrix.
+(8, 8)} at small head dims (N = 1 with an fp32 pool, N = 5 with a bf16 pool: every pair of
+the three in CI, the whole product with GDN_FULL_TESTS=1) plus K = V = 128 cases; the Pallas
+kernels in interpret mode over a smaller matrix.
 On a GPU (the H200 run): every backend over D in {2, 3, 4, 8, 16} x (H, HV) in
 {(16, 32), (4, 16)} x N in {1, 5} x {fp32, bf16} at K = V = 128.
 Every case has a track copy, a permuted rows mapping and invalid rows (negative step,
@@ -15,7 +16,7 @@ import itertools
 import jax.numpy as jnp
 import pytest
 
-from conftest import ON_GPU
+from conftest import ON_GPU, full_only
 from equivalence import check_commit, check_controls, check_outputs, check_replay_every_step, make_case
 from gdn_lossless_jax.cases import Shape
 
@@ -27,10 +28,10 @@ CONTROL_BACKENDS = ["reference", "pallas"] + (
 )
 
 
-def _param(backend, shape, dtype):
+def _param(backend, shape, dtype, marks=()):
     s = shape
     name = f"{backend}-D{s.D}-H{s.H}-HV{s.HV}-K{s.K}-N{s.N}-{jnp.dtype(dtype).name}"
-    return pytest.param(backend, shape, dtype, id=name)
+    return pytest.param(backend, shape, dtype, id=name, marks=marks)
 
 
 def _cases():
@@ -44,10 +45,13 @@ def _cases():
                 backends, [2, 3, 4, 8, 16], [(16, 32), (4, 16)], [1, 5], [F32, BF16]
             )
         ]
+    # CI runs every pair of D, (H, HV) and (N, pool dtype) (each D with every head split, the two
+    # variants alternating: 18 cases); GDN_FULL_TESTS=1 the whole product (36).
+    Ds, heads, variants = [1, 2, 3, 4, 8, 16], [(16, 32), (4, 16), (8, 8)], [(1, F32), (5, BF16)]
     small = [
-        _param("reference", Shape(N=n, D=d, H=h, HV=hv, K=8, V=16), dt)
-        for d, (h, hv), (n, dt) in itertools.product(
-            [1, 2, 3, 4, 8, 16], [(16, 32), (4, 16), (8, 8)], [(1, F32), (5, BF16)]
+        _param("reference", Shape(N=n, D=d, H=h, HV=hv, K=8, V=16), dt, marks=() if (i + j) % 2 == k else full_only)
+        for (i, d), (j, (h, hv)), (k, (n, dt)) in itertools.product(
+            enumerate(Ds), enumerate(heads), enumerate(variants)
         )
     ]
     full = [

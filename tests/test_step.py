@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import gdn_lossless_jax as gl
-from conftest import ON_GPU
+from conftest import ON_GPU, full_only
 from gdn_lossless_jax import api
 from gdn_lossless_jax import pool as gpool
 from gdn_lossless_jax.cases import Shape, verify_inputs
@@ -35,6 +35,23 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 BACKENDS = ["reference", "pallas"] + (["triton"] if ON_GPU and importlib.util.find_spec("jax_triton") else [])
 K_ = 128 if ON_GPU else 16
 SHAPE = Shape(N=5, D=3, H=2, HV=4, K=K_, V=K_)
+
+
+def _interpret_only_extended(backend: str, *values) -> bool:
+    return backend == "pallas" and not ON_GPU and any(values)
+
+
+# Pool dtype x record mode x backend. Interpret mode compiles each combination's kernels anew
+# (seconds each): on the CPU the Pallas cases run the cross's diagonal, fp32 with tuples and bf16
+# with snapshots (each dtype and each record mode; the reference runs the whole cross), the rest
+# with GDN_FULL_TESTS=1 (and on a GPU).
+CROSS = [
+    pytest.param(dtype, record, backend, id=f"{name}-{record}-{backend}",
+                 marks=full_only if _interpret_only_extended(backend, (dtype == BF16) != (record == "snapshots")) else ())
+    for dtype, name in ((F32, "f32"), (BF16, "bf16"))
+    for record in gl.RECORD_MODES
+    for backend in BACKENDS
+]  # fmt: skip
 
 
 def _pool_of(x, S: int, slots, rng, dtype):
@@ -68,9 +85,7 @@ def _case(seed, dtype, shape=SHAPE):
     return rng, x, S, slots
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("record", gl.RECORD_MODES)
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dtype,record,backend", CROSS)
 def test_verify_reads_the_pool_by_slot(backend, record, dtype, seed):
     rng, x, S, slots = _case(seed, dtype)
     pool1 = _pool_of(x, S, slots, rng, dtype)
@@ -111,9 +126,7 @@ def _expected_buffer(buf, layer, rows, tape):
     return jax.tree.map(put, buf, tape)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("record", gl.RECORD_MODES)
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dtype,record,backend", CROSS)
 def test_tape_lands_in_place(backend, record, dtype, seed):
     rng, x, S, slots = _case(seed, dtype)
     s = SHAPE
@@ -153,9 +166,7 @@ def _stacked_case(seed, dtype, L=3):
     return rng, layers, pool, stacks, S, slots
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("record", gl.RECORD_MODES)
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dtype,record,backend", CROSS)
 def test_verify_reads_inputs_stacked_over_layers(backend, record, dtype, seed):
     """Inputs stacked ``[L, ...]`` with the pool ``[L, S, ...]`` and ``layer``: the kernels read
     layer ``layer`` of each input, equal to passing that layer's inputs, with the tape in
@@ -194,9 +205,7 @@ def test_verify_reads_inputs_stacked_over_layers(backend, record, dtype, seed):
     assert_bitwise_differs(o1, o_wrong, "the inputs of another layer")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("record", gl.RECORD_MODES)
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dtype,record,backend", CROSS)
 def test_outputs_land_in_place(backend, record, dtype, seed):
     """``out=``: each layer's outputs written into one ``[L, N, D, HV, V]`` buffer at the layer
     (carried with the tape through a ``lax.scan``, both donated), the layers not verified keep
@@ -320,9 +329,7 @@ def _old_verify_layer(p, layer, x, prm, slots, rows, backend):
     return out, gpool.store_layer(p, layer, tape, windows, rows)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("record", gl.RECORD_MODES)
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dtype,record,backend", CROSS)
 def test_pool_verify_layer_equals_the_old_path(backend, record, dtype, seed):
     N, D = 4, 3  # D below the scratch's 4
     rng, layers, steps = _pool_inputs(seed, N, D)
@@ -342,8 +349,12 @@ def test_pool_verify_layer_equals_the_old_path(backend, record, dtype, seed):
     assert_bitwise_differs(want_p.tape, other.tape, "rows rolled by one")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("record", gl.RECORD_MODES)
+# (On the CPU Pallas reads the stacks in its tuples case; its snapshot case with GDN_FULL_TESTS=1.)
+@pytest.mark.parametrize("record,backend", [
+    pytest.param(record, backend, id=f"{record}-{backend}",
+                 marks=full_only if _interpret_only_extended(backend, record == "snapshots") else ())
+    for record in gl.RECORD_MODES for backend in BACKENDS
+])  # fmt: skip
 def test_pool_verify_layer_reads_inputs_stacked_over_layers(backend, record, seed):
     """``pool.verify_layer`` with ``mixed_qkv``, the gates' inputs and the layer's parameters
     stacked over layers (read at the layer by the kernels, in a ``lax.scan``) equals the calls
