@@ -60,13 +60,14 @@ what a user waits for. After the rounds each row is traced with the profiler: it
 time* is the sum of every kernel the step launched (ours and XLA's), and the kernels that are
 not ours (names without ``gdn_``, other than the Triton backend's kernel functions) are listed,
 so hidden work shows. ``wall / device`` is the overhead of the way the step is written (launch
-gaps, host work). Then each row runs
-``--b2b-calls`` steps back to back (a decode loop: each call waits for the last, no other
-program between): its *back to back* median; then as many dispatched *ahead*, one wait at the
-end (a decode loop that keeps its accept decision on the device and runs ahead of it): the
-time a step, median of 5 such runs. A blocking call pays ~0.3 ms more than one dispatched
-ahead on the H200 (``scripts/call_floor_probe.py``). XLA's CUDA graphs start later when another
-program ran just before (the interleaved rounds), SGLang's graph hardly (``scripts/launch_probe.py``).
+gaps, host work). Then each row runs ``--b2b-calls`` steps back to back (a decode loop: each
+call waits for the last, no other program between): its *back to back* median; the same with
+our rows waiting by polling ``is_ready()`` (the host thread spins instead of sleeping in
+``block_until_ready``): *polled*; then as many dispatched *ahead*, one wait at the end (a
+decode loop that keeps its accept decision on the device and runs ahead of it): the time a
+step, median of 5 such runs. A blocking call pays ~0.3 ms more than one dispatched ahead on
+the H200 (``scripts/call_floor_probe.py``). XLA's CUDA graphs start later when another program
+ran just before (the interleaved rounds), SGLang's graph hardly (``scripts/launch_probe.py``).
 
 Run (H200, about 3 minutes)::
 
@@ -102,8 +103,16 @@ from gdn_lossless_jax.cases import Shape
 
 from . import cases as bc
 from .suite import _draw
-from .timing import Clock, Row, device_pass, run_rounds, summarize
+from .timing import Clock, Row, device_pass, run_rounds, spin_until_ready, summarize
 from .traffic import Traffic
+
+# How the timed rows wait for their step: jax.block_until_ready, or polling is_ready()
+# (back_to_back(..., poll=True): the *polled* column). SGLang's row waits with torch.cuda.synchronize.
+_WAIT = [jax.block_until_ready]
+
+
+def wait(tree):
+    return _WAIT[0](tree)
 
 __all__ = ["STEP_KINDS", "main", "step_rows"]
 
@@ -409,7 +418,7 @@ def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: in
 
     def run_python():
         outs, p_box[0] = _pool_step(p_box[0], inp.layers["params"], inp.layers["pool_inputs"], next_ix(), backend)
-        jax.block_until_ready((outs, p_box[0]))
+        wait((outs, p_box[0]))
 
     pool_jit = jax.jit(lambda p, prm, xs, ix: _pool_step(p, prm, xs, ix, backend), donate_argnums=0)
     pool_scan = jax.jit(lambda p, prm, xs, ix: _pool_scan_step(p, prm, xs, ix, backend), donate_argnums=0)
@@ -422,7 +431,7 @@ def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: in
         def run():
             src = (inp.params, inp.pool_inputs) if stacked else (inp.layers["params"], inp.layers["pool_inputs"])
             outs, p_box[0] = fn(p_box[0], *src, next_ix())
-            jax.block_until_ready((outs, p_box[0]))
+            wait((outs, p_box[0]))
 
         return run
 
@@ -439,7 +448,7 @@ def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: in
         one = direct_runner(fns[form], form, inp, d_box, o_box, next_ix)
 
         def run():
-            jax.block_until_ready((one(), d_box[0]))
+            wait((one(), d_box[0]))
 
         run.ahead = (one, lambda: jax.block_until_ready((d_box[0], o_box[0])))
         return run
@@ -455,7 +464,7 @@ def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: in
         def run():
             if f_box[0] is None:  # a pool and two tape buffers of its own, made on the first call
                 f_box[0] = _filled((p_box[0].ssm, p_box[0].tape, p_box[0].tape), seed + 11)
-            jax.block_until_ready((one(), f_box[0]))
+            wait((one(), f_box[0]))
 
         run.ahead = (one, lambda: jax.block_until_ready((f_box[0], o_box[0])))  # (run makes f_box first)
         return run
@@ -473,7 +482,7 @@ def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: in
                 d, slots=off, steps=off + 0, track_slots=off + 0, track_steps=off + 0, rows=off + 0,
                 applied=jnp.zeros(d.slots.shape, bool)))  # fmt: skip
         outs, q_box[0] = pool_scan(q_box[0], inp.params, inp.pool_inputs, next_ix())
-        jax.block_until_ready((outs, q_box[0]))
+        wait((outs, q_box[0]))
 
     runs = {"pool-python": run_python, "pool-jit": run_pool(pool_jit, False), "pool-scan": run_pool(pool_scan, True),
             **{f: run_direct(f) for f in fns}, "fused": run_fused(), "fused-out": run_fused(form="unrolled-out"),
@@ -515,12 +524,12 @@ def _mesh_runs(inp: StepInputs, backend: str, record: str, seed: int, plan: shar
 
     def run_pool():
         outs, box["pool"] = pool_scan(box["pool"], params, pool_inputs, next_ix())
-        jax.block_until_ready((outs, box["pool"]))
+        wait((outs, box["pool"]))
 
     def run_scan():
         outs, ssm, tape = scan(*box["direct"], params, qkv, next_ix())
         box["direct"] = (ssm, tape)
-        jax.block_until_ready((outs, ssm, tape))
+        wait((outs, ssm, tape))
 
     return {"pool-scan-mesh": run_pool, "scan-mesh": run_scan}
 
@@ -578,21 +587,26 @@ def sglang_row(inp: StepInputs, clock: Clock, src=None) -> tuple[Row | None, str
     return row, how
 
 
-def back_to_back(rows: list[Row], calls: int) -> dict:
+def back_to_back(rows: list[Row], calls: int, poll: bool = False) -> dict:
     """Each row called ``calls`` times in a row, each call waiting for the last (a decode loop
     that runs one step after another): seconds per call. The interleaved rounds instead run
     another row between two calls of one; XLA's CUDA graph of a jitted step starts later after
-    another program ran (``scripts/launch_probe.py``)."""
+    another program ran (``scripts/launch_probe.py``). ``poll``: our rows wait by polling
+    ``is_ready()`` (:func:`benchmarks.timing.spin_until_ready`) instead of ``block_until_ready``."""
     out = {}
-    for r in rows:
-        if r.failed or not calls:
-            continue
-        ts = []
-        for _ in range(calls):
-            t = time.perf_counter()
-            r.run()
-            ts.append(time.perf_counter() - t)
-        out[r.key] = np.asarray(ts)
+    _WAIT[0] = spin_until_ready if poll else jax.block_until_ready
+    try:
+        for r in rows:
+            if r.failed or not calls:
+                continue
+            ts = []
+            for _ in range(calls):
+                t = time.perf_counter()
+                r.run()
+                ts.append(time.perf_counter() - t)
+            out[r.key] = np.asarray(ts)
+    finally:
+        _WAIT[0] = jax.block_until_ready
     return out
 
 
@@ -616,10 +630,11 @@ def run_ahead(rows: list[Row], calls: int, repeats: int = 5) -> dict:
     return out
 
 
-def _row_dict(r: Row, b2b=None, ahead=None) -> dict:
+def _row_dict(r: Row, b2b=None, ahead=None, polled=None) -> dict:
     d = {"config": r.config, "backend": r.backend, "kind": r.op, "record": r.record, "first_call_s": r.compile_s,
          "notes": r.notes, "failed": r.failed, "wall": summarize(np.asarray(r.raw)),
          "wall_back_to_back": summarize(b2b if b2b is not None else np.zeros(0)),
+         "wall_polled": summarize(polled if polled is not None else np.zeros(0)),
          "wall_ahead": summarize(ahead if ahead is not None else np.zeros(0))}  # fmt: skip
     if r.device:
         d["device_us"] = r.device["us_per_call"]
@@ -639,13 +654,15 @@ def _row_dict(r: Row, b2b=None, ahead=None) -> dict:
 def _table(rows: list[dict]) -> list[str]:
     out = [
         "| config | backend | record | step | wall median us (p10-p90) | device us | ours us | wall / device | "
-        "vs SGLang (wall) | back to back us | vs SGLang (back to back) | ahead us | vs SGLang (ahead) |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "vs SGLang (wall) | back to back us | vs SGLang (back to back) | polled us | vs SGLang (polled) | ahead us | "
+        "vs SGLang (ahead) |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     peer = {r["config"]: r["wall"].get("median_us") for r in rows if r["backend"] == "sglang" and r["wall"].get("n")}
     peer_b = {r["config"]: (r.get("wall_back_to_back") or {}).get("median_us") for r in rows if r["backend"] == "sglang"}
 
     peer_a = {r["config"]: (r.get("wall_ahead") or {}).get("median_us") for r in rows if r["backend"] == "sglang"}
+    peer_p = {r["config"]: (r.get("wall_polled") or {}).get("median_us") for r in rows if r["backend"] == "sglang"}
 
     def b2b(r, key="wall_back_to_back", peers=peer_b):
         m, ref = (r.get(key) or {}).get("median_us"), peers.get(r["config"])
@@ -657,7 +674,7 @@ def _table(rows: list[dict]) -> list[str]:
         w = r["wall"]
         if not w.get("n"):
             out.append(f"| {r['config']} | {r['backend']} | {r['record']} | {r['kind']} | failed: {r['failed']} "
-                       "| | | | | | | | |")
+                       "| | | | | | | | | | |")
             continue
         ref = peer.get(r["config"])
         vs = f"{ref / w['median_us']:.2f}x" if ref and r["backend"] != "sglang" else ""
@@ -670,7 +687,7 @@ def _table(rows: list[dict]) -> list[str]:
             else f"| {r['config']} | {r['backend']} | {r['record']} | {r['kind']} | {w['median_us']:.0f} "
             f"({w['p10_us']:.0f}-{w['p90_us']:.0f}) | - | - | - | {vs} |"
         )
-        out[-1] += b2b(r) + b2b(r, "wall_ahead", peer_a)
+        out[-1] += b2b(r) + b2b(r, "wall_polled", peer_p) + b2b(r, "wall_ahead", peer_a)
     return out
 
 
@@ -766,10 +783,11 @@ def main(argv=None) -> int:
         run_rounds(rows, trials=args.rounds, min_trials=min(8, args.rounds), seed=args.seed, clock=clock,
                    label=cfg.label, warmup=args.warmup, deadline=time.perf_counter() + args.budget_s)  # fmt: skip
         b2b = back_to_back(rows, args.b2b_calls)
+        polled = back_to_back(rows, args.b2b_calls, poll=True)
         ahead = run_ahead(rows, args.b2b_calls)
         if args.device_invocations:
             device_pass(rows, invocations=args.device_invocations, clock=clock, label=cfg.label)
-        result["rows"] += [_row_dict(r, b2b.get(r.key), ahead.get(r.key)) for r in rows]
+        result["rows"] += [_row_dict(r, b2b.get(r.key), ahead.get(r.key), polled.get(r.key)) for r in rows]
         write_report(result, out)
         del rows, inp
     print("\n".join(_table(result["rows"])))

@@ -162,6 +162,17 @@ def device_pass(rows: list[Row], *, invocations: int, clock: Clock, label: str) 
     clock.log(f"{label}: device times of {traced} rows from a profiler trace in {time.perf_counter() - t:.1f} s")
 
 
+def spin_until_ready(tree):
+    """``jax.block_until_ready`` by polling each array's ``is_ready()``: the waiting host thread
+    spins instead of sleeping (``benchmarks.step``'s *polled* column, ``scripts/call_floor_probe.py``)."""
+    import jax
+
+    for x in jax.tree.leaves(tree):
+        while not x.is_ready():
+            pass
+    return tree
+
+
 def summarize(samples: np.ndarray) -> dict:
     """Median and spread of per-call seconds, in microseconds."""
     s = np.asarray(samples, np.float64) * 1e6

@@ -7,6 +7,8 @@ kernels (Pallas ``x + 1`` on ``[8, 128]`` fp32, its input donated) is timed from
 ``block_until_ready``'s return, right after each of:
 
 * ``b2b``: the same call (a decode loop with nothing between);
+* ``poll``: the same, each call waited for by polling ``is_ready()`` instead of
+  ``block_until_ready`` (the host thread spins, never sleeps);
 * ``jax``: another jitted program (``--other-nodes`` tiny kernels), blocked on;
 * ``torch``: a PyTorch CUDA graph replay of as many tiny kernels, synchronized (``--no-torch``
   leaves it out);
@@ -20,8 +22,9 @@ each with XLA's command buffers on (the default) and off (``xla_gpu_enable_comma
 for the jit), and the PyTorch graph itself timed the same way (``torch graph``). Medians of
 ``--calls``, wall-clock and the time until the call returns. Last, a jit as long as a step
 (the chain plus a pass over a ``--long-mb`` buffer, donated) run ``--calls`` times blocking on
-each call, then as many dispatched ahead with one block at the end: per call, the difference is
-what waiting on every step costs::
+each call, then polling ``is_ready()`` on each call (the waiting thread never sleeps), then as
+many dispatched ahead with one block at the end: per call, the difference is what waiting on
+every step costs::
 
     python scripts/call_floor_probe.py --nodes 1,64
 """
@@ -49,6 +52,8 @@ def main() -> int:
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
+
+    from benchmarks.timing import spin_until_ready
 
     interpret = jax.default_backend() == "cpu"
     if a.long_mb is None:
@@ -78,6 +83,7 @@ def main() -> int:
 
     before = {
         "b2b": lambda: None,
+        "poll": lambda: None,  # back to back, waiting by polling is_ready() (spin_until_ready)
         "jax": lambda: jax.block_until_ready(other(y)),
         "spin": lambda: _spin(a.idle_us * 1e-6),
         "sleep": lambda: time.sleep(a.idle_us * 1e-6),
@@ -95,12 +101,13 @@ def main() -> int:
                 box = list(jax.block_until_ready(f(*box)))
             for name, pre in before.items():
                 wall, ret = [], []
+                wait = spin_until_ready if name == "poll" else jax.block_until_ready
                 for _ in range(a.calls):
                     pre()
                     t = time.perf_counter()
                     out = f(*box)
                     ret.append(time.perf_counter() - t)
-                    box = list(jax.block_until_ready(out))
+                    box = list(wait(out))
                     wall.append(time.perf_counter() - t)
                 label = f"{n} kernels, cb {'on' if cmdbuf else 'off'}"
                 print(f"{label:>16} {name:>7} {np.median(wall) * 1e6:9.1f} {np.median(ret) * 1e6:11.1f}", flush=True)
@@ -121,13 +128,19 @@ def main() -> int:
             t = time.perf_counter()
             box = list(jax.block_until_ready(f(*box)))
             walls.append(time.perf_counter() - t)
+        spins = []  # waiting on each call by polling is_ready() (the host thread never sleeps)
+        for _ in range(a.calls):
+            t = time.perf_counter()
+            box = list(spin_until_ready(f(*box)))
+            spins.append(time.perf_counter() - t)
         t = time.perf_counter()
         for _ in range(a.calls):
             box = list(f(*box))
         jax.block_until_ready(box)
         ahead = (time.perf_counter() - t) / a.calls
         print(f"long jit ({n} kernels and {a.long_mb} MB read and written): blocking on each call "
-              f"{np.median(walls) * 1e6:.1f} us a call (median), dispatched ahead {ahead * 1e6:.1f} us a call", flush=True)
+              f"{np.median(walls) * 1e6:.1f} us a call (median), polling is_ready() on each call "
+              f"{np.median(spins) * 1e6:.1f}, dispatched ahead {ahead * 1e6:.1f} us a call", flush=True)
     if "torch" in before:
         import torch
 

@@ -10,6 +10,7 @@
 #             (SASS_VARIANTS, default the script's)
 #   regs      Nsight Compute's registers and duration of the fused kernel per launch variant (scripts/sass_fused.py
 #             --variants REGS_VARIANTS, e.g. "pallas:split,pallas:rows:dot_fma='u'") at REGS_CONFIGS (default 25x4 8x16)
+#   floor     scripts/call_floor_probe.py (blocking, polling is_ready(), ahead) per CUDA context schedule (FLOOR_SCHEDULES)
 #   fused     scripts/tune_fused.py at FUSED_CONFIGS (default 25x4,8x16): the fused step per variant (FUSED_VARIANTS)
 set -u
 OUT=${OUT:-/tmp/out}
@@ -30,7 +31,7 @@ for phase in ${PHASES:-probe tests step tfrt timeline}; do
         ${TEST_FILES:-tests/test_step.py tests/test_fused.py} ${PYTEST_K:+-k "$PYTEST_K"} > $O/gpu_tests.log 2>&1
       grep -E "FAILED|ERROR| passed| failed" $O/gpu_tests.log | tail -12 ;;
     step)
-      timeout 260 python3 -m benchmarks.step --out $O/step --configs ${STEP_CONFIGS:-25x4,8x16,8x4,8x8} --backends ${STEP_BACKENDS:-pallas} \
+      timeout ${STEP_TIMEOUT:-260} python3 -m benchmarks.step --out $O/step --configs ${STEP_CONFIGS:-25x4,8x16,8x4,8x8} --backends ${STEP_BACKENDS:-pallas} \
         --kinds ${STEP_KINDS:-pool-python,scan,unrolled,scan-out,unrolled-out,fused} ${STEP_RECORDS:+--records $STEP_RECORDS} --budget-s 8 --rounds 20 > $O/step.log 2>&1
       grep "^|" $O/step.log ;;
     tfrt)
@@ -63,6 +64,14 @@ for phase in ${PHASES:-probe tests step tfrt timeline}; do
         grep launched $O/regs-$cfg.csv
         grep -E '"(Registers Per Thread|Duration)"' $O/regs-$cfg.csv | awk -F'","' '{print "'$cfg'", $1, $13, $15}' | paste - -
       done ;;
+    floor)  # scripts/call_floor_probe.py under each CUDA context schedule of FLOOR_SCHEDULES (XLA reads
+            # TF_CUDA_PLATFORM_GPU_DEVICE_SCHEDULE: spin, yield, blocking_sync; "default" leaves it unset)
+      for sched in ${FLOOR_SCHEDULES:-default spin blocking_sync}; do
+        if [ $sched = default ]; then unset TF_CUDA_PLATFORM_GPU_DEVICE_SCHEDULE; else export TF_CUDA_PLATFORM_GPU_DEVICE_SCHEDULE=$sched; fi
+        timeout 150 python3 scripts/call_floor_probe.py --nodes 64 --calls 100 --long-mb 4096 > $O/floor-$sched.log 2>&1
+        echo "== $sched"; grep -E "b2b|poll|sleep|long jit" $O/floor-$sched.log
+      done
+      unset TF_CUDA_PLATFORM_GPU_DEVICE_SCHEDULE ;;
     fused)
       OUT=$O timeout ${FUSED_TIMEOUT:-240} python3 scripts/tune_fused.py --configs ${FUSED_CONFIGS:-25x4,8x16} \
         ${FUSED_VARIANTS:+--variants $FUSED_VARIANTS} > $O/tune_fused.log 2>&1; grep -v "^\s*$" $O/tune_fused.log | tail -24 ;;
