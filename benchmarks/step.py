@@ -653,9 +653,11 @@ def _row_dict(r: Row, b2b=None, ahead=None, polled=None) -> dict:
 
 def _table(rows: list[dict]) -> list[str]:
     out = [
-        "| config | backend | record | step | wall median us (p10-p90) | device us | ours us | wall / device | "
-        "vs SGLang (wall) | back to back us | vs SGLang (back to back) | polled us | vs SGLang (polled) | ahead us | "
-        "vs SGLang (ahead) |",
+        (
+            "| config | backend | record | step | wall median us (p10-p90) | device us | ours us | wall / device | "
+            "vs SGLang (wall) | back to back us | vs SGLang (back to back) | polled us | vs SGLang (polled) | ahead us | "
+            "vs SGLang (ahead) |"
+        ),
         "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     peer = {r["config"]: r["wall"].get("median_us") for r in rows if r["backend"] == "sglang" and r["wall"].get("n")}
