@@ -32,7 +32,9 @@ every step costs::
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -53,6 +55,7 @@ def main() -> int:
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for benchmarks/
     from benchmarks.timing import spin_until_ready
 
     interpret = jax.default_backend() == "cpu"
