@@ -88,14 +88,22 @@ def make_plan(tp: int, dp: int, explicit: bool = False) -> sharding.MeshPlan:
 # The mesh suite in two subprocesses of about two minutes each (xdist can run them on both workers):
 # the demo model's tests, and the rest.
 MESH_GROUPS = {"model": "model_spec or demo", "functions": "not (model_spec or demo)"}
+MESH_CHILD = "GDN_MESH_SUBPROCESS"  # set in the subprocess's environment
 
 
 @pytest.mark.longest
 @pytest.mark.skipif(N_DEVICES >= SIMULATED, reason=f"{N_DEVICES} devices here: the mesh tests run in this process")
 @pytest.mark.parametrize("group", MESH_GROUPS)
 def test_mesh_suite_in_subprocess(group):
+    # In the subprocess itself (MESH_CHILD set) this test must not run: there the XLA flags did not
+    # give the simulated devices (a malformed XLA_FLAGS can drop them), and a run that went on would
+    # start the next subprocess, and so on without end.
+    assert not os.environ.get(MESH_CHILD), (
+        f"the mesh subprocess has {N_DEVICES} device(s), not {SIMULATED}: XLA_FLAGS="
+        f"{os.environ.get('XLA_FLAGS', '')!r} did not give --xla_force_host_platform_device_count={SIMULATED}"
+    )
     flags = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={SIMULATED}").strip()
-    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu", **{MESH_CHILD: "1"})
     # The one-device and multi-process tests run here.
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", __file__, "-k",
            f"({MESH_GROUPS[group]}) and not one_device and not multihost"]  # fmt: skip
