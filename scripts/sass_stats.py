@@ -86,7 +86,8 @@ for v in json.load(open(os.path.join(work, "index.json"))):
     c = Counter(ops)
     out.append(dict(v, registers=int(re.search(r"Used (\d+) registers", info).group(1)),
                     spill_bytes=int(re.search(r"(\d+) bytes spill stores", info).group(1)),
-                    instructions=len(ops), mix={k: c[k] for k in ("SHFL", "FADD", "FFMA", "FMUL", "LDS", "STS", "BAR", "LDG", "STG")}))
+                    instructions=len(ops), shared=k.metadata.shared,
+                    mix={k: c[k] for k in ("SHFL", "FADD", "FFMA", "FMUL", "LDS", "STS", "BAR", "LDG", "STG", "LDGSTS")}))
 json.dump(out, open(os.path.join(work, "stats.json"), "w"))
 """
 
@@ -176,14 +177,16 @@ def main(argv=None) -> int:
     kernels = Path(__file__).resolve().parents[1] / "gdn_lossless_jax" / "backends" / "triton"
     subprocess.run([args.triton_python, "-c", _COMPILE, str(work), str(kernels)], check=True)
     stats = json.loads((work / "stats.json").read_text())
-    head = f"{'variant':<30}{'regs':>5}{'spill B':>8}{'instr':>7}{'SHFL':>6}{'FADD':>6}{'FFMA':>6}{'FMUL':>6}{'LDS':>5}{'BAR':>5}{'issue us':>9}{'shfl us':>8}"
+    head = (f"{'variant':<30}{'regs':>5}{'spill B':>8}{'instr':>7}{'SHFL':>6}{'FADD':>6}{'FFMA':>6}{'FMUL':>6}{'LDS':>5}"
+            f"{'BAR':>5}{'LDGSTS':>7}{'smem B':>7}{'issue us':>9}{'shfl us':>8}")
     print(head)
     for s in stats:
         m = s["mix"]
         s["issue_us"] = s["warps"] * s["instructions"] / (SM_COUNT * CLOCK_HZ * 4) * 1e6
         s["shfl_us"] = s["warps"] * m["SHFL"] / (SM_COUNT * CLOCK_HZ) * 1e6
         print(f"{s['spec']:<30}{s['registers']:>5}{s['spill_bytes']:>8}{s['instructions']:>7}{m['SHFL']:>6}{m['FADD']:>6}"
-              f"{m['FFMA']:>6}{m['FMUL']:>6}{m['LDS']:>5}{m['BAR']:>5}{s['issue_us']:>9.1f}{s['shfl_us']:>8.1f}")
+              f"{m['FFMA']:>6}{m['FMUL']:>6}{m['LDS']:>5}{m['BAR']:>5}{m['LDGSTS']:>7}{s['shared']:>7}{s['issue_us']:>9.1f}"
+              f"{s['shfl_us']:>8.1f}")
     if args.json:
         args.json.write_text(json.dumps(stats, indent=1) + "\n")
     print(f"IR, PTX and cubins in {work}", file=sys.stderr)
