@@ -29,10 +29,11 @@ import numpy as np
 
 from gdn_lossless_jax.testing import bits, fma_oracle, mul_oracle
 
+INTERPRET = None  # --interpret: the plain form in Mosaic GPU's interpret mode (the CPU; inline_mgpu is refused there)
+
 
 def main() -> int:
     from jax._src.lib.mlir.dialects import math as mlir_math
-    from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
@@ -44,12 +45,15 @@ def main() -> int:
         sd = s * a  # arith.mulf: one rounding
         return k._pointwise(lambda x, y, z: mlir_math.fma(x, y, z), u, sd)
 
+    def loads(*refs):  # GMEM straight to registers, in the layout inline_mgpu declares
+        return [plgpu.load(r, layout=layout, optimized=False) for r in refs]
+
     def pinned_body(k_ref, u_ref, s_ref, a_ref, o_ref):
-        args = [plgpu.layout_cast(r[...], layout) for r in (k_ref, u_ref, s_ref, a_ref)]
-        o_ref[...] = pinned_rule(*args)
+        o_ref[...] = pinned_rule(*loads(k_ref, u_ref, s_ref, a_ref))
 
     def plain_body(k_ref, u_ref, s_ref, a_ref, o_ref):
-        o_ref[...] = k_ref[...] * u_ref[...] + s_ref[...] * a_ref[...]
+        k, u, s, a = loads(k_ref, u_ref, s_ref, a_ref)
+        o_ref[...] = k * u + s * a
 
     out = jax.ShapeDtypeStruct(shape, jnp.float32)
     rng = np.random.default_rng(20261202)
@@ -73,10 +77,16 @@ def main() -> int:
     rc = 0
     for name, body in (("pinned", pinned_body), ("plain", plain_body)):
         try:
-            f = pl.pallas_call(body, out_shape=out, compiler_params=plgpu.CompilerParams())
+            f = plgpu.kernel(body, out_type=out, interpret=INTERPRET if name == "plain" else None)
             got = np.asarray(jax.jit(f)(*(jnp.asarray(x) for x in (k, u, s, a))))
         except Exception as e:  # noqa: BLE001 (a form Mosaic GPU cannot build is a result too)
-            print(f"{name}: failed: {type(e).__name__}: {str(e)[:400]}")
+            import traceback
+
+            tb = traceback.extract_tb(e.__traceback__)[-3:]
+            print(
+                f"{name}: failed: {type(e).__name__}: {str(e)[:400]} at "
+                + " < ".join(f"{Path(t.filename).name}:{t.lineno} {t.line}" for t in reversed(tb))
+            )
             rc = 1
             continue
         same = {o: float(np.mean(bits(got) == bits(x))) for o, x in (("rule", rule), ("other", other), ("both", both))}
@@ -90,4 +100,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    if "--interpret" in sys.argv[1:]:
+        from jax.experimental.pallas import mosaic_gpu as _plgpu
+
+        INTERPRET = _plgpu.InterpretGPUParams()
     raise SystemExit(main())
