@@ -64,6 +64,12 @@ def build(N: int, D: int, PD: int, fma_form: str, interpret):
     def load(ref, layout):
         return plgpu.load(ref, layout=layout, optimized=False)
 
+    def rows_of(vec):  # a [R] vector across the tile's columns (one broadcast, no [R, 1] in between)
+        return lax.broadcast_in_dim(vec, (R, K), (0,))
+
+    def cols_of(vec):  # a [K] vector down the tile's rows
+        return lax.broadcast_in_dim(vec, (R, K), (1,))
+
     def body(pool, pk, pu, pa, qn, kn, v, ga, beta, out, u_out, pool_out):
         cta = lax.axis_index("tile")
         n = cta // (HV * T)
@@ -73,17 +79,17 @@ def build(N: int, D: int, PD: int, fma_form: str, interpret):
         rows = pl.ds(r0, R)
         S = load(pool.at[n, hv, rows, :], L)
         for t in range(PD):  # the pending tuple commit
-            kb = jnp.broadcast_to(load(pk.at[n, t, h, :], COL)[None, :], (R, K))
-            ub = jnp.broadcast_to(load(pu.at[n, t, hv, rows], ROW)[:, None], (R, K))
+            kb = cols_of(load(pk.at[n, t, h, :], COL))
+            ub = rows_of(load(pu.at[n, t, hv, rows], ROW))
             S = fma(kb, ub, S * pa[n, t, hv])
         pool_out[n, hv, rows, :] = S
         for t in range(D):  # the new drafts
-            kb = jnp.broadcast_to(load(kn.at[n, t, h, :], COL)[None, :], (R, K))
-            qb = jnp.broadcast_to(load(qn.at[n, t, h, :], COL)[None, :], (R, K))
+            kb = cols_of(load(kn.at[n, t, h, :], COL))
+            qb = cols_of(load(qn.at[n, t, h, :], COL))
             vt = load(v.at[n, t, hv, rows], ROW)
             Sd = S * ga[n, t, hv]
             ut = beta[n, t, hv] * (vt - jnp.sum(Sd * kb, axis=1))
-            S = fma(kb, jnp.broadcast_to(ut[:, None], (R, K)), Sd)
+            S = fma(kb, rows_of(ut), Sd)
             out[n, t, hv, rows] = jnp.sum(S * qb, axis=1)
             u_out[n, t, hv, rows] = ut
 
