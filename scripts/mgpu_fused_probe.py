@@ -39,7 +39,11 @@ from gdn_lossless_jax.testing import bits, replay_oracle
 H, HV, K, V, R = 16, 32, 128, 128, 64  # the benchmark geometry; R rows a CTA (the WGMMA layout's 64)
 
 
-def build(N: int, D: int, PD: int, fma_form: str, interpret):
+SMALL = ("pk", "pu", "pa", "kn", "qn", "v", "ga", "beta")
+
+
+def build(N, D, PD, fma_form, interpret, stage="none", defer=False, persist=0):
+    """``persist``: that many persistent CTAs an SM (``--persist``), else one CTA a tile."""
     from jax import lax
     from jax._src.lib.mlir.dialects import math as mlir_math
     from jax.experimental import pallas as pl
@@ -50,6 +54,7 @@ def build(N: int, D: int, PD: int, fma_form: str, interpret):
     ROW, COL = L.reduce(1), L.reduce(0)  # a [R] vector along the rows, a [K] vector along the columns
     G = HV // H
     T = V // R
+    NG = persist * getattr(jax.devices()[0], "core_count", 132) if persist else 0  # persistent CTAs
 
     if fma_form == "pinned":
 
@@ -70,35 +75,153 @@ def build(N: int, D: int, PD: int, fma_form: str, interpret):
     def cols_of(vec):  # a [K] vector down the tile's rows
         return lax.broadcast_in_dim(vec, (R, K), (1,))
 
-    def body(pool, pk, pu, pa, qn, kn, v, ga, beta, out, u_out, pool_out):
-        cta = lax.axis_index("tile")
-        n = cta // (HV * T)
-        hv = (cta // T) % HV
-        r0 = (cta % T) * R
-        h = hv // G
-        rows = pl.ds(r0, R)
-        S = load(pool.at[n, hv, rows, :], L)
+    def where(tile):
+        n = tile // (HV * T)
+        hv = (tile // T) % HV
+        return n, hv, hv // G, pl.ds((tile % T) * R, R)
+
+    def gmem_small(ins, n, hv, h, rows):
+        pk, pu, pa, qn, kn, v, ga, beta = ins
+        return {"pk": pk.at[n, :, h, :], "pu": pu.at[n, :, hv, rows], "pa": pa.at[n], "kn": kn.at[n, :, h, :],
+                "qn": qn.at[n, :, h, :], "v": v.at[n, :, hv, rows], "ga": ga.at[n], "beta": beta.at[n]}
+
+    def tile_step(S, src, hv, store_pool, store_out):
+        """The replay, the pool's store (``store_pool(S)``), the chain and its outputs (``store_out(t, o, u)``)."""
         for t in range(PD):  # the pending tuple commit
-            kb = cols_of(load(pk.at[n, t, h, :], COL))
-            ub = rows_of(load(pu.at[n, t, hv, rows], ROW))
-            S = fma(kb, ub, S * pa[n, t, hv])
-        pool_out[n, hv, rows, :] = S
+            kb = cols_of(load(src["pk"].at[t], COL))
+            ub = rows_of(load(src["pu"].at[t], ROW))
+            S = fma(kb, ub, S * src["pa"][t, hv])
+        store_pool(S)
+        kept = []
         for t in range(D):  # the new drafts
-            kb = cols_of(load(kn.at[n, t, h, :], COL))
-            qb = cols_of(load(qn.at[n, t, h, :], COL))
-            vt = load(v.at[n, t, hv, rows], ROW)
-            Sd = S * ga[n, t, hv]
-            ut = beta[n, t, hv] * (vt - jnp.sum(Sd * kb, axis=1))
+            kb = cols_of(load(src["kn"].at[t], COL))
+            qb = cols_of(load(src["qn"].at[t], COL))
+            vt = load(src["v"].at[t], ROW)
+            Sd = S * src["ga"][t, hv]
+            ut = src["beta"][t, hv] * (vt - jnp.sum(Sd * kb, axis=1))
             S = fma(kb, rows_of(ut), Sd)
-            out[n, t, hv, rows] = jnp.sum(S * qb, axis=1)
+            o = jnp.sum(S * qb, axis=1)
+            if defer:
+                kept.append((o, ut))
+            else:
+                store_out(t, o, ut)
+        for t, (o, ut) in enumerate(kept):
+            store_out(t, o, ut)
+
+    def body(pool, pk, pu, pa, qn, kn, v, ga, beta, out, u_out, pool_out, *scratch):
+        n, hv, h, rows = where(lax.axis_index("tile"))
+        gm = gmem_small((pk, pu, pa, qn, kn, v, ga, beta), n, hv, h, rows)
+
+        def store_out(t, o, ut):
+            out[n, t, hv, rows] = o
             u_out[n, t, hv, rows] = ut
+
+        if stage == "none":
+            src = gm
+            S = load(pool.at[n, hv, rows, :], L)
+        else:  # every small input of this (request, v-head) copied to SMEM by TMA before any store
+            smem, bars = scratch
+            names = [k for k in SMALL if k in smem]
+            if stage == "all":
+                plgpu.copy_gmem_to_smem(pool.at[n, hv, rows, :], smem["S"], bars.at[len(names)])
+            for i, k in enumerate(names):
+                plgpu.copy_gmem_to_smem(gm[k], smem[k], bars.at[i])
+            for i in range(len(names)):
+                plgpu.barrier_wait(bars.at[i])
+            src = {k: smem.get(k) for k in SMALL}
+            if stage == "all":
+                plgpu.barrier_wait(bars.at[len(names)])
+                S = load(smem["S"], L)
+            else:
+                S = load(pool.at[n, hv, rows, :], L)
+
+        def store_pool(S):
+            if stage == "all":  # through SMEM and an asynchronous TMA store
+                smem["S"][...] = S
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(smem["S"], pool_out.at[n, hv, rows, :])
+            else:
+                pool_out[n, hv, rows, :] = S
+
+        tile_step(S, src, hv, store_pool, store_out)
+        if stage == "all":
+            plgpu.wait_smem_to_gmem(0)
+
+    TT = N * HV * T  # tiles
+
+    def body_persist(pool, pk, pu, pa, qn, kn, v, ga, beta, out, u_out, pool_out, smem, bars):
+        """Persistent CTAs, each on tiles cta, cta + NG, ...: the next tile's state and inputs are copied by TMA into
+        the other of two SMEM slots while this one is computed; the pool is stored from its slot by TMA."""
+        cta = lax.axis_index("tile")
+        count = (TT - cta + NG - 1) // NG
+        ins = (pk, pu, pa, qn, kn, v, ga, beta)
+        names = [k for k in SMALL if k in smem and k != "S"]
+
+        def fetch(tile, slot):
+            n, hv, h, rows = where(tile)
+            gm = gmem_small(ins, n, hv, h, rows)
+            plgpu.copy_gmem_to_smem(pool.at[n, hv, rows, :], smem["S"].at[slot], bars.at[slot])
+            for k in names:
+                plgpu.copy_gmem_to_smem(gm[k], smem[k].at[slot], bars.at[slot])
+
+        fetch(cta, 0)
+
+        def step(j, carry):
+            slot = j % 2
+            tile = cta + j * NG
+            plgpu.commit_smem()  # every thread is done with the other slot (the previous tile)
+
+            @pl.when(j + 1 < count)
+            def _():
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's pool store has read its slot
+                fetch(tile + NG, 1 - slot)
+
+            plgpu.barrier_wait(bars.at[slot])
+            n, hv, h, rows = where(tile)
+            src = {k: smem[k].at[slot] for k in names}
+            S_s = smem["S"].at[slot]
+
+            def store_pool(S):
+                S_s[...] = S
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(S_s, pool_out.at[n, hv, rows, :])
+
+            def store_out(t, o, ut):
+                out[n, t, hv, rows] = o
+                u_out[n, t, hv, rows] = ut
+
+            tile_step(load(S_s, L), src, hv, store_pool, store_out)
+            return carry
+
+        lax.fori_loop(0, count, step, 0)
+        plgpu.wait_smem_to_gmem(0)
 
     shapes = (
         jax.ShapeDtypeStruct((N, D, HV, V), f32),
         jax.ShapeDtypeStruct((N, D, HV, V), f32),
         jax.ShapeDtypeStruct((N, HV, V, K), f32),
     )
-    return plgpu.kernel(body, out_type=shapes, grid=(N * HV * T,), grid_names=("tile",), interpret=interpret)
+    small = {"kn": (D, K), "qn": (D, K), "v": (D, R), "ga": (D, HV), "beta": (D, HV)}
+    if PD:
+        small |= {"pk": (PD, K), "pu": (PD, R), "pa": (PD, HV)}
+    tiling = plgpu.TilingTransform((8, 128 // 4))  # the state tile as the WGMMA register layout reads it unconflicted
+    S_smem = lambda *lead: plgpu.SMEM((*lead, R, K), f32, transforms=(tiling, plgpu.SwizzleTransform(128)))
+    if persist:
+        smem = {k: plgpu.SMEM((2, *shape), f32) for k, shape in small.items()} | {"S": S_smem(2)}
+        scratch = (smem, plgpu.Barrier(num_arrivals=len(small) + 1, num_barriers=2))
+        return plgpu.kernel(
+            body_persist, out_type=shapes, scratch_types=scratch, grid=(NG,), grid_names=("tile",),
+            interpret=interpret,
+        )
+    scratch = ()
+    if stage != "none":
+        smem = {k: plgpu.SMEM(shape, f32) for k, shape in small.items()}
+        if stage == "all":
+            smem["S"] = S_smem()
+        scratch = (smem, plgpu.Barrier(num_barriers=len(small) + 1))
+    return plgpu.kernel(
+        body, out_type=shapes, scratch_types=scratch, grid=(TT,), grid_names=("tile",), interpret=interpret
+    )
 
 
 def inputs(N: int, D: int, PD: int, seed: int):
@@ -145,6 +268,11 @@ def main(argv=None) -> int:
     p.add_argument("--replay", type=int, default=3, help="pending steps replayed (the same for every request)")
     p.add_argument("--fma", default="pinned", choices=("pinned", "plain"))
     p.add_argument("--interpret", action="store_true", help="Mosaic GPU's interpret mode (the CPU; --fma plain)")
+    p.add_argument("--stage", default="none", choices=("none", "small", "all"),
+                   help="small: the per-step inputs copied to SMEM by TMA first; all: the state too, and the pool "
+                   "stored from SMEM by TMA")
+    p.add_argument("--defer", action="store_true", help="the outputs and u kept in registers, stored at the end")
+    p.add_argument("--persist", type=int, default=0, help="persistent CTAs an SM, double-buffered by TMA (0: off)")
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -155,10 +283,11 @@ def main(argv=None) -> int:
         from jax.experimental.pallas import mosaic_gpu as plgpu
 
         interpret = plgpu.InterpretGPUParams()
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}: {N}x{D}, replay {PD}, fma {args.fma}", flush=True)
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}: {N}x{D}, replay {PD}, fma {args.fma}, "
+          f"stage {args.stage}{', stores deferred' if args.defer else ''}, persist {args.persist}", flush=True)
     x = inputs(N, D, PD, args.seed)
     t0 = time.perf_counter()
-    f = jax.jit(build(N, D, PD, args.fma, interpret))
+    f = jax.jit(build(N, D, PD, args.fma, interpret, args.stage, args.defer, args.persist))
     dev = {k: jnp.asarray(a) for k, a in x.items()}
     order = ("pool", "pk", "pu", "pa", "qn", "kn", "v", "ga", "beta")
     out, u, pool = jax.block_until_ready(f(*(dev[k] for k in order)))
