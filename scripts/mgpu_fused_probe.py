@@ -42,7 +42,7 @@ H, HV, K, V, R = 16, 32, 128, 128, 64  # the benchmark geometry; R rows a CTA (t
 SMALL = ("pk", "pu", "pa", "kn", "qn", "v", "ga", "beta")
 
 
-def build(N, D, PD, fma_form, interpret, stage="none", defer=False, persist=0):
+def build(N, D, PD, fma_form, interpret, stage="none", defer=False, persist=0, small_slots=2):
     """``persist``: that many persistent CTAs an SM (``--persist``), else one CTA a tile."""
     from jax import lax
     from jax._src.lib.mlir.dialects import math as mlir_math
@@ -149,20 +149,26 @@ def build(N, D, PD, fma_form, interpret, stage="none", defer=False, persist=0):
 
     TT = N * HV * T  # tiles
 
-    def body_persist(pool, pk, pu, pa, qn, kn, v, ga, beta, out, u_out, pool_out, smem, bars):
-        """Persistent CTAs, each on tiles cta, cta + NG, ...: the next tile's state and inputs are copied by TMA into
-        the other of two SMEM slots while this one is computed; the pool is stored from its slot by TMA."""
+    def body_persist(pool, pk, pu, pa, qn, kn, v, ga, beta, out, u_out, pool_out, smem, bars, *bars_small):
+        """Persistent CTAs, each on tiles cta, cta + NG, ...: the next tile's state (and, with two small slots, its
+        inputs) is copied by TMA into the other of two SMEM slots while this one is computed; the pool is stored from
+        its slot by TMA. With one small slot, a tile's inputs are copied at its start."""
         cta = lax.axis_index("tile")
         count = (TT - cta + NG - 1) // NG
         ins = (pk, pu, pa, qn, kn, v, ga, beta)
         names = [k for k in SMALL if k in smem and k != "S"]
 
-        def fetch(tile, slot):
+        def fetch_small(tile, at, bar):
             n, hv, h, rows = where(tile)
             gm = gmem_small(ins, n, hv, h, rows)
-            plgpu.copy_gmem_to_smem(pool.at[n, hv, rows, :], smem["S"].at[slot], bars.at[slot])
             for k in names:
-                plgpu.copy_gmem_to_smem(gm[k], smem[k].at[slot], bars.at[slot])
+                plgpu.copy_gmem_to_smem(gm[k], at(smem[k]), bar)
+
+        def fetch(tile, slot):
+            n, hv, h, rows = where(tile)
+            plgpu.copy_gmem_to_smem(pool.at[n, hv, rows, :], smem["S"].at[slot], bars.at[slot])
+            if small_slots == 2:
+                fetch_small(tile, lambda r: r.at[slot], bars.at[slot])
 
         fetch(cta, 0)
 
@@ -170,6 +176,8 @@ def build(N, D, PD, fma_form, interpret, stage="none", defer=False, persist=0):
             slot = j % 2
             tile = cta + j * NG
             plgpu.commit_smem()  # every thread is done with the other slot (the previous tile)
+            if small_slots == 1:
+                fetch_small(tile, lambda r: r, bars_small[0])
 
             @pl.when(j + 1 < count)
             def _():
@@ -178,7 +186,11 @@ def build(N, D, PD, fma_form, interpret, stage="none", defer=False, persist=0):
 
             plgpu.barrier_wait(bars.at[slot])
             n, hv, h, rows = where(tile)
-            src = {k: smem[k].at[slot] for k in names}
+            if small_slots == 1:
+                plgpu.barrier_wait(bars_small[0])
+                src = {k: smem[k] for k in names}
+            else:
+                src = {k: smem[k].at[slot] for k in names}
             S_s = smem["S"].at[slot]
 
             def store_pool(S):
@@ -207,8 +219,11 @@ def build(N, D, PD, fma_form, interpret, stage="none", defer=False, persist=0):
     tiling = plgpu.TilingTransform((8, 128 // 4))  # the state tile as the WGMMA register layout reads it unconflicted
     S_smem = lambda *lead: plgpu.SMEM((*lead, R, K), f32, transforms=(tiling, plgpu.SwizzleTransform(128)))
     if persist:
-        smem = {k: plgpu.SMEM((2, *shape), f32) for k, shape in small.items()} | {"S": S_smem(2)}
-        scratch = (smem, plgpu.Barrier(num_arrivals=len(small) + 1, num_barriers=2))
+        smem = {k: plgpu.SMEM((2, *shape)[2 - small_slots:], f32) for k, shape in small.items()} | {"S": S_smem(2)}
+        if small_slots == 2:
+            scratch = (smem, plgpu.Barrier(num_arrivals=len(small) + 1, num_barriers=2))
+        else:
+            scratch = (smem, plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_arrivals=len(small)))
         return plgpu.kernel(
             body_persist, out_type=shapes, scratch_types=scratch, grid=(NG,), grid_names=("tile",),
             interpret=interpret,
@@ -273,6 +288,8 @@ def main(argv=None) -> int:
                    "stored from SMEM by TMA")
     p.add_argument("--defer", action="store_true", help="the outputs and u kept in registers, stored at the end")
     p.add_argument("--persist", type=int, default=0, help="persistent CTAs an SM, double-buffered by TMA (0: off)")
+    p.add_argument("--small-slots", type=int, default=2, choices=(1, 2),
+                   help="with --persist: SMEM slots for the small inputs (1: copied at each tile's start)")
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -287,7 +304,7 @@ def main(argv=None) -> int:
           f"stage {args.stage}{', stores deferred' if args.defer else ''}, persist {args.persist}", flush=True)
     x = inputs(N, D, PD, args.seed)
     t0 = time.perf_counter()
-    f = jax.jit(build(N, D, PD, args.fma, interpret, args.stage, args.defer, args.persist))
+    f = jax.jit(build(N, D, PD, args.fma, interpret, args.stage, args.defer, args.persist, args.small_slots))
     dev = {k: jnp.asarray(a) for k, a in x.items()}
     order = ("pool", "pk", "pu", "pa", "qn", "kn", "v", "ga", "beta")
     out, u, pool = jax.block_until_ready(f(*(dev[k] for k in order)))
