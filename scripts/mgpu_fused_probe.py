@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A prototype of the fused step's kernel on Pallas' Mosaic GPU backend: what would it cost?
 
-Not a backend: a measurement for issue 16 (``benchmarks/NOTES.md``, eighteenth session). One layer, an fp32 pool
+Not a backend: a measurement for issue 16 (``benchmarks/NOTES.md``, eighteenth and nineteenth sessions). One layer, an fp32 pool
 whose slot n is request n, a tuple tape pending for every request. The replay is a fixed ``--replay`` steps
 long, with no masks and no track state.
 
@@ -12,12 +12,20 @@ thread holds 2 rows and 32 columns, so a reduction over K is mostly in registers
 - the ``D`` new steps run (``u = beta (v - sum(rn(S alpha) k))``, the update with the same rule, ``o = sum(S q)``),
   their outputs and ``u`` stored.
 
+Launches: by default one CTA a tile, every load from global memory. ``--stage small`` copies the small inputs (tape,
+k, q, v, g, beta) to SMEM by TMA before any store, ``--stage all`` the state too (the pool stored from SMEM by TMA).
+``--persist P`` runs P persistent CTAs an SM, each bringing the next tile's state and inputs into the other of two
+SMEM slots by TMA while it computes this one (``--small-slots 1``: the inputs single-buffered). The fastest on the
+H200 at 25x4, 8x4 and 8x8 is ``--persist 2`` (``benchmarks/NOTES.md``, nineteenth session).
+
 The fma is pinned through ``plgpu.inline_mgpu`` (MLIR ``math.fma``); ``--fma plain`` writes ``k * u + Sd`` in
-jax.numpy instead, the control. The pool is checked on bit patterns against ``testing.replay_oracle``, and the
+jax.numpy instead: Mosaic GPU contracts that into the same fma (it gave the rule's bits on the H200), so the pin
+only keeps the form from depending on the compiler. ``scripts/mgpu_fma_probe.py`` holds the controls (the other
+rounding forms, which the check must tell apart). The pool is checked on bit patterns against ``testing.replay_oracle``, and the
 outputs and ``u`` against a float64 chain from that pool (their reductions' order is the kernel's own). The
 kernel's device time is the profiler's (``benchmarks.devtime``).
 
-    python scripts/mgpu_fused_probe.py --config 25x4            # on the GPU
+    python scripts/mgpu_fused_probe.py --config 25x4 --persist 2   # on the GPU
     python scripts/mgpu_fused_probe.py --config 2x2 --interpret # Mosaic GPU's interpret mode on the CPU (plain fma)
 """
 
