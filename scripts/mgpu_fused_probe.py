@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """A prototype of the fused step's kernel on Pallas' Mosaic GPU backend: what would it cost?
 
-Not a backend: a measurement for issue 16 (``benchmarks/NOTES.md``, eighteenth and nineteenth sessions). One layer, an fp32 pool
-whose slot n is request n, a tuple tape pending for every request. The replay is a fixed ``--replay`` steps
-long, with no masks and no track state.
+Not a backend: a measurement for issue 16 (``benchmarks/NOTES.md``, eighteenth and nineteenth sessions). One layer,
+an fp32 pool whose slot n is request n, a tuple tape pending for every request. The replay is a fixed ``--replay``
+steps long, with no masks and no track state.
 
 Each CTA is one warpgroup on a ``[64, K]`` tile of one (request, v-head), held in the ``WGMMA`` register layout (a
 thread holds 2 rows and 32 columns, so a reduction over K is mostly in registers). It does:
@@ -16,14 +16,15 @@ Launches: by default one CTA a tile, every load from global memory. ``--stage sm
 k, q, v, g, beta) to SMEM by TMA before any store, ``--stage all`` the state too (the pool stored from SMEM by TMA).
 ``--persist P`` runs P persistent CTAs an SM, each bringing the next tile's state and inputs into the other of two
 SMEM slots by TMA while it computes this one (``--small-slots 1``: the inputs single-buffered). The fastest on the
-H200 at 25x4, 8x4 and 8x8 is ``--persist 2`` (``benchmarks/NOTES.md``, nineteenth session).
+H200 is ``--persist 2`` at 25x4, 8x4 and 8x8, and ``--persist 2 --small-slots 1`` at 8x16 (``benchmarks/NOTES.md``,
+nineteenth session).
 
 The fma is pinned through ``plgpu.inline_mgpu`` (MLIR ``math.fma``); ``--fma plain`` writes ``k * u + Sd`` in
 jax.numpy instead: Mosaic GPU contracts that into the same fma (it gave the rule's bits on the H200), so the pin
 only keeps the form from depending on the compiler. ``scripts/mgpu_fma_probe.py`` holds the controls (the other
-rounding forms, which the check must tell apart). The pool is checked on bit patterns against ``testing.replay_oracle``, and the
-outputs and ``u`` against a float64 chain from that pool (their reductions' order is the kernel's own). The
-kernel's device time is the profiler's (``benchmarks.devtime``).
+rounding forms, which the check must tell apart). The pool is checked on bit patterns against
+``testing.replay_oracle``, and the outputs and ``u`` against a float64 chain from that pool (their reductions' order
+is the kernel's own). The kernel's device time is the profiler's (``benchmarks.devtime``).
 
     python scripts/mgpu_fused_probe.py --config 25x4 --persist 2   # on the GPU
     python scripts/mgpu_fused_probe.py --config 2x2 --interpret # Mosaic GPU's interpret mode on the CPU (plain fma)
@@ -90,8 +91,35 @@ def build(N, D, PD, fma_form, interpret, stage="none", defer=False, persist=0, s
 
     def gmem_small(ins, n, hv, h, rows):
         pk, pu, pa, qn, kn, v, ga, beta = ins
-        return {"pk": pk.at[n, :, h, :], "pu": pu.at[n, :, hv, rows], "pa": pa.at[n], "kn": kn.at[n, :, h, :],
-                "qn": qn.at[n, :, h, :], "v": v.at[n, :, hv, rows], "ga": ga.at[n], "beta": beta.at[n]}
+        return {
+            "pk": pk.at[n, :, h, :],
+            "pu": pu.at[n, :, hv, rows],
+            "pa": pa.at[n],
+            "kn": kn.at[n, :, h, :],
+            "qn": qn.at[n, :, h, :],
+            "v": v.at[n, :, hv, rows],
+            "ga": ga.at[n],
+            "beta": beta.at[n],
+        }
+
+    def outputs_to(out, u_out, n, hv, rows):
+        """``store_out`` for a tile: step t's output and u straight to global memory."""
+
+        def store_out(t, o, ut):
+            out[n, t, hv, rows] = o
+            u_out[n, t, hv, rows] = ut
+
+        return store_out
+
+    def pool_through_smem(S_s, dst):
+        """``store_pool`` through the SMEM tile ``S_s`` and an asynchronous TMA store to ``dst``."""
+
+        def store_pool(S):
+            S_s[...] = S
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(S_s, dst)
+
+        return store_pool
 
     def tile_step(S, src, hv, store_pool, store_out):
         """The replay, the pool's store (``store_pool(S)``), the chain and its outputs (``store_out(t, o, u)``)."""
@@ -119,11 +147,6 @@ def build(N, D, PD, fma_form, interpret, stage="none", defer=False, persist=0, s
     def body(pool, pk, pu, pa, qn, kn, v, ga, beta, out, u_out, pool_out, *scratch):
         n, hv, h, rows = where(lax.axis_index("tile"))
         gm = gmem_small((pk, pu, pa, qn, kn, v, ga, beta), n, hv, h, rows)
-
-        def store_out(t, o, ut):
-            out[n, t, hv, rows] = o
-            u_out[n, t, hv, rows] = ut
-
         if stage == "none":
             src = gm
             S = load(pool.at[n, hv, rows, :], L)
@@ -143,15 +166,14 @@ def build(N, D, PD, fma_form, interpret, stage="none", defer=False, persist=0, s
             else:
                 S = load(pool.at[n, hv, rows, :], L)
 
-        def store_pool(S):
-            if stage == "all":  # through SMEM and an asynchronous TMA store
-                smem["S"][...] = S
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(smem["S"], pool_out.at[n, hv, rows, :])
-            else:
+        if stage == "all":
+            store_pool = pool_through_smem(smem["S"], pool_out.at[n, hv, rows, :])
+        else:
+
+            def store_pool(S):
                 pool_out[n, hv, rows, :] = S
 
-        tile_step(S, src, hv, store_pool, store_out)
+        tile_step(S, src, hv, store_pool, outputs_to(out, u_out, n, hv, rows))
         if stage == "all":
             plgpu.wait_smem_to_gmem(0)
 
@@ -164,7 +186,7 @@ def build(N, D, PD, fma_form, interpret, stage="none", defer=False, persist=0, s
         cta = lax.axis_index("tile")
         count = (TT - cta + NG - 1) // NG
         ins = (pk, pu, pa, qn, kn, v, ga, beta)
-        names = [k for k in SMALL if k in smem and k != "S"]
+        names = [k for k in SMALL if k in smem]
 
         def fetch_small(tile, at, bar):
             n, hv, h, rows = where(tile)
@@ -173,7 +195,7 @@ def build(N, D, PD, fma_form, interpret, stage="none", defer=False, persist=0, s
                 plgpu.copy_gmem_to_smem(gm[k], at(smem[k]), bar)
 
         def fetch(tile, slot):
-            n, hv, h, rows = where(tile)
+            n, hv, _, rows = where(tile)
             plgpu.copy_gmem_to_smem(pool.at[n, hv, rows, :], smem["S"].at[slot], bars.at[slot])
             if small_slots == 2:
                 fetch_small(tile, lambda r: r.at[slot], bars.at[slot])
@@ -193,24 +215,15 @@ def build(N, D, PD, fma_form, interpret, stage="none", defer=False, persist=0, s
                 fetch(tile + NG, 1 - slot)
 
             plgpu.barrier_wait(bars.at[slot])
-            n, hv, h, rows = where(tile)
+            n, hv, _, rows = where(tile)
             if small_slots == 1:
                 plgpu.barrier_wait(bars_small[0])
                 src = {k: smem[k] for k in names}
             else:
                 src = {k: smem[k].at[slot] for k in names}
             S_s = smem["S"].at[slot]
-
-            def store_pool(S):
-                S_s[...] = S
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(S_s, pool_out.at[n, hv, rows, :])
-
-            def store_out(t, o, ut):
-                out[n, t, hv, rows] = o
-                u_out[n, t, hv, rows] = ut
-
-            tile_step(load(S_s, L), src, hv, store_pool, store_out)
+            store_pool = pool_through_smem(S_s, pool_out.at[n, hv, rows, :])
+            tile_step(load(S_s, L), src, hv, store_pool, outputs_to(out, u_out, n, hv, rows))
             return carry
 
         lax.fori_loop(0, count, step, 0)
@@ -227,13 +240,17 @@ def build(N, D, PD, fma_form, interpret, stage="none", defer=False, persist=0, s
     tiling = plgpu.TilingTransform((8, 128 // 4))  # the state tile as the WGMMA register layout reads it unconflicted
     S_smem = lambda *lead: plgpu.SMEM((*lead, R, K), f32, transforms=(tiling, plgpu.SwizzleTransform(128)))
     if persist:
-        smem = {k: plgpu.SMEM((2, *shape)[2 - small_slots:], f32) for k, shape in small.items()} | {"S": S_smem(2)}
+        smem = {k: plgpu.SMEM((2, *shape)[2 - small_slots :], f32) for k, shape in small.items()} | {"S": S_smem(2)}
         if small_slots == 2:
             scratch = (smem, plgpu.Barrier(num_arrivals=len(small) + 1, num_barriers=2))
         else:
             scratch = (smem, plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_arrivals=len(small)))
         return plgpu.kernel(
-            body_persist, out_type=shapes, scratch_types=scratch, grid=(NG,), grid_names=("tile",),
+            body_persist,
+            out_type=shapes,
+            scratch_types=scratch,
+            grid=(NG,),
+            grid_names=("tile",),
             interpret=interpret,
         )
     scratch = ()
@@ -291,13 +308,22 @@ def main(argv=None) -> int:
     p.add_argument("--replay", type=int, default=3, help="pending steps replayed (the same for every request)")
     p.add_argument("--fma", default="pinned", choices=("pinned", "plain"))
     p.add_argument("--interpret", action="store_true", help="Mosaic GPU's interpret mode (the CPU; --fma plain)")
-    p.add_argument("--stage", default="none", choices=("none", "small", "all"),
-                   help="small: the per-step inputs copied to SMEM by TMA first; all: the state too, and the pool "
-                   "stored from SMEM by TMA")
+    p.add_argument(
+        "--stage",
+        default="none",
+        choices=("none", "small", "all"),
+        help="small: the per-step inputs copied to SMEM by TMA first; all: the state too, and the pool "
+        "stored from SMEM by TMA",
+    )
     p.add_argument("--defer", action="store_true", help="the outputs and u kept in registers, stored at the end")
     p.add_argument("--persist", type=int, default=0, help="persistent CTAs an SM, double-buffered by TMA (0: off)")
-    p.add_argument("--small-slots", type=int, default=2, choices=(1, 2),
-                   help="with --persist: SMEM slots for the small inputs (1: copied at each tile's start)")
+    p.add_argument(
+        "--small-slots",
+        type=int,
+        default=2,
+        choices=(1, 2),
+        help="with --persist: SMEM slots for the small inputs (1: copied at each tile's start)",
+    )
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -308,8 +334,11 @@ def main(argv=None) -> int:
         from jax.experimental.pallas import mosaic_gpu as plgpu
 
         interpret = plgpu.InterpretGPUParams()
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}: {N}x{D}, replay {PD}, fma {args.fma}, "
-          f"stage {args.stage}{', stores deferred' if args.defer else ''}, persist {args.persist}", flush=True)
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].device_kind}: {N}x{D}, replay {PD}, fma {args.fma}, "
+        f"stage {args.stage}{', stores deferred' if args.defer else ''}, persist {args.persist}",
+        flush=True,
+    )
     x = inputs(N, D, PD, args.seed)
     t0 = time.perf_counter()
     f = jax.jit(build(N, D, PD, args.fma, interpret, args.stage, args.defer, args.persist, args.small_slots))
