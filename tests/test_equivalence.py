@@ -39,6 +39,7 @@ def _cases():
         backends = ["reference", "pallas"]
         if importlib.util.find_spec("jax_triton") is not None:
             backends.append("triton")
+        backends.append("mosaic")
         return [
             _param(b, Shape(N=n, D=d, H=h, HV=hv, K=128, V=128), dt)
             for b, d, (h, hv), n, dt in itertools.product(
@@ -66,6 +67,8 @@ def _cases():
         _param("pallas", Shape(N=n, D=d, H=h, HV=hv, K=16, V=16), F32)
         for d, (h, hv), n in [(1, (4, 16), 1), (3, (4, 16), 5), (4, (16, 32), 5), (2, (8, 8), 5)]
     ]
+    # Mosaic GPU's interpret mode: one case (its kernel's logic; ~1 s a call on the CPU)
+    interpret.append(_param("mosaic", Shape(N=5, D=3, H=4, HV=16, K=16, V=16), F32))
     return small + full + interpret
 
 

@@ -27,7 +27,7 @@ from gdn_lossless_jax.cases import Shape, verify_inputs
 from gdn_lossless_jax.testing import assert_bitwise_differs, assert_bitwise_equal
 
 F32, BF16 = jnp.float32, jnp.bfloat16
-BACKENDS = ["reference", "pallas"] + (["triton"] if ON_GPU and importlib.util.find_spec("jax_triton") else [])
+BACKENDS = ["reference", "pallas"] + (["triton"] if ON_GPU and importlib.util.find_spec("jax_triton") else []) + ["mosaic"]
 K_ = 128 if ON_GPU else 16
 H, HV, L = 2, 4, 2
 S, R, DMAX = 12, 7, 4
@@ -54,7 +54,7 @@ SHORT_PLAN = [([0, 3, 5, 7], 4), ([3, 5, 7, 9], 2), ([9, 3, 5, S + 2], 4)]
 
 
 def _plan(backend: str) -> list:
-    return SHORT_PLAN if backend == "pallas" and not ON_GPU else PLAN
+    return SHORT_PLAN if backend in ("pallas", "mosaic") and not ON_GPU else PLAN
 
 
 def _steps(seed: int, plan=PLAN) -> list[Step]:
@@ -172,9 +172,17 @@ def _pool(seed, dtype):
     return jnp.asarray(0.5 * rng.standard_normal((L, S, HV, K_, K_), np.float32)).astype(dtype)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("records", [("tuples",) * 3, ("snapshots", "tuples", "snapshots")], ids=["tuples", "mixed"])
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def _interpret_sample(backend, keep: bool):
+    """Mosaic GPU's interpret mode takes ~1 s a call on the CPU: CI runs a sample of its cases."""
+    return full_only if backend == "mosaic" and not ON_GPU and not keep else ()
+
+
+@pytest.mark.parametrize("backend,records,dtype", [
+    pytest.param(b, r, dt, id=f"{dt_id}-{r_id}-{b}", marks=_interpret_sample(b, (r_id, dt_id) == ("mixed", "f32")))
+    for dt, dt_id in ((F32, "f32"), (BF16, "bf16"))
+    for r, r_id in ((("tuples",) * 3, "tuples"), (("snapshots", "tuples", "snapshots"), "mixed"))
+    for b in BACKENDS
+])  # fmt: skip
 def test_fused_steps_equal_separate_steps(backend, records, dtype, seed):
     steps = _steps(seed, _plan(backend))
     pool = _pool(seed, dtype)
@@ -195,7 +203,7 @@ def test_fused_steps_equal_separate_steps(backend, records, dtype, seed):
     assert_bitwise_differs(pool[:, list(steps[0].slots)], got_pools[-1][:, list(steps[0].slots)], "committed slots")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=_interpret_sample(b, False)) for b in BACKENDS])
 def test_fused_steps_read_inputs_stacked_over_layers(backend, seed):
     """The same decode with each step's inputs stacked over layers (``[L, ...]``, read at the
     layer by the kernels) gives the same bits."""
@@ -310,6 +318,20 @@ def test_controls_in_the_fused_kernel_are_caught(control, replay, seed):
     assert_bitwise_differs(want_pools, got_pools, f"the {control} control ({replay} replay)")
 
 
+@pytest.mark.parametrize("dtype", [F32, pytest.param(BF16, marks=() if ON_GPU else full_only)], ids=["f32", "bf16"])
+def test_mosaic_fused_kernel_control_is_caught(dtype, seed):
+    """The Mosaic GPU fused kernel with the update rounded twice (``form="naive"``, in its replay
+    and its chain): the pools, outputs and tapes must differ from the rule's."""
+    from gdn_lossless_jax.backends.mosaic import VerifyConfig as MosaicConfig
+
+    steps = _steps(seed, _plan("mosaic")[:2])
+    pool = _pool(seed, dtype)
+    records = ("tuples",) * 2
+    want_pools, _, _ = separate(pool, steps, records, "mosaic")
+    got_pools, _, _ = fused(pool, steps, records, "mosaic", config=MosaicConfig(form="naive"))
+    assert_bitwise_differs(want_pools[0], got_pools[0], "the naive control (the pool the fused replay wrote)")
+
+
 def test_fused_errors_name_the_argument():
     st = _steps(0)[0]
     pool = _pool(0, F32)
@@ -333,7 +355,8 @@ def test_fused_errors_name_the_argument():
     # (interpret mode: the Pallas snapshot case with GDN_FULL_TESTS=1; its fused kernel's snapshot
     # commit runs in test_fused_steps_equal_separate_steps, the pool's wiring in the reference's case)
     pytest.param(record, backend, id=f"{record}-{backend}",
-                 marks=full_only if backend == "pallas" and record == "snapshots" and not ON_GPU else ())
+                 marks=full_only if backend in ("pallas", "mosaic") and record == "snapshots" and not ON_GPU
+                 else _interpret_sample(backend, False))
     for backend in BACKENDS for record in gl.RECORD_MODES
 ])  # fmt: skip
 def test_pool_deferred_commit_equals_immediate(backend, record, seed):
@@ -343,7 +366,7 @@ def test_pool_deferred_commit_equals_immediate(backend, record, seed):
     g = GEOMETRY
     rng = np.random.default_rng(seed)
     plan = [([0, 3, 5, 7], 3), ([3, 5, 7, 9], 2), ([9, 3, 5, 7], 4)]  # slot 0 leaves after step 1, 9 joins
-    if backend == "pallas" and not ON_GPU:
+    if backend in ("pallas", "mosaic") and not ON_GPU:
         # Interpret mode compiles the pool step anew for each D and parity (~10 s each): two D, still changing
         # between steps and reaching the scratch's drafts=4, the third step writing the first one's tape again.
         plan = [(slots, D) for (slots, _), D in zip(plan, (4, 2, 4))]

@@ -31,7 +31,7 @@ import jax
 
 __all__ = ["BACKENDS", "resolve", "resolve_name", "platform", "BackendUnavailable"]
 
-BACKENDS = ("reference", "pallas", "triton")
+BACKENDS = ("reference", "pallas", "triton", "mosaic")
 
 
 class BackendUnavailable(RuntimeError):

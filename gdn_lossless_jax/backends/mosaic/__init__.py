@@ -1,0 +1,264 @@
+"""The ``mosaic`` backend: verify, and the commit fused into it, on Pallas' Mosaic GPU backend.
+
+A persistent kernel (:mod:`.kernel`) that holds each ``[64, K]`` state tile in the WGMMA
+register layout and brings the next tile's state and inputs into shared memory by TMA while it
+computes this one; with ``pending`` it replays the previous step's tuple commit first, stores
+the accepted and track states in place, and verifies from the accepted state, reading each
+state once. The q/k norms and gates come from the Pallas backend's prologue kernel, and
+``commit`` and ``replay`` are the Pallas backend's (the rule is pinned there too, so the bits
+are the same: a commit does not depend on a backend's reduction order).
+
+Where it runs: CUDA GPUs of compute capability 9.0 or later (Hopper and Blackwell: TMA and
+Mosaic GPU's layouts), and in Mosaic GPU's interpret mode on a CPU (tests, CI). On ROCm or an
+older NVIDIA GPU use ``pallas`` or ``triton``. Shapes on the GPU: ``V`` a multiple of 64, ``K``
+a multiple of 32 (64 for a bfloat16 pool) and ``HV`` of 4.
+
+A pending commit whose tape holds snapshots is committed first (the Pallas commit) and then
+verified: bit for bit the same, not fused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from ...reference import stacked as is_stacked
+from ...tape import Snapshots, Tuples
+from .. import BackendUnavailable, platform
+from .. import pallas as _pallas
+from ..pallas.verify import _prep
+from .kernel import CONTROL_FORMS, FORMS, Geometry, build, smem_bytes
+
+__all__ = ["CONTROL_FORMS", "FORMS", "VerifyConfig", "check_available", "commit", "replay", "verify"]
+
+SMEM_PER_SM = 227 * 1024  # the H100/H200's shared memory an SM offers its CTAs
+GPU_ROWS = 64  # rows of a tile: the WGMMA layout's
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyConfig:
+    """The kernel's launch.
+
+    Attributes:
+      ctas: persistent CTAs an SM (each one warpgroup); 2 measured fastest on the H200 at
+        25x4, 8x4, 8x8 and 8x16 (``benchmarks/NOTES.md``, nineteenth session).
+      small_slots: shared-memory copies of a tile's step inputs, 2 (the next tile's arrive
+        while this one computes) or 1 (copied at each tile's start); None: 2 where ``ctas``
+        CTAs of two fit an SM's shared memory, else 1.
+      form: the rule's rounding (:data:`FORMS`; None: ``"pinned"`` on the GPU, ``"portable"``
+        in interpret mode) or, in tests, a control (:data:`CONTROL_FORMS`).
+    """
+
+    ctas: int = 2
+    small_slots: int | None = None
+    form: str | None = None
+
+    def __post_init__(self):
+        if self.ctas < 1:
+            raise ValueError(f"mosaic VerifyConfig: ctas must be >= 1, got {self.ctas}")
+        if self.small_slots not in (None, 1, 2):
+            raise ValueError(f"mosaic VerifyConfig: small_slots must be 1, 2 or None, got {self.small_slots}")
+        if self.form not in (None, *FORMS, *CONTROL_FORMS):
+            raise ValueError(f"mosaic VerifyConfig: form must be one of {FORMS + CONTROL_FORMS}, got {self.form!r}")
+
+
+def _compute_capability() -> tuple[int, int] | None:
+    cc = getattr(jax.devices()[0], "compute_capability", None)
+    try:
+        return tuple(int(x) for x in str(cc).split(".")[:2])
+    except ValueError:
+        return None
+
+
+def check_available(op: str) -> None:
+    """Raise :class:`BackendUnavailable` unless Mosaic GPU can run here (or interpret on a CPU)."""
+    p = platform()
+    alternatives = "Alternatives: 'pallas' or 'triton' (any CUDA or ROCm GPU), 'reference' (any platform)."
+    if p == "cpu":
+        return
+    if p != "gpu":
+        raise BackendUnavailable(f"{op}: backend 'mosaic' runs on CUDA GPUs (or in interpret mode on a CPU), "
+                                 f"not on platform {p!r}. {alternatives}")  # fmt: skip
+    cc = _compute_capability()
+    if cc is None or cc < (9, 0):
+        kind = jax.devices()[0].device_kind
+        raise BackendUnavailable(
+            f"{op}: backend 'mosaic' needs a CUDA GPU of compute capability 9.0 or later (TMA, Mosaic GPU); "
+            f"this is {kind!r} (compute capability {cc}). {alternatives}"
+        )
+    try:
+        from jax.experimental.pallas import mosaic_gpu  # noqa: F401
+    except ImportError as e:
+        raise BackendUnavailable(f"{op}: backend 'mosaic' needs Pallas Mosaic GPU, which this JAX "
+                                 f"({jax.__version__}) lacks: {e}. {alternatives}") from e  # fmt: skip
+
+
+def _interpret() -> bool:
+    return platform() == "cpu"
+
+
+def _i32(x):
+    return jnp.asarray(x, jnp.int32)
+
+
+def _scalar(x):
+    return jnp.reshape(_i32(0 if x is None else x), ())
+
+
+def _geometry(N, D, H, HV, V, K, state_dtype, v, out_dtype, *, out_into, snapshots, into, PD, config):
+    interpret = _interpret()
+    R = min(GPU_ROWS, V) if interpret else GPU_ROWS
+    sd = jnp.dtype(state_dtype)
+    if not interpret:
+        minor = 128 // sd.itemsize
+        problems = [(V % R, f"V={V} a multiple of {R}"), (K % minor, f"K={K} a multiple of {minor} ({sd} pool)"),
+                    (HV % 4, f"HV={HV} a multiple of 4")]  # fmt: skip
+        bad = [what for fails, what in problems if fails]
+        if bad:
+            raise ValueError(f"mosaic verify: the kernel needs {', '.join(bad)}; use backend 'pallas' or 'triton'")
+    elif V % R:
+        raise ValueError(f"mosaic verify: V={V} must be a multiple of {R}")
+    form = config.form or ("portable" if interpret else "pinned")
+    if form == "pinned" and interpret:
+        raise BackendUnavailable("mosaic verify: the 'pinned' form needs a CUDA GPU; interpret mode uses 'portable'")
+    num_sms = 2 if interpret else int(getattr(jax.devices()[0], "core_count", 0) or 132)
+    slots = config.small_slots
+    if slots is None:
+        two = smem_bytes(D, PD, HV, R, K, sd.itemsize, jnp.dtype(v.dtype).itemsize, 2)
+        slots = 2 if config.ctas * (two + 1024) <= SMEM_PER_SM else 1
+    return Geometry(
+        N=N, D=D, H=H, HV=HV, V=V, K=K, R=R, state_dtype=sd.name, v_dtype=jnp.dtype(v.dtype).name,
+        v_stacked=v.ndim == 5, out_dtype=jnp.dtype(out_dtype).name, out_into=out_into, snapshots=snapshots,
+        into=into, pending=PD > 0, PD=PD, ctas=config.ctas, num_sms=num_sms, small_slots=slots, form=form,
+        interpret=interpret,
+    )  # fmt: skip
+
+
+def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, slots=None, layer=None, tape=None,
+           tape_layer=None, rows=None, pending=None, out=None, out_layer=None,
+           config: VerifyConfig = VerifyConfig()):  # fmt: skip
+    """See :func:`gdn_lossless_jax.verify` (arguments already checked there); ``config`` sets the launch.
+
+    ``state0`` is ``[N, HV, V, K]`` or, with ``slots``, the pool ``[L, S, HV, V, K]`` read at
+    ``[layer, slots[n]]`` by TMA (zeros for a slot outside ``[0, S)``). With ``tape`` the tape
+    goes to ``[tape_layer, rows[n]]`` of that buffer, with ``out`` the outputs to
+    ``out[out_layer]``, in place. With ``pending`` the previous step's commit is applied first
+    and the pool comes back as a third element.
+    """
+    check_available("verify")
+    return _jitted()(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_layer, rows, pending, out,
+                     out_layer, record=record, scale=float(scale), out_dtype=jnp.dtype(out_dtype), config=config)  # fmt: skip
+
+
+@functools.cache
+def _jitted():
+    return jax.jit(_verify, static_argnames=("record", "scale", "out_dtype", "config"))
+
+
+def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_layer, rows, pending, out, out_layer, *,
+            record, scale, out_dtype, config):  # fmt: skip
+    i32 = jnp.int32
+    if slots is None:  # the state0 form: a one-layer pool whose slot n is request n
+        state, slots, layer = state0[None], jnp.arange(state0.shape[0], dtype=i32), 0
+    else:
+        state = state0
+    layer = _scalar(layer)
+    if pending is not None and isinstance(pending[-1], Snapshots):
+        # snapshots: the commit first (a copy per state), then the verify; the same bits, not fused
+        prows, psteps, ptslots, ptsteps, prev_layer, prev = pending
+        one = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, _scalar(prev_layer), 0), prev)
+        committed = commit(jax.lax.dynamic_index_in_dim(state, layer, 0), one, slots, psteps, ptslots, ptsteps, prows)
+        state = jax.lax.dynamic_update_index_in_dim(state, committed, layer, 0)
+        outputs, new = _verify(state, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_layer, rows, None, out,
+                               out_layer, record=record, scale=scale, out_dtype=out_dtype, config=config)  # fmt: skip
+        return outputs, new, state
+    N, D, H, K = q.shape[-4:]
+    _, NS, HV, V, _ = state.shape
+    snapshots = record == "snapshots"
+    into = tape is not None
+    tape_layer = _scalar(tape_layer)
+    if into and rows is None:
+        rows = jnp.arange(N, dtype=i32)
+    interpret = _interpret()
+
+    # the prologue (the Pallas backend's kernel): q/k norms, gates; the tape's k and g into its buffer
+    stacked = any(
+        is_stacked(n, x) for n, x in zip(("q", "k", "a", "b", "A_log", "dt_bias"), (q, k, a, b, A_log, dt_bias))
+    )
+    pre = (rows, tape_layer[None], tape.k, tape.g) if into and not snapshots else None
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+        qn, kn, g, beta, *bufs = _prep(
+            q, k, a, b, A_log, dt_bias, scale=scale, interpret=interpret, heads=_pallas.VerifyConfig().prep_heads,
+            into=pre, xlayer=layer[None] if stacked else None,
+        )  # fmt: skip
+
+    # per request: its slot, tape row and pending commit, with the commit's masks (reference._masks)
+    slot_ok = (slots >= 0) & (slots < NS)
+    zero = jnp.zeros_like(slots)
+    cols = [jnp.where(slot_ok, slots, 0), slot_ok]
+    if into:
+        nrows = (tape.states if snapshots else tape.u).shape[1]
+        row_ok = (rows >= 0) & (rows < nrows)
+        cols += [jnp.where(row_ok, rows, 0), row_ok]
+    else:
+        cols += [zero, zero]
+    PD = 0
+    prev_layer = 0
+    pend_in = []
+    if pending is not None:
+        prows, psteps, ptslots, ptsteps, prev_layer, prev = pending
+        PR, PD = prev.u.shape[1], prev.u.shape[2]
+        valid = slot_ok & (prows >= 0) & (prows < PR)
+        accept = valid & (psteps >= 0) & (psteps < PD)
+        track = valid & (ptsteps >= 0) & (ptsteps < PD) & (ptslots >= 0) & (ptslots < NS)
+        cols += [jnp.where(accept, psteps, -1), jnp.where(track, ptsteps, -1), jnp.where(track, ptslots, 0),
+                 jnp.where(valid, prows, 0)]  # fmt: skip
+        pend_in = [prev.k, prev.u, prev.g]
+    else:
+        cols += [zero - 1, zero - 1, zero, zero]
+    tab = jnp.stack([_i32(c) for c in cols], axis=1)  # [N, 8]
+    lay = jnp.stack([layer, tape_layer, _scalar(prev_layer), _scalar(out_layer)] + [_scalar(0)] * 4)
+
+    geom = _geometry(N, D, H, HV, V, K, state.dtype, v, out_dtype, out_into=out is not None, snapshots=snapshots,
+                     into=into, PD=PD, config=config)  # fmt: skip
+    kern = build(geom)
+    inputs = [tab, lay, qn, kn, v, g, beta, *pend_in]
+    if out is None:
+        out = jax.lax.empty((N, D, HV, V), jnp.dtype(out_dtype))
+    if into:
+        rec = tape.states if snapshots else tape.u
+    else:
+        rec = jax.lax.empty((N, D, HV, V, K) if snapshots else (N, D, HV, V), state.dtype if snapshots else jnp.float32)
+    if pending is None:
+        out, rec = pl.run_state(lambda refs: kern(*inputs, state, *refs))((out, rec))
+    else:
+        state, out, rec = pl.run_state(lambda refs: kern(*inputs, *refs))((state, out, rec))
+    if snapshots:
+        new = Snapshots(rec)
+    elif into:
+        new = Tuples(rec, *bufs)
+    else:
+        new = Tuples(rec, kn, g)
+    if pending is None:
+        return out, new
+    return out, new, state
+
+
+def commit(pool, tape, slots, steps, track_slots, track_steps, rows, *, form=None, config=None):
+    """See :func:`gdn_lossless_jax.commit`: the Pallas backend's commit kernel (the rule pinned)."""
+    check_available("commit")
+    kw = {} if config is None else {"config": config}
+    return _pallas.commit(pool, tape, slots, steps, track_slots, track_steps, rows, form=form, **kw)
+
+
+def replay(state0, tuples, steps, *, form=None, config=None):
+    """See :func:`gdn_lossless_jax.replay`: the Pallas backend's."""
+    check_available("replay")
+    kw = {} if config is None else {"config": config}
+    return _pallas.replay(state0, tuples, steps, form=form, **kw)

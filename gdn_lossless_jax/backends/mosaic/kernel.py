@@ -1,0 +1,323 @@
+"""The verify kernel on Pallas' Mosaic GPU backend, with the previous step's commit fused in.
+
+One warpgroup (128 threads) holds a ``[R, K]`` tile of one (request, v-head) in the ``WGMMA``
+register layout (``R = 64`` on the GPU: a thread holds 2 rows and ``K / 4`` columns, so a
+reduction over K is mostly in registers). Per tile it does:
+
+1. the pending tuple commit (with ``pending``): the previous step's accepted chain replayed
+   with the rule, ``fma(k, u, rn(S * exp(g)))``, up to the accepted step (a dynamic loop), the
+   track state stored on the way (at its step, to its slot), the accepted state stored in place,
+   then on to a track step after the accepted one (stored, not kept);
+2. the D new steps from the accepted state (as the pool holds it: rounded to its dtype):
+   ``u = beta (v - sum(rn(S alpha) k))``, the update with the same rule, ``o = sum(S q)``; the
+   outputs and ``u`` (or each step's state, ``snapshots``) stored.
+
+Launch: ``ctas`` persistent CTAs an SM (the grid is that times the SM count), each taking the
+tiles ``cta, cta + G, ...``. While a tile computes, the next tile's state and inputs arrive by
+TMA in the other of two shared-memory slots (``small_slots=1``: the inputs single-buffered, copied
+at each tile's start, where two slots of them would not fit two CTAs an SM); every state the pool
+or a snapshot receives leaves from shared memory by a TMA store. The nineteenth session's
+prototype (``scripts/mgpu_fused_probe.py``, ``benchmarks/NOTES.md``) measured this launch at
+1.22x the byte floor at 25x4 on the H200, against 1.49x for the Triton fused kernel.
+
+Rounding: the rule's fma is MLIR's ``math.fma`` through ``plgpu.inline_mgpu`` (``form="pinned"``,
+the GPU); in Mosaic GPU's interpret mode (the CPU, CI) it is the portable integer form of
+:mod:`gdn_lossless_jax.rounding` (``form="portable"``). ``form="naive"`` is a control for tests:
+``fma(S, alpha, rn(k u))``, a different rounding, which the equivalence tests must catch.
+Decays: ``exp(g)`` in the kernel is libdevice's on the GPU (Mosaic GPU lowers ``math.exp`` to
+it, as XLA, Pallas and Triton do), :func:`gdn_lossless_jax.rounding.exp` in interpret mode.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax.numpy as jnp
+from jax import lax
+
+from ... import rounding
+
+__all__ = ["CONTROL_FORMS", "FORMS", "Geometry", "build", "smem_bytes"]
+
+F32 = jnp.float32
+FORMS = ("pinned", "portable")
+CONTROL_FORMS = ("naive",)
+
+# Columns of the per-request table (int32 [N, 8]), computed by the caller with the commit's masks.
+SLOT, SLOT_OK, ROW, ROW_OK, UPTO, TSTEP, TSLOT, PROW = range(8)
+# Entries of the scalar vector (int32 [8]).
+LAYER, TAPE_LAYER, PREV_LAYER, OUT_LAYER = range(4)
+
+
+class Geometry(NamedTuple):
+    """Everything static about one launch (hashable: the kernel is built once per geometry)."""
+
+    N: int
+    D: int
+    H: int
+    HV: int
+    V: int
+    K: int
+    R: int  # rows of a tile
+    state_dtype: str  # the pool's (and snapshots') dtype
+    v_dtype: str
+    v_stacked: bool  # v [L, N, D, HV, V], read at the layer
+    out_dtype: str
+    out_into: bool  # outputs into a [L', N, D, HV, V] buffer at OUT_LAYER
+    snapshots: bool
+    into: bool  # the tape's u (snapshots) into a [L', R', DMAX, ...] buffer at [TAPE_LAYER, row]
+    pending: bool  # a pending tuple commit replayed first
+    PD: int  # its steps
+    ctas: int  # persistent CTAs an SM
+    num_sms: int
+    small_slots: int  # 1 or 2
+    form: str
+    interpret: bool
+
+
+def smem_bytes(D: int, PD: int, HV: int, R: int, K: int, itemsize: int, v_itemsize: int, small_slots: int) -> int:
+    """Shared memory of one CTA: two state slots and ``small_slots`` copies of the step inputs."""
+    small = D * (2 * K * 4 + R * v_itemsize + 2 * HV * 4) + PD * (K * 4 + R * 4 + HV * 4)
+    return 2 * R * K * itemsize + small_slots * small
+
+
+def _small_shapes(g: Geometry) -> dict:
+    f32 = "float32"
+    shapes = {"kn": ((g.D, g.K), f32), "qn": ((g.D, g.K), f32), "v": ((g.D, g.R), g.v_dtype),
+              "g": ((g.D, g.HV), f32), "beta": ((g.D, g.HV), f32)}  # fmt: skip
+    if g.pending:
+        shapes |= {"pk": ((g.PD, g.K), f32), "pu": ((g.PD, g.R), f32), "pg": ((g.PD, g.HV), f32)}
+    return shapes
+
+
+@functools.cache
+def build(g: Geometry):
+    """The kernel for geometry ``g``: ``f(tab, lay, qn, kn, v, g, beta, [pk, pu, pg], pool, out, rec)``.
+
+    ``out`` (the outputs: ``[N, D, HV, V]``, or a ``[L', N, D, HV, V]`` buffer with ``g.out_into``)
+    and ``rec`` (``u [N, D, HV, V]`` or snapshots ``[N, D, HV, V, K]``, or with ``g.into`` a
+    ``[L', R', DMAX, ...]`` tape buffer) are Refs, written in place, as ``pool`` is with
+    ``g.pending`` (otherwise it may be an array). Returns nothing: call it inside
+    ``pl.run_state``. ``tab`` and ``lay``: the per-request table and the scalars (see the
+    column names above).
+    """
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    R, K, D, HV, V, N = g.R, g.K, g.D, g.HV, g.V, g.N
+    G = HV // g.H
+    T = V // R
+    TT = N * HV * T  # tiles
+    NG = g.ctas * g.num_sms  # CTAs
+    sd = jnp.dtype(g.state_dtype)
+    od = jnp.dtype(g.out_dtype)
+    L = plgpu.Layout.WGMMA
+    LROW, LCOL = L.reduce(1), L.reduce(0)  # an [R] vector along the tile's rows, a [K] vector along its columns
+
+    if g.interpret:
+        fma, mul, add, exp = rounding._fma_rn, rounding._mul_rn, rounding._add_rn, rounding.exp
+        decay = mul
+    else:
+        from jax._src.lib.mlir.dialects import math as mlir_math
+        from jax.experimental.mosaic.gpu.fragmented_array import FragmentedArray
+
+        tile = plgpu.ShapeDtypeStruct((R, K), F32, layout=L)
+
+        @plgpu.inline_mgpu(arg_types=(L, L, L), return_type=tile)
+        def fma(ctx, a, b, c):
+            return a._pointwise(lambda x, y, z: mlir_math.fma(x, y, z), b, c)
+
+        @plgpu.inline_mgpu(arg_types=(L, L), return_type=tile)
+        def mul(ctx, a, b):  # pinned in PTX: no contraction into a later add
+            return a._pointwise(FragmentedArray._lift_fast_instr("mul.rn.f32"), b)
+
+        @plgpu.inline_mgpu(arg_types=(L, L), return_type=tile)
+        def add(ctx, a, b):
+            return a._pointwise(FragmentedArray._lift_fast_instr("add.rn.f32"), b)
+
+        exp = jnp.exp
+
+        def decay(S, alpha):  # rn(S alpha): its consumers (an fma's addend, a product) contract nothing into it
+            return S * alpha
+
+    if g.form == "naive":  # control: rn(Sd + rn(k u)), the update rounded twice
+
+        def update(k, u, Sd):
+            return add(Sd, mul(k, u))
+    else:
+
+        def update(k, u, Sd):  # the rule
+            return fma(k, u, Sd)
+
+    def load(ref, layout):
+        return plgpu.load(ref, layout=layout, optimized=False)
+
+    def rows_of(vec):  # an [R] vector across the tile's columns
+        return lax.broadcast_in_dim(vec, (R, K), (0,))
+
+    def cols_of(vec):  # a [K] vector down the tile's rows
+        return lax.broadcast_in_dim(vec, (R, K), (1,))
+
+    names = ["tab", "lay", "qn", "kn", "v", "g", "beta"] + (["pk", "pu", "pg"] if g.pending else [])
+    names += ["pool", "out", "rec"]
+    shapes = _small_shapes(g)
+
+    def body(*refs):
+        r = dict(zip(names + ["smem", "bars", "bar_small"], refs))
+        smem, bars = r["smem"], r["bars"]
+        tab, lay = r["tab"], r["lay"]
+        layer, tape_layer, prev_layer, out_layer = (lay[i] for i in (LAYER, TAPE_LAYER, PREV_LAYER, OUT_LAYER))
+        cta = lax.axis_index("cta")
+        count = (TT - cta + NG - 1) // NG
+        pool = r["pool"]
+
+        def where(tile):
+            n = tile // (HV * T)
+            hv = (tile // T) % HV
+            return n, hv, hv // G, pl.ds((tile % T) * R, R)
+
+        def table_row(tile):
+            """The table's row (8 scalars) of tile ``tile``'s request. (Loaded a tile ahead, in the loop's
+            carry, it made the verify 1.6 us faster and the fused kernel 1.4 us slower at 25x4: not kept.)"""
+            n = tile // (HV * T)
+            return tuple(tab[n, c] for c in range(8))
+
+        def gmem_small(n, hv, h, rows, prow):
+            src = {
+                "kn": r["kn"].at[n, :, h, :],
+                "qn": r["qn"].at[n, :, h, :],
+                "v": r["v"].at[layer, n, :, hv, rows] if g.v_stacked else r["v"].at[n, :, hv, rows],
+                "g": r["g"].at[n],
+                "beta": r["beta"].at[n],
+            }
+            if g.pending:
+                src |= {
+                    "pk": r["pk"].at[prev_layer, prow, :, h, :],
+                    "pu": r["pu"].at[prev_layer, prow, :, hv, rows],
+                    "pg": r["pg"].at[prev_layer, prow],
+                }
+            return src
+
+        def fetch_small(tile, row, at, bar):
+            n, hv, h, rows = where(tile)
+            for k, src in gmem_small(n, hv, h, rows, row[PROW]).items():
+                plgpu.copy_gmem_to_smem(src, at(smem[k]), bar)
+
+        def fetch(tile, row, slot):
+            _, hv, _, rows = where(tile)
+            plgpu.copy_gmem_to_smem(pool.at[layer, row[SLOT], hv, rows, :], smem["S"].at[slot], bars.at[slot])
+            if g.small_slots == 2:
+                fetch_small(tile, row, lambda ref: ref.at[slot], bars.at[slot])
+
+        def store_state(S_s, S, dst):
+            """``S`` (f32, rounded here to ``dst``'s dtype) to ``dst`` through the SMEM tile ``S_s``."""
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # an earlier store from S_s has read it
+            S_s[...] = S.astype(S_s.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(S_s, dst)
+
+        def tile_step(j, carry):
+            cur = table_row(cta + j * NG)
+            slot = j % 2
+            tile = cta + j * NG
+            plgpu.commit_smem()  # every thread is done with the other slot (the previous tile)
+            if g.small_slots == 1:
+                fetch_small(tile, cur, lambda ref: ref, r["bar_small"])
+
+            @pl.when(j + 1 < count)
+            def _():
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores have read its slot
+                fetch(tile + NG, table_row(tile + NG), 1 - slot)
+
+            plgpu.barrier_wait(bars.at[slot])
+            if g.small_slots == 1:
+                plgpu.barrier_wait(r["bar_small"])
+                src = {k: smem[k] for k in shapes}
+            else:
+                src = {k: smem[k].at[slot] for k in shapes}
+            n, hv, _, rows = where(tile)
+            S_s = smem["S"].at[slot]
+            S = load(S_s, L).astype(F32)
+            ok = lax.broadcast_in_dim(cur[SLOT_OK] != 0, S.shape, ())  # (no implicit broadcast in a select)
+            S = lax.select(ok, S, jnp.zeros_like(S))  # a padding slot reads zeros
+
+            if g.pending:
+                upto, tstep, tslot = cur[UPTO], cur[TSTEP], cur[TSLOT]
+
+                def replay(t, S):
+                    kb = cols_of(load(src["pk"].at[t], LCOL))
+                    ub = rows_of(load(src["pu"].at[t], LROW))
+                    S = update(kb, ub, decay(S, exp(src["pg"][t, hv])))
+
+                    @pl.when(t == tstep)
+                    def _():
+                        store_state(S_s, S, pool.at[layer, tslot, hv, rows, :])
+
+                    return S
+
+                S = lax.fori_loop(0, upto + 1, replay, S)
+
+                @pl.when(upto >= 0)
+                def _():
+                    store_state(S_s, S, pool.at[layer, cur[SLOT], hv, rows, :])
+
+                lax.fori_loop(upto + 1, tstep + 1, replay, S)  # a track step after the accepted one
+                if sd != F32:
+                    S = S.astype(sd).astype(F32)  # the verify starts from the state as the pool holds it
+
+            row, row_ok = cur[ROW], cur[ROW_OK] != 0
+            for t in range(D):
+                kb = cols_of(load(src["kn"].at[t], LCOL))
+                qb = cols_of(load(src["qn"].at[t], LCOL))
+                vt = load(src["v"].at[t], LROW).astype(F32)
+                Sd = decay(S, exp(src["g"][t, hv]))
+                ut = src["beta"][t, hv] * (vt - jnp.sum(Sd * kb, axis=1))
+                S = update(kb, rows_of(ut), Sd)
+                o = jnp.sum(S * qb, axis=1).astype(od)
+                if g.out_into:
+                    r["out"][out_layer, n, t, hv, rows] = o
+                else:
+                    r["out"][n, t, hv, rows] = o
+                if g.snapshots:
+                    if g.into:
+
+                        @pl.when(row_ok)
+                        def _(S=S, t=t):
+                            store_state(S_s, S, r["rec"].at[tape_layer, row, t, hv, rows, :])
+                    else:
+                        store_state(S_s, S, r["rec"].at[n, t, hv, rows, :])
+                elif g.into:
+
+                    @pl.when(row_ok)
+                    def _(t=t, ut=ut):
+                        r["rec"][tape_layer, row, t, hv, rows] = ut
+                else:
+                    r["rec"][n, t, hv, rows] = ut
+            return carry
+
+        @pl.when(count > 0)
+        def _():
+            fetch(cta, table_row(cta), 0)
+            lax.fori_loop(0, count, tile_step, 0)
+            plgpu.wait_smem_to_gmem(0)
+
+    tiling = plgpu.TilingTransform((8, 128 // sd.itemsize))  # the WGMMA register layout reads it unconflicted
+    transforms = () if g.interpret else (tiling, plgpu.SwizzleTransform(128))  # (interpret: any K)
+    S_smem = plgpu.SMEM((2, R, K), sd, transforms=transforms)
+    lead = (2,) if g.small_slots == 2 else ()
+    smem = {k: plgpu.SMEM((*lead, *shape), jnp.dtype(dt)) for k, (shape, dt) in shapes.items()} | {"S": S_smem}
+    scratch = [smem]
+    if g.small_slots == 2:
+        scratch.append(plgpu.Barrier(num_arrivals=len(shapes) + 1, num_barriers=2))
+    else:
+        scratch += [plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_arrivals=len(shapes))]
+    return plgpu.kernel(
+        body,
+        out_type=(),
+        scratch_types=tuple(scratch),
+        grid=(NG,),
+        grid_names=("cta",),
+        kernel_name=f"gdn_mosaic_verify_{'snapshots' if g.snapshots else 'tuples'}",
+        interpret=plgpu.InterpretGPUParams() if g.interpret else None,
+    )
