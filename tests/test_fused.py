@@ -7,7 +7,8 @@ every step's commit, the outputs and the tapes must be identical, and identical 
 path's pool. The sequence has track crossings, a padding slot, requests that join and leave
 between steps, D changing between steps, both record modes of the previous step, fp32 and bf16
 pools. Controls: a naive replay inside the fused kernel, and the track state replayed after the
-accepted state was written in place (the Pallas kernel's test switches), must be caught.
+accepted state was written in place (the Pallas kernel's test switches), and the Mosaic GPU kernel's update rounded
+twice (its ``form="naive"``), must be caught.
 """
 
 import dataclasses
@@ -27,7 +28,8 @@ from gdn_lossless_jax.cases import Shape, verify_inputs
 from gdn_lossless_jax.testing import assert_bitwise_differs, assert_bitwise_equal
 
 F32, BF16 = jnp.float32, jnp.bfloat16
-BACKENDS = ["reference", "pallas"] + (["triton"] if ON_GPU and importlib.util.find_spec("jax_triton") else []) + ["mosaic"]
+BACKENDS = ["reference", "pallas"] + (["triton"] if ON_GPU and importlib.util.find_spec("jax_triton") else [])
+BACKENDS += ["mosaic"]  # Mosaic GPU: on a CPU its interpret mode (a sample of the cases, _interpret_sample)
 K_ = 128 if ON_GPU else 16
 H, HV, L = 2, 4, 2
 S, R, DMAX = 12, 7, 4
@@ -319,17 +321,24 @@ def test_controls_in_the_fused_kernel_are_caught(control, replay, seed):
 
 
 @pytest.mark.parametrize("dtype", [F32, pytest.param(BF16, marks=() if ON_GPU else full_only)], ids=["f32", "bf16"])
-def test_mosaic_fused_kernel_control_is_caught(dtype, seed):
-    """The Mosaic GPU fused kernel with the update rounded twice (``form="naive"``, in its replay
-    and its chain): the pools, outputs and tapes must differ from the rule's."""
+def test_mosaic_fused_kernel_controls_are_caught(dtype, seed):
+    """The Mosaic GPU fused kernel broken on purpose: the update rounded twice (``form="naive"``, in
+    its replay and its chain), and the track state replayed from the accepted state it has just
+    written in place (``control="track_after_write"``). The pools must differ from the separate
+    steps' (the naive form's in every committed slot, the ordering's in the track slots)."""
     from gdn_lossless_jax.backends.mosaic import VerifyConfig as MosaicConfig
 
     steps = _steps(seed, _plan("mosaic")[:2])
     pool = _pool(seed, dtype)
     records = ("tuples",) * 2
     want_pools, _, _ = separate(pool, steps, records, "mosaic")
-    got_pools, _, _ = fused(pool, steps, records, "mosaic", config=MosaicConfig(form="naive"))
-    assert_bitwise_differs(want_pools[0], got_pools[0], "the naive control (the pool the fused replay wrote)")
+    for config, what in [(MosaicConfig(form="naive"), "the naive form"),
+                         (MosaicConfig(control="track_after_write"), "the track state taken after the write")]:  # fmt: skip
+        got_pools, _, _ = fused(pool, steps, records, "mosaic", config=config)
+        assert_bitwise_differs(want_pools[0], got_pools[0], f"{what} (the pool the fused replay wrote)")
+    # the ordering control's track slot: step 0's request 1 crossed a boundary at or before its accepted step
+    tslot = int(steps[0].track_slots[1])
+    assert_bitwise_differs(want_pools[0][:, tslot], got_pools[0][:, tslot], "the track slot (track after the write)")
 
 
 def test_fused_errors_name_the_argument():

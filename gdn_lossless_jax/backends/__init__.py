@@ -1,8 +1,9 @@
 """Backend registry: one interface (``verify``, ``replay``, ``commit``) per implementation.
 
 ``reference`` is pure JAX/XLA and runs on any platform. ``pallas`` (Pallas Triton on
-CUDA/ROCm, interpret mode on a CPU) and ``triton`` (jax-triton) are GPU kernels behind the
-same interface, so either can be replaced without touching the API.
+CUDA/ROCm, interpret mode on a CPU), ``triton`` (jax-triton) and ``mosaic`` (Pallas Mosaic GPU
+on CUDA sm_90+, interpret mode on a CPU) are GPU kernels behind the same interface, so any
+can be replaced without touching the API.
 
 A backend is a module ``gdn_lossless_jax.backends.<name>`` with three functions, called
 by :mod:`gdn_lossless_jax.api` after every argument check (shapes and dtypes are valid,

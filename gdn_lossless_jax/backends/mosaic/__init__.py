@@ -8,10 +8,11 @@ state once. The q/k norms and gates come from the Pallas backend's prologue kern
 ``commit`` and ``replay`` are the Pallas backend's (the rule is pinned there too, so the bits
 are the same: a commit does not depend on a backend's reduction order).
 
-Where it runs: CUDA GPUs of compute capability 9.0 or later (Hopper and Blackwell: TMA and
-Mosaic GPU's layouts), and in Mosaic GPU's interpret mode on a CPU (tests, CI). On ROCm or an
+Where it runs: CUDA GPUs of compute capability 9.0 or later (TMA; run on the H200 only), and in
+Mosaic GPU's interpret mode on a CPU (tests, CI). On ROCm or an
 older NVIDIA GPU use ``pallas`` or ``triton``. Shapes on the GPU: ``V`` a multiple of 64, ``K``
-a multiple of 32 (64 for a bfloat16 pool) and ``HV`` of 4.
+a multiple of 32 (64 for a bfloat16 pool) and ``HV`` of 4. Measured on the H200 with jax 0.11.2;
+under jax 0.12 Mosaic GPU refuses its store of bf16 outputs (pass ``out_dtype=float32`` there).
 
 A pending commit whose tape holds snapshots is committed first (the Pallas commit) and then
 verified: bit for bit the same, not fused.
@@ -32,12 +33,14 @@ from ...tape import Snapshots, Tuples
 from .. import BackendUnavailable, platform
 from .. import pallas as _pallas
 from ..pallas.verify import _prep
-from .kernel import CONTROL_FORMS, FORMS, Geometry, build, smem_bytes
+from .kernel import CONTROL_FORMS, CONTROLS, FORMS, Geometry, build, smem_bytes
 
-__all__ = ["CONTROL_FORMS", "FORMS", "VerifyConfig", "check_available", "commit", "replay", "verify"]
+__all__ = ["CONTROLS", "CONTROL_FORMS", "FORMS", "VerifyConfig", "check_available", "commit", "replay", "verify"]
 
 SMEM_PER_SM = 227 * 1024  # the H100/H200's shared memory an SM offers its CTAs
 GPU_ROWS = 64  # rows of a tile: the WGMMA layout's
+_NUM_SMS_INTERPRET = 1  # interpret mode: SMs simulated (ctas x this CTAs, enough to stride the tiles)
+REPLAYS = ("loop", "static")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,19 +53,30 @@ class VerifyConfig:
       small_slots: shared-memory copies of a tile's step inputs, 2 (the next tile's arrive
         while this one computes) or 1 (copied at each tile's start); None: 2 where ``ctas``
         CTAs of two fit an SM's shared memory, else 1.
+      replay: how a pending tuple commit is replayed: ``"loop"``, a loop to the accepted step
+        (then on to a later track step), or ``"static"``, all of the previous step's D steps
+        unrolled with the accepted state selected at its step (no dynamic loop; the steps past
+        the last one needed are computed and dropped). The same bits either way.
       form: the rule's rounding (:data:`FORMS`; None: ``"pinned"`` on the GPU, ``"portable"``
         in interpret mode) or, in tests, a control (:data:`CONTROL_FORMS`).
+      control: tests only: a wrong ordering of the fused commit (:data:`CONTROLS`).
     """
 
     ctas: int = 2
     small_slots: int | None = None
     form: str | None = None
+    replay: str = "loop"
+    control: str | None = None
 
     def __post_init__(self):
         if self.ctas < 1:
             raise ValueError(f"mosaic VerifyConfig: ctas must be >= 1, got {self.ctas}")
         if self.small_slots not in (None, 1, 2):
             raise ValueError(f"mosaic VerifyConfig: small_slots must be 1, 2 or None, got {self.small_slots}")
+        if self.replay not in REPLAYS:
+            raise ValueError(f"mosaic VerifyConfig: replay must be one of {REPLAYS}, got {self.replay!r}")
+        if self.control not in (None, *CONTROLS):
+            raise ValueError(f"mosaic VerifyConfig: control must be None or one of {CONTROLS}, got {self.control!r}")
         if self.form not in (None, *FORMS, *CONTROL_FORMS):
             raise ValueError(f"mosaic VerifyConfig: form must be one of {FORMS + CONTROL_FORMS}, got {self.form!r}")
 
@@ -98,6 +112,10 @@ def check_available(op: str) -> None:
                                  f"({jax.__version__}) lacks: {e}. {alternatives}") from e  # fmt: skip
 
 
+def _jax_version() -> tuple[int, ...]:
+    return tuple(int(x) for x in jax.__version__.split(".")[:2])
+
+
 def _interpret() -> bool:
     return platform() == "cpu"
 
@@ -121,12 +139,19 @@ def _geometry(N, D, H, HV, V, K, state_dtype, v, out_dtype, *, out_into, snapsho
         bad = [what for fails, what in problems if fails]
         if bad:
             raise ValueError(f"mosaic verify: the kernel needs {', '.join(bad)}; use backend 'pallas' or 'triton'")
+        od = jnp.dtype(out_dtype)
+        if od.itemsize < 4 and _jax_version() >= (0, 12):
+            raise BackendUnavailable(
+                f"mosaic verify: with jax {jax.__version__}, Mosaic GPU cannot store {od} outputs from this kernel's "
+                f"row layout ({od.itemsize} bytes a thread; it needs 4): pass out_dtype=float32 (got {od}), or use "
+                f"jax 0.11.2, or backend 'pallas' or 'triton'"
+            )
     elif V % R:
         raise ValueError(f"mosaic verify: V={V} must be a multiple of {R}")
     form = config.form or ("portable" if interpret else "pinned")
     if form == "pinned" and interpret:
         raise BackendUnavailable("mosaic verify: the 'pinned' form needs a CUDA GPU; interpret mode uses 'portable'")
-    num_sms = 2 if interpret else int(getattr(jax.devices()[0], "core_count", 0) or 132)
+    num_sms = _NUM_SMS_INTERPRET if interpret else int(getattr(jax.devices()[0], "core_count", 0) or 132)
     slots = config.small_slots
     if slots is None:
         two = smem_bytes(D, PD, HV, R, K, sd.itemsize, jnp.dtype(v.dtype).itemsize, 2)
@@ -134,8 +159,8 @@ def _geometry(N, D, H, HV, V, K, state_dtype, v, out_dtype, *, out_into, snapsho
     return Geometry(
         N=N, D=D, H=H, HV=HV, V=V, K=K, R=R, state_dtype=sd.name, v_dtype=jnp.dtype(v.dtype).name,
         v_stacked=v.ndim == 5, out_dtype=jnp.dtype(out_dtype).name, out_into=out_into, snapshots=snapshots,
-        into=into, pending=PD > 0, PD=PD, ctas=config.ctas, num_sms=num_sms, small_slots=slots, form=form,
-        interpret=interpret,
+        into=into, pending=PD > 0, PD=PD, ctas=config.ctas, num_sms=num_sms, small_slots=slots, replay=config.replay,
+        control=config.control, form=form, interpret=interpret,
     )  # fmt: skip
 
 
@@ -151,8 +176,10 @@ def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, s
     and the pool comes back as a third element.
     """
     check_available("verify")
-    return _jitted()(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_layer, rows, pending, out,
-                     out_layer, record=record, scale=float(scale), out_dtype=jnp.dtype(out_dtype), config=config)  # fmt: skip
+    return _jitted()(
+        state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_layer, rows, pending, out, out_layer,
+        record=record, scale=float(scale), out_dtype=jnp.dtype(out_dtype), config=config,
+    )  # fmt: skip
 
 
 @functools.cache

@@ -16,9 +16,10 @@ Launch: ``ctas`` persistent CTAs an SM (the grid is that times the SM count), ea
 tiles ``cta, cta + G, ...``. While a tile computes, the next tile's state and inputs arrive by
 TMA in the other of two shared-memory slots (``small_slots=1``: the inputs single-buffered, copied
 at each tile's start, where two slots of them would not fit two CTAs an SM); every state the pool
-or a snapshot receives leaves from shared memory by a TMA store. The nineteenth session's
-prototype (``scripts/mgpu_fused_probe.py``, ``benchmarks/NOTES.md``) measured this launch at
-1.22x the byte floor at 25x4 on the H200, against 1.49x for the Triton fused kernel.
+or a snapshot receives leaves from shared memory by a TMA store. On the H200 at 25x4 (30 layers,
+``benchmarks/NOTES.md``, twentieth session) the fused kernel takes 37.9 us a layer in a step, 1.37x
+the byte floor of one state read and write and the tapes (Triton's fused kernel: 41.3), and the
+verify alone 25.8 us (Triton's: 27.5).
 
 Rounding: the rule's fma is MLIR's ``math.fma`` through ``plgpu.inline_mgpu`` (``form="pinned"``,
 the GPU); in Mosaic GPU's interpret mode (the CPU, CI) it is the portable integer form of
@@ -38,11 +39,15 @@ from jax import lax
 
 from ... import rounding
 
-__all__ = ["CONTROL_FORMS", "FORMS", "Geometry", "build", "smem_bytes"]
+__all__ = ["CONTROLS", "CONTROL_FORMS", "FORMS", "Geometry", "build", "smem_bytes"]
 
 F32 = jnp.float32
 FORMS = ("pinned", "portable")
 CONTROL_FORMS = ("naive",)
+#: Orderings that break the commit on purpose, for tests: ``"track_after_write"`` replays the
+#: track state from the accepted state the kernel has just written in place (what reading the
+#: pool back would give), not from the state before the verify.
+CONTROLS = ("track_after_write",)
 
 # Columns of the per-request table (int32 [N, 8]), computed by the caller with the commit's masks.
 SLOT, SLOT_OK, ROW, ROW_OK, UPTO, TSTEP, TSLOT, PROW = range(8)
@@ -72,6 +77,8 @@ class Geometry(NamedTuple):
     ctas: int  # persistent CTAs an SM
     num_sms: int
     small_slots: int  # 1 or 2
+    replay: str  # "loop" (dynamic length) or "static" (unrolled, the accepted state selected)
+    control: str | None  # tests only: "track_after_write" (the ordering bug, see CONTROLS)
     form: str
     interpret: bool
 
@@ -218,9 +225,9 @@ def build(g: Geometry):
             plgpu.copy_smem_to_gmem(S_s, dst)
 
         def tile_step(j, carry):
-            cur = table_row(cta + j * NG)
-            slot = j % 2
             tile = cta + j * NG
+            cur = table_row(tile)
+            slot = j % 2
             plgpu.commit_smem()  # every thread is done with the other slot (the previous tile)
             if g.small_slots == 1:
                 fetch_small(tile, cur, lambda ref: ref, r["bar_small"])
@@ -245,24 +252,44 @@ def build(g: Geometry):
             if g.pending:
                 upto, tstep, tslot = cur[UPTO], cur[TSTEP], cur[TSLOT]
 
-                def replay(t, S):
+                def replay(t, S, track=True):
                     kb = cols_of(load(src["pk"].at[t], LCOL))
                     ub = rows_of(load(src["pu"].at[t], LROW))
                     S = update(kb, ub, decay(S, exp(src["pg"][t, hv])))
+                    if track:
 
-                    @pl.when(t == tstep)
-                    def _():
-                        store_state(S_s, S, pool.at[layer, tslot, hv, rows, :])
+                        @pl.when(t == tstep)
+                        def _():
+                            store_state(S_s, S, pool.at[layer, tslot, hv, rows, :])
 
                     return S
 
-                S = lax.fori_loop(0, upto + 1, replay, S)
+                if g.control == "track_after_write":  # the ordering bug: the track from the state written
+                    S = lax.fori_loop(0, upto + 1, lambda t, S: replay(t, S, track=False), S)
 
-                @pl.when(upto >= 0)
-                def _():
-                    store_state(S_s, S, pool.at[layer, cur[SLOT], hv, rows, :])
+                    @pl.when(upto >= 0)
+                    def _():
+                        store_state(S_s, S, pool.at[layer, cur[SLOT], hv, rows, :])
 
-                lax.fori_loop(upto + 1, tstep + 1, replay, S)  # a track step after the accepted one
+                    lax.fori_loop(0, tstep + 1, replay, S)
+                elif g.replay == "loop":  # to the accepted step, then on to a later track step
+                    S = lax.fori_loop(0, upto + 1, replay, S)
+
+                    @pl.when(upto >= 0)
+                    def _():
+                        store_state(S_s, S, pool.at[layer, cur[SLOT], hv, rows, :])
+
+                    lax.fori_loop(upto + 1, tstep + 1, replay, S)  # a track step after the accepted one
+                else:  # "static": all PD steps unrolled, the accepted state picked at its step
+                    run = S
+                    for t in range(g.PD):
+                        run = replay(t, run)
+                        S = lax.select(lax.broadcast_in_dim(t == upto, S.shape, ()), run, S)
+
+                    @pl.when(upto >= 0)
+                    def _():
+                        store_state(S_s, S, pool.at[layer, cur[SLOT], hv, rows, :])
+
                 if sd != F32:
                     S = S.astype(sd).astype(F32)  # the verify starts from the state as the pool holds it
 
