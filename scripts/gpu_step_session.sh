@@ -12,6 +12,11 @@
 #             --variants REGS_VARIANTS, e.g. "pallas:split,pallas:rows:dot_fma='u'") at REGS_CONFIGS (default 25x4 8x16)
 #   floor     scripts/call_floor_probe.py (blocking, polling is_ready(), ahead) per CUDA context schedule (FLOOR_SCHEDULES)
 #   fused     scripts/tune_fused.py at FUSED_CONFIGS (default 25x4,8x16): the fused step per variant (FUSED_VARIANTS)
+#   variants  scripts/mosaic_variants.py at VAR_CONFIGS (default 25x4,8x16), VAR_VARIANTS, VAR_ARGS (e.g. "--layers 30")
+#   mosaic_ncu  Nsight Compute on the mosaic fused kernel at NCU_CONFIG (default 25x4), one launch per variant of
+#             NCU_VARIANTS (default "replay=loop"): details and SASS stall samples as CSV
+#   step_cfg  the step phase with the mosaic backend's default launch replaced by STEP_MOSAIC (VerifyConfig fields;
+#             scripts/step_mosaic_config.py), into step-cfg/
 set -u
 OUT=${OUT:-/tmp/out}
 O=/tmp/o; rm -rf $O; mkdir -p $O "$OUT"
@@ -72,6 +77,31 @@ for phase in ${PHASES:-probe tests step tfrt timeline}; do
         echo "== $sched"; grep -E "b2b|poll|sleep|long jit" $O/floor-$sched.log
       done
       unset TF_CUDA_PLATFORM_GPU_DEVICE_SCHEDULE ;;
+    step_cfg)
+      timeout ${STEP_TIMEOUT:-260} python3 scripts/step_mosaic_config.py "${STEP_MOSAIC:-replay=static}" --out $O/step-cfg \
+        --configs ${STEP_CONFIGS:-25x4,8x16,8x4,8x8} --backends mosaic --kinds ${STEP_KINDS:-unrolled-out,fused-out} \
+        ${STEP_RECORDS:+--records $STEP_RECORDS} --budget-s 8 --rounds 20 > $O/step-cfg.log 2>&1
+      grep "^|\|default launch" $O/step-cfg.log ;;
+    variants)
+      timeout ${VAR_TIMEOUT:-240} python3 scripts/mosaic_variants.py --configs ${VAR_CONFIGS:-25x4,8x16} \
+        --variants "${VAR_VARIANTS:-replay=loop;replay=static}" ${VAR_ARGS:-} > $O/variants.log 2>&1
+      grep -v "^\s*$" $O/variants.log | tail -24 ;;
+    mosaic_ncu)
+      IFS=';' read -ra ncu_variants <<< "${NCU_VARIANTS:-replay=loop}"
+      for v in "${ncu_variants[@]}"; do
+        name=ncu-$(echo "$v" | tr -c 'A-Za-z0-9\n' '_')
+        timeout ${NCU_TIMEOUT:-150} ncu --clock-control none -k regex:mosaic --launch-skip 1 --launch-count 1 \
+          --section LaunchStats --section Occupancy --section SpeedOfLight --section WarpStateStats \
+          --section SourceCounters --section MemoryWorkloadAnalysis --section SchedulerStats --section InstructionStats \
+          -f -o $O/$name python3 scripts/mosaic_variants.py --configs ${NCU_CONFIG:-25x4} --variants "$v" --calls 3 \
+          --no-time ${NCU_ARGS:---cross-every 4} > $O/$name.log 2>&1
+        tail -3 $O/$name.log
+        ncu -i $O/$name.ncu-rep --page details --csv > $O/$name-details.csv 2> $O/$name-err.log
+        ncu -i $O/$name.ncu-rep --page source --print-source sass --csv > $O/$name-sass.csv 2>> $O/$name-err.log
+        rm -f $O/$name.ncu-rep; wc -l $O/$name-*.csv; tail -2 $O/$name-err.log
+        grep -E '"(Duration|Registers Per Thread|Issue Slots Busy|No Eligible|Warp Cycles Per Issued Instruction|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput)"' \
+          $O/$name-details.csv | awk -F'","' '{print $(NF-2), $NF}' | head -12
+      done ;;
     fused)
       OUT=$O timeout ${FUSED_TIMEOUT:-240} python3 scripts/tune_fused.py --configs ${FUSED_CONFIGS:-25x4,8x16} \
         ${FUSED_VARIANTS:+--variants $FUSED_VARIANTS} > $O/tune_fused.log 2>&1; grep -v "^\s*$" $O/tune_fused.log | tail -24 ;;

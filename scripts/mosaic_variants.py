@@ -7,7 +7,8 @@ previous step's tuple tape pending (accepted steps drawn from ``[-1, D)``, one r
 crossing a track boundary into a spare slot), the tape written into a buffer. Each variant
 (``mosaic.VerifyConfig`` fields) must give the outputs, the tape and the pool of the first, bit for
 bit; its kernel's device time is the profiler's (``benchmarks.devtime``). ``--verify`` times the
-verify alone (nothing pending) too. ``--layers 30``: the calls take the pool's layers in turn, so
+verify alone (nothing pending) too. ``--cross-every 4``: one request in four crosses (as in
+``benchmarks.step``'s index sets; the default is one in eight). ``--layers 30``: the calls take the pool's layers in turn, so
 that no state is still in L2 from the call before (as in a step of 30 layers; with one layer, a
 25x4 pool of 52 MB mostly is).
 
@@ -41,7 +42,7 @@ def parse_variant(text: str) -> dict:
     return out
 
 
-def inputs(N: int, D: int, seed: int, layers: int = 1):
+def inputs(N: int, D: int, seed: int, layers: int = 1, cross_every: int = 8):
     rng = np.random.default_rng(seed)
     f32, bf16, i32 = np.float32, jnp.bfloat16, np.int32
     S = 2 * N + 8
@@ -50,14 +51,19 @@ def inputs(N: int, D: int, seed: int, layers: int = 1):
         x = rng.standard_normal(shape)
         return (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(f32)
 
-    slots = rng.permutation(S - 4)[:N].astype(i32)
+    slots = rng.permutation(S - 8)[:N].astype(i32)
     track_slots = np.full(N, -1, i32)
     track_steps = np.full(N, -1, i32)
-    cross = np.arange(N) % 8 == 3
-    track_slots[cross] = S - 4 + np.arange(cross.sum()) % 4
+    cross = np.arange(N) % cross_every == cross_every - 1  # one request in cross_every crosses, into a slot of its own
+    if cross.sum() > 8:
+        raise SystemExit(
+            f"--cross-every {cross_every}: {cross.sum()} requests cross at N={N}, the pool has 8 spare slots"
+        )
+    track_slots[cross] = S - 8 + np.arange(cross.sum())
     track_steps[cross] = rng.integers(0, D, cross.sum())
-    x = {
-        "pool": jnp.asarray(rng.standard_normal((layers, S, HV, V, K)).astype(f32)),
+    pool = jax.random.normal(jax.random.key(seed), (layers, S, HV, V, K), jnp.float32)  # (on the device: 30 layers
+    x = {  # in NumPy took minutes)
+        "pool": pool,
         "q": jnp.asarray(rng.standard_normal((N, D, H, K)), bf16),
         "k": jnp.asarray(rng.standard_normal((N, D, H, K)), bf16),
         "v": jnp.asarray(rng.standard_normal((N, D, HV, V)), bf16),
@@ -122,6 +128,8 @@ def main(argv=None) -> int:
         help="layers of the pool, one a call in turn (30: no state is in L2 from the call before, as in a step)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cross-every", type=int, default=8, help="one request in this many crosses a track boundary")
+    p.add_argument("--no-time", action="store_true", help="run the calls without the profiler (under Nsight Compute)")
     args = p.parse_args(argv)
     from benchmarks.devtime import device_time
 
@@ -129,7 +137,7 @@ def main(argv=None) -> int:
     failed = 0
     for cfg in args.configs.split(","):
         N, D = map(int, cfg.split("x"))
-        x = inputs(N, D, args.seed, args.layers)
+        x = inputs(N, D, args.seed, args.layers, args.cross_every)
         floor = 4 * (2 * N * HV * V * K + N * D * (H * K + 2 * HV * V + 2 * HV)) / 4.1e12 * 1e6  # state in+out, tapes
         first = None
         for text in args.variants.split(";"):
@@ -149,6 +157,10 @@ def main(argv=None) -> int:
                     same = "verify alone"
 
                 run = _runner(x, config, pending, args.calls, args.layers)
+                if args.no_time:
+                    run()
+                    print(f"{cfg} {text or 'default'} {'fused' if pending else 'verify'}: ran {same}", flush=True)
+                    continue
                 t = device_time(run, 3, args.calls) or {"kernels": []}
                 ks = [k for k in t["kernels"] if "mosaic" in k["name"]]
                 us = ks[0]["median_us"] if ks else float("nan")

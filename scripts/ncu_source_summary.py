@@ -7,6 +7,7 @@ each launch: the warp instructions a warp executed (``--warps``: the grid's warp
 the stall samples by reason, and the dynamic opcode mix. ``--segments`` also splits each launch
 into runs of instructions executed the same number of times a warp (straight code, a loop's
 body, a branch not taken), with their long-scoreboard samples: where in the kernel a warp waits.
+``--hot N``: the N instructions with the most stall samples, each with its three largest reasons.
 
 Usage::
 
@@ -56,12 +57,28 @@ def segments(rows: list[dict], warps: int) -> list[str]:
         if run and k != key:
             ops = collections.Counter(opcode(x["Source"]) for x in run).most_common(6)
             lsb = sum(float(x["stall_long_sb"] or 0) for x in run)
-            out.append(f"    {run[0]['Address']}  x{key:5.2f} a warp  {len(run):4d} instructions  "
-                       f"long_sb samples {lsb:6.0f}  {dict(ops)}")
+            out.append(
+                f"    {run[0]['Address']}  x{key:5.2f} a warp  {len(run):4d} instructions  "
+                f"long_sb samples {lsb:6.0f}  {dict(ops)}"
+            )
             run = []
         key = k
         if r is not None:
             run.append(r)
+    return out
+
+
+def hot(rows: list[dict], n: int) -> list[str]:
+    stalls = [c for c in rows[0] if c.startswith("stall_") and "Not Issued" not in c]
+    count = lambda r: float(r["Warp Stall Sampling (All Samples)"] or 0)
+    total = sum(map(count, rows)) or 1.0
+    out = []
+    for r in sorted(rows, key=count, reverse=True)[:n]:
+        why = sorted(((c[6:], float(r[c] or 0)) for c in stalls), key=lambda kv: -kv[1])[:3]
+        why_s = ", ".join(f"{k} {v:.0f}" for k, v in why if v)
+        out.append(
+            f"    {r['Address'][-5:]}  {r['Source'].strip()[:48]:48s} {count(r):5.0f} ({count(r) / total:5.1%})  {why_s}"
+        )
     return out
 
 
@@ -71,6 +88,7 @@ def main() -> None:
     p.add_argument("--warps", type=int, required=True, help="warps in the grid (one-warp programs: the grid's size)")
     p.add_argument("--labels", default="", help="comma-separated names of the launches, in order")
     p.add_argument("--segments", action="store_true")
+    p.add_argument("--hot", type=int, default=0, help="the instructions with the most stall samples")
     a = p.parse_args()
     labels = a.labels.split(",") if a.labels else []
     for i, rows in enumerate(launches(a.csv)):
@@ -78,6 +96,8 @@ def main() -> None:
         print(f"{name}: {summary(rows, a.warps)}")
         if a.segments:
             print("\n".join(segments(rows, a.warps)))
+        if a.hot:
+            print("\n".join(hot(rows, a.hot)))
 
 
 if __name__ == "__main__":

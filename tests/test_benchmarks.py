@@ -216,3 +216,6 @@ def test_ncu_source_summary_reads_the_committed_profile():
     runs = ncu.segments(fused, 12800)
     assert any(" x 2.56 a warp   106 instructions" in line for line in runs)  # the replay loop
     assert ncu.opcode("@!P4  LDG.E.128 R52, desc[UR12][R78.64+0x10] ;") == "LDG"
+    # --hot: the mosaic fused kernel's largest stall site (benchmarks/NOTES.md, twenty-first session)
+    [mosaic] = ncu.launches(str(ROOT / "benchmarks/results/h200-2026-12-03-mosaic2/call1/ncu-replay_loop-sass.csv.gz"))
+    assert "R2UR UR14, R15" in ncu.hot(mosaic, 1)[0] and "245 ( 6.6%)  long_sb 239" in ncu.hot(mosaic, 1)[0]

@@ -180,7 +180,8 @@ def _interpret_sample(backend, keep: bool):
 
 
 @pytest.mark.parametrize("backend,records,dtype", [
-    pytest.param(b, r, dt, id=f"{dt_id}-{r_id}-{b}", marks=_interpret_sample(b, (r_id, dt_id) == ("mixed", "f32")))
+    # (Mosaic GPU on the CPU: its fused decode with tuples runs in its control test below)
+    pytest.param(b, r, dt, id=f"{dt_id}-{r_id}-{b}", marks=_interpret_sample(b, False))
     for dt, dt_id in ((F32, "f32"), (BF16, "bf16"))
     for r, r_id in ((("tuples",) * 3, "tuples"), (("snapshots", "tuples", "snapshots"), "mixed"))
     for b in BACKENDS
@@ -325,20 +326,48 @@ def test_mosaic_fused_kernel_controls_are_caught(dtype, seed):
     """The Mosaic GPU fused kernel broken on purpose: the update rounded twice (``form="naive"``, in
     its replay and its chain), and the track state replayed from the accepted state it has just
     written in place (``control="track_after_write"``). The pools must differ from the separate
-    steps' (the naive form's in every committed slot, the ordering's in the track slots)."""
+    steps' (the naive form's in every committed slot, the ordering's in the track slots). With a
+    bf16 pool only the ordering: the naive form's 1-ULP drift in fp32 rounds away in bf16 (seen on
+    the H200: no bit differed). First the kernel unbroken: the fused steps equal the separate
+    ones, bit for bit (CI's CPU run of the Mosaic GPU fused decode)."""
     from gdn_lossless_jax.backends.mosaic import VerifyConfig as MosaicConfig
 
     steps = _steps(seed, _plan("mosaic")[:2])
     pool = _pool(seed, dtype)
     records = ("tuples",) * 2
-    want_pools, _, _ = separate(pool, steps, records, "mosaic")
-    for config, what in [(MosaicConfig(form="naive"), "the naive form"),
-                         (MosaicConfig(control="track_after_write"), "the track state taken after the write")]:  # fmt: skip
+    want = separate(pool, steps, records, "mosaic")
+    assert_bitwise_equal(want, fused(pool, steps, records, "mosaic"), "pools, outputs and tapes, fused and separate")
+    want_pools = want[0]
+    controls = [(MosaicConfig(form="naive"), "the naive form")] if dtype == F32 else []
+    controls.append((MosaicConfig(control="track_after_write"), "the track state taken after the write"))
+    for config, what in controls:
         got_pools, _, _ = fused(pool, steps, records, "mosaic", config=config)
         assert_bitwise_differs(want_pools[0], got_pools[0], f"{what} (the pool the fused replay wrote)")
     # the ordering control's track slot: step 0's request 1 crossed a boundary at or before its accepted step
     tslot = int(steps[0].track_slots[1])
     assert_bitwise_differs(want_pools[0][:, tslot], got_pools[0][:, tslot], "the track slot (track after the write)")
+
+
+_MOSAIC_LAUNCHES = [
+    # interpret mode: ~45 s a case on the CPU, GDN_FULL_TESTS=1 runs them (the GPU run does)
+    pytest.param(f, id=i, marks=() if ON_GPU else full_only)
+    for f, i in [({"small_slots": 1}, "single"), ({"replay": "static"}, "static"), ({"ctas": 3, "small_slots": 1}, "ctas3")]
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fields", _MOSAIC_LAUNCHES)
+def test_other_launches_of_the_mosaic_kernel(fields, seed):
+    """The Mosaic GPU fused kernel's other launches (``mosaic.VerifyConfig``: the inputs
+    single-buffered, the replay unrolled, three CTAs an SM) give the default launch's pools,
+    outputs and tapes, bit for bit, over steps with a pending commit."""
+    from gdn_lossless_jax.backends.mosaic import VerifyConfig as MosaicConfig
+
+    steps = _steps(seed, _plan("mosaic")[:2])
+    pool = _pool(seed, F32)
+    records = ("tuples", "tuples")
+    want = fused(pool, steps, records, "mosaic")
+    got = fused(pool, steps, records, "mosaic", config=MosaicConfig(**fields))
+    assert_bitwise_equal(want, got, f"pools, outputs and tapes with mosaic VerifyConfig({fields})")
 
 
 def test_fused_errors_name_the_argument():
@@ -361,11 +390,10 @@ def test_fused_errors_name_the_argument():
 # The pool module: a pool that defers its commit to the next verify, and flush
 # ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("record,backend", [
-    # (interpret mode: the Pallas snapshot case with GDN_FULL_TESTS=1; its fused kernel's snapshot
-    # commit runs in test_fused_steps_equal_separate_steps, the pool's wiring in the reference's case)
+    # (interpret mode: the Pallas cases with GDN_FULL_TESTS=1; its fused kernel runs in
+    # test_fused_steps_equal_separate_steps, the pool's wiring in the reference's cases)
     pytest.param(record, backend, id=f"{record}-{backend}",
-                 marks=full_only if backend in ("pallas", "mosaic") and record == "snapshots" and not ON_GPU
-                 else _interpret_sample(backend, False))
+                 marks=full_only if backend in ("pallas", "mosaic") and not ON_GPU else ())
     for backend in BACKENDS for record in gl.RECORD_MODES
 ])  # fmt: skip
 def test_pool_deferred_commit_equals_immediate(backend, record, seed):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import gdn_lossless_jax as gl
-from conftest import ON_GPU, requires_gpu
+from conftest import ON_GPU, full_only, requires_gpu
 from equivalence import check_commit, make_case, naive_replays
 from gdn_lossless_jax import backends
 from gdn_lossless_jax.backends.pallas import CommitConfig, VerifyConfig
@@ -67,7 +67,12 @@ GPU_CONFIGS |= {f"chain-dot-fma-{d}": VerifyConfig(dot_fma=d) for d in ("none", 
 SHAPES = {} if ON_GPU else {"chain-bv4-w1-kc4-unrolled": Shape(N=2, D=3, H=2, HV=4, K=8, V=8)}
 
 
-@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+# On the CPU with GDN_FULL_TESTS=1 only (the suite's time): the unrolled chunks run in the 4-column case.
+CPU_EXTENDED = {"chain-bv8-w1-kc8-unrolled"}
+
+
+@pytest.mark.parametrize("config", [pytest.param(c, id=name, marks=full_only if name in CPU_EXTENDED and not ON_GPU else ())
+                                    for name, c in CONFIGS.items()])  # fmt: skip
 def test_config_keeps_the_tape_exact(config, seed, request):
     _check_config(config, seed, SHAPES.get(request.node.callspec.id, SHAPE))
 

@@ -62,7 +62,7 @@ def check_case(backend: str, case: fuzz.CommitCase):
 
 
 @seed(GDN_SEED)
-@settings(max_examples=examples(10))
+@settings(max_examples=examples(6))
 @given(st.data())
 def test_commit_properties_reference(data):
     """Geometries (HV = 64, K = V = 256, K != V, H = HV, ...), D in [1, 32], fp32/bf16 pools

@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 import gdn_lossless_jax as gl
-from conftest import ON_GPU, requires_gpu
+from conftest import ON_GPU, full_only, requires_gpu
 from equivalence import Case, check_commit, check_outputs, check_replay_every_step
 from gdn_lossless_jax import pool as gpool
 from gdn_lossless_jax import reference, rounding, sharding
@@ -56,10 +56,12 @@ needs_mesh = needs_devices(SIMULATED)
 BACKENDS = ["reference"] + (["pallas"] + (["triton"] if importlib.util.find_spec("jax_triton") else []) if ON_GPU else [])
 
 
-def mesh_params(meshes, backends=("reference",), extra=((),)):
-    """``(tp, dp, backend, *extra)`` parameters, each needing ``tp * dp`` devices."""
+def mesh_params(meshes, backends=("reference",), extra=((),), cpu_extended=()):
+    """``(tp, dp, backend, *extra)`` parameters, each needing ``tp * dp`` devices; the meshes in
+    ``cpu_extended`` run on simulated CPU devices with GDN_FULL_TESTS=1 only (the suite's time)."""
     return [
-        pytest.param(tp, dp, b, *e, id="-".join([f"mesh-tp{tp}-dp{dp}", b, *map(str, e)]), marks=needs_devices(tp * dp))
+        pytest.param(tp, dp, b, *e, id="-".join([f"mesh-tp{tp}-dp{dp}", b, *map(str, e)]),
+                     marks=[needs_devices(tp * dp), *([full_only] if (tp, dp) in cpu_extended and not ON_GPU else [])])
         for tp, dp in meshes
         for b in backends
         for e in extra
@@ -179,7 +181,7 @@ def sharded_case(plan: sharding.MeshPlan, seed: int, *, L: int = 2, s: Shape = S
     return case, want, programs
 
 
-@pytest.mark.parametrize("tp,dp,backend", mesh_params(MESHES, BACKENDS))
+@pytest.mark.parametrize("tp,dp,backend", mesh_params(MESHES, BACKENDS, cpu_extended=[(4, 1), (1, 2)]))
 def test_shard_equivalence_suite(tp, dp, backend, seed):
     """Both record modes on the mesh: bit-identical to one device (outputs, tapes, commits), and
     the shared suite's checks on the sharded results (modes agree, every step replays to its
@@ -515,6 +517,7 @@ def test_model_spec_step_on_a_mesh_gives_identical_tokens(tp, dp, backend, seed,
 
 
 @needs_devices(2)
+@full_only  # (on the CPU: ~45 s of the suite; CI runs the demo model's mesh step at V = 16)
 def test_model_spec_step_on_a_mesh_with_v_heads_of_128_is_identical(monkeypatch, seed):
     """The demo model's step with the heads over a 2 x 1 mesh at V = 128 (the gpu size's; above
     32, where XLA:CPU starts to split a reduce): the step outputs, top-2 gaps included, and the

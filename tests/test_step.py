@@ -349,10 +349,11 @@ def test_pool_verify_layer_equals_the_old_path(backend, record, dtype, seed):
     assert_bitwise_differs(want_p.tape, other.tape, "rows rolled by one")
 
 
-# (On the CPU Pallas reads the stacks in its tuples case; its snapshot case with GDN_FULL_TESTS=1.)
+# (On the CPU the Pallas cases run with GDN_FULL_TESTS=1: Pallas reading the stacks in interpret mode
+# runs in test_verify_reads_inputs_stacked_over_layers, the pool's wiring in the reference's cases.)
 @pytest.mark.parametrize("record,backend", [
     pytest.param(record, backend, id=f"{record}-{backend}",
-                 marks=full_only if _interpret_only_extended(backend, record == "snapshots") else ())
+                 marks=full_only if _interpret_only_extended(backend, True) else ())
     for record in gl.RECORD_MODES for backend in BACKENDS
 ])  # fmt: skip
 def test_pool_verify_layer_reads_inputs_stacked_over_layers(backend, record, seed):
