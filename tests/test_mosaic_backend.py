@@ -1,4 +1,4 @@
-"""The Mosaic GPU backend's argument errors and launch choice (no kernel runs here).
+"""The Mosaic GPU backend's argument errors, launch choice and lowering for CUDA (no kernel runs here).
 
 Its kernel's results are tested in the shared suites: ``tests/test_fused.py`` and
 ``tests/test_equivalence.py`` (interpret mode on the CPU, the whole matrix on a GPU).
@@ -36,13 +36,65 @@ def test_shapes_the_gpu_kernel_cannot_take_are_named(monkeypatch, kw, match):
         _geometry(monkeypatch, out=F32, **kw)
 
 
-def test_bf16_outputs_under_jax_0_12_raise_with_the_way_out(monkeypatch):
+def test_bf16_outputs_leave_by_the_store_this_jax_takes(monkeypatch):
+    """jax 0.11.2 (the H200's) stores them from registers; jax 0.12's Mosaic GPU refuses that store, so
+    there they are staged in shared memory, and asking for registers raises with the way out."""
+    registers = mosaic.VerifyConfig(outputs="registers")
+    assert _geometry(monkeypatch, out=F32).outputs == "registers"
+    assert _geometry(monkeypatch, out=BF16, config=mosaic.VerifyConfig(outputs="smem")).outputs == "smem"
     if mosaic._jax_version() < (0, 12):
-        assert _geometry(monkeypatch).out_dtype == "bfloat16"  # jax 0.11.2 stores them (the H200 runs)
+        assert _geometry(monkeypatch).outputs == "registers"
+        assert _geometry(monkeypatch, config=registers).outputs == "registers"
         return
-    with pytest.raises(BackendUnavailable, match=r"pass out_dtype=float32 \(got bfloat16\)"):
-        _geometry(monkeypatch)
-    assert _geometry(monkeypatch, out=F32).out_dtype == "float32"
+    assert _geometry(monkeypatch).outputs == "smem"
+    with pytest.raises(BackendUnavailable, match=r"use VerifyConfig\(outputs='smem'\) or None.*\(got bfloat16\)"):
+        _geometry(monkeypatch, config=registers)
+    assert _geometry(monkeypatch, out=F32, config=registers).out_dtype == "float32"
+
+
+def _lower_for_cuda(monkeypatch, out_dtype, config):
+    """Lower the fused verify (a pending tuple commit, the tape into a buffer) for CUDA here, as the
+    GPU would compile it: Mosaic GPU builds the kernel's code while it lowers. The prologue (Pallas
+    Triton, which needs a device to lower) is replaced by a stand-in of its shapes."""
+    from gdn_lossless_jax.tape import Tuples
+
+    monkeypatch.setattr(mosaic, "_interpret", lambda: False)
+
+    def prep(q, k, a, b, A_log, dt_bias, *, into, **_):
+        N, D, H, K = q.shape
+        HV = a.shape[-1]
+        z = jnp.sum(q.astype(F32))
+        return [jnp.zeros((N, D, H, K)) + z] * 2 + [jnp.zeros((N, D, HV)) + z] * 2 + list(into[2:])
+
+    monkeypatch.setattr(mosaic, "_prep", prep)
+    N, D, H, HV, K, V, L, S, R = 2, 2, 2, 4, 64, 64, 2, 6, 3
+    sds, i32 = jax.ShapeDtypeStruct, jnp.int32
+    tuples = lambda *s: Tuples(sds((*s, HV, V), F32), sds((*s, H, K), F32), sds((*s, HV), F32))  # noqa: E731
+    q, v, a = sds((N, D, H, K), BF16), sds((N, D, HV, V), BF16), sds((N, D, HV), BF16)
+    ix = sds((N,), i32)
+
+    def f(pool, q, v, a, A, slots, tape, prev, idx):
+        return mosaic.verify(pool, q, q, v, a, a, A, A, record="tuples", scale=K**-0.5, out_dtype=out_dtype,
+                             slots=slots, layer=1, tape=tape, tape_layer=1, rows=idx,
+                             pending=(idx, idx, idx, idx, 0, prev), config=config)  # fmt: skip
+
+    args = (sds((L, S, HV, V, K), F32), q, v, a, sds((HV,), F32), ix, tuples(L, R, D), tuples(L, R, D), ix)
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("out_dtype", [BF16, F32], ids=["bf16", "f32"])
+def test_the_gpu_kernel_lowers_for_cuda_with_this_jax(monkeypatch, out_dtype):
+    """The kernel as the GPU builds it, lowered on the CPU with this JAX (CI's is 0.12; the H200 runs
+    0.11.2), both ways out for the outputs; the control, bf16 outputs stored from registers with the
+    backend's refusal taken away, must fail under jax 0.12 (its Mosaic GPU refuses 2-byte stores
+    from the row layout), which shows that the lowering builds the stores."""
+    for outputs in (None, "smem"):
+        assert "mosaic_gpu" in _lower_for_cuda(monkeypatch, out_dtype, mosaic.VerifyConfig(outputs=outputs))
+    if out_dtype == F32 or mosaic._jax_version() < (0, 12):
+        return
+    monkeypatch.setattr(mosaic, "_jax_version", lambda: (0, 11))
+    with pytest.raises(Exception, match="smaller than 4 bytes"):
+        _lower_for_cuda(monkeypatch, out_dtype, mosaic.VerifyConfig(outputs="registers"))
 
 
 def test_launch_double_buffers_the_inputs_where_two_ctas_fit(monkeypatch):
@@ -60,6 +112,7 @@ def test_launch_double_buffers_the_inputs_where_two_ctas_fit(monkeypatch):
         ({"small_slots": 3}, "small_slots must be 1, 2 or None, got 3"),
         ({"form": "ptx"}, "form must be one of"),
         ({"replay": "scan"}, "replay must be one of"),
+        ({"outputs": "gmem"}, "outputs must be None or one of"),
     ],
 )
 def test_config_errors_name_the_field(kw, match):

@@ -12,7 +12,8 @@ Where it runs: CUDA GPUs of compute capability 9.0 or later (TMA; run on the H20
 Mosaic GPU's interpret mode on a CPU (tests, CI). On ROCm or an
 older NVIDIA GPU use ``pallas`` or ``triton``. Shapes on the GPU: ``V`` a multiple of 64, ``K``
 a multiple of 32 (64 for a bfloat16 pool) and ``HV`` of 4. Measured on the H200 with jax 0.11.2;
-under jax 0.12 Mosaic GPU refuses its store of bf16 outputs (pass ``out_dtype=float32`` there).
+under jax 0.12 (CI's) it lowers for CUDA, bf16 outputs staged in shared memory
+(``VerifyConfig.outputs``), but has not run on a GPU.
 
 A pending commit whose tape holds snapshots is committed first (the Pallas commit) and then
 verified: bit for bit the same, not fused.
@@ -35,12 +36,14 @@ from .. import pallas as _pallas
 from ..pallas.verify import _prep
 from .kernel import CONTROL_FORMS, CONTROLS, FORMS, Geometry, build, smem_bytes
 
-__all__ = ["CONTROLS", "CONTROL_FORMS", "FORMS", "VerifyConfig", "check_available", "commit", "replay", "verify"]
+__all__ = ["CONTROLS", "CONTROL_FORMS", "FORMS", "OUTPUTS", "VerifyConfig", "check_available", "commit", "replay",
+           "verify"]  # fmt: skip
 
 SMEM_PER_SM = 227 * 1024  # the H100/H200's shared memory an SM offers its CTAs
 GPU_ROWS = 64  # rows of a tile: the WGMMA layout's
 _NUM_SMS_INTERPRET = 1  # interpret mode: SMs simulated (ctas x this CTAs, enough to stride the tiles)
 REPLAYS = ("loop", "static")
+OUTPUTS = ("smem", "registers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +63,11 @@ class VerifyConfig:
       form: the rule's rounding (:data:`FORMS`; None: ``"pinned"`` on the GPU, ``"portable"``
         in interpret mode) or, in tests, a control (:data:`CONTROL_FORMS`).
       control: tests only: a wrong ordering of the fused commit (:data:`CONTROLS`).
+      outputs: how a tile's outputs leave: ``"registers"``, each step's stored from registers,
+        or ``"smem"``, staged in shared memory and stored by TMA after the tile's D steps. None:
+        ``"registers"``, except for outputs narrower than 4 bytes under jax 0.12, whose Mosaic GPU
+        refuses that store. The same bits either way; staging was slower on the H200 (jax 0.11.2,
+        ``benchmarks/NOTES.md``, twenty-second session).
     """
 
     ctas: int = 2
@@ -67,6 +75,7 @@ class VerifyConfig:
     form: str | None = None
     replay: str = "loop"
     control: str | None = None
+    outputs: str | None = None
 
     def __post_init__(self):
         if self.ctas < 1:
@@ -77,6 +86,8 @@ class VerifyConfig:
             raise ValueError(f"mosaic VerifyConfig: replay must be one of {REPLAYS}, got {self.replay!r}")
         if self.control not in (None, *CONTROLS):
             raise ValueError(f"mosaic VerifyConfig: control must be None or one of {CONTROLS}, got {self.control!r}")
+        if self.outputs not in (None, *OUTPUTS):
+            raise ValueError(f"mosaic VerifyConfig: outputs must be None or one of {OUTPUTS}, got {self.outputs!r}")
         if self.form not in (None, *FORMS, *CONTROL_FORMS):
             raise ValueError(f"mosaic VerifyConfig: form must be one of {FORMS + CONTROL_FORMS}, got {self.form!r}")
 
@@ -139,28 +150,31 @@ def _geometry(N, D, H, HV, V, K, state_dtype, v, out_dtype, *, out_into, snapsho
         bad = [what for fails, what in problems if fails]
         if bad:
             raise ValueError(f"mosaic verify: the kernel needs {', '.join(bad)}; use backend 'pallas' or 'triton'")
-        od = jnp.dtype(out_dtype)
-        if od.itemsize < 4 and _jax_version() >= (0, 12):
-            raise BackendUnavailable(
-                f"mosaic verify: with jax {jax.__version__}, Mosaic GPU cannot store {od} outputs from this kernel's "
-                f"row layout ({od.itemsize} bytes a thread; it needs 4): pass out_dtype=float32 (got {od}), or use "
-                f"jax 0.11.2, or backend 'pallas' or 'triton'"
-            )
     elif V % R:
         raise ValueError(f"mosaic verify: V={V} must be a multiple of {R}")
+    od = jnp.dtype(out_dtype)
+    narrow = od.itemsize < 4 and _jax_version() >= (0, 12)  # (interpret mode takes the GPU's choice, so CI runs it)
+    outputs = config.outputs or ("smem" if narrow else "registers")
+    if narrow and outputs == "registers" and not interpret:
+        raise BackendUnavailable(
+            f"mosaic verify: with jax {jax.__version__}, Mosaic GPU cannot store {od} outputs from this kernel's row "
+            f"layout ({od.itemsize} bytes a thread; it needs 4): use VerifyConfig(outputs='smem') or None (the "
+            f"default), or pass out_dtype=float32 (got {od})"
+        )
     form = config.form or ("portable" if interpret else "pinned")
     if form == "pinned" and interpret:
         raise BackendUnavailable("mosaic verify: the 'pinned' form needs a CUDA GPU; interpret mode uses 'portable'")
     num_sms = _NUM_SMS_INTERPRET if interpret else int(getattr(jax.devices()[0], "core_count", 0) or 132)
     slots = config.small_slots
     if slots is None:
-        two = smem_bytes(D, PD, HV, R, K, sd.itemsize, jnp.dtype(v.dtype).itemsize, 2)
+        out_itemsize = od.itemsize if outputs == "smem" else 0
+        two = smem_bytes(D, PD, HV, R, K, sd.itemsize, jnp.dtype(v.dtype).itemsize, 2, out_itemsize)
         slots = 2 if config.ctas * (two + 1024) <= SMEM_PER_SM else 1
     return Geometry(
         N=N, D=D, H=H, HV=HV, V=V, K=K, R=R, state_dtype=sd.name, v_dtype=jnp.dtype(v.dtype).name,
         v_stacked=v.ndim == 5, out_dtype=jnp.dtype(out_dtype).name, out_into=out_into, snapshots=snapshots,
         into=into, pending=PD > 0, PD=PD, ctas=config.ctas, num_sms=num_sms, small_slots=slots, replay=config.replay,
-        control=config.control, form=form, interpret=interpret,
+        control=config.control, outputs=outputs, form=form, interpret=interpret,
     )  # fmt: skip
 
 

@@ -79,14 +79,17 @@ class Geometry(NamedTuple):
     small_slots: int  # 1 or 2
     replay: str  # "loop" (dynamic length) or "static" (unrolled, the accepted state selected)
     control: str | None  # tests only: "track_after_write" (the ordering bug, see CONTROLS)
+    outputs: str  # "smem" (a tile's outputs staged in shared memory, stored by TMA) or "registers"
     form: str
     interpret: bool
 
 
-def smem_bytes(D: int, PD: int, HV: int, R: int, K: int, itemsize: int, v_itemsize: int, small_slots: int) -> int:
-    """Shared memory of one CTA: two state slots and ``small_slots`` copies of the step inputs."""
+def smem_bytes(D: int, PD: int, HV: int, R: int, K: int, itemsize: int, v_itemsize: int, small_slots: int,
+               out_itemsize: int = 0) -> int:
+    """Shared memory of one CTA: two state slots, ``small_slots`` copies of the step inputs and,
+    with ``out_itemsize`` (``outputs="smem"``), two slots of a tile's outputs."""
     small = D * (2 * K * 4 + R * v_itemsize + 2 * HV * 4) + PD * (K * 4 + R * 4 + HV * 4)
-    return 2 * R * K * itemsize + small_slots * small
+    return 2 * R * K * itemsize + small_slots * small + 2 * D * R * out_itemsize
 
 
 def _small_shapes(g: Geometry) -> dict:
@@ -232,9 +235,15 @@ def build(g: Geometry):
             if g.small_slots == 1:
                 fetch_small(tile, cur, lambda ref: ref, r["bar_small"])
 
+            if g.outputs == "smem":
+                # Every store but the previous tile's outputs (its last) has read shared memory: its
+                # state slot is free, and so is the outputs slot this tile writes (tile j - 2's).
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+
             @pl.when(j + 1 < count)
             def _():
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores have read its slot
+                if g.outputs != "smem":
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores have read its slot
                 fetch(tile + NG, table_row(tile + NG), 1 - slot)
 
             plgpu.barrier_wait(bars.at[slot])
@@ -302,7 +311,9 @@ def build(g: Geometry):
                 ut = src["beta"][t, hv] * (vt - jnp.sum(Sd * kb, axis=1))
                 S = update(kb, rows_of(ut), Sd)
                 o = jnp.sum(S * qb, axis=1).astype(od)
-                if g.out_into:
+                if g.outputs == "smem":
+                    smem["o"][slot, t] = o
+                elif g.out_into:
                     r["out"][out_layer, n, t, hv, rows] = o
                 else:
                     r["out"][n, t, hv, rows] = o
@@ -321,6 +332,10 @@ def build(g: Geometry):
                         r["rec"][tape_layer, row, t, hv, rows] = ut
                 else:
                     r["rec"][n, t, hv, rows] = ut
+            if g.outputs == "smem":  # the tile's last store (the wait at the next tile's start counts on it)
+                plgpu.commit_smem()
+                dst = r["out"].at[out_layer, n, :, hv, rows] if g.out_into else r["out"].at[n, :, hv, rows]
+                plgpu.copy_smem_to_gmem(smem["o"].at[slot], dst)
             return carry
 
         @pl.when(count > 0)
@@ -334,6 +349,8 @@ def build(g: Geometry):
     S_smem = plgpu.SMEM((2, R, K), sd, transforms=transforms)
     lead = (2,) if g.small_slots == 2 else ()
     smem = {k: plgpu.SMEM((*lead, *shape), jnp.dtype(dt)) for k, (shape, dt) in shapes.items()} | {"S": S_smem}
+    if g.outputs == "smem":
+        smem["o"] = plgpu.SMEM((2, D, R), od)
     scratch = [smem]
     if g.small_slots == 2:
         scratch.append(plgpu.Barrier(num_arrivals=len(shapes) + 1, num_barriers=2))
