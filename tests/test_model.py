@@ -264,16 +264,16 @@ def test_controls_are_caught(seed):
 # Smaller pieces.
 # ---------------------------------------------------------------------------------------
 def test_demo_soak_reduced(capsys):
-    """The soak at a reduced length (CI): 2 conversations of 2 turns x 500 tokens, the
+    """The soak at a reduced length (CI): 2 conversations of 2 turns x 250 tokens, the
     second turn resumed from the prefix cache, both modes; the full length is a committed log."""
-    args = ["demo", "--tokens", "500", "--turns", "2", "--prompts", "2", "--batch", "2", "--track-interval", "128",
+    args = ["demo", "--tokens", "250", "--turns", "2", "--prompts", "2", "--batch", "2", "--track-interval", "128",
             "--progress", "off"]  # fmt: skip
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "verdict    identical" in out
-    assert "2,000 of 2,000 tokens equal" in out and "bit-identical" in out
+    assert "1,000 of 1,000 tokens equal" in out and "bit-identical" in out
     for mode in MODES:
-        assert f"{mode:<10} 2000 tokens" in out
+        assert f"{mode:<10} 1000 tokens" in out
     assert out.count("2 of 2 later turns resumed") == 2
 
 

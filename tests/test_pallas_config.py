@@ -67,8 +67,12 @@ GPU_CONFIGS |= {f"chain-dot-fma-{d}": VerifyConfig(dot_fma=d) for d in ("none", 
 SHAPES = {} if ON_GPU else {"chain-bv4-w1-kc4-unrolled": Shape(N=2, D=3, H=2, HV=4, K=8, V=8)}
 
 
-# On the CPU with GDN_FULL_TESTS=1 only (the suite's time): the unrolled chunks run in the 4-column case.
-CPU_EXTENDED = {"chain-bv8-w1-kc8-unrolled"}
+# On the CPU with GDN_FULL_TESTS=1 only (the suite's time): the unrolled chunks run in the 4-column case,
+# the grid's order in the gram tiles-first case and the snapshot verifies (tiles first by default; requests
+# first is the tuple verify's), the prologue's heads a program in test_head_counts_that_are_not_powers_of_two
+# (2, the default, and 0: all in one), the eviction hint off (it changes no arithmetic).
+CPU_EXTENDED = {"chain-bv8-w1-kc8-unrolled", "chain-bv8-w1-kc8-requests-first", "chain-bv8-w1-kc8-tiles-first",
+                "chain-bv8-w1-kc8-prep1", "chain-bv8-w1-kc8-no-evict"}  # fmt: skip
 
 
 @pytest.mark.parametrize("config", [pytest.param(c, id=name, marks=full_only if name in CPU_EXTENDED and not ON_GPU else ())

@@ -181,7 +181,7 @@ def sharded_case(plan: sharding.MeshPlan, seed: int, *, L: int = 2, s: Shape = S
     return case, want, programs
 
 
-@pytest.mark.parametrize("tp,dp,backend", mesh_params(MESHES, BACKENDS, cpu_extended=[(4, 1), (1, 2)]))
+@pytest.mark.parametrize("tp,dp,backend", mesh_params(MESHES, BACKENDS, cpu_extended=[(2, 1), (4, 1), (1, 2)]))
 def test_shard_equivalence_suite(tp, dp, backend, seed):
     """Both record modes on the mesh: bit-identical to one device (outputs, tapes, commits), and
     the shared suite's checks on the sharded results (modes agree, every step replays to its
@@ -297,6 +297,7 @@ def test_shard_pool_verify_layer_and_commit(tp, dp, backend, record, seed):
 
 @needs_devices(4)
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the pool test above runs the compiled kernels")
+@full_only  # (~45 s of CI's suite; there the reference's pool step runs on the mesh, Pallas on one device)
 def test_shard_pallas_interpret_pool_step(seed):
     """The Pallas kernels (interpret mode) per shard on a 2 x 2 mesh: conv, verify from the pool
     by slot with the tape written in place, the commit kernels: == one device."""
@@ -308,8 +309,8 @@ def test_shard_pallas_interpret_pool_step(seed):
 def test_shard_fused_commit_and_verify_and_a_deferring_pool(tp, dp, backend, seed):
     """The fused entry point, commit_and_verify (the previous step's commit inside the next
     verify), per shard == one device in both record modes; and a pool that defers its commit
-    (pool.allocate(defer_commit=True)): two steps and a flush on the mesh == one device. Both
-    with ``out=`` (an outputs buffer over layers) too."""
+    (pool.allocate(defer_commit=True)): two steps and a flush on the mesh == one device. With
+    ``out=`` (an outputs buffer over layers) too (on the CPU with tuples only: the suite's time)."""
     plan, s = make_plan(tp, dp), SHAPE
     rng = np.random.default_rng(seed)
     pool = jnp.asarray(0.5 * rng.standard_normal((2, 12, s.HV, s.V, s.K), np.float32))
@@ -323,6 +324,8 @@ def test_shard_fused_commit_and_verify_and_a_deferring_pool(tp, dp, backend, see
         want = gl.commit_and_verify(pool, pending, **x, slots=ix.slots, layer=1, record=record, backend=backend)
         got = plan.commit_and_verify(pool, pending, **x, slots=ix.slots, layer=1, record=record, backend=backend)
         assert_bitwise_equal(want, got, f"commit_and_verify ({record}) on a {tp}x{dp} mesh vs one device")
+        if record == "snapshots" and not ON_GPU:  # out= with tuples only (the outputs are the same in both modes)
+            continue
         # out=: the outputs written into a [L, N, D, HV, V] buffer at the layer, on the mesh as on one device
         obuf = jnp.asarray(rng.standard_normal((2, *want[0].shape), np.float32)).astype(want[0].dtype)
         got = plan.commit_and_verify(pool, pending, **x, slots=ix.slots, layer=1, record=record, backend=backend,

@@ -42,16 +42,28 @@ def _interpret_only_extended(backend: str, *values) -> bool:
 
 
 # Pool dtype x record mode x backend. Interpret mode compiles each combination's kernels anew
-# (seconds each): on the CPU the Pallas cases run the cross's diagonal, fp32 with tuples and bf16
-# with snapshots (each dtype and each record mode; the reference runs the whole cross), the rest
-# with GDN_FULL_TESTS=1 (and on a GPU).
-CROSS = [
-    pytest.param(dtype, record, backend, id=f"{name}-{record}-{backend}",
-                 marks=full_only if _interpret_only_extended(backend, (dtype == BF16) != (record == "snapshots")) else ())
-    for dtype, name in ((F32, "f32"), (BF16, "bf16"))
-    for record in gl.RECORD_MODES
-    for backend in BACKENDS
-]  # fmt: skip
+# (seconds each). On the CPU (the suite's time, docs/testing.md) the reference runs three cells (fp32
+# snapshots, a plain copy of each state, with GDN_FULL_TESTS=1) and Pallas the cells ``pallas``
+# names, fp32 with tuples or bf16 with snapshots, so that the tests between them run both; the rest
+# run with GDN_FULL_TESTS=1 (and on a GPU).
+def cross(*pallas: str):
+    def extended(dtype, record, backend):
+        if ON_GPU:
+            return False
+        if backend == "reference":
+            return dtype == F32 and record == "snapshots"
+        return backend == "pallas" and f"{jnp.dtype(dtype).name}-{record}" not in pallas
+
+    return [
+        pytest.param(dtype, record, backend, id=f"{name}-{record}-{backend}",
+                     marks=full_only if extended(dtype, record, backend) else ())
+        for dtype, name in ((F32, "f32"), (BF16, "bf16"))
+        for record in gl.RECORD_MODES
+        for backend in BACKENDS
+    ]  # fmt: skip
+
+
+TUPLES_F32, SNAPSHOTS_BF16 = "float32-tuples", "bfloat16-snapshots"
 
 
 def _pool_of(x, S: int, slots, rng, dtype):
@@ -85,7 +97,7 @@ def _case(seed, dtype, shape=SHAPE):
     return rng, x, S, slots
 
 
-@pytest.mark.parametrize("dtype,record,backend", CROSS)
+@pytest.mark.parametrize("dtype,record,backend", cross(TUPLES_F32))
 def test_verify_reads_the_pool_by_slot(backend, record, dtype, seed):
     rng, x, S, slots = _case(seed, dtype)
     pool1 = _pool_of(x, S, slots, rng, dtype)
@@ -126,7 +138,7 @@ def _expected_buffer(buf, layer, rows, tape):
     return jax.tree.map(put, buf, tape)
 
 
-@pytest.mark.parametrize("dtype,record,backend", CROSS)
+@pytest.mark.parametrize("dtype,record,backend", cross(TUPLES_F32, SNAPSHOTS_BF16))
 def test_tape_lands_in_place(backend, record, dtype, seed):
     rng, x, S, slots = _case(seed, dtype)
     s = SHAPE
@@ -166,7 +178,7 @@ def _stacked_case(seed, dtype, L=3):
     return rng, layers, pool, stacks, S, slots
 
 
-@pytest.mark.parametrize("dtype,record,backend", CROSS)
+@pytest.mark.parametrize("dtype,record,backend", cross(SNAPSHOTS_BF16))
 def test_verify_reads_inputs_stacked_over_layers(backend, record, dtype, seed):
     """Inputs stacked ``[L, ...]`` with the pool ``[L, S, ...]`` and ``layer``: the kernels read
     layer ``layer`` of each input, equal to passing that layer's inputs, with the tape in
@@ -205,7 +217,7 @@ def test_verify_reads_inputs_stacked_over_layers(backend, record, dtype, seed):
     assert_bitwise_differs(o1, o_wrong, "the inputs of another layer")
 
 
-@pytest.mark.parametrize("dtype,record,backend", CROSS)
+@pytest.mark.parametrize("dtype,record,backend", cross(SNAPSHOTS_BF16))
 def test_outputs_land_in_place(backend, record, dtype, seed):
     """``out=``: each layer's outputs written into one ``[L, N, D, HV, V]`` buffer at the layer
     (carried with the tape through a ``lax.scan``, both donated), the layers not verified keep
@@ -329,7 +341,7 @@ def _old_verify_layer(p, layer, x, prm, slots, rows, backend):
     return out, gpool.store_layer(p, layer, tape, windows, rows)
 
 
-@pytest.mark.parametrize("dtype,record,backend", CROSS)
+@pytest.mark.parametrize("dtype,record,backend", cross(TUPLES_F32))
 def test_pool_verify_layer_equals_the_old_path(backend, record, dtype, seed):
     N, D = 4, 3  # D below the scratch's 4
     rng, layers, steps = _pool_inputs(seed, N, D)
@@ -574,9 +586,13 @@ def _compiled_step(backend, record, form, seed, copy_pool=False, size=1):
     return pool_copies(f.lower(p, stack(layers), stack(steps), *ix).compile(), p)
 
 
+# On the CPU snapshots run in the scan form only (the other two with GDN_FULL_TESTS=1: the suite's time).
 @pytest.mark.parametrize("backend", HLO_BACKENDS)
-@pytest.mark.parametrize("record", gl.RECORD_MODES)
-@pytest.mark.parametrize("form", ["scan", "unrolled", "scan-stacked"])
+@pytest.mark.parametrize("form,record", [
+    pytest.param(form, record, id=f"{form}-{record}",
+                 marks=full_only if record == "snapshots" and form != "scan" and not ON_GPU else ())
+    for form in ("scan", "unrolled", "scan-stacked") for record in gl.RECORD_MODES
+])  # fmt: skip
 def test_compiled_step_has_no_pool_or_tape_copy(backend, record, form, seed):
     bad, temps = _compiled_step(backend, record, form, seed)
     assert not bad, "the compiled step copies the pool or its scratch:\n" + "\n".join(bad)
