@@ -188,7 +188,7 @@ def _cpu_diagonal(backend, dt_id, r_id):
     if backend == "mosaic":
         return _interpret_sample(backend, False)
     keep = {"pallas": {("f32", "tuples"), ("bf16", "mixed")}, "reference": {("bf16", "tuples"), ("f32", "mixed")}}
-    return () if (dt_id, r_id) in keep.get(backend, {(dt_id, r_id)}) else full_only
+    return () if (dt_id, r_id) in keep[backend] else full_only
 
 
 @pytest.mark.parametrize("backend,records,dtype", [

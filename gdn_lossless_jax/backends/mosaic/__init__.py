@@ -172,7 +172,7 @@ def _geometry(N, D, H, HV, V, K, state_dtype, v, out_dtype, *, out_into, snapsho
         slots = 2 if config.ctas * (two + 1024) <= SMEM_PER_SM else 1
     return Geometry(
         N=N, D=D, H=H, HV=HV, V=V, K=K, R=R, state_dtype=sd.name, v_dtype=jnp.dtype(v.dtype).name,
-        v_stacked=v.ndim == 5, out_dtype=jnp.dtype(out_dtype).name, out_into=out_into, snapshots=snapshots,
+        v_stacked=v.ndim == 5, out_dtype=od.name, out_into=out_into, snapshots=snapshots,
         into=into, pending=PD > 0, PD=PD, ctas=config.ctas, num_sms=num_sms, small_slots=slots, replay=config.replay,
         control=config.control, outputs=outputs, form=form, interpret=interpret,
     )  # fmt: skip
