@@ -7,10 +7,10 @@ previous step's tuple tape pending (accepted steps drawn from ``[-1, D)``, one r
 crossing a track boundary into a spare slot), the tape written into a buffer. Each variant
 (``mosaic.VerifyConfig`` fields) must give the outputs, the tape and the pool of the first, bit for
 bit; its kernel's device time is the profiler's (``benchmarks.devtime``). ``--verify`` times the
-verify alone (nothing pending) too. ``--cross-every 4``: one request in four crosses (as in
-``benchmarks.step``'s index sets; the default is one in eight). ``--layers 30``: the calls take the pool's layers in turn, so
-that no state is still in L2 from the call before (as in a step of 30 layers; with one layer, a
-25x4 pool of 52 MB mostly is).
+verify alone (nothing pending) too. ``--cross-every 4`` and ``--accepted-min 0``: one request in
+four crosses and every request accepts a step (as in ``benchmarks.step``'s index sets).
+``--layers 30``: the calls take the pool's layers in turn, so that no state is still in L2 from
+the call before (as in a step of 30 layers; with one layer, a 25x4 pool of 52 MB mostly is).
 
     python scripts/mosaic_variants.py --configs 25x4,8x16 --variants "replay=loop;replay=static"
 """
@@ -42,7 +42,7 @@ def parse_variant(text: str) -> dict:
     return out
 
 
-def inputs(N: int, D: int, seed: int, layers: int = 1, cross_every: int = 8):
+def inputs(N: int, D: int, seed: int, layers: int = 1, cross_every: int = 8, accepted_min: int = -1):
     rng = np.random.default_rng(seed)
     f32, bf16, i32 = np.float32, jnp.bfloat16, np.int32
     S = 2 * N + 8
@@ -83,7 +83,8 @@ def inputs(N: int, D: int, seed: int, layers: int = 1, cross_every: int = 8):
         ),
         "pending_idx": tuple(
             jnp.asarray(a)
-            for a in (rng.permutation(N).astype(i32), rng.integers(-1, D, N).astype(i32), track_slots, track_steps)
+            for a in (rng.permutation(N).astype(i32), rng.integers(accepted_min, D, N).astype(i32), track_slots,
+                      track_steps)  # fmt: skip
         ),
     }
     return x
@@ -129,6 +130,10 @@ def main(argv=None) -> int:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cross-every", type=int, default=8, help="one request in this many crosses a track boundary")
+    p.add_argument("--accepted-min", type=int, default=-1,
+                   help="accepted steps drawn from [this, D) (-1: some accept nothing; 0: as in benchmarks.step)")
+    p.add_argument("--details", action="store_true",
+                   help="print the kernel's launch as the profiler records it (registers, shared memory, occupancy)")
     p.add_argument("--no-time", action="store_true", help="run the calls without the profiler (under Nsight Compute)")
     args = p.parse_args(argv)
     from benchmarks.devtime import device_time
@@ -137,7 +142,7 @@ def main(argv=None) -> int:
     failed = 0
     for cfg in args.configs.split(","):
         N, D = map(int, cfg.split("x"))
-        x = inputs(N, D, args.seed, args.layers, args.cross_every)
+        x = inputs(N, D, args.seed, args.layers, args.cross_every, args.accepted_min)
         floor = 4 * (2 * N * HV * V * K + N * D * (H * K + 2 * HV * V + 2 * HV)) / 4.1e12 * 1e6  # state in+out, tapes
         first = None
         for text in args.variants.split(";"):
@@ -166,6 +171,8 @@ def main(argv=None) -> int:
                 us = ks[0]["median_us"] if ks else float("nan")
                 print(f"{cfg} {text or 'default'} {'fused' if pending else 'verify'}: kernel {us:.1f} us "
                       f"({us / floor:.2f}x the fused floor {floor:.1f} us) {same}", flush=True)  # fmt: skip
+                if args.details and ks:
+                    print(f"  launch: {ks[0]['details']}", flush=True)
     return 1 if failed else 0
 
 
