@@ -365,16 +365,17 @@ _MOSAIC_LAUNCHES = [
     # interpret mode: ~45 s a case on the CPU, GDN_FULL_TESTS=1 runs them (the GPU run does)
     pytest.param(f, id=i, marks=() if ON_GPU else full_only)
     for f, i in [({"small_slots": 1}, "single"), ({"replay": "static"}, "static"),
-                 ({"ctas": 3, "small_slots": 1}, "ctas3"), ({"outputs": "smem"}, "outputs-smem")]
+                 ({"ctas": 3, "small_slots": 1}, "ctas3"), ({"outputs": "smem"}, "outputs-smem"),
+                 ({"auto_barriers": True}, "auto-barriers")]
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize("fields", _MOSAIC_LAUNCHES)
 def test_other_launches_of_the_mosaic_kernel(fields, seed):
     """The Mosaic GPU fused kernel's other launches (``mosaic.VerifyConfig``: the inputs
-    single-buffered, the replay unrolled, three CTAs an SM, the outputs staged in shared memory)
-    give the default launch's pools, outputs and tapes, bit for bit, over steps with a pending
-    commit."""
+    single-buffered, the replay unrolled, three CTAs an SM, the outputs staged in shared memory,
+    Pallas' automatic barriers kept) give the default launch's pools, outputs and tapes, bit for
+    bit, over steps with a pending commit."""
     from gdn_lossless_jax.backends.mosaic import VerifyConfig as MosaicConfig
 
     steps = _steps(seed, _plan("mosaic")[:2])

@@ -68,6 +68,9 @@ class VerifyConfig:
         ``"registers"``, except for outputs narrower than 4 bytes under jax 0.12, whose Mosaic GPU
         refuses that store. The same bits either way; staging was slower on the H200 (jax 0.11.2,
         ``benchmarks/NOTES.md``, twenty-second session).
+      auto_barriers: keep Pallas' automatic warpgroup barriers around every load and store
+        (``plgpu.CompilerParams(unsafe_no_auto_barriers=False)``); the kernel orders its shared
+        memory itself (``kernel.build`` says how), so by default they are left out.
     """
 
     ctas: int = 2
@@ -76,6 +79,7 @@ class VerifyConfig:
     replay: str = "loop"
     control: str | None = None
     outputs: str | None = None
+    auto_barriers: bool = False
 
     def __post_init__(self):
         if self.ctas < 1:
@@ -174,7 +178,7 @@ def _geometry(N, D, H, HV, V, K, state_dtype, v, out_dtype, *, out_into, snapsho
         N=N, D=D, H=H, HV=HV, V=V, K=K, R=R, state_dtype=sd.name, v_dtype=jnp.dtype(v.dtype).name,
         v_stacked=v.ndim == 5, out_dtype=od.name, out_into=out_into, snapshots=snapshots,
         into=into, pending=PD > 0, PD=PD, ctas=config.ctas, num_sms=num_sms, small_slots=slots, replay=config.replay,
-        control=config.control, outputs=outputs, form=form, interpret=interpret,
+        control=config.control, outputs=outputs, form=form, interpret=interpret, auto_barriers=config.auto_barriers,
     )  # fmt: skip
 
 

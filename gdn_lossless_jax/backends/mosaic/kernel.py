@@ -17,9 +17,10 @@ tiles ``cta, cta + G, ...``. While a tile computes, the next tile's state and in
 TMA in the other of two shared-memory slots (``small_slots=1``: the inputs single-buffered, copied
 at each tile's start, where two slots of them would not fit two CTAs an SM); every state the pool
 or a snapshot receives leaves from shared memory by a TMA store. On the H200 at 25x4 (30 layers,
-``benchmarks/NOTES.md``, twentieth session) the fused kernel takes 37.9 us a layer in a step, 1.37x
-the byte floor of one state read and write and the tapes (Triton's fused kernel: 41.3), and the
-verify alone 25.8 us (Triton's: 27.5).
+``benchmarks/NOTES.md``, twenty-third session) the fused kernel takes 37.3 us a layer in a step,
+1.35x the byte floor of one state read and write and the tapes (Triton's fused kernel: 41.3), and
+the verify alone 23.6 us (Triton's: 27.5); as long with the state in L2: its instructions' latency,
+not its bytes, holds it there.
 
 Rounding: the rule's fma is MLIR's ``math.fma`` through ``plgpu.inline_mgpu`` (``form="pinned"``,
 the GPU); in Mosaic GPU's interpret mode (the CPU, CI) it is the portable integer form of
@@ -82,6 +83,7 @@ class Geometry(NamedTuple):
     outputs: str  # "smem" (a tile's outputs staged in shared memory, stored by TMA) or "registers"
     form: str
     interpret: bool
+    auto_barriers: bool = False  # Pallas' warpgroup barrier around every load and store (see build)
 
 
 def smem_bytes(D: int, PD: int, HV: int, R: int, K: int, itemsize: int, v_itemsize: int, small_slots: int,
@@ -363,5 +365,13 @@ def build(g: Geometry):
         grid=(NG,),
         grid_names=("cta",),
         kernel_name=f"gdn_mosaic_verify_{'snapshots' if g.snapshots else 'tuples'}",
+        # Without Pallas' automatic barriers (a warpgroup barrier before and after each store from
+        # registers and around each async copy: ~30 a tile, 189 a warp in a launch at 25x4),
+        # which the kernel does not need: a thread writes to shared memory only the state tile's
+        # elements it loaded itself (each warp its 16 rows), after ``wait_smem_to_gmem`` (which ends
+        # with a barrier) where a TMA store may still read them; every TMA store and the prefetch
+        # into the other slot come after ``commit_smem`` (a fence and a barrier); the outputs and
+        # the tape leave registers for global memory that no thread of the kernel reads.
+        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=not g.auto_barriers),
         interpret=plgpu.InterpretGPUParams() if g.interpret else None,
     )
