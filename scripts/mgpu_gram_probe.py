@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""Probe: the verify alone (tuples) in the Gram form on CUDA cores, against the chain.
+
+The ``mosaic`` kernel's verify is held by its instructions (``benchmarks/NOTES.md``, twenty-third
+session): each of its D steps decays the ``[64, K]`` state tile, reduces it against ``k_t``,
+updates it and reduces it against ``q_t``, one step after the other. The Gram form (the Pallas
+backend's ``gram`` verify, module docstring of ``backends/pallas/verify.py``) needs only the
+untouched state's products ``xk_t = S0 k_t`` and ``xq_t = S0 q_t``: 2D independent reductions of
+the tile, then per row the ``D x D`` recurrence
+
+    u_t = beta_t (v_t - P_t xk_t) - sum_{s<t} W[t, s] u_s,   o_t = P_t xq_t + sum_{s<=t} C[t, s] u_s
+
+with ``P_t = exp(g_0 + ... + g_t)``, ``W[t, s] = beta_t G[t, s] (k_t . k_s)``, ``C[t, s] = G[t, s]
+(q_t . k_s)``, ``G[t, s] = exp(g_{s+1} + ... + g_t)``, computed here by XLA (in a backend: by the
+prologue). About half the chain's floating-point instructions at D = 4 and no serial dependence
+through the tile. Its ``u`` differs from the chain's in the low bits (as the backends' already do:
+the tape is exact against its own commit, whichever form made it).
+
+Not a backend: the same simplifications as ``scripts/mgpu_ksplit_probe.py`` (whose chain kernel,
+one warpgroup a tile, is the baseline here), fp32 outputs. Both are checked against XLA's chain
+(a tolerance) and timed by the profiler.
+
+    python scripts/mgpu_gram_probe.py --configs 25x4,8x16 --layers 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from mgpu_ksplit_probe import HV, H, K, R, V, inputs, xla_chain
+from mgpu_ksplit_probe import build as build_chain
+
+F32 = jnp.float32
+
+
+def coefficients(x):
+    """``P [N, HV, D]``, ``W`` and ``C [N, HV, D, D]`` (the module docstring), by XLA."""
+    kn, qn = (jnp.repeat(x[k], HV // H, axis=2) for k in ("kn", "qn"))  # [N, D, HV, K]
+    g, beta = x["g"], x["beta"]  # [N, D, HV]
+    D = g.shape[1]
+    t_, s_ = np.arange(D)[:, None], np.arange(D)[None, :]
+    cum = jnp.cumsum(jnp.moveaxis(g, 1, -1), axis=-1)  # [N, HV, D]: g_0 + ... + g_t
+    G = jnp.exp(jnp.where(s_ <= t_, cum[..., :, None] - cum[..., None, :], -jnp.inf))  # [N, HV, t, s]
+    KK = jnp.einsum("nthk,nshk->nhts", kn, kn)
+    QK = jnp.einsum("nthk,nshk->nhts", qn, kn)
+    W = jnp.where(s_ < t_, jnp.moveaxis(beta, 1, -1)[..., :, None] * G * KK, 0.0)
+    C = jnp.where(s_ <= t_, G * QK, 0.0)
+    return jnp.exp(cum), W.astype(F32), C.astype(F32)
+
+
+@functools.cache
+def build(N: int, D: int, ctas: int, num_sms: int, interpret: bool):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    T, G = V // R, HV // H
+    TT = N * HV * T
+    NG = ctas * num_sms
+    L = plgpu.Layout.WGMMA
+    LROW, LCOL = L.reduce(1), L.reduce(0)
+
+    def load(ref, layout):
+        return plgpu.load(ref, layout=None if interpret else layout, optimized=False)
+
+    def body(lay, kq, v, beta, P, W, C, pool, out, rec, smem, bars):
+        layer = lay[0]
+        cta = lax.axis_index("cta")
+        count = (TT - cta + NG - 1) // NG
+
+        def where(tile):
+            n = tile // (HV * T)
+            hv = (tile // T) % HV
+            return n, hv, hv // G, pl.ds((tile % T) * R, R)
+
+        def fetch(tile, slot):
+            n, hv, h, rows = where(tile)
+            bar = bars.at[slot]
+            plgpu.copy_gmem_to_smem(pool.at[layer, n, hv, rows, :], smem["S"].at[slot], bar)
+            plgpu.copy_gmem_to_smem(kq.at[n, h], smem["kq"].at[slot], bar)
+            plgpu.copy_gmem_to_smem(v.at[n, :, hv, rows], smem["v"].at[slot], bar)
+            plgpu.copy_gmem_to_smem(beta.at[n, hv], smem["beta"].at[slot], bar)
+            plgpu.copy_gmem_to_smem(P.at[n, hv], smem["P"].at[slot], bar)
+            plgpu.copy_gmem_to_smem(W.at[n, hv], smem["W"].at[slot], bar)
+            plgpu.copy_gmem_to_smem(C.at[n, hv], smem["C"].at[slot], bar)
+
+        def tile_step(j, carry):
+            tile = cta + j * NG
+            slot = j % 2
+            plgpu.commit_smem()
+
+            @pl.when(j + 1 < count)
+            def _():
+                fetch(tile + NG, 1 - slot)
+
+            plgpu.barrier_wait(bars.at[slot])
+            n, hv, _, rows = where(tile)
+            S = load(smem["S"].at[slot], L)
+            sm = {k: smem[k].at[slot] for k in ("kq", "v", "beta", "P", "W", "C")}
+            # xk_t = S0 k_t, xq_t = S0 q_t: 2D reductions of the same tile, independent of each other
+            xs = [jnp.sum(S * lax.broadcast_in_dim(load(sm["kq"].at[i], LCOL), (R, K), (1,)), axis=1)
+                  for i in range(2 * D)]  # fmt: skip
+            us = []
+            for t in range(D):
+                vt = load(sm["v"].at[t], LROW).astype(F32)
+                u = sm["beta"][t] * (vt - sm["P"][t] * xs[t])
+                for s in range(t):
+                    u = u - sm["W"][t, s] * us[s]
+                us.append(u)
+                o = sm["P"][t] * xs[D + t]
+                for s in range(t + 1):
+                    o = o + sm["C"][t, s] * us[s]
+                out[n, t, hv, rows] = o
+                rec[n, t, hv, rows] = u
+            return carry
+
+        @pl.when(count > 0)
+        def _():
+            fetch(cta, 0)
+            lax.fori_loop(0, count, tile_step, 0)
+
+    tr = () if interpret else (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+    smem = {
+        "S": plgpu.SMEM((2, R, K), F32, transforms=tr),
+        "kq": plgpu.SMEM((2, 2 * D, K), F32),
+        "v": plgpu.SMEM((2, D, R), jnp.bfloat16),
+        "beta": plgpu.SMEM((2, D), F32),
+        "P": plgpu.SMEM((2, D), F32),
+        "W": plgpu.SMEM((2, D, D), F32),
+        "C": plgpu.SMEM((2, D, D), F32),
+    }
+    kernel = plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct((N, D, HV, V), F32), jax.ShapeDtypeStruct((N, D, HV, V), F32)),
+        scratch_types=(smem, plgpu.Barrier(num_arrivals=7, num_barriers=2)),
+        grid=(NG,),
+        grid_names=("cta",),
+        kernel_name="gram_probe",
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+
+    def run(pool, layer, kq, v, beta, P, W, C):  # kq: [N, H, 2D, K] (keys then queries); beta: [N, HV, D]
+        return kernel(jnp.reshape(layer, (1,)).astype(jnp.int32), kq, v, beta, P, W, C, pool)
+
+    return jax.jit(run)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--configs", default="25x4,8x16")
+    p.add_argument("--ctas", type=int, default=2, help="persistent CTAs an SM")
+    p.add_argument("--layers", type=int, default=30, help="pool layers, one a call in turn (30: states from DRAM)")
+    p.add_argument("--calls", type=int, default=30)
+    args = p.parse_args(argv)
+    interpret = jax.default_backend() == "cpu"
+    num_sms = 1 if interpret else int(getattr(jax.devices()[0], "core_count", 0) or 132)
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+    bad = 0
+    for cfg in args.configs.split(","):
+        N, D = map(int, cfg.split("x"))
+        x = inputs(N, D, args.layers)
+        want_o, want_u = (np.asarray(a) for a in xla_chain(x, 0))
+        floor = 4 * (N * HV * V * K + N * D * (2 * H * K + 2 * HV * V + 2 * HV)) / 4.1e12 * 1e6  # state in, tapes
+        P, W, C = coefficients(x)
+        kq = jnp.moveaxis(jnp.concatenate([x["kn"], x["qn"]], axis=1), 2, 1)  # [N, H, 2D, K]
+        beta = jnp.moveaxis(x["beta"], 1, -1)  # [N, HV, D]
+        chain = build_chain(N, D, args.layers, 1, args.ctas, num_sms, interpret)
+        split = {k: x[k].reshape(N, D, H, 1, K) for k in ("kn", "qn")}
+        forms = {
+            "chain": lambda layer: chain(x["pool"], jnp.int32(layer), split["kn"], split["qn"], x["v"], x["g"],
+                                         x["beta"]),  # fmt: skip
+            "gram": lambda layer: build(N, D, args.ctas, num_sms, interpret)(x["pool"], jnp.int32(layer), kq, x["v"],
+                                                                             beta, P, W, C),  # fmt: skip
+        }
+        for name, call in forms.items():
+            o, u = (np.asarray(a) for a in call(0))
+            err = max(np.abs(o - want_o).max() / np.abs(want_o).max(), np.abs(u - want_u).max() / np.abs(want_u).max())
+            bad += not err < 1e-4
+            line = f"{cfg} {name} ctas={args.ctas}: max relative error against XLA's chain {err:.1e}"
+            if not interpret:
+                from benchmarks.devtime import device_time
+
+                def run(call=call):
+                    for i in range(args.calls):
+                        r = call(i % args.layers)
+                    jax.block_until_ready(r)
+
+                t = device_time(run, 3, args.calls) or {"kernels": []}
+                ks = [k for k in t["kernels"] if "probe" in k["name"]]
+                us = ks[0]["median_us"] if ks else float("nan")
+                line += f"; kernel {us:.1f} us ({us / floor:.2f}x the verify's floor {floor:.1f} us)"
+                line += f"\n  launch: {ks[0]['details'] if ks else '?'}"
+            print(line, flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
