@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from mgpu_ksplit_probe import HV, H, K, R, V, inputs, xla_chain
+from mgpu_ksplit_probe import HV, H, K, R, V, check_and_time, inputs, xla_chain
 from mgpu_ksplit_probe import build as build_chain
 
 F32 = jnp.float32
@@ -182,24 +182,8 @@ def main(argv=None) -> int:
                                                                              beta, P, W, C),  # fmt: skip
         }
         for name, call in forms.items():
-            o, u = (np.asarray(a) for a in call(0))
-            err = max(np.abs(o - want_o).max() / np.abs(want_o).max(), np.abs(u - want_u).max() / np.abs(want_u).max())
-            bad += not err < 1e-4
-            line = f"{cfg} {name} ctas={args.ctas}: max relative error against XLA's chain {err:.1e}"
-            if not interpret:
-                from benchmarks.devtime import device_time
-
-                def run(call=call):
-                    for i in range(args.calls):
-                        r = call(i % args.layers)
-                    jax.block_until_ready(r)
-
-                t = device_time(run, 3, args.calls) or {"kernels": []}
-                ks = [k for k in t["kernels"] if "probe" in k["name"]]
-                us = ks[0]["median_us"] if ks else float("nan")
-                line += f"; kernel {us:.1f} us ({us / floor:.2f}x the verify's floor {floor:.1f} us)"
-                line += f"\n  launch: {ks[0]['details'] if ks else '?'}"
-            print(line, flush=True)
+            bad += not check_and_time(f"{cfg} {name} ctas={args.ctas}", call, (want_o, want_u), floor, args,
+                                      interpret)  # fmt: skip
     return 1 if bad else 0
 
 

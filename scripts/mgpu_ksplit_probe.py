@@ -181,6 +181,29 @@ def xla_chain(x, layer):
     return jnp.stack(os, 1), jnp.stack(us, 1)
 
 
+def check_and_time(label, call, want, floor, args, interpret) -> bool:
+    """Print ``call(0)``'s largest error against ``want`` (outputs, u) and, on a GPU, its kernel's
+    device time over ``args.calls`` calls taking the layers in turn; whether the error is small."""
+    got = [np.asarray(a) for a in call(0)]
+    err = max(np.abs(g - w).max() / np.abs(w).max() for g, w in zip(got, want))
+    line = f"{label}: max relative error against XLA's chain {err:.1e}"
+    if not interpret:
+        from benchmarks.devtime import device_time
+
+        def run():
+            for i in range(args.calls):
+                r = call(i % args.layers)
+            jax.block_until_ready(r)
+
+        t = device_time(run, 3, args.calls) or {"kernels": []}
+        ks = [k for k in t["kernels"] if "probe" in k["name"]]
+        us = ks[0]["median_us"] if ks else float("nan")
+        line += f"; kernel {us:.1f} us ({us / floor:.2f}x the verify's floor {floor:.1f} us)"
+        line += f"\n  launch: {ks[0]['details'] if ks else '?'}"
+    print(line, flush=True)
+    return err < 1e-4
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--configs", default="25x4,8x16")
@@ -202,24 +225,8 @@ def main(argv=None) -> int:
             f = build(N, D, args.layers, wgs, args.ctas, num_sms, interpret)
             split = {k: x[k].reshape(N, D, H, wgs, K // wgs) for k in ("kn", "qn")}
             call = lambda layer: f(x["pool"], jnp.int32(layer), split["kn"], split["qn"], x["v"], x["g"], x["beta"])  # noqa: E731
-            o, u = (np.asarray(a) for a in call(0))
-            err = max(np.abs(o - want_o).max() / np.abs(want_o).max(), np.abs(u - want_u).max() / np.abs(want_u).max())
-            bad += not err < 1e-4
-            line = f"{cfg} wgs={wgs} ctas={args.ctas}: max relative error against XLA {err:.1e}"
-            if not interpret:
-                from benchmarks.devtime import device_time
-
-                def run():
-                    for i in range(args.calls):
-                        r = call(i % args.layers)
-                    jax.block_until_ready(r)
-
-                t = device_time(run, 3, args.calls) or {"kernels": []}
-                ks = [k for k in t["kernels"] if "ksplit" in k["name"]]
-                us = ks[0]["median_us"] if ks else float("nan")
-                line += f"; kernel {us:.1f} us ({us / floor:.2f}x the verify's floor {floor:.1f} us)"
-                line += f"\n  launch: {ks[0]['details'] if ks else '?'}"
-            print(line, flush=True)
+            bad += not check_and_time(f"{cfg} wgs={wgs} ctas={args.ctas}", call, (want_o, want_u), floor, args,
+                                      interpret)  # fmt: skip
     return 1 if bad else 0
 
 
