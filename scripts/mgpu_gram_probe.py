@@ -25,7 +25,6 @@ one warpgroup a tile, is the baseline here), fp32 outputs. Both are checked agai
 
 from __future__ import annotations
 
-import argparse
 import functools
 import sys
 from pathlib import Path
@@ -37,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from mgpu_ksplit_probe import HV, H, K, R, V, check_and_time, inputs, xla_chain
+from mgpu_ksplit_probe import HV, H, K, R, V, case, check_and_time, parser, platform
 from mgpu_ksplit_probe import build as build_chain
 
 F32 = jnp.float32
@@ -155,21 +154,11 @@ def build(N: int, D: int, ctas: int, num_sms: int, interpret: bool):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--configs", default="25x4,8x16")
-    p.add_argument("--ctas", type=int, default=2, help="persistent CTAs an SM")
-    p.add_argument("--layers", type=int, default=30, help="pool layers, one a call in turn (30: states from DRAM)")
-    p.add_argument("--calls", type=int, default=30)
-    args = p.parse_args(argv)
-    interpret = jax.default_backend() == "cpu"
-    num_sms = 1 if interpret else int(getattr(jax.devices()[0], "core_count", 0) or 132)
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+    args = parser(__doc__).parse_args(argv)
+    interpret, num_sms = platform()
     bad = 0
     for cfg in args.configs.split(","):
-        N, D = map(int, cfg.split("x"))
-        x = inputs(N, D, args.layers)
-        want_o, want_u = (np.asarray(a) for a in xla_chain(x, 0))
-        floor = 4 * (N * HV * V * K + N * D * (2 * H * K + 2 * HV * V + 2 * HV)) / 4.1e12 * 1e6  # state in, tapes
+        N, D, x, want, floor = case(cfg, args.layers)
         P, W, C = coefficients(x)
         kq = jnp.moveaxis(jnp.concatenate([x["kn"], x["qn"]], axis=1), 2, 1)  # [N, H, 2D, K]
         beta = jnp.moveaxis(x["beta"], 1, -1)  # [N, HV, D]
@@ -182,8 +171,7 @@ def main(argv=None) -> int:
                                                                              beta, P, W, C),  # fmt: skip
         }
         for name, call in forms.items():
-            bad += not check_and_time(f"{cfg} {name} ctas={args.ctas}", call, (want_o, want_u), floor, args,
-                                      interpret)  # fmt: skip
+            bad += not check_and_time(f"{cfg} {name} ctas={args.ctas}", call, want, floor, args, interpret)
     return 1 if bad else 0
 
 

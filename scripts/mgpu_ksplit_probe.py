@@ -204,29 +204,45 @@ def check_and_time(label, call, want, floor, args, interpret) -> bool:
     return err < 1e-4
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parser(doc: str) -> argparse.ArgumentParser:
+    """The probes' common options."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
     p.add_argument("--configs", default="25x4,8x16")
-    p.add_argument("--wgs", default="1,2", help="warpgroups sharing a tile, per form")
     p.add_argument("--ctas", type=int, default=2, help="persistent CTAs an SM")
     p.add_argument("--layers", type=int, default=30, help="pool layers, one a call in turn (30: states from DRAM)")
     p.add_argument("--calls", type=int, default=30)
-    args = p.parse_args(argv)
+    return p
+
+
+def platform() -> tuple[bool, int]:
+    """``(interpret, SMs)``, after printing the platform."""
     interpret = jax.default_backend() == "cpu"
-    num_sms = 1 if interpret else int(getattr(jax.devices()[0], "core_count", 0) or 132)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+    return interpret, 1 if interpret else int(getattr(jax.devices()[0], "core_count", 0) or 132)
+
+
+def case(cfg: str, layers: int):
+    """``(N, D, inputs, XLA's outputs and u, the verify's byte floor in us)`` of a config ``NxD``."""
+    N, D = map(int, cfg.split("x"))
+    x = inputs(N, D, layers)
+    want = tuple(np.asarray(a) for a in xla_chain(x, 0))
+    floor = 4 * (N * HV * V * K + N * D * (2 * H * K + 2 * HV * V + 2 * HV)) / 4.1e12 * 1e6  # state in, tapes
+    return N, D, x, want, floor
+
+
+def main(argv=None) -> int:
+    p = parser(__doc__)
+    p.add_argument("--wgs", default="1,2", help="warpgroups sharing a tile, per form")
+    args = p.parse_args(argv)
+    interpret, num_sms = platform()
     bad = 0
     for cfg in args.configs.split(","):
-        N, D = map(int, cfg.split("x"))
-        x = inputs(N, D, args.layers)
-        want_o, want_u = (np.asarray(a) for a in xla_chain(x, 0))
-        floor = 4 * (N * HV * V * K + N * D * (2 * H * K + 2 * HV * V + 2 * HV)) / 4.1e12 * 1e6  # state in, tapes
+        N, D, x, want, floor = case(cfg, args.layers)
         for wgs in map(int, args.wgs.split(",")):
             f = build(N, D, args.layers, wgs, args.ctas, num_sms, interpret)
             split = {k: x[k].reshape(N, D, H, wgs, K // wgs) for k in ("kn", "qn")}
             call = lambda layer: f(x["pool"], jnp.int32(layer), split["kn"], split["qn"], x["v"], x["g"], x["beta"])  # noqa: E731
-            bad += not check_and_time(f"{cfg} wgs={wgs} ctas={args.ctas}", call, (want_o, want_u), floor, args,
-                                      interpret)  # fmt: skip
+            bad += not check_and_time(f"{cfg} wgs={wgs} ctas={args.ctas}", call, want, floor, args, interpret)
     return 1 if bad else 0
 
 
