@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from mgpu_ksplit_probe import HV, H, K, R, V, case, check_and_time, parser, platform
+from mgpu_ksplit_probe import HV, H, K, R, V, case, check_and_time, parser, platform, tile_where
 from mgpu_ksplit_probe import build as build_chain
 
 F32 = jnp.float32
@@ -62,7 +62,7 @@ def build(N: int, D: int, ctas: int, num_sms: int, interpret: bool):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    T, G = V // R, HV // H
+    T = V // R
     TT = N * HV * T
     NG = ctas * num_sms
     L = plgpu.Layout.WGMMA
@@ -76,13 +76,8 @@ def build(N: int, D: int, ctas: int, num_sms: int, interpret: bool):
         cta = lax.axis_index("cta")
         count = (TT - cta + NG - 1) // NG
 
-        def where(tile):
-            n = tile // (HV * T)
-            hv = (tile // T) % HV
-            return n, hv, hv // G, pl.ds((tile % T) * R, R)
-
         def fetch(tile, slot):
-            n, hv, h, rows = where(tile)
+            n, hv, h, rows = tile_where(tile)
             bar = bars.at[slot]
             plgpu.copy_gmem_to_smem(pool.at[layer, n, hv, rows, :], smem["S"].at[slot], bar)
             plgpu.copy_gmem_to_smem(kq.at[n, h], smem["kq"].at[slot], bar)
@@ -102,7 +97,7 @@ def build(N: int, D: int, ctas: int, num_sms: int, interpret: bool):
                 fetch(tile + NG, 1 - slot)
 
             plgpu.barrier_wait(bars.at[slot])
-            n, hv, _, rows = where(tile)
+            n, hv, _, rows = tile_where(tile)
             S = load(smem["S"].at[slot], L)
             sm = {k: smem[k].at[slot] for k in ("kq", "v", "beta", "P", "W", "C")}
             # xk_t = S0 k_t, xq_t = S0 q_t: 2D reductions of the same tile, independent of each other

@@ -34,12 +34,20 @@ H, HV, K, V, R = 16, 32, 128, 128, 64
 F32 = jnp.float32
 
 
+def tile_where(tile):
+    """Tile ``tile``'s request (its state tile's index), v-head, q/k head and rows."""
+    from jax.experimental import pallas as pl
+
+    n, hv = tile // (HV * (V // R)), (tile // (V // R)) % HV
+    return n, hv, hv // (HV // H), pl.ds((tile % (V // R)) * R, R)
+
+
 @functools.cache
 def build(N: int, D: int, layers: int, wgs: int, ctas: int, num_sms: int, interpret: bool):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    T, G = V // R, HV // H
+    T = V // R
     TT = N * HV * T
     NG = ctas * num_sms
     KW = K // wgs  # a warpgroup's columns
@@ -55,13 +63,8 @@ def build(N: int, D: int, layers: int, wgs: int, ctas: int, num_sms: int, interp
         cta = lax.axis_index("cta")
         count = (TT - cta + NG - 1) // NG
 
-        def where(tile):
-            n = tile // (HV * T)
-            hv = (tile // T) % HV
-            return n, hv, hv // G, pl.ds((tile % T) * R, R)
-
         def fetch(tile, slot):
-            n, hv, h, rows = where(tile)
+            n, hv, h, rows = tile_where(tile)
             bar = bars.at[slot]
             for w in range(wgs):  # the tile's column blocks, one a warpgroup
                 plgpu.copy_gmem_to_smem(pool.at[layer, n, hv, rows, pl.ds(w * KW, KW)], smem["S"].at[slot, w], bar)
@@ -94,7 +97,7 @@ def build(N: int, D: int, layers: int, wgs: int, ctas: int, num_sms: int, interp
                 fetch(tile + NG, 1 - slot)
 
             plgpu.barrier_wait(bars.at[slot])
-            n, hv, _, rows = where(tile)
+            n, hv, _, rows = tile_where(tile)
             S = load(smem["S"].at[slot, wg], L)
             for t in range(D):
                 kb = lax.broadcast_in_dim(load(smem["kn"].at[slot, t, wg], LCOL), (R, KW), (1,))
