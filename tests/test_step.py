@@ -563,6 +563,7 @@ def buffer_copies(compiled, whole, layered, donated) -> tuple[list[str], int]:
 # XLA loops over copies of its operands: only the reference's HLO is the one users run there.
 # On a GPU the kernels are custom calls; the reference gathers the states by design.
 HLO_BACKENDS = [b for b in BACKENDS if b != "pallas" and b != "reference"] + (["pallas"] if ON_GPU else ["reference"])
+HLO_BACKENDS += ["mosaic"] if ON_GPU else []  # its kernel compiles for CUDA only (interpret mode: a different HLO)
 
 
 def _compiled_step(backend, record, form, seed, copy_pool=False, size=1):
