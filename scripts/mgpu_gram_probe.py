@@ -83,9 +83,9 @@ def build(N: int, D: int, ctas: int, num_sms: int, interpret: bool):
             plgpu.copy_gmem_to_smem(kq.at[n, h], smem["kq"].at[slot], bar)
             plgpu.copy_gmem_to_smem(v.at[n, :, hv, rows], smem["v"].at[slot], bar)
             plgpu.copy_gmem_to_smem(beta.at[n, hv], smem["beta"].at[slot], bar)
-            plgpu.copy_gmem_to_smem(P.at[n, hv], smem["P"].at[slot], bar)
-            plgpu.copy_gmem_to_smem(W.at[n, hv], smem["W"].at[slot], bar)
-            plgpu.copy_gmem_to_smem(C.at[n, hv], smem["C"].at[slot], bar)
+            plgpu.copy_gmem_to_smem(P.at[n, hv], smem["p"].at[slot], bar)
+            plgpu.copy_gmem_to_smem(W.at[n, hv], smem["w"].at[slot], bar)
+            plgpu.copy_gmem_to_smem(C.at[n, hv], smem["c"].at[slot], bar)
 
         def tile_step(j, carry):
             tile = cta + j * NG
@@ -99,20 +99,20 @@ def build(N: int, D: int, ctas: int, num_sms: int, interpret: bool):
             plgpu.barrier_wait(bars.at[slot])
             n, hv, _, rows = tile_where(tile)
             S = load(smem["S"].at[slot], L)
-            sm = {k: smem[k].at[slot] for k in ("kq", "v", "beta", "P", "W", "C")}
+            sm = {k: smem[k].at[slot] for k in ("kq", "v", "beta", "p", "w", "c")}
             # xk_t = S0 k_t, xq_t = S0 q_t: 2D reductions of the same tile, independent of each other
             xs = [jnp.sum(S * lax.broadcast_in_dim(load(sm["kq"].at[i], LCOL), (R, K), (1,)), axis=1)
                   for i in range(2 * D)]  # fmt: skip
             us = []
             for t in range(D):
                 vt = load(sm["v"].at[t], LROW).astype(F32)
-                u = sm["beta"][t] * (vt - sm["P"][t] * xs[t])
+                u = sm["beta"][t] * (vt - sm["p"][t] * xs[t])
                 for s in range(t):
-                    u = u - sm["W"][t, s] * us[s]
+                    u = u - sm["w"][t, s] * us[s]
                 us.append(u)
-                o = sm["P"][t] * xs[D + t]
+                o = sm["p"][t] * xs[D + t]
                 for s in range(t + 1):
-                    o = o + sm["C"][t, s] * us[s]
+                    o = o + sm["c"][t, s] * us[s]
                 out[n, t, hv, rows] = o
                 rec[n, t, hv, rows] = u
             return carry
@@ -123,14 +123,16 @@ def build(N: int, D: int, ctas: int, num_sms: int, interpret: bool):
             lax.fori_loop(0, count, tile_step, 0)
 
     tr = () if interpret else (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+    # Scratch is laid out in the pytree's order (a dict's sorted keys): "S", swizzled by 128 bytes, must
+    # come first (aligned) -- an upper-case key sorting before it put it at byte 160 (misaligned address).
     smem = {
         "S": plgpu.SMEM((2, R, K), F32, transforms=tr),
         "kq": plgpu.SMEM((2, 2 * D, K), F32),
         "v": plgpu.SMEM((2, D, R), jnp.bfloat16),
         "beta": plgpu.SMEM((2, D), F32),
-        "P": plgpu.SMEM((2, D), F32),
-        "W": plgpu.SMEM((2, D, D), F32),
-        "C": plgpu.SMEM((2, D, D), F32),
+        "p": plgpu.SMEM((2, D), F32),
+        "w": plgpu.SMEM((2, D, D), F32),
+        "c": plgpu.SMEM((2, D, D), F32),
     }
     kernel = plgpu.kernel(
         body,

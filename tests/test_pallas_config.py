@@ -165,3 +165,31 @@ def test_commit_config_keeps_the_commit_exact(evict, order, seed):
     by_tuples = check_commit(case, commit)
     naive = commit(case.pool, case.tuples, *case.idx.as_args(), form="naive")
     assert_bitwise_differs(by_tuples, naive, "naive replay")
+
+
+@pytest.mark.parametrize("order", ["heads", "requests", "tiles"])
+def test_one_layer_snapshot_commit_writes_that_layer_only(order, seed):
+    """``commit_snapshots(..., layers=(l, lt))`` (the ``mosaic`` backend's pending snapshot commit,
+    in place ahead of its verify) writes into pool layer ``l`` what the all-layers commit writes
+    from tape layer ``lt``, and every other layer keeps its bits. Control: the tape's layer taken
+    as the pool's differs."""
+    from gdn_lossless_jax.backends.pallas import _interpret
+    from gdn_lossless_jax.backends.pallas.commit import commit_snapshots
+
+    rng = np.random.default_rng(seed)
+    L, S, HV, V, K, LT, R, D = 3, 7, 4, 16, 16, 2, 5, 3
+    pool = jnp.asarray(rng.standard_normal((L, S, HV, V, K), np.float32))
+    states = jnp.asarray(rng.standard_normal((LT, R, D, HV, V, K), np.float32))
+    # request 1 accepts nothing, 2 has an out-of-range row, 3 tracks only; 0 both
+    idx = [jnp.asarray(a, jnp.int32) for a in ([4, 0, 6, 2], [2, -1, 1, -1], [5, 1, -1, 3], [0, 2, 1, 1],
+                                               [3, 0, R, 1])]  # fmt: skip
+    cfg = CommitConfig(order=order)
+    l, lt = 2, 1
+    got = commit_snapshots(pool, states, *idx, config=cfg, interpret=_interpret(), layers=jnp.asarray([l, lt]))
+    want = commit_snapshots(pool[l:l + 1], states[lt:lt + 1], *idx, config=cfg, interpret=_interpret())
+    assert_bitwise_equal(want[0], got[l], "the committed layer")
+    assert_bitwise_differs(pool[l], got[l], "the committed layer against the pool before")
+    others = np.asarray([i for i in range(L) if i != l])
+    assert_bitwise_equal(pool[others], got[others], "the other layers")
+    control = commit_snapshots(pool, states, *idx, config=cfg, interpret=_interpret(), layers=jnp.asarray([l, 0]))
+    assert_bitwise_differs(got[l], control[l], "the commit from the wrong tape layer")

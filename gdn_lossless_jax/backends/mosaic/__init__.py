@@ -15,8 +15,8 @@ a multiple of 32 (64 for a bfloat16 pool) and ``HV`` of 4. Measured on the H200 
 under jax 0.12 (CI's) it lowers for CUDA, bf16 outputs staged in shared memory
 (``VerifyConfig.outputs``), but has not run on a GPU.
 
-A pending commit whose tape holds snapshots is committed first (the Pallas commit) and then
-verified: bit for bit the same, not fused.
+A pending commit whose tape holds snapshots is committed first (the Pallas scatter of that one
+layer, in place in the donated pool) and then verified: bit for bit the same, not fused.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from ...reference import stacked as is_stacked
 from ...tape import Snapshots, Tuples
 from .. import BackendUnavailable, platform
 from .. import pallas as _pallas
+from ..pallas.commit import commit_snapshots
 from ..pallas.verify import _prep
 from .kernel import CONTROL_FORMS, CONTROLS, FORMS, Geometry, build, smem_bytes
 
@@ -214,11 +215,14 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
         state = state0
     layer = _scalar(layer)
     if pending is not None and isinstance(pending[-1], Snapshots):
-        # snapshots: the commit first (a copy per state), then the verify; the same bits, not fused
+        # snapshots: the commit first (the Pallas scatter of this layer's two snapshots, in place), then
+        # the verify; the same bits, not fused
         prows, psteps, ptslots, ptsteps, prev_layer, prev = pending
-        one = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, _scalar(prev_layer), 0), prev)
-        committed = commit(jax.lax.dynamic_index_in_dim(state, layer, 0), one, slots, psteps, ptslots, ptsteps, prows)
-        state = jax.lax.dynamic_update_index_in_dim(state, committed, layer, 0)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+            both = jnp.stack([layer, _scalar(prev_layer)])  # the pool's layer, the tape's
+            state = commit_snapshots(state, prev.states, slots, psteps, ptslots, ptsteps, prows,
+                                     interpret=_interpret(), layers=both)  # fmt: skip
         outputs, new = _verify(state, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_layer, rows, None, out,
                                out_layer, record=record, scale=scale, out_dtype=out_dtype, config=config)  # fmt: skip
         return outputs, new, state

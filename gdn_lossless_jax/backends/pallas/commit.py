@@ -127,34 +127,37 @@ def _tuples_kernel(*refs, HV: int, r: int, BV: int, form: str, evict: str | None
         lax.fori_loop(0, last + 1, body, (S0, inputs(0)))
 
 
-def _snapshots_kernel(*refs, HV: int, BV: int, order: str):
+def _snapshots_kernel(*refs, HV: int, BV: int, order: str, one_layer: bool = False):
     idx_refs = refs[:5]
-    snap_ref = refs[5]
+    snap_ref = refs[6 if one_layer else 5]
     pool_out = refs[-1]
     S, R, D = pool_out.shape[1], snap_ref.shape[1], snap_ref.shape[2]
     n, l, hv, j = _ids(order, HV)
+    lt = l  # the tape's layer
+    if one_layer:  # a grid of one layer: the pool's and the tape's layers read from refs[5]
+        l, lt = refs[5][0], refs[5][1]
     vs = pl.ds(j * BV, BV)
     slot, step, tslot, tstep, row, accept, track = _request(idx_refs, n, S, R, D)
 
     @pl.when(track)
     def _():
-        pool_out[l, tslot, hv, vs, :] = snap_ref[l, row, tstep, hv, vs, :]
+        pool_out[l, tslot, hv, vs, :] = snap_ref[lt, row, tstep, hv, vs, :]
 
     @pl.when(accept)
     def _():
-        pool_out[l, slot, hv, vs, :] = snap_ref[l, row, step, hv, vs, :]
+        pool_out[l, slot, hv, vs, :] = snap_ref[lt, row, step, hv, vs, :]
 
 
-def _launch(kernel, pool, tape_leaves, idx, cfg: CommitConfig, interpret: bool, name: str):
+def _launch(kernel, pool, tape_leaves, idx, cfg: CommitConfig, interpret: bool, name: str, layers=None):
     from jax.experimental.pallas import triton as plgpu
 
     L, _, HV, V, _ = pool.shape
     N = idx[0].shape[0]
-    inputs = [*idx, *tape_leaves, pool]
+    inputs = [*idx, *([] if layers is None else [layers]), *tape_leaves, pool]
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
-        grid=_grid(cfg.order, N, L, HV, V // cfg.block_v),
+        grid=_grid(cfg.order, N, L if layers is None else 1, HV, V // cfg.block_v),
         input_output_aliases={len(inputs) - 1: 0},
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
@@ -173,9 +176,12 @@ def commit_tuples(pool, u, k, g, slots, steps, track_slots, track_steps, rows, *
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def commit_snapshots(pool, states, slots, steps, track_slots, track_steps, rows, *, config=CommitConfig(), interpret):
+def commit_snapshots(pool, states, slots, steps, track_slots, track_steps, rows, *, config=CommitConfig(), interpret,
+                     layers=None):  # fmt: skip
+    """The snapshot commit of every layer (``states[l]`` into ``pool[l]``) or, with ``layers`` (an
+    int32 ``[2]``: the pool's layer, the tape's), of that one layer, in place either way."""
     HV, V = pool.shape[2], pool.shape[3]
     cfg = config.fit(V)
-    kernel = functools.partial(_snapshots_kernel, HV=HV, BV=cfg.block_v, order=cfg.order)
+    kernel = functools.partial(_snapshots_kernel, HV=HV, BV=cfg.block_v, order=cfg.order, one_layer=layers is not None)
     idx = (slots, steps, track_slots, track_steps, rows)
-    return _launch(kernel, pool, (states,), idx, cfg, interpret, "gdn_commit_scatter")
+    return _launch(kernel, pool, (states,), idx, cfg, interpret, "gdn_commit_scatter", layers)
