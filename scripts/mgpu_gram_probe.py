@@ -57,12 +57,18 @@ def coefficients(x):
     return jnp.exp(cum), W.astype(F32), C.astype(F32)
 
 
+def coef_width(D: int) -> int:
+    """Floats of a coefficient row (beta, P, W, C), padded to 32 (128 bytes: a TMA copy's alignment)."""
+    return -(-(2 * D + 2 * D * D) // 32) * 32
+
+
 @functools.cache
 def build(N: int, D: int, ctas: int, num_sms: int, interpret: bool):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     T = V // R
+    CW = coef_width(D)
     TT = N * HV * T
     NG = ctas * num_sms
     L = plgpu.Layout.WGMMA
@@ -71,7 +77,9 @@ def build(N: int, D: int, ctas: int, num_sms: int, interpret: bool):
     def load(ref, layout):
         return plgpu.load(ref, layout=None if interpret else layout, optimized=False)
 
-    def body(lay, kq, v, beta, P, W, C, pool, out, rec, smem, bars):
+    o_p, o_w, o_c = D, 2 * D, 2 * D + D * D  # offsets into a (request, head)'s coefficient row (beta first)
+
+    def body(lay, kq, v, coef, pool, out, rec, smem, bars):
         layer = lay[0]
         cta = lax.axis_index("cta")
         count = (TT - cta + NG - 1) // NG
@@ -82,10 +90,7 @@ def build(N: int, D: int, ctas: int, num_sms: int, interpret: bool):
             plgpu.copy_gmem_to_smem(pool.at[layer, n, hv, rows, :], smem["S"].at[slot], bar)
             plgpu.copy_gmem_to_smem(kq.at[n, h], smem["kq"].at[slot], bar)
             plgpu.copy_gmem_to_smem(v.at[n, :, hv, rows], smem["v"].at[slot], bar)
-            plgpu.copy_gmem_to_smem(beta.at[n, hv], smem["beta"].at[slot], bar)
-            plgpu.copy_gmem_to_smem(P.at[n, hv], smem["p"].at[slot], bar)
-            plgpu.copy_gmem_to_smem(W.at[n, hv], smem["w"].at[slot], bar)
-            plgpu.copy_gmem_to_smem(C.at[n, hv], smem["c"].at[slot], bar)
+            plgpu.copy_gmem_to_smem(coef.at[n, hv], smem["coef"].at[slot], bar)
 
         def tile_step(j, carry):
             tile = cta + j * NG
@@ -99,20 +104,21 @@ def build(N: int, D: int, ctas: int, num_sms: int, interpret: bool):
             plgpu.barrier_wait(bars.at[slot])
             n, hv, _, rows = tile_where(tile)
             S = load(smem["S"].at[slot], L)
-            sm = {k: smem[k].at[slot] for k in ("kq", "v", "beta", "p", "w", "c")}
+            sm = {k: smem[k].at[slot] for k in ("kq", "v", "coef")}
+            cf = sm["coef"]
             # xk_t = S0 k_t, xq_t = S0 q_t: 2D reductions of the same tile, independent of each other
             xs = [jnp.sum(S * lax.broadcast_in_dim(load(sm["kq"].at[i], LCOL), (R, K), (1,)), axis=1)
                   for i in range(2 * D)]  # fmt: skip
             us = []
             for t in range(D):
                 vt = load(sm["v"].at[t], LROW).astype(F32)
-                u = sm["beta"][t] * (vt - sm["p"][t] * xs[t])
+                u = cf[t] * (vt - cf[o_p + t] * xs[t])
                 for s in range(t):
-                    u = u - sm["w"][t, s] * us[s]
+                    u = u - cf[o_w + t * D + s] * us[s]
                 us.append(u)
-                o = sm["p"][t] * xs[D + t]
+                o = cf[o_p + t] * xs[D + t]
                 for s in range(t + 1):
-                    o = o + sm["c"][t, s] * us[s]
+                    o = o + cf[o_c + t * D + s] * us[s]
                 out[n, t, hv, rows] = o
                 rec[n, t, hv, rows] = u
             return carry
@@ -123,29 +129,27 @@ def build(N: int, D: int, ctas: int, num_sms: int, interpret: bool):
             lax.fori_loop(0, count, tile_step, 0)
 
     tr = () if interpret else (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
-    # Scratch is laid out in the pytree's order (a dict's sorted keys): "S", swizzled by 128 bytes, must
-    # come first (aligned) -- an upper-case key sorting before it put it at byte 160 (misaligned address).
+    # Scratch is laid out in the pytree's order (a dict's sorted keys), each TMA destination (every slot)
+    # 128-byte aligned: "S" first, the coefficients one row padded to 32 floats (seven small buffers of
+    # 16-64 bytes a slot gave a misaligned address on the GPU).
     smem = {
         "S": plgpu.SMEM((2, R, K), F32, transforms=tr),
         "kq": plgpu.SMEM((2, 2 * D, K), F32),
         "v": plgpu.SMEM((2, D, R), jnp.bfloat16),
-        "beta": plgpu.SMEM((2, D), F32),
-        "p": plgpu.SMEM((2, D), F32),
-        "w": plgpu.SMEM((2, D, D), F32),
-        "c": plgpu.SMEM((2, D, D), F32),
+        "coef": plgpu.SMEM((2, CW), F32),
     }
     kernel = plgpu.kernel(
         body,
         out_type=(jax.ShapeDtypeStruct((N, D, HV, V), F32), jax.ShapeDtypeStruct((N, D, HV, V), F32)),
-        scratch_types=(smem, plgpu.Barrier(num_arrivals=7, num_barriers=2)),
+        scratch_types=(smem, plgpu.Barrier(num_arrivals=4, num_barriers=2)),
         grid=(NG,),
         grid_names=("cta",),
         kernel_name="gram_probe",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
 
-    def run(pool, layer, kq, v, beta, P, W, C):  # kq: [N, H, 2D, K] (keys then queries); beta: [N, HV, D]
-        return kernel(jnp.reshape(layer, (1,)).astype(jnp.int32), kq, v, beta, P, W, C, pool)
+    def run(pool, layer, kq, v, coef):  # kq: [N, H, 2D, K] (keys then queries); coef: [N, HV, CW]
+        return kernel(jnp.reshape(layer, (1,)).astype(jnp.int32), kq, v, coef, pool)
 
     return jax.jit(run)
 
@@ -159,13 +163,15 @@ def main(argv=None) -> int:
         P, W, C = coefficients(x)
         kq = jnp.moveaxis(jnp.concatenate([x["kn"], x["qn"]], axis=1), 2, 1)  # [N, H, 2D, K]
         beta = jnp.moveaxis(x["beta"], 1, -1)  # [N, HV, D]
+        coef = jnp.concatenate([beta, P, W.reshape(N, HV, D * D), C.reshape(N, HV, D * D)], axis=-1)
+        coef = jnp.pad(coef, [(0, 0), (0, 0), (0, coef_width(D) - coef.shape[-1])])
         chain = build_chain(N, D, args.layers, 1, args.ctas, num_sms, interpret)
         split = {k: x[k].reshape(N, D, H, 1, K) for k in ("kn", "qn")}
         forms = {
             "chain": lambda layer: chain(x["pool"], jnp.int32(layer), split["kn"], split["qn"], x["v"], x["g"],
                                          x["beta"]),  # fmt: skip
             "gram": lambda layer: build(N, D, args.ctas, num_sms, interpret)(x["pool"], jnp.int32(layer), kq, x["v"],
-                                                                             beta, P, W, C),  # fmt: skip
+                                                                             coef),  # fmt: skip
         }
         for name, call in forms.items():
             bad += not check_and_time(f"{cfg} {name} ctas={args.ctas}", call, want, floor, args, interpret)
