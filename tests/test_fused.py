@@ -92,14 +92,18 @@ def _commit_args(st: Step):
     return st.slots, st.accept, st.track_slots, st.track_steps, st.rows
 
 
-def separate(pool, steps, records, backend):
-    """verify every layer from the pool, then commit; the pool after every step and all outputs."""
+def separate(pool, steps, records, backend, config=None):
+    """verify every layer from the pool, then commit; the pool after every step and all outputs.
+    ``config``: the backend's verify kernel called with that launch (:func:`_backend_call`)."""
     pools, outs, tapes = [], [], []
     for st, record in zip(steps, records):
         buf = _buffer(record, pool.dtype)
         for layer in range(L):
-            o, buf = gl.verify(pool, **st.inputs[layer], slots=st.slots, layer=layer, tape=buf, rows=st.rows,
-                               backend=backend)  # fmt: skip
+            if config is None:
+                o, buf = gl.verify(pool, **st.inputs[layer], slots=st.slots, layer=layer, tape=buf, rows=st.rows,
+                                   backend=backend)  # fmt: skip
+            else:
+                o, buf = _backend_call(backend, pool, None, st, st.inputs[layer], layer, buf, config=config)
             outs.append(o)
         tapes.append(buf)
         pool = gl.commit(pool, buf, *_commit_args(st), backend=backend)
@@ -161,12 +165,13 @@ def _backend_call(backend, pool, pending, st, x, layer, buf, control=None, confi
     switch (broken on purpose; Pallas only) or a launch configuration (its ``VerifyConfig``)."""
     impl, args, kw = api._verify_call("control", pool, **x, record=None, scale=None, backend=backend,
                                       out_dtype=None, slots=st.slots, layer=layer, tape=buf, rows=st.rows)  # fmt: skip
-    prev = pending.tape
-    pend = tuple(api.as_index(getattr(pending, n)) for n in ("rows", "steps", "track_slots", "track_steps"))
     extra = {} if config is None else {"config": config}
     if control is not None:
         extra["pending_control"] = control
-    return impl.verify(*args, **kw, pending=(*pend, api.as_index(layer), prev), **extra)
+    if pending is None:  # a verify alone
+        return impl.verify(*args, **kw, **extra)
+    pend = tuple(api.as_index(getattr(pending, n)) for n in ("rows", "steps", "track_slots", "track_steps"))
+    return impl.verify(*args, **kw, pending=(*pend, api.as_index(layer), pending.tape), **extra)
 
 
 def _pool(seed, dtype):
@@ -384,6 +389,49 @@ def test_other_launches_of_the_mosaic_kernel(fields, seed):
     want = fused(pool, steps, records, "mosaic")
     got = fused(pool, steps, records, "mosaic", config=MosaicConfig(**fields))
     assert_bitwise_equal(want, got, f"pools, outputs and tapes with mosaic VerifyConfig({fields})")
+
+
+def test_mosaic_gram_verify_keeps_the_tape_exact(seed):
+    """``mosaic.VerifyConfig(verify="gram")``: the D steps in the Gram form. Its ``u`` differs from
+    the chain's (the option is taken), its outputs are the same bits with either record mode and
+    within fp32 rounding of the reference's, and the replay of its tuples gives its snapshots at
+    every step, bit for bit. Control: the naive update form's snapshots differ from that replay."""
+    from gdn_lossless_jax.backends.mosaic import VerifyConfig as MosaicConfig
+    from gdn_lossless_jax.backends.mosaic import verify as mosaic_verify
+
+    shape = Shape(N=2, D=3, H=2, HV=4, K=K_, V=K_)
+    x = verify_inputs(seed, shape, kind="normal")
+    kw = dict(scale=shape.K**-0.5, out_dtype=jnp.float32)
+    gram = MosaicConfig(verify="gram")
+    (o_t, tup), (o_s, snp) = (mosaic_verify(**x, record=r, config=gram, **kw) for r in ("tuples", "snapshots"))
+    _, chain = mosaic_verify(**x, record="tuples", config=MosaicConfig(), **kw)
+    assert_bitwise_differs(chain.u, tup.u, "u of the chain and of the Gram form")
+    assert_bitwise_equal(o_t, o_s, "outputs with tuples and with snapshots")
+    ref = np.asarray(gl.verify(**x, backend="reference", out_dtype=jnp.float32)[0])
+    assert np.abs(np.asarray(o_t) - ref).max() <= 1e-5 * np.abs(ref).max()
+    replays = jnp.stack([gl.replay(x["state0"], tup, jnp.full((shape.N,), t, jnp.int32), backend="reference")
+                         for t in range(shape.D)], axis=1)  # fmt: skip
+    assert_bitwise_equal(snp.states, replays, "the snapshots against the replay of the tuples")
+    _, naive = mosaic_verify(**x, record="snapshots", config=MosaicConfig(verify="gram", form="naive"), **kw)
+    assert_bitwise_differs(naive.states, replays, "the naive form's snapshots")
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(F32, marks=() if ON_GPU else full_only),
+                                   pytest.param(BF16, marks=() if ON_GPU else full_only)], ids=["f32", "bf16"])  # fmt: skip
+def test_mosaic_gram_fused_steps_equal_separate_steps(dtype, seed):
+    """The fused decode with the Gram verify (a pending tuple commit replayed, then the Gram
+    form from the accepted state) equals the separate steps with the same verify, bit for bit:
+    pools, outputs and tapes; with snapshot steps between, and against the snapshot path."""
+    from gdn_lossless_jax.backends.mosaic import VerifyConfig as MosaicConfig
+
+    gram = MosaicConfig(verify="gram")
+    steps = _steps(seed, _plan("mosaic"))
+    pool = _pool(seed, dtype)
+    records = ("tuples", "snapshots", "tuples")
+    want = separate(pool, steps, records, "mosaic", config=gram)
+    assert_bitwise_equal(want, fused(pool, steps, records, "mosaic", config=gram), "pools, outputs and tapes")
+    snap_pools, _, _ = separate(pool, steps, ("snapshots",) * 3, "mosaic", config=gram)
+    assert_bitwise_equal(snap_pools[-1], want[0][-1], "the final pool against the snapshot path")
 
 
 def test_fused_errors_name_the_argument():

@@ -34,11 +34,11 @@ from ...tape import Snapshots, Tuples
 from .. import BackendUnavailable, platform
 from .. import pallas as _pallas
 from ..pallas.commit import commit_snapshots
-from ..pallas.verify import _prep
-from .kernel import CONTROL_FORMS, CONTROLS, FORMS, Geometry, build, smem_bytes
+from ..pallas.verify import _gram_prep, _prep
+from .kernel import CONTROL_FORMS, CONTROLS, FORMS, VERIFIES, Geometry, build, coef_shape, smem_bytes
 
-__all__ = ["CONTROLS", "CONTROL_FORMS", "FORMS", "OUTPUTS", "VerifyConfig", "check_available", "commit", "replay",
-           "verify"]  # fmt: skip
+__all__ = ["CONTROLS", "CONTROL_FORMS", "FORMS", "OUTPUTS", "VERIFIES", "VerifyConfig", "check_available", "commit",
+           "replay", "verify"]  # fmt: skip
 
 SMEM_PER_SM = 227 * 1024  # the H100/H200's shared memory an SM offers its CTAs
 GPU_ROWS = 64  # rows of a tile: the WGMMA layout's
@@ -72,6 +72,12 @@ class VerifyConfig:
       auto_barriers: keep Pallas' automatic warpgroup barriers around every load and store
         (``plgpu.CompilerParams(unsafe_no_auto_barriers=False)``); the kernel orders its shared
         memory itself (``kernel.build`` says how), so by default they are left out.
+      verify: how the D new steps are computed (:data:`VERIFIES`): ``"chain"``, step after step
+        through the state tile, or ``"gram"``, the Pallas backend's Gram form (its prologue gives
+        the ``D x D`` coefficients): every product ``S k_t``, ``S q_t`` of the starting state
+        first, then ``u`` and the outputs by the small recurrence (with ``snapshots``, the states
+        from that ``u`` by the rule). Its ``u`` differs from the chain's in the low bits; the
+        tape stays exact against its own commit, as every backend's does.
     """
 
     ctas: int = 2
@@ -81,6 +87,7 @@ class VerifyConfig:
     control: str | None = None
     outputs: str | None = None
     auto_barriers: bool = False
+    verify: str = "chain"
 
     def __post_init__(self):
         if self.ctas < 1:
@@ -93,6 +100,8 @@ class VerifyConfig:
             raise ValueError(f"mosaic VerifyConfig: control must be None or one of {CONTROLS}, got {self.control!r}")
         if self.outputs not in (None, *OUTPUTS):
             raise ValueError(f"mosaic VerifyConfig: outputs must be None or one of {OUTPUTS}, got {self.outputs!r}")
+        if self.verify not in VERIFIES:
+            raise ValueError(f"mosaic VerifyConfig: verify must be one of {VERIFIES}, got {self.verify!r}")
         if self.form not in (None, *FORMS, *CONTROL_FORMS):
             raise ValueError(f"mosaic VerifyConfig: form must be one of {FORMS + CONTROL_FORMS}, got {self.form!r}")
 
@@ -173,13 +182,15 @@ def _geometry(N, D, H, HV, V, K, state_dtype, v, out_dtype, *, out_into, snapsho
     slots = config.small_slots
     if slots is None:
         out_itemsize = od.itemsize if outputs == "smem" else 0
-        two = smem_bytes(D, PD, HV, R, K, sd.itemsize, jnp.dtype(v.dtype).itemsize, 2, out_itemsize)
+        two = smem_bytes(D, PD, HV, R, K, sd.itemsize, jnp.dtype(v.dtype).itemsize, 2, out_itemsize,
+                         gram=config.verify == "gram")  # fmt: skip
         slots = 2 if config.ctas * (two + 1024) <= SMEM_PER_SM else 1
     return Geometry(
         N=N, D=D, H=H, HV=HV, V=V, K=K, R=R, state_dtype=sd.name, v_dtype=jnp.dtype(v.dtype).name,
         v_stacked=v.ndim == 5, out_dtype=od.name, out_into=out_into, snapshots=snapshots,
         into=into, pending=PD > 0, PD=PD, ctas=config.ctas, num_sms=num_sms, small_slots=slots, replay=config.replay,
         control=config.control, outputs=outputs, form=form, interpret=interpret, auto_barriers=config.auto_barriers,
+        verify=config.verify,
     )  # fmt: skip
 
 
@@ -242,10 +253,24 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
     pre = (rows, tape_layer[None], tape.k, tape.g) if into and not snapshots else None
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
-        qn, kn, g, beta, *bufs = _prep(
-            q, k, a, b, A_log, dt_bias, scale=scale, interpret=interpret, heads=_pallas.VerifyConfig().prep_heads,
-            into=pre, xlayer=layer[None] if stacked else None,
-        )  # fmt: skip
+        if config.verify == "gram":  # the Gram prologue: beta in the coefficients; k and g into the tape by XLA
+            named = {"q": q, "k": k, "a": a, "b": b, "A_log": A_log, "dt_bias": dt_bias}
+            q, k, a, b, A_log, dt_bias = (jax.lax.dynamic_index_in_dim(x, layer, 0, keepdims=False)
+                                          if is_stacked(n, x) else x for n, x in named.items())  # fmt: skip
+            rows_c, Dp = coef_shape(D)
+            qn, kn, g, beta = _gram_prep(q, k, a, b, A_log, dt_bias, scale=scale, Dp=Dp, interpret=interpret,
+                                         packed=rows_c)  # fmt: skip
+            bufs = []
+            if pre is not None:
+                nr = tape.k.shape[1]
+                at = jnp.where((rows >= 0) & (rows < nr), rows, nr)  # out-of-range rows: dropped
+                bufs = [tape.k.at[tape_layer, at, :D].set(kn, mode="drop"),
+                        tape.g.at[tape_layer, at, :D].set(g, mode="drop")]  # fmt: skip
+        else:
+            qn, kn, g, beta, *bufs = _prep(
+                q, k, a, b, A_log, dt_bias, scale=scale, interpret=interpret, heads=_pallas.VerifyConfig().prep_heads,
+                into=pre, xlayer=layer[None] if stacked else None,
+            )  # fmt: skip
 
     # per request: its slot, tape row and pending commit, with the commit's masks (reference._masks)
     slot_ok = (slots >= 0) & (slots < NS)

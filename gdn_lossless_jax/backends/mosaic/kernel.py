@@ -40,7 +40,7 @@ from jax import lax
 
 from ... import rounding
 
-__all__ = ["CONTROLS", "CONTROL_FORMS", "FORMS", "Geometry", "build", "smem_bytes"]
+__all__ = ["CONTROLS", "CONTROL_FORMS", "FORMS", "VERIFIES", "Geometry", "build", "coef_shape", "smem_bytes"]
 
 F32 = jnp.float32
 FORMS = ("pinned", "portable")
@@ -84,13 +84,32 @@ class Geometry(NamedTuple):
     form: str
     interpret: bool
     auto_barriers: bool = False  # Pallas' warpgroup barrier around every load and store (see build)
+    verify: str = "chain"  # or "gram": the D steps from the products S k_t, S q_t and coef (see build)
+
+
+VERIFIES = ("chain", "gram")
+
+
+def coef_shape(D: int) -> tuple[int, int]:
+    """``(rows, Dp)`` of a (request, v-head)'s Gram coefficients: rows ``beta``, ``P``, then ``W``
+    and ``C`` (``Dp`` each, ``Dp`` = the Pallas Gram prologue's padded steps), padded so that a
+    row block is a multiple of 128 bytes (a TMA copy's)."""
+    from ..pallas.verify import gram_steps
+
+    Dp = gram_steps(D)
+    rows = 2 + 2 * Dp
+    while rows * Dp % 32:
+        rows += 1
+    return rows, Dp
 
 
 def smem_bytes(D: int, PD: int, HV: int, R: int, K: int, itemsize: int, v_itemsize: int, small_slots: int,
-               out_itemsize: int = 0) -> int:
-    """Shared memory of one CTA: two state slots, ``small_slots`` copies of the step inputs and,
-    with ``out_itemsize`` (``outputs="smem"``), two slots of a tile's outputs."""
+               out_itemsize: int = 0, gram: bool = False) -> int:
+    """Shared memory of one CTA: two state slots, ``small_slots`` copies of the step inputs (with
+    ``gram``, the coefficients too) and, with ``out_itemsize`` (``outputs="smem"``), two slots of a
+    tile's outputs."""
     small = D * (2 * K * 4 + R * v_itemsize + 2 * HV * 4) + PD * (K * 4 + R * 4 + HV * 4)
+    small += 4 * coef_shape(D)[0] * coef_shape(D)[1] - D * HV * 4 if gram else 0  # the coefficients, not beta
     return 2 * R * K * itemsize + small_slots * small + 2 * D * R * out_itemsize
 
 
@@ -98,14 +117,19 @@ def _small_shapes(g: Geometry) -> dict:
     f32 = "float32"
     shapes = {"kn": ((g.D, g.K), f32), "qn": ((g.D, g.K), f32), "v": ((g.D, g.R), g.v_dtype),
               "g": ((g.D, g.HV), f32), "beta": ((g.D, g.HV), f32)}  # fmt: skip
+    if g.verify == "gram":  # beta is in the coefficients
+        del shapes["beta"]
     if g.pending:
         shapes |= {"pk": ((g.PD, g.K), f32), "pu": ((g.PD, g.R), f32), "pg": ((g.PD, g.HV), f32)}
+    if g.verify == "gram":
+        shapes["coef"] = (coef_shape(g.D), f32)
     return shapes
 
 
 @functools.cache
 def build(g: Geometry):
-    """The kernel for geometry ``g``: ``f(tab, lay, qn, kn, v, g, beta, [pk, pu, pg], pool, out, rec)``.
+    """The kernel for geometry ``g``: ``f(tab, lay, qn, kn, v, g, beta | coef, [pk, pu, pg], pool, out, rec)``
+    (``coef``: ``[N, HV, *coef_shape(D)]`` with ``g.verify == "gram"``).
 
     ``out`` (the outputs: ``[N, D, HV, V]``, or a ``[L', N, D, HV, V]`` buffer with ``g.out_into``)
     and ``rec`` (``u [N, D, HV, V]`` or snapshots ``[N, D, HV, V, K]``, or with ``g.into`` a
@@ -171,7 +195,8 @@ def build(g: Geometry):
     def cols_of(vec):  # a [K] vector down the tile's rows
         return lax.broadcast_in_dim(vec, (R, K), (1,))
 
-    names = ["tab", "lay", "qn", "kn", "v", "g", "beta"] + (["pk", "pu", "pg"] if g.pending else [])
+    names = ["tab", "lay", "qn", "kn", "v", "g"] + (["coef"] if g.verify == "gram" else ["beta"])
+    names += ["pk", "pu", "pg"] if g.pending else []
     names += ["pool", "out", "rec"]
     shapes = _small_shapes(g)
 
@@ -201,8 +226,11 @@ def build(g: Geometry):
                 "qn": r["qn"].at[n, :, h, :],
                 "v": r["v"].at[layer, n, :, hv, rows] if g.v_stacked else r["v"].at[n, :, hv, rows],
                 "g": r["g"].at[n],
-                "beta": r["beta"].at[n],
             }
+            if g.verify == "gram":
+                src["coef"] = r["coef"].at[n, hv]
+            else:
+                src["beta"] = r["beta"].at[n]
             if g.pending:
                 src |= {
                     "pk": r["pk"].at[prev_layer, prow, :, h, :],
@@ -305,14 +333,31 @@ def build(g: Geometry):
                     S = S.astype(sd).astype(F32)  # the verify starts from the state as the pool holds it
 
             row, row_ok = cur[ROW], cur[ROW_OK] != 0
+            if g.verify == "gram":  # every product of the step's starting state first: no chain through the tile
+                cf, Dp = src["coef"], coef_shape(D)[1]
+                xk, xq = ([jnp.sum(S * cols_of(load(src[x].at[t], LCOL)), axis=1) for t in range(D)]
+                          for x in ("kn", "qn"))  # fmt: skip
+                us = []
             for t in range(D):
-                kb = cols_of(load(src["kn"].at[t], LCOL))
-                qb = cols_of(load(src["qn"].at[t], LCOL))
                 vt = load(src["v"].at[t], LROW).astype(F32)
-                Sd = decay(S, exp(src["g"][t, hv]))
-                ut = src["beta"][t, hv] * (vt - jnp.sum(Sd * kb, axis=1))
-                S = update(kb, rows_of(ut), Sd)
-                o = jnp.sum(S * qb, axis=1).astype(od)
+                kb = None if g.verify == "gram" and not g.snapshots else cols_of(load(src["kn"].at[t], LCOL))
+                if g.verify == "gram":
+                    ut = cf[0, t] * (vt - cf[1, t] * xk[t])
+                    for s_ in range(t):
+                        ut = ut - cf[2 + t, s_] * us[s_]
+                    us.append(ut)
+                    o = cf[1, t] * xq[t]
+                    for s_ in range(t + 1):
+                        o = o + cf[2 + Dp + t, s_] * us[s_]
+                    o = o.astype(od)
+                    if g.snapshots:  # the states from this u by the rule: what a replay of the tuples gives
+                        S = update(kb, rows_of(ut), decay(S, exp(src["g"][t, hv])))
+                else:
+                    qb = cols_of(load(src["qn"].at[t], LCOL))
+                    Sd = decay(S, exp(src["g"][t, hv]))
+                    ut = src["beta"][t, hv] * (vt - jnp.sum(Sd * kb, axis=1))
+                    S = update(kb, rows_of(ut), Sd)
+                    o = jnp.sum(S * qb, axis=1).astype(od)
                 if g.outputs == "smem":
                     smem["o"][slot, t] = o
                 elif g.out_into:

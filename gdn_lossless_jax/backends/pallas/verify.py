@@ -573,8 +573,8 @@ def _dot(a, b, *, trans_b=False):
     return jax.lax.dot_general(a, b, (((1,), (1 if trans_b else 0,)), ((), ())), precision=HIGHEST)
 
 
-def _gram_prep_kernel(q_ref, k_ref, a_ref, b_ref, A_log_ref, dt_bias_ref, qn_ref, kn_ref, g_ref, W_ref, C_ref, P_ref,
-                      beta_ref, *, D: int, Dp: int, r: int, scale: float):  # fmt: skip
+def _gram_prep_kernel(q_ref, k_ref, a_ref, b_ref, A_log_ref, dt_bias_ref, qn_ref, kn_ref, g_ref, *coef_refs, D: int,
+                      Dp: int, r: int, scale: float):  # fmt: skip
     """Per (request, q/k head): the norms of its D queries and keys, and for each of its r
     v-heads the gates and the coefficients of :func:`_gram_kernel`'s recurrence.
 
@@ -582,7 +582,9 @@ def _gram_prep_kernel(q_ref, k_ref, a_ref, b_ref, A_log_ref, dt_bias_ref, qn_ref
     With ``G[t, s] = exp(g_{s+1} + ... + g_t)`` (each exponent a sum of terms of one sign: a
     product with a 0/1 mask, no difference of cumulative sums, which would cancel under strong
     decays): ``W[t, s] = beta_t G[t, s] (k_t . k_s)`` for s < t, ``C[t, s] = G[t, s] (q_t . k_s)``
-    for s <= t, ``P_t = exp(g_0 + ... + g_t)``, ``beta_t``; steps >= D are zero.
+    for s <= t, ``P_t = exp(g_0 + ... + g_t)``, ``beta_t``; steps >= D are zero. ``coef_refs``:
+    ``W``, ``C``, ``P``, ``beta``, or one ``[N, HV, rows, Dp]`` block of them (``_gram_prep``'s
+    ``packed``: rows ``beta``, ``P``, ``W``, ``C``; the ``mosaic`` backend's ``verify="gram"``).
     """
     n, h = pl.program_id(0), pl.program_id(1)
     steps = pl.ds(0, Dp)
@@ -609,10 +611,18 @@ def _gram_prep_kernel(q_ref, k_ref, a_ref, b_ref, A_log_ref, dt_bias_ref, qn_ref
         plgpu.store(g_ref.at[n, steps, hv], g, mask=live)
         upto = jnp.where(s_ <= t_, g[None, :], 0.0)  # [t, j]: g_j for j <= t
         G = rounding.exp(_dot(upto, jnp.where(t_ > s_, 1.0, 0.0)))  # [t, s]: exp(sum of g_j for s < j <= t)
-        W_ref[n, hv, :, :] = jnp.where(s_ < t_, beta[:, None] * (G * KK), 0.0)
-        C_ref[n, hv, :, :] = jnp.where((s_ <= t_) & (t_ < D), G * QK, 0.0)
-        P_ref[n, hv, :] = jnp.where(live, rounding.exp(jnp.sum(upto, axis=1)), 0.0)
-        beta_ref[n, hv, :] = beta
+        W = jnp.where(s_ < t_, beta[:, None] * (G * KK), 0.0)
+        C = jnp.where((s_ <= t_) & (t_ < D), G * QK, 0.0)
+        P = jnp.where(live, rounding.exp(jnp.sum(upto, axis=1)), 0.0)
+        if len(coef_refs) == 1:
+            (coef_ref,) = coef_refs
+            coef_ref[n, hv, 0, :] = beta
+            coef_ref[n, hv, 1, :] = P
+            coef_ref[n, hv, pl.ds(2, Dp), :] = W
+            coef_ref[n, hv, pl.ds(2 + Dp, Dp), :] = C
+        else:
+            W_ref, C_ref, P_ref, beta_ref = coef_refs
+            W_ref[n, hv, :, :], C_ref[n, hv, :, :], P_ref[n, hv, :], beta_ref[n, hv, :] = W, C, P, beta
 
 
 def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bool, k_chunk: int,
@@ -708,8 +718,10 @@ def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, int
         jax.lax.fori_loop(0, D, lambda t, S: state(t, S, jax.lax.bitcast_convert_type(pick(bits, t), F32)), S0)
 
 
-def _gram_prep(q, k, a, b, A_log, dt_bias, *, scale, Dp: int, interpret: bool):
-    """``(qn, kn, g, W, C, P, beta)`` for the Gram form, in one launch (grid ``(N, H)``)."""
+def _gram_prep(q, k, a, b, A_log, dt_bias, *, scale, Dp: int, interpret: bool, packed: int = 0):
+    """``(qn, kn, g, W, C, P, beta)`` for the Gram form, in one launch (grid ``(N, H)``); with
+    ``packed`` (rows, at least ``2 + 2 Dp``): ``(qn, kn, g, coef)``, ``coef [N, HV, packed, Dp]``
+    (:func:`_gram_prep_kernel`)."""
     N, D, H, K = q.shape
     HV = a.shape[-1]
     kernel = functools.partial(_gram_prep_kernel, D=D, Dp=Dp, r=HV // H, scale=scale)
@@ -719,7 +731,8 @@ def _gram_prep(q, k, a, b, A_log, dt_bias, *, scale, Dp: int, interpret: bool):
     qn, kn, g, *rest = pl.pallas_call(
         kernel,
         out_shape=[jax.ShapeDtypeStruct((N, Dp, H, K), F32)] * 2 + [jax.ShapeDtypeStruct((N, Dp, HV), F32)]
-        + [jax.ShapeDtypeStruct((N, HV, Dp, Dp), F32)] * 2 + [jax.ShapeDtypeStruct((N, HV, Dp), F32)] * 2,
+        + ([jax.ShapeDtypeStruct((N, HV, packed, Dp), F32)] if packed else
+           [jax.ShapeDtypeStruct((N, HV, Dp, Dp), F32)] * 2 + [jax.ShapeDtypeStruct((N, HV, Dp), F32)] * 2),
         grid=(N, H),
         compiler_params=plgpu.CompilerParams(num_warps=gram_prep_warps(Dp), num_stages=1),
         interpret=interpret,
