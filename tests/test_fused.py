@@ -416,8 +416,8 @@ def test_mosaic_gram_verify_keeps_the_tape_exact(seed):
     assert_bitwise_differs(naive.states, replays, "the naive form's snapshots")
 
 
-@pytest.mark.parametrize("dtype", [pytest.param(F32, marks=() if ON_GPU else full_only),
-                                   pytest.param(BF16, marks=() if ON_GPU else full_only)], ids=["f32", "bf16"])  # fmt: skip
+@pytest.mark.parametrize("dtype", [pytest.param(d, marks=() if ON_GPU else full_only) for d in (F32, BF16)],
+                         ids=["f32", "bf16"])  # fmt: skip
 def test_mosaic_gram_fused_steps_equal_separate_steps(dtype, seed):
     """The fused decode with the Gram verify (a pending tuple commit replayed, then the Gram
     form from the accepted state) equals the separate steps with the same verify, bit for bit:
