@@ -218,7 +218,9 @@ def _jitted():
 
 
 def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_layer, rows, pending, out, out_layer, *,
-            record, scale, out_dtype, config):  # fmt: skip
+            record, scale, out_dtype, config, thread_pool=False):  # fmt: skip
+    # thread_pool: the pool passed through the kernel as an in-place ref and returned (unchanged), so
+    # that the in-place commit of the next layer orders after this kernel's reads without a copy
     i32 = jnp.int32
     if slots is None:  # the state0 form: a one-layer pool whose slot n is request n
         state, slots, layer = state0[None], jnp.arange(state0.shape[0], dtype=i32), 0
@@ -234,9 +236,11 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
             both = jnp.stack([layer, _scalar(prev_layer)])  # the pool's layer, the tape's
             state = commit_snapshots(state, prev.states, slots, psteps, ptslots, ptsteps, prows,
                                      interpret=_interpret(), layers=both)  # fmt: skip
-        outputs, new = _verify(state, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_layer, rows, None, out,
-                               out_layer, record=record, scale=scale, out_dtype=out_dtype, config=config)  # fmt: skip
-        return outputs, new, state
+        # the pool through the kernel (read only): read as a plain input, XLA copied the whole pool
+        # twice a step to let the next layer's in-place commit run (scripts/fused_step_hlo.py, 25x4)
+        return _verify(state, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_layer, rows, None, out,
+                       out_layer, record=record, scale=scale, out_dtype=out_dtype, config=config,
+                       thread_pool=True)  # fmt: skip
     N, D, H, K = q.shape[-4:]
     _, NS, HV, V, _ = state.shape
     snapshots = record == "snapshots"
@@ -309,7 +313,7 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
         rec = tape.states if snapshots else tape.u
     else:
         rec = jax.lax.empty((N, D, HV, V, K) if snapshots else (N, D, HV, V), state.dtype if snapshots else jnp.float32)
-    if pending is None:
+    if pending is None and not thread_pool:
         out, rec = pl.run_state(lambda refs: kern(*inputs, state, *refs))((out, rec))
     else:
         state, out, rec = pl.run_state(lambda refs: kern(*inputs, *refs))((state, out, rec))
@@ -319,7 +323,7 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
         new = Tuples(rec, *bufs)
     else:
         new = Tuples(rec, kn, g)
-    if pending is None:
+    if pending is None and not thread_pool:
         return out, new
     return out, new, state
 
