@@ -305,6 +305,7 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
 
     geom = _geometry(N, D, H, HV, V, K, state.dtype, v, out_dtype, out_into=out is not None, snapshots=snapshots,
                      into=into, PD=PD, config=config)  # fmt: skip
+    geom = geom._replace(thread_pool=thread_pool and pending is None)
     kern = build(geom)
     inputs = [tab, lay, qn, kn, v, g, beta, *pend_in]
     if out is None:

@@ -52,8 +52,8 @@ CONTROLS = ("track_after_write",)
 
 # Columns of the per-request table (int32 [N, 8]), computed by the caller with the commit's masks.
 SLOT, SLOT_OK, ROW, ROW_OK, UPTO, TSTEP, TSLOT, PROW = range(8)
-# Entries of the scalar vector (int32 [8]).
-LAYER, TAPE_LAYER, PREV_LAYER, OUT_LAYER = range(4)
+# Entries of the scalar vector (int32 [8]); ZERO is always 0.
+LAYER, TAPE_LAYER, PREV_LAYER, OUT_LAYER, ZERO = range(5)
 
 
 class Geometry(NamedTuple):
@@ -85,6 +85,7 @@ class Geometry(NamedTuple):
     interpret: bool
     auto_barriers: bool = False  # Pallas' warpgroup barrier around every load and store (see build)
     verify: str = "chain"  # or "gram": the D steps from the products S k_t, S q_t and coef (see build)
+    thread_pool: bool = False  # without pending: the pool still an in-place ref (see build)
 
 
 VERIFIES = ("chain", "gram")
@@ -390,6 +391,17 @@ def build(g: Geometry):
             fetch(cta, table_row(cta), 0)
             lax.fori_loop(0, count, tile_step, 0)
             plgpu.wait_smem_to_gmem(0)
+
+        if g.thread_pool and not g.pending:
+            # A store to the pool that never runs (lay[ZERO] is 0): it keeps the pool an in-place
+            # operand of the kernel, so that XLA orders the next layer's in-place commit after this
+            # kernel's reads. Unwritten, the ref is dropped from the kernel's results, and XLA copied
+            # the whole pool twice a step to run a pending snapshot commit before the verify
+            # (scripts/fused_step_hlo.py, 25x4 on the H200).
+            @pl.when(lay[ZERO] != 0)
+            def _():
+                plgpu.copy_smem_to_gmem(smem["S"].at[0], pool.at[layer, 0, 0, pl.ds(0, R), :])
+                plgpu.wait_smem_to_gmem(0)
 
     tiling = plgpu.TilingTransform((8, 128 // sd.itemsize))  # the WGMMA register layout reads it unconflicted
     transforms = () if g.interpret else (tiling, plgpu.SwizzleTransform(128))  # (interpret: any K)
