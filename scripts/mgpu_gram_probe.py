@@ -20,7 +20,12 @@ Not a backend: the same simplifications as ``scripts/mgpu_ksplit_probe.py`` (who
 one warpgroup a tile, is the baseline here), fp32 outputs. Both are checked against XLA's chain
 (a tolerance) and timed by the profiler.
 
-    python scripts/mgpu_gram_probe.py --configs 25x4,8x16 --layers 30
+    python scripts/mgpu_gram_probe.py --configs 25x4 --layers 30
+
+Measured on the H200 (``benchmarks/results/h200-2026-12-04-gram/call3``): 25x4, the verify alone,
+20.0 us against the chain's 24.3. D = 16 (8x16) does not fit its one coefficient row (a TMA copy takes at
+most 256 elements a dimension); the ``mosaic`` backend's ``VerifyConfig(verify="gram")``, which
+grew out of it, copies them as a ``[rows, Dp]`` block and takes every D.
 """
 
 from __future__ import annotations
@@ -50,8 +55,9 @@ def coefficients(x):
     t_, s_ = np.arange(D)[:, None], np.arange(D)[None, :]
     cum = jnp.cumsum(jnp.moveaxis(g, 1, -1), axis=-1)  # [N, HV, D]: g_0 + ... + g_t
     G = jnp.exp(jnp.where(s_ <= t_, cum[..., :, None] - cum[..., None, :], -jnp.inf))  # [N, HV, t, s]
-    KK = jnp.einsum("nthk,nshk->nhts", kn, kn)
-    QK = jnp.einsum("nthk,nshk->nhts", qn, kn)
+    hi = lax.Precision.HIGHEST  # (the GPU's default takes TF32 products: a 7e-5 error on the H200)
+    KK = jnp.einsum("nthk,nshk->nhts", kn, kn, precision=hi)
+    QK = jnp.einsum("nthk,nshk->nhts", qn, kn, precision=hi)
     W = jnp.where(s_ < t_, jnp.moveaxis(beta, 1, -1)[..., :, None] * G * KK, 0.0)
     C = jnp.where(s_ <= t_, G * QK, 0.0)
     return jnp.exp(cum), W.astype(F32), C.astype(F32)
