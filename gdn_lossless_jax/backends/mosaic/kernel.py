@@ -10,7 +10,10 @@ reduction over K is mostly in registers). Per tile it does:
    then on to a track step after the accepted one (stored, not kept);
 2. the D new steps from the accepted state (as the pool holds it: rounded to its dtype):
    ``u = beta (v - sum(rn(S alpha) k))``, the update with the same rule, ``o = sum(S q)``; the
-   outputs and ``u`` (or each step's state, ``snapshots``) stored.
+   outputs and ``u`` (or each step's state, ``snapshots``) stored. With ``verify="gram"`` the
+   products ``S k_t`` and ``S q_t`` of the accepted state come first and ``u`` and ``o`` from the
+   ``D x D`` recurrence with the prologue's coefficients (``coef``), the snapshots by the rule
+   from that ``u``.
 
 Launch: ``ctas`` persistent CTAs an SM (the grid is that times the SM count), each taking the
 tiles ``cta, cta + G, ...``. While a tile computes, the next tile's state and inputs arrive by
