@@ -257,19 +257,11 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
     pre = (rows, tape_layer[None], tape.k, tape.g) if into and not snapshots else None
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
-        if config.verify == "gram":  # the Gram prologue: beta in the coefficients; k and g into the tape by XLA
-            named = {"q": q, "k": k, "a": a, "b": b, "A_log": A_log, "dt_bias": dt_bias}
-            q, k, a, b, A_log, dt_bias = (jax.lax.dynamic_index_in_dim(x, layer, 0, keepdims=False)
-                                          if is_stacked(n, x) else x for n, x in named.items())  # fmt: skip
+        if config.verify == "gram":  # the Gram prologue ("beta": the coefficients; stacked reads, tape writes by XLA)
             rows_c, Dp = coef_shape(D)
-            qn, kn, g, beta = _gram_prep(q, k, a, b, A_log, dt_bias, scale=scale, Dp=Dp, interpret=interpret,
-                                         packed=rows_c)  # fmt: skip
-            bufs = []
-            if pre is not None:
-                nr = tape.k.shape[1]
-                at = jnp.where((rows >= 0) & (rows < nr), rows, nr)  # out-of-range rows: dropped
-                bufs = [tape.k.at[tape_layer, at, :D].set(kn, mode="drop"),
-                        tape.g.at[tape_layer, at, :D].set(g, mode="drop")]  # fmt: skip
+            qn, kn, g, beta, *bufs = _gram_prep(q, k, a, b, A_log, dt_bias, scale=scale, Dp=Dp, interpret=interpret,
+                                                packed=rows_c, into=pre,
+                                                xlayer=layer[None] if stacked else None)  # fmt: skip
         else:
             qn, kn, g, beta, *bufs = _prep(
                 q, k, a, b, A_log, dt_bias, scale=scale, interpret=interpret, heads=_pallas.VerifyConfig().prep_heads,
@@ -305,6 +297,7 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
 
     geom = _geometry(N, D, H, HV, V, K, state.dtype, v, out_dtype, out_into=out is not None, snapshots=snapshots,
                      into=into, PD=PD, config=config)  # fmt: skip
+    pool_out = pending is not None or thread_pool  # the kernel's pool an in-place ref, returned
     geom = geom._replace(thread_pool=thread_pool and pending is None)
     kern = build(geom)
     inputs = [tab, lay, qn, kn, v, g, beta, *pend_in]
@@ -314,7 +307,7 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
         rec = tape.states if snapshots else tape.u
     else:
         rec = jax.lax.empty((N, D, HV, V, K) if snapshots else (N, D, HV, V), state.dtype if snapshots else jnp.float32)
-    if pending is None and not thread_pool:
+    if not pool_out:
         out, rec = pl.run_state(lambda refs: kern(*inputs, state, *refs))((out, rec))
     else:
         state, out, rec = pl.run_state(lambda refs: kern(*inputs, *refs))((state, out, rec))
@@ -324,7 +317,7 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
         new = Tuples(rec, *bufs)
     else:
         new = Tuples(rec, kn, g)
-    if pending is None and not thread_pool:
+    if not pool_out:
         return out, new
     return out, new, state
 

@@ -36,6 +36,7 @@ it, as XLA, Pallas and Triton do), :func:`gdn_lossless_jax.rounding.exp` in inte
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -88,7 +89,7 @@ class Geometry(NamedTuple):
     interpret: bool
     auto_barriers: bool = False  # Pallas' warpgroup barrier around every load and store (see build)
     verify: str = "chain"  # or "gram": the D steps from the products S k_t, S q_t and coef (see build)
-    thread_pool: bool = False  # without pending: the pool still an in-place ref (see build)
+    thread_pool: bool = False  # (never with pending) the pool an in-place ref though unwritten (see build)
 
 
 VERIFIES = ("chain", "gram")
@@ -113,7 +114,7 @@ def smem_bytes(D: int, PD: int, HV: int, R: int, K: int, itemsize: int, v_itemsi
     ``gram``, the coefficients too) and, with ``out_itemsize`` (``outputs="smem"``), two slots of a
     tile's outputs."""
     small = D * (2 * K * 4 + R * v_itemsize + 2 * HV * 4) + PD * (K * 4 + R * 4 + HV * 4)
-    small += 4 * coef_shape(D)[0] * coef_shape(D)[1] - D * HV * 4 if gram else 0  # the coefficients, not beta
+    small += 4 * math.prod(coef_shape(D)) - D * HV * 4 if gram else 0  # the coefficients, not beta
     return 2 * R * K * itemsize + small_slots * small + 2 * D * R * out_itemsize
 
 
@@ -123,10 +124,9 @@ def _small_shapes(g: Geometry) -> dict:
               "g": ((g.D, g.HV), f32), "beta": ((g.D, g.HV), f32)}  # fmt: skip
     if g.verify == "gram":  # beta is in the coefficients
         del shapes["beta"]
+        shapes["coef"] = (coef_shape(g.D), f32)
     if g.pending:
         shapes |= {"pk": ((g.PD, g.K), f32), "pu": ((g.PD, g.R), f32), "pg": ((g.PD, g.HV), f32)}
-    if g.verify == "gram":
-        shapes["coef"] = (coef_shape(g.D), f32)
     return shapes
 
 
@@ -395,7 +395,7 @@ def build(g: Geometry):
             lax.fori_loop(0, count, tile_step, 0)
             plgpu.wait_smem_to_gmem(0)
 
-        if g.thread_pool and not g.pending:
+        if g.thread_pool:
             # A store to the pool that never runs (lay[ZERO] is 0): it keeps the pool an in-place
             # operand of the kernel, so that XLA orders the next layer's in-place commit after this
             # kernel's reads. Unwritten, the ref is dropped from the kernel's results, and XLA copied

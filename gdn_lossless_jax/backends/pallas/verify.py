@@ -718,10 +718,22 @@ def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, int
         jax.lax.fori_loop(0, D, lambda t, S: state(t, S, jax.lax.bitcast_convert_type(pick(bits, t), F32)), S0)
 
 
-def _gram_prep(q, k, a, b, A_log, dt_bias, *, scale, Dp: int, interpret: bool, packed: int = 0):
+def _one_layer(layer, **named):
+    """The inputs stacked over layers (by their rank) sliced at ``layer`` by XLA (a copy each), the
+    others as they are, in the order given."""
+    return tuple(jax.lax.dynamic_index_in_dim(x, layer, 0, keepdims=False) if is_stacked(n, x) else x
+                 for n, x in named.items())  # fmt: skip
+
+
+def _gram_prep(q, k, a, b, A_log, dt_bias, *, scale, Dp: int, interpret: bool, packed: int = 0, into=None,
+               xlayer=None):  # fmt: skip
     """``(qn, kn, g, W, C, P, beta)`` for the Gram form, in one launch (grid ``(N, H)``); with
     ``packed`` (rows, at least ``2 + 2 Dp``): ``(qn, kn, g, coef)``, ``coef [N, HV, packed, Dp]``
-    (:func:`_gram_prep_kernel`)."""
+    (:func:`_gram_prep_kernel`). ``into`` and ``xlayer`` as :func:`_prep` takes them, done by XLA
+    here: the stacked inputs' layer sliced out, the tape's k and g scattered into the buffers
+    (returned last; an out-of-range row writes nothing)."""
+    if xlayer is not None:
+        q, k, a, b, A_log, dt_bias = _one_layer(xlayer[0], q=q, k=k, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
     N, D, H, K = q.shape
     HV = a.shape[-1]
     kernel = functools.partial(_gram_prep_kernel, D=D, Dp=Dp, r=HV // H, scale=scale)
@@ -738,7 +750,14 @@ def _gram_prep(q, k, a, b, A_log, dt_bias, *, scale, Dp: int, interpret: bool, p
         interpret=interpret,
         name="gdn_verify_gram_prep",
     )(pad(q), pad(k), pad(a), pad(b), A_log, dt_bias)
-    return (qn[:, :D], kn[:, :D], g[:, :D], *rest)
+    qn, kn, g = qn[:, :D], kn[:, :D], g[:, :D]
+    if into is None:
+        return (qn, kn, g, *rest)
+    rows, tape_layer, kbuf, gbuf = into
+    nr = kbuf.shape[1]
+    at = jnp.where((rows >= 0) & (rows < nr), rows, nr)  # out-of-range rows: dropped (negative would wrap)
+    return (qn, kn, g, *rest, kbuf.at[tape_layer[0], at, :D].set(kn, mode="drop"),
+            gbuf.at[tape_layer[0], at, :D].set(g, mode="drop"))  # fmt: skip
 
 
 def gram_prep_warps(Dp: int) -> int:
@@ -798,10 +817,7 @@ def verify(
     layer, tape_layer = scalar(layer), scalar(tape_layer)
     cfg = (tuned_config(N, D, state.dtype) if config is None else config).fit(V)
     if stacked and cfg.algorithm == "gram":  # the Gram prologue reads one layer: slice it out (a copy)
-        q, k, v, a, b, A_log, dt_bias = (
-            jax.lax.dynamic_index_in_dim(x, layer[0], 0, keepdims=False) if is_stacked(n, x) else x
-            for n, x in zip(INPUT_RANKS, (q, k, v, a, b, A_log, dt_bias))
-        )
+        q, k, v, a, b, A_log, dt_bias = _one_layer(layer[0], **dict(zip(INPUT_RANKS, (q, k, v, a, b, A_log, dt_bias))))
         stacked = False
     if V % cfg.block_v:
         raise ValueError(f"pallas verify: V={V} must be a multiple of block_v={cfg.block_v}")
@@ -822,18 +838,16 @@ def verify(
         if mma_chunk is not None and (cfg.block_v < MMA_MIN or K < MMA_MIN or K % min(K, mma_chunk)):
             raise ValueError(f"pallas verify: products='mma' needs block_v >= {MMA_MIN} (got {cfg.block_v}, V={V}) "
                              f"and K >= {MMA_MIN} a multiple of max({MMA_MIN}, k_chunk) (got K={K}, k_chunk={cfg.k_chunk})")  # fmt: skip
-        qn, kn, g, W, C, P, beta = _gram_prep(q, k, a, b, A_log, dt_bias, scale=scale, Dp=gram_steps(D),
-                                              interpret=interpret)  # fmt: skip
+        pre = (rows, tape_layer, tape.k, tape.g) if into and not snapshots else None  # k and g into the tape
+        qn, kn, g, W, C, P, beta, *bufs = _gram_prep(q, k, a, b, A_log, dt_bias, scale=scale, Dp=gram_steps(D),
+                                                     interpret=interpret, into=pre)  # fmt: skip
+        if bufs:
+            kbuf, gbuf = bufs
         # The mma products read whole [Dm] step tiles of q and k (masked past D): pad them to Dm so
         # that the slices are in bounds (jax 0.12 checks them); the tape keeps kn's D steps.
         Dm = gram_steps(D, cfg.products)
         pad = lambda x: jnp.pad(x, [(0, 0), (0, Dm - D), (0, 0), (0, 0)])  # noqa: E731
         inputs = [state, slots, layer, tape_layer, pad(qn), pad(kn), v, g, W, C, P, beta]
-        if into and not snapshots:  # the Gram prologue has no buffer outputs: k and g go in by XLA
-            ok = (rows >= 0) & (rows < tape.k.shape[1])
-            idx = jnp.where(ok, rows, tape.k.shape[1])  # out-of-range rows: dropped (negative would wrap)
-            kbuf = tape.k.at[tape_layer[0], idx, :D].set(kn, mode="drop")
-            gbuf = tape.g.at[tape_layer[0], idx, :D].set(g, mode="drop")
     else:
         pre = (rows, tape_layer, tape.k, tape.g) if into and not snapshots else None
         qn, kn, g, beta, *bufs = _prep(q, k, a, b, A_log, dt_bias, scale=scale, interpret=interpret,
