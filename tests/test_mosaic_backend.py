@@ -26,9 +26,8 @@ def _geometry(monkeypatch, *, V=128, K=128, HV=32, D=4, PD=4, state=F32, out=BF1
     "kw,match",
     [
         ({"V": 96}, r"V=96 a multiple of 64"),
-        ({"K": 48}, r"K=48 a multiple of 32 \(float32 pool, swizzle 128\)"),
-        ({"K": 96, "state": BF16}, r"K=96 a multiple of 64 \(bfloat16 pool, swizzle 128\)"),
-        ({"K": 36, "config": mosaic.VerifyConfig(swizzle=32)}, r"K=36 a multiple of 8 \(float32 pool, swizzle 32\)"),
+        ({"K": 48}, r"K=48 a multiple of 32 \(float32 pool\)"),
+        ({"K": 96, "state": BF16}, r"K=96 a multiple of 64 \(bfloat16 pool\)"),
         ({"HV": 6}, r"HV=6 a multiple of 4"),
     ],
 )
@@ -91,10 +90,6 @@ def test_the_gpu_kernel_lowers_for_cuda_with_this_jax(monkeypatch, out_dtype):
     from the row layout), which shows that the lowering builds the stores."""
     for outputs in (None, "smem"):
         assert "mosaic_gpu" in _lower_for_cuda(monkeypatch, out_dtype, mosaic.VerifyConfig(outputs=outputs))
-    if out_dtype == F32:  # the other state-tile layouts and the padding copied in
-        for swizzle in (32, 64):
-            config = mosaic.VerifyConfig(swizzle=swizzle, padding="zeros")
-            assert "mosaic_gpu" in _lower_for_cuda(monkeypatch, out_dtype, config)
     if out_dtype == F32 or mosaic._jax_version() < (0, 12):
         return
     monkeypatch.setattr(mosaic, "_jax_version", lambda: (0, 11))
@@ -118,8 +113,6 @@ def test_launch_double_buffers_the_inputs_where_two_ctas_fit(monkeypatch):
         ({"form": "ptx"}, "form must be one of"),
         ({"replay": "scan"}, "replay must be one of"),
         ({"outputs": "gmem"}, "outputs must be None or one of"),
-        ({"swizzle": 16}, r"swizzle must be None or one of \(32, 64, 128\), got 16"),
-        ({"padding": "mask"}, r"padding must be one of \('select', 'zeros'\), got 'mask'"),
     ],
 )
 def test_config_errors_name_the_field(kw, match):

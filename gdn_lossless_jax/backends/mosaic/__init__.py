@@ -35,11 +35,10 @@ from .. import BackendUnavailable, platform
 from .. import pallas as _pallas
 from ..pallas.commit import commit_snapshots
 from ..pallas.verify import _gram_prep, _prep
-from .kernel import (CONTROL_FORMS, CONTROLS, FORMS, PADDINGS, SWIZZLES, VERIFIES, Geometry, build, coef_shape,
-                     smem_bytes)  # fmt: skip
+from .kernel import CONTROL_FORMS, CONTROLS, FORMS, VERIFIES, Geometry, build, coef_shape, smem_bytes
 
-__all__ = ["CONTROLS", "CONTROL_FORMS", "FORMS", "OUTPUTS", "PADDINGS", "SWIZZLES", "VERIFIES", "VerifyConfig",
-           "check_available", "commit", "replay", "verify"]  # fmt: skip
+__all__ = ["CONTROLS", "CONTROL_FORMS", "FORMS", "OUTPUTS", "VERIFIES", "VerifyConfig", "check_available", "commit",
+           "replay", "verify"]  # fmt: skip
 
 SMEM_PER_SM = 227 * 1024  # the H100/H200's shared memory an SM offers its CTAs
 GPU_ROWS = 64  # rows of a tile: the WGMMA layout's
@@ -79,14 +78,6 @@ class VerifyConfig:
         first, then ``u`` and the outputs by the small recurrence (with ``snapshots``, the states
         from that ``u`` by the rule). Its ``u`` differs from the chain's in the low bits; the
         tape stays exact against its own commit, as every backend's does.
-      swizzle: the state tile's shared-memory swizzle in bytes (:data:`SWIZZLES`), its rows
-        that many bytes wide; None: 128. With an fp32 pool and 128, Mosaic GPU stores a tile from
-        registers with half of each warp's lanes a tile apart (against bank conflicts), each
-        register chosen by a select: 64 ``FSEL`` a thread for every state stored. With 32 it
-        stores every register in place. (A bf16 pool stores in place at every swizzle.)
-      padding: how a padding slot (outside the pool) reads zeros: ``"select"``, a select over
-        the tile in registers (64 ``FSEL`` a thread, every tile), or ``"zeros"``, the tile
-        copied from a zeros input instead of the pool. The same bits either way.
     """
 
     ctas: int = 2
@@ -97,8 +88,6 @@ class VerifyConfig:
     outputs: str | None = None
     auto_barriers: bool = False
     verify: str = "chain"
-    swizzle: int | None = None
-    padding: str = "select"
 
     def __post_init__(self):
         if self.ctas < 1:
@@ -113,10 +102,6 @@ class VerifyConfig:
             raise ValueError(f"mosaic VerifyConfig: outputs must be None or one of {OUTPUTS}, got {self.outputs!r}")
         if self.verify not in VERIFIES:
             raise ValueError(f"mosaic VerifyConfig: verify must be one of {VERIFIES}, got {self.verify!r}")
-        if self.swizzle not in (None, *SWIZZLES):
-            raise ValueError(f"mosaic VerifyConfig: swizzle must be None or one of {SWIZZLES}, got {self.swizzle!r}")
-        if self.padding not in PADDINGS:
-            raise ValueError(f"mosaic VerifyConfig: padding must be one of {PADDINGS}, got {self.padding!r}")
         if self.form not in (None, *FORMS, *CONTROL_FORMS):
             raise ValueError(f"mosaic VerifyConfig: form must be one of {FORMS + CONTROL_FORMS}, got {self.form!r}")
 
@@ -172,11 +157,9 @@ def _geometry(N, D, H, HV, V, K, state_dtype, v, out_dtype, *, out_into, snapsho
     interpret = _interpret()
     R = min(GPU_ROWS, V) if interpret else GPU_ROWS
     sd = jnp.dtype(state_dtype)
-    swizzle = config.swizzle or 128
     if not interpret:
-        minor = swizzle // sd.itemsize
-        problems = [(V % R, f"V={V} a multiple of {R}"),
-                    (K % minor, f"K={K} a multiple of {minor} ({sd} pool, swizzle {swizzle})"),
+        minor = 128 // sd.itemsize
+        problems = [(V % R, f"V={V} a multiple of {R}"), (K % minor, f"K={K} a multiple of {minor} ({sd} pool)"),
                     (HV % 4, f"HV={HV} a multiple of 4")]  # fmt: skip
         bad = [what for fails, what in problems if fails]
         if bad:
@@ -207,7 +190,7 @@ def _geometry(N, D, H, HV, V, K, state_dtype, v, out_dtype, *, out_into, snapsho
         v_stacked=v.ndim == 5, out_dtype=od.name, out_into=out_into, snapshots=snapshots,
         into=into, pending=PD > 0, PD=PD, ctas=config.ctas, num_sms=num_sms, small_slots=slots, replay=config.replay,
         control=config.control, outputs=outputs, form=form, interpret=interpret, auto_barriers=config.auto_barriers,
-        verify=config.verify, swizzle=swizzle, padding=config.padding,
+        verify=config.verify,
     )  # fmt: skip
 
 
@@ -317,8 +300,7 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
     pool_out = pending is not None or thread_pool  # the kernel's pool an in-place ref, returned
     geom = geom._replace(thread_pool=thread_pool and pending is None)
     kern = build(geom)
-    zeros = [jnp.zeros((geom.R, K), state.dtype)] if geom.padding == "zeros" else []
-    inputs = [tab, lay, qn, kn, v, g, beta, *zeros, *pend_in]
+    inputs = [tab, lay, qn, kn, v, g, beta, *pend_in]
     if out is None:
         out = jax.lax.empty((N, D, HV, V), jnp.dtype(out_dtype))
     if into:

@@ -44,8 +44,7 @@ from jax import lax
 
 from ... import rounding
 
-__all__ = ["CONTROLS", "CONTROL_FORMS", "FORMS", "PADDINGS", "SWIZZLES", "VERIFIES", "Geometry", "build", "coef_shape",
-           "smem_bytes"]  # fmt: skip
+__all__ = ["CONTROLS", "CONTROL_FORMS", "FORMS", "VERIFIES", "Geometry", "build", "coef_shape", "smem_bytes"]
 
 F32 = jnp.float32
 FORMS = ("pinned", "portable")
@@ -91,13 +90,9 @@ class Geometry(NamedTuple):
     auto_barriers: bool = False  # Pallas' warpgroup barrier around every load and store (see build)
     verify: str = "chain"  # or "gram": the D steps from the products S k_t, S q_t and coef (see build)
     thread_pool: bool = False  # (never with pending) the pool an in-place ref though unwritten (see build)
-    swizzle: int = 128  # the state tile's shared-memory swizzle in bytes (its tiling: 8 rows of that many bytes)
-    padding: str = "select"  # a padding slot's zeros: "select" in registers, or "zeros" (copied from an input)
 
 
 VERIFIES = ("chain", "gram")
-SWIZZLES = (32, 64, 128)
-PADDINGS = ("select", "zeros")
 
 
 def coef_shape(D: int) -> tuple[int, int]:
@@ -137,9 +132,8 @@ def _small_shapes(g: Geometry) -> dict:
 
 @functools.cache
 def build(g: Geometry):
-    """The kernel for geometry ``g``: ``f(tab, lay, qn, kn, v, g, beta | coef, [zeros], [pk, pu, pg], pool, out,
-    rec)`` (``coef``: ``[N, HV, *coef_shape(D)]`` with ``g.verify == "gram"``; ``zeros``: an ``[R, K]``
-    tile of the pool's dtype with ``g.padding == "zeros"``).
+    """The kernel for geometry ``g``: ``f(tab, lay, qn, kn, v, g, beta | coef, [pk, pu, pg], pool, out, rec)``
+    (``coef``: ``[N, HV, *coef_shape(D)]`` with ``g.verify == "gram"``).
 
     ``out`` (the outputs: ``[N, D, HV, V]``, or a ``[L', N, D, HV, V]`` buffer with ``g.out_into``)
     and ``rec`` (``u [N, D, HV, V]`` or snapshots ``[N, D, HV, V, K]``, or with ``g.into`` a
@@ -206,7 +200,6 @@ def build(g: Geometry):
         return lax.broadcast_in_dim(vec, (R, K), (1,))
 
     names = ["tab", "lay", "qn", "kn", "v", "g"] + (["coef"] if g.verify == "gram" else ["beta"])
-    names += ["zeros"] if g.padding == "zeros" else []
     names += ["pk", "pu", "pg"] if g.pending else []
     names += ["pool", "out", "rec"]
     shapes = _small_shapes(g)
@@ -257,17 +250,7 @@ def build(g: Geometry):
 
         def fetch(tile, row, slot):
             _, hv, _, rows = where(tile)
-            if g.padding == "zeros":  # a padding slot's tile from the zeros input: no select in registers
-
-                @pl.when(row[SLOT_OK] != 0)
-                def _():
-                    plgpu.copy_gmem_to_smem(pool.at[layer, row[SLOT], hv, rows, :], smem["S"].at[slot], bars.at[slot])
-
-                @pl.when(row[SLOT_OK] == 0)
-                def _():
-                    plgpu.copy_gmem_to_smem(r["zeros"], smem["S"].at[slot], bars.at[slot])
-            else:
-                plgpu.copy_gmem_to_smem(pool.at[layer, row[SLOT], hv, rows, :], smem["S"].at[slot], bars.at[slot])
+            plgpu.copy_gmem_to_smem(pool.at[layer, row[SLOT], hv, rows, :], smem["S"].at[slot], bars.at[slot])
             if g.small_slots == 2:
                 fetch_small(tile, row, lambda ref: ref.at[slot], bars.at[slot])
 
@@ -306,9 +289,8 @@ def build(g: Geometry):
             n, hv, _, rows = where(tile)
             S_s = smem["S"].at[slot]
             S = load(S_s, L).astype(F32)
-            if g.padding == "select":
-                ok = lax.broadcast_in_dim(cur[SLOT_OK] != 0, S.shape, ())  # (no implicit broadcast in a select)
-                S = lax.select(ok, S, jnp.zeros_like(S))  # a padding slot reads zeros
+            ok = lax.broadcast_in_dim(cur[SLOT_OK] != 0, S.shape, ())  # (no implicit broadcast in a select)
+            S = lax.select(ok, S, jnp.zeros_like(S))  # a padding slot reads zeros
 
             if g.pending:
                 upto, tstep, tslot = cur[UPTO], cur[TSTEP], cur[TSLOT]
@@ -424,12 +406,8 @@ def build(g: Geometry):
                 plgpu.copy_smem_to_gmem(smem["S"].at[0], pool.at[layer, 0, 0, pl.ds(0, R), :])
                 plgpu.wait_smem_to_gmem(0)
 
-    # Rows of g.swizzle bytes, swizzled: the WGMMA register layout reads and writes them without bank
-    # conflicts. With 128 (f32), Mosaic GPU stores a tile from registers with half the lanes a tile
-    # apart, choosing each register by a select (an FSEL per element: 64 a thread a state stored);
-    # with 32 every lane stores in place. (interpret: no transforms, any K)
-    tiling = plgpu.TilingTransform((8, g.swizzle // sd.itemsize))
-    transforms = () if g.interpret else (tiling, plgpu.SwizzleTransform(g.swizzle))
+    tiling = plgpu.TilingTransform((8, 128 // sd.itemsize))  # the WGMMA register layout reads it unconflicted
+    transforms = () if g.interpret else (tiling, plgpu.SwizzleTransform(128))  # (interpret: any K)
     S_smem = plgpu.SMEM((2, R, K), sd, transforms=transforms)
     lead = (2,) if g.small_slots == 2 else ()
     smem = {k: plgpu.SMEM((*lead, *shape), jnp.dtype(dt)) for k, (shape, dt) in shapes.items()} | {"S": S_smem}
