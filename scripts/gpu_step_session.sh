@@ -14,7 +14,9 @@
 #   fused     scripts/tune_fused.py at FUSED_CONFIGS (default 25x4,8x16): the fused step per variant (FUSED_VARIANTS)
 #   variants  scripts/mosaic_variants.py at VAR_CONFIGS (default 25x4,8x16), VAR_VARIANTS, VAR_ARGS (e.g. "--layers 30")
 #   mosaic_ncu  Nsight Compute on the mosaic fused kernel at NCU_CONFIG (default 25x4), one launch per variant of
-#             NCU_VARIANTS (default "replay=loop"): details and SASS stall samples as CSV
+#             NCU_VARIANTS (default "replay=loop"; NCU_LAUNCHES, default "--launch-skip 1 --launch-count 1", picks
+#             others: with NCU_ARGS="... --verify", "--launch-skip 3 --launch-count 2" is a fused launch, then the
+#             verify alone): details and SASS stall samples as CSV
 #   step_cfg  the step phase with the mosaic backend's default launch replaced by STEP_MOSAIC (VerifyConfig fields;
 #             scripts/step_mosaic_config.py), into step-cfg/
 set -u
@@ -90,7 +92,7 @@ for phase in ${PHASES:-probe tests step tfrt timeline}; do
       IFS=';' read -ra ncu_variants <<< "${NCU_VARIANTS:-replay=loop}"
       for v in "${ncu_variants[@]}"; do
         name=ncu-$(echo "$v" | tr -c 'A-Za-z0-9\n' '_')
-        timeout ${NCU_TIMEOUT:-150} ncu --clock-control none -k regex:mosaic --launch-skip 1 --launch-count 1 \
+        timeout ${NCU_TIMEOUT:-150} ncu --clock-control none -k regex:mosaic ${NCU_LAUNCHES:---launch-skip 1 --launch-count 1} \
           --section LaunchStats --section Occupancy --section SpeedOfLight --section WarpStateStats \
           --section SourceCounters --section MemoryWorkloadAnalysis --section SchedulerStats --section InstructionStats \
           -f -o $O/$name python3 scripts/mosaic_variants.py --configs ${NCU_CONFIG:-25x4} --variants "$v" --calls 3 \

@@ -51,15 +51,19 @@ def summary(rows: list[dict], warps: int, top: int = 7) -> str:
 
 
 def segments(rows: list[dict], warps: int) -> list[str]:
+    """Runs of instructions executed equally often, each with its stall samples (all reasons: its share of
+    the warps' time) and its long-scoreboard samples."""
+    total = sum(float(x["Warp Stall Sampling (All Samples)"] or 0) for x in rows) or 1.0
     out, run, key = [], [], None
     for r in rows + [None]:
         k = None if r is None else round(float(r["Instructions Executed"] or 0) / warps, 2)
         if run and k != key:
             ops = collections.Counter(opcode(x["Source"]) for x in run).most_common(6)
             lsb = sum(float(x["stall_long_sb"] or 0) for x in run)
+            all_ = sum(float(x["Warp Stall Sampling (All Samples)"] or 0) for x in run)
             out.append(
                 f"    {run[0]['Address']}  x{key:5.2f} a warp  {len(run):4d} instructions  "
-                f"long_sb samples {lsb:6.0f}  {dict(ops)}"
+                f"samples {all_:6.0f} ({all_ / total:5.1%})  long_sb {lsb:6.0f}  {dict(ops)}"
             )
             run = []
         key = k

@@ -44,7 +44,7 @@ from jax import lax
 
 from ... import rounding
 
-__all__ = ["CONTROLS", "CONTROL_FORMS", "FORMS", "VERIFIES", "Geometry", "build", "coef_shape", "smem_bytes"]
+__all__ = ["CONTROLS", "CONTROL_FORMS", "FORMS", "L2_PREFETCHES", "VERIFIES", "Geometry", "build", "coef_shape", "smem_bytes"]
 
 F32 = jnp.float32
 FORMS = ("pinned", "portable")
@@ -90,9 +90,14 @@ class Geometry(NamedTuple):
     auto_barriers: bool = False  # Pallas' warpgroup barrier around every load and store (see build)
     verify: str = "chain"  # or "gram": the D steps from the products S k_t, S q_t and coef (see build)
     thread_pool: bool = False  # (never with pending) the pool an in-place ref though unwritten (see build)
+    l2_prefetch: str = "none"  # state tiles prefetched into L2 by TMA (L2_PREFETCHES, see build)
 
 
 VERIFIES = ("chain", "gram")
+#: ``"ahead"``: at each tile's start the state of the CTA's tile after next (into shared memory the next
+#: one comes); ``"next_layer"``: at the start of its last tile, its first tile of the pool's next layer
+#: (the next launch of a step, which starts by waiting for it); ``"both"``.
+L2_PREFETCHES = ("none", "ahead", "next_layer", "both")
 
 
 def coef_shape(D: int) -> tuple[int, int]:
@@ -212,6 +217,7 @@ def build(g: Geometry):
         cta = lax.axis_index("cta")
         count = (TT - cta + NG - 1) // NG
         pool = r["pool"]
+        NL = pool.shape[0]  # the pool's layers
 
         def where(tile):
             n = tile // (HV * T)
@@ -280,6 +286,17 @@ def build(g: Geometry):
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores have read its slot
                 fetch(tile + NG, table_row(tile + NG), 1 - slot)
 
+            if g.l2_prefetch in ("next_layer", "both"):  # this CTA's first tile of the next layer, into L2
+
+                @pl.when((j + 1 == count) & (layer + 1 < NL))
+                def _():
+                    n0, hv0, _, rows0 = where(cta)
+                    plgpu.async_prefetch(pool.at[layer + 1, tab[n0, SLOT], hv0, rows0, :])
+
+            if g.l2_prefetch in ("ahead", "both"):  # the slot of the tile after next, loaded now, used below
+                ahead = tile + 2 * NG
+                ahead_slot = tab[jnp.minimum(ahead // (HV * T), N - 1), SLOT]
+
             plgpu.barrier_wait(bars.at[slot])
             if g.small_slots == 1:
                 plgpu.barrier_wait(r["bar_small"])
@@ -335,6 +352,13 @@ def build(g: Geometry):
 
                 if sd != F32:
                     S = S.astype(sd).astype(F32)  # the verify starts from the state as the pool holds it
+
+            if g.l2_prefetch in ("ahead", "both"):  # (issued after the replay: the slot's load has arrived)
+
+                @pl.when(j + 2 < count)
+                def _():
+                    _, hv2, _, rows2 = where(ahead)
+                    plgpu.async_prefetch(pool.at[layer, ahead_slot, hv2, rows2, :])
 
             row, row_ok = cur[ROW], cur[ROW_OK] != 0
             if g.verify == "gram":  # every product of the step's starting state first: no chain through the tile
