@@ -44,7 +44,8 @@ from jax import lax
 
 from ... import rounding
 
-__all__ = ["CONTROLS", "CONTROL_FORMS", "FORMS", "L2_PREFETCHES", "VERIFIES", "Geometry", "build", "coef_shape", "smem_bytes"]
+__all__ = ["CONTROLS", "CONTROL_FORMS", "FORMS", "L2_PREFETCHES", "VERIFIES", "Geometry", "build", "coef_shape",
+           "smem_bytes"]  # fmt: skip
 
 F32 = jnp.float32
 FORMS = ("pinned", "portable")
