@@ -97,8 +97,9 @@ class Geometry(NamedTuple):
 VERIFIES = ("chain", "gram")
 #: ``"ahead"``: at each tile's start the state of the CTA's tile after next (into shared memory the next
 #: one comes); ``"next_layer"``: at the start of its last tile, its first tile of the pool's next layer
-#: (the next launch of a step, which starts by waiting for it); ``"both"``.
-L2_PREFETCHES = ("none", "ahead", "next_layer", "both")
+#: (the next launch of a step, which starts by waiting for it); ``"both"``; ``"next_layer_end"``: that
+#: tile when the CTA has finished its own.
+L2_PREFETCHES = ("none", "ahead", "next_layer", "both", "next_layer_end")
 
 
 def coef_shape(D: int) -> tuple[int, int]:
@@ -418,6 +419,13 @@ def build(g: Geometry):
         def _():
             fetch(cta, table_row(cta), 0)
             lax.fori_loop(0, count, tile_step, 0)
+            if g.l2_prefetch == "next_layer_end":
+
+                @pl.when(layer + 1 < NL)
+                def _():
+                    n0, hv0, _, rows0 = where(cta)
+                    plgpu.async_prefetch(pool.at[layer + 1, tab[n0, SLOT], hv0, rows0, :])
+
             plgpu.wait_smem_to_gmem(0)
 
         if g.thread_pool:
