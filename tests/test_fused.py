@@ -371,7 +371,7 @@ _MOSAIC_LAUNCHES = [
     pytest.param(f, id=i, marks=() if ON_GPU else full_only)
     for f, i in [({"small_slots": 1}, "single"), ({"replay": "static"}, "static"),
                  ({"ctas": 3, "small_slots": 1}, "ctas3"), ({"outputs": "smem"}, "outputs-smem"),
-                 ({"auto_barriers": True}, "auto-barriers"), ({"l2_prefetch": "both"}, "l2-prefetch")]
+                 ({"auto_barriers": True}, "auto-barriers"), ({"prefetch_next_layer": False}, "no-prefetch")]
 ]  # fmt: skip
 
 
@@ -379,7 +379,7 @@ _MOSAIC_LAUNCHES = [
 def test_other_launches_of_the_mosaic_kernel(fields, seed):
     """The Mosaic GPU fused kernel's other launches (``mosaic.VerifyConfig``: the inputs
     single-buffered, the replay unrolled, three CTAs an SM, the outputs staged in shared memory,
-    Pallas' automatic barriers kept, state tiles prefetched into L2) give the default launch's pools,
+    Pallas' automatic barriers kept, no prefetch of the next layer) give the default launch's pools,
     outputs and tapes, bit for bit, over steps with a pending commit."""
     from gdn_lossless_jax.backends.mosaic import VerifyConfig as MosaicConfig
 

@@ -90,14 +90,21 @@ def test_the_gpu_kernel_lowers_for_cuda_with_this_jax(monkeypatch, out_dtype):
     from the row layout), which shows that the lowering builds the stores."""
     for outputs in (None, "smem"):
         assert "mosaic_gpu" in _lower_for_cuda(monkeypatch, out_dtype, mosaic.VerifyConfig(outputs=outputs))
-    if out_dtype == F32:  # the L2 prefetches (TMA prefetch descriptors)
-        for where in ("both", "next_layer_end"):
-            assert "mosaic_gpu" in _lower_for_cuda(monkeypatch, out_dtype, mosaic.VerifyConfig(l2_prefetch=where))
+    if out_dtype == F32:  # without the next layer's prefetch (the fused kernel's default has it)
+        assert "mosaic_gpu" in _lower_for_cuda(monkeypatch, out_dtype, mosaic.VerifyConfig(prefetch_next_layer=False))
     if out_dtype == F32 or mosaic._jax_version() < (0, 12):
         return
     monkeypatch.setattr(mosaic, "_jax_version", lambda: (0, 11))
     with pytest.raises(Exception, match="smaller than 4 bytes"):
         _lower_for_cuda(monkeypatch, out_dtype, mosaic.VerifyConfig(outputs="registers"))
+
+
+def test_the_fused_kernel_prefetches_the_next_layer_by_default(monkeypatch):
+    on, off = mosaic.VerifyConfig(prefetch_next_layer=True), mosaic.VerifyConfig(prefetch_next_layer=False)
+    assert _geometry(monkeypatch, out=F32, PD=4).prefetch_next_layer
+    assert not _geometry(monkeypatch, out=F32, PD=0).prefetch_next_layer  # the verify alone
+    assert _geometry(monkeypatch, out=F32, PD=0, config=on).prefetch_next_layer
+    assert not _geometry(monkeypatch, out=F32, config=off).prefetch_next_layer
 
 
 def test_launch_double_buffers_the_inputs_where_two_ctas_fit(monkeypatch):
@@ -116,7 +123,7 @@ def test_launch_double_buffers_the_inputs_where_two_ctas_fit(monkeypatch):
         ({"form": "ptx"}, "form must be one of"),
         ({"replay": "scan"}, "replay must be one of"),
         ({"outputs": "gmem"}, "outputs must be None or one of"),
-        ({"l2_prefetch": "all"}, r"l2_prefetch must be one of \('none', 'ahead', .*\), got 'all'"),
+        ({"prefetch_next_layer": "yes"}, r"prefetch_next_layer must be None, True or False, got 'yes'"),
     ],
 )
 def test_config_errors_name_the_field(kw, match):

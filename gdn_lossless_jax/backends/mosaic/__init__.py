@@ -35,11 +35,10 @@ from .. import BackendUnavailable, platform
 from .. import pallas as _pallas
 from ..pallas.commit import commit_snapshots
 from ..pallas.verify import _gram_prep, _prep
-from .kernel import (CONTROL_FORMS, CONTROLS, FORMS, L2_PREFETCHES, VERIFIES, Geometry, build, coef_shape,
-                     smem_bytes)  # fmt: skip
+from .kernel import CONTROL_FORMS, CONTROLS, FORMS, VERIFIES, Geometry, build, coef_shape, smem_bytes
 
-__all__ = ["CONTROLS", "CONTROL_FORMS", "FORMS", "L2_PREFETCHES", "OUTPUTS", "VERIFIES", "VerifyConfig",
-           "check_available", "commit", "replay", "verify"]  # fmt: skip
+__all__ = ["CONTROLS", "CONTROL_FORMS", "FORMS", "OUTPUTS", "VERIFIES", "VerifyConfig", "check_available", "commit",
+           "replay", "verify"]  # fmt: skip
 
 SMEM_PER_SM = 227 * 1024  # the H100/H200's shared memory an SM offers its CTAs
 GPU_ROWS = 64  # rows of a tile: the WGMMA layout's
@@ -79,10 +78,12 @@ class VerifyConfig:
         first, then ``u`` and the outputs by the small recurrence (with ``snapshots``, the states
         from that ``u`` by the rule). Its ``u`` differs from the chain's in the low bits; the
         tape stays exact against its own commit, as every backend's does.
-      l2_prefetch: state tiles brought into L2 ahead of their copy into shared memory
-        (:data:`L2_PREFETCHES`): ``"ahead"``, each CTA's tile after next; ``"next_layer"``, at
-        its last tile, its first tile of the pool's next layer (which the next launch of a step
-        waits for first); ``"both"``; ``"none"``. A hint: the same bits.
+      prefetch_next_layer: each CTA, when done, prefetches into L2 (by TMA) the state tile it
+        would take first from the pool's next layer: a step's next launch (the same slots) starts
+        by waiting for those tiles. None: with a pending commit only (the fused kernel). A hint:
+        the same bits. On the H200 (``benchmarks/NOTES.md``, twenty-fifth session) it made the
+        fused step at 25x4 1.3 us a layer faster (8x16: the same) and the verify alone 0.9 us a
+        layer slower at 25x4, 1 us faster at 8x16.
     """
 
     ctas: int = 2
@@ -93,7 +94,7 @@ class VerifyConfig:
     outputs: str | None = None
     auto_barriers: bool = False
     verify: str = "chain"
-    l2_prefetch: str = "none"
+    prefetch_next_layer: bool | None = None
 
     def __post_init__(self):
         if self.ctas < 1:
@@ -108,9 +109,9 @@ class VerifyConfig:
             raise ValueError(f"mosaic VerifyConfig: outputs must be None or one of {OUTPUTS}, got {self.outputs!r}")
         if self.verify not in VERIFIES:
             raise ValueError(f"mosaic VerifyConfig: verify must be one of {VERIFIES}, got {self.verify!r}")
-        if self.l2_prefetch not in L2_PREFETCHES:
-            raise ValueError(f"mosaic VerifyConfig: l2_prefetch must be one of {L2_PREFETCHES}, got "
-                             f"{self.l2_prefetch!r}")  # fmt: skip
+        if self.prefetch_next_layer not in (None, True, False):
+            raise ValueError(f"mosaic VerifyConfig: prefetch_next_layer must be None, True or False, got "
+                             f"{self.prefetch_next_layer!r}")  # fmt: skip
         if self.form not in (None, *FORMS, *CONTROL_FORMS):
             raise ValueError(f"mosaic VerifyConfig: form must be one of {FORMS + CONTROL_FORMS}, got {self.form!r}")
 
@@ -199,7 +200,8 @@ def _geometry(N, D, H, HV, V, K, state_dtype, v, out_dtype, *, out_into, snapsho
         v_stacked=v.ndim == 5, out_dtype=od.name, out_into=out_into, snapshots=snapshots,
         into=into, pending=PD > 0, PD=PD, ctas=config.ctas, num_sms=num_sms, small_slots=slots, replay=config.replay,
         control=config.control, outputs=outputs, form=form, interpret=interpret, auto_barriers=config.auto_barriers,
-        verify=config.verify, l2_prefetch=config.l2_prefetch,
+        verify=config.verify,
+        prefetch_next_layer=PD > 0 if config.prefetch_next_layer is None else config.prefetch_next_layer,
     )  # fmt: skip
 
 

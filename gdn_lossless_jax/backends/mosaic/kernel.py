@@ -19,7 +19,9 @@ Launch: ``ctas`` persistent CTAs an SM (the grid is that times the SM count), ea
 tiles ``cta, cta + G, ...``. While a tile computes, the next tile's state and inputs arrive by
 TMA in the other of two shared-memory slots (``small_slots=1``: the inputs single-buffered, copied
 at each tile's start, where two slots of them would not fit two CTAs an SM); every state the pool
-or a snapshot receives leaves from shared memory by a TMA store. On the H200 at 25x4 (30 layers,
+or a snapshot receives leaves from shared memory by a TMA store. With a pending commit (by
+default) a CTA that is done prefetches into L2 the tile it would take first from the pool's next
+layer, which a step's next launch starts by waiting for. On the H200 at 25x4 (30 layers,
 ``benchmarks/NOTES.md``, twenty-third session) the fused kernel takes 37.3 us a layer in a step,
 1.35x the byte floor of one state read and write and the tapes (Triton's fused kernel: 41.3), and
 the verify alone 23.6 us (Triton's: 27.5); as long with the state in L2: its instructions' latency,
@@ -44,7 +46,7 @@ from jax import lax
 
 from ... import rounding
 
-__all__ = ["CONTROLS", "CONTROL_FORMS", "FORMS", "L2_PREFETCHES", "VERIFIES", "Geometry", "build", "coef_shape",
+__all__ = ["CONTROLS", "CONTROL_FORMS", "FORMS", "VERIFIES", "Geometry", "build", "coef_shape",
            "smem_bytes"]  # fmt: skip
 
 F32 = jnp.float32
@@ -91,15 +93,10 @@ class Geometry(NamedTuple):
     auto_barriers: bool = False  # Pallas' warpgroup barrier around every load and store (see build)
     verify: str = "chain"  # or "gram": the D steps from the products S k_t, S q_t and coef (see build)
     thread_pool: bool = False  # (never with pending) the pool an in-place ref though unwritten (see build)
-    l2_prefetch: str = "none"  # state tiles prefetched into L2 by TMA (L2_PREFETCHES, see build)
+    prefetch_next_layer: bool = False  # the CTA's first tile of the pool's next layer into L2 when it is done
 
 
 VERIFIES = ("chain", "gram")
-#: ``"ahead"``: at each tile's start the state of the CTA's tile after next (into shared memory the next
-#: one comes); ``"next_layer"``: at the start of its last tile, its first tile of the pool's next layer
-#: (the next launch of a step, which starts by waiting for it); ``"both"``; ``"next_layer_end"``: that
-#: tile when the CTA has finished its own.
-L2_PREFETCHES = ("none", "ahead", "next_layer", "both", "next_layer_end")
 
 
 def coef_shape(D: int) -> tuple[int, int]:
@@ -288,17 +285,6 @@ def build(g: Geometry):
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores have read its slot
                 fetch(tile + NG, table_row(tile + NG), 1 - slot)
 
-            if g.l2_prefetch in ("next_layer", "both"):  # this CTA's first tile of the next layer, into L2
-
-                @pl.when((j + 1 == count) & (layer + 1 < NL))
-                def _():
-                    n0, hv0, _, rows0 = where(cta)
-                    plgpu.async_prefetch(pool.at[layer + 1, tab[n0, SLOT], hv0, rows0, :])
-
-            if g.l2_prefetch in ("ahead", "both"):  # the slot of the tile after next, loaded now, used below
-                ahead = tile + 2 * NG
-                ahead_slot = tab[jnp.minimum(ahead // (HV * T), N - 1), SLOT]
-
             plgpu.barrier_wait(bars.at[slot])
             if g.small_slots == 1:
                 plgpu.barrier_wait(r["bar_small"])
@@ -354,13 +340,6 @@ def build(g: Geometry):
 
                 if sd != F32:
                     S = S.astype(sd).astype(F32)  # the verify starts from the state as the pool holds it
-
-            if g.l2_prefetch in ("ahead", "both"):  # (issued after the replay: the slot's load has arrived)
-
-                @pl.when(j + 2 < count)
-                def _():
-                    _, hv2, _, rows2 = where(ahead)
-                    plgpu.async_prefetch(pool.at[layer, ahead_slot, hv2, rows2, :])
 
             row, row_ok = cur[ROW], cur[ROW_OK] != 0
             if g.verify == "gram":  # every product of the step's starting state first: no chain through the tile
@@ -419,8 +398,12 @@ def build(g: Geometry):
         def _():
             fetch(cta, table_row(cta), 0)
             lax.fori_loop(0, count, tile_step, 0)
-            if g.l2_prefetch == "next_layer_end":
-
+            if g.prefetch_next_layer:
+                # The tile this CTA would take first in the next layer (a step's next launch: the same
+                # slots), into L2 by a TMA prefetch: that launch starts by waiting for its first tiles.
+                # Issued once the CTA is done, while others finish theirs (benchmarks/NOTES.md,
+                # twenty-fifth session: the fused step at 25x4 1.3 us a layer faster; issued at the
+                # start of the last tile it cost 8x16 as much; the tile after next, each tile: slower).
                 @pl.when(layer + 1 < NL)
                 def _():
                     n0, hv0, _, rows0 = where(cta)
