@@ -22,10 +22,10 @@ at each tile's start, where two slots of them would not fit two CTAs an SM); eve
 or a snapshot receives leaves from shared memory by a TMA store. With a pending commit (by
 default) a CTA that is done prefetches into L2 the tile it would take first from the pool's next
 layer, which a step's next launch starts by waiting for. On the H200 at 25x4 (30 layers,
-``benchmarks/NOTES.md``, twenty-third session) the fused kernel takes 37.3 us a layer in a step,
-1.35x the byte floor of one state read and write and the tapes (Triton's fused kernel: 41.3), and
-the verify alone 23.6 us (Triton's: 27.5); as long with the state in L2: its instructions' latency,
-not its bytes, holds it there.
+``benchmarks/NOTES.md``, twenty-fifth session) the fused kernel takes 36.3 us a layer in a step,
+1.32x the byte floor of one state read and write and the tapes (Triton's fused kernel: 41.3), and
+the verify alone 23.3 us (Triton's: 27.5); about as long with the state in L2 (twenty-third
+session): its instructions' latency, not its bytes, holds it there.
 
 Rounding: the rule's fma is MLIR's ``math.fma`` through ``plgpu.inline_mgpu`` (``form="pinned"``,
 the GPU); in Mosaic GPU's interpret mode (the CPU, CI) it is the portable integer form of
