@@ -80,10 +80,10 @@ class VerifyConfig:
         tape stays exact against its own commit, as every backend's does.
       prefetch_next_layer: each CTA, when done, prefetches into L2 (by TMA) the state tile it
         would take first from the pool's next layer: a step's next launch (the same slots) starts
-        by waiting for those tiles. None: with a pending commit only (the fused kernel). A hint:
-        the same bits. On the H200 (``benchmarks/NOTES.md``, twenty-fifth session) it made the
-        fused step at 25x4 1.3 us a layer faster (8x16: the same) and the verify alone 0.9 us a
-        layer slower at 25x4, 1 us faster at 8x16.
+        by waiting for those tiles. None: with a pending tuple commit (the fused kernel) only. A
+        hint: the same bits. On the H200 (``benchmarks/NOTES.md``, twenty-fifth session) it made
+        the fused step at 25x4 1.3 us a layer faster (8x16: the same) and the verify alone 0.9 us
+        a layer slower at 25x4, 1 us faster at 8x16.
     """
 
     ctas: int = 2
