@@ -68,8 +68,9 @@ def _cases():
         _param("pallas", Shape(N=n, D=d, H=h, HV=hv, K=16, V=16), F32)
         for d, (h, hv), n in [(1, (4, 16), 1), (3, (4, 16), 5), (4, (16, 32), 5), (2, (8, 8), 5)]
     ]
-    # Mosaic GPU's interpret mode: one case (its kernel's logic; ~1 s a call on the CPU)
-    interpret.append(_param("mosaic", Shape(N=5, D=3, H=4, HV=16, K=16, V=16), F32))
+    # Mosaic GPU's interpret mode: one case (its kernel's logic; its time goes with the tiles, N x HV:
+    # 24 here, two v-heads a q/k head as at Qwen's geometry)
+    interpret.append(_param("mosaic", Shape(N=3, D=3, H=4, HV=8, K=16, V=16), F32))
     return small + full + interpret
 
 

@@ -128,10 +128,11 @@ def _left(prev: Step, st: Step):
     return tuple(a[gone] for a in _commit_args(prev))
 
 
-def fused(pool, steps, records, backend, control=None, stacked=False, config=None):
+def fused(pool, steps, records, backend, control=None, stacked=False, config=None, flush=True):
     """commit_and_verify for every layer (the previous step's commit inside); requests that left
-    are committed before the step, and the last step is flushed with commit. Returns the pool
-    after each step's commit has been applied (before the next verify's), and all outputs.
+    are committed before the step, and the last step is flushed with commit (``flush=False``: not,
+    for a control that reads only the first pool). Returns the pool after each step's commit has
+    been applied (before the next verify's), and all outputs.
     ``stacked``: each step's inputs stacked over the layers, read at the layer by the kernels.
     ``control`` or ``config``: the backend's kernel called with them (:func:`_backend_call`)."""
     pools, outs, tapes = [], [], []
@@ -156,7 +157,8 @@ def fused(pool, steps, records, backend, control=None, stacked=False, config=Non
             pools.append(pool)  # holds the previous step's commit of every layer now
         prev, prev_tape = st, buf
         tapes.append(buf)
-    pools.append(gl.commit(pool, prev_tape, *_commit_args(prev), backend=backend))
+    if flush:
+        pools.append(gl.commit(pool, prev_tape, *_commit_args(prev), backend=backend))
     return pools, outs, tapes
 
 
@@ -359,7 +361,7 @@ def test_mosaic_fused_kernel_controls_are_caught(dtype, seed):
     if ON_GPU or FULL_TESTS:  # (CI's CPU run: the Pallas fused kernel's ordering control runs there)
         controls.append((MosaicConfig(control="track_after_write"), "the track state taken after the write"))
     for config, what in controls:
-        got_pools, _, _ = fused(pool, steps, records, "mosaic", config=config)
+        got_pools, _, _ = fused(pool, steps, records, "mosaic", config=config, flush=False)
         assert_bitwise_differs(want_pools[0], got_pools[0], f"{what} (the pool the fused replay wrote)")
     if ON_GPU or FULL_TESTS:  # the ordering's track slot: step 0's request 1 crossed at or before its accepted step
         tslot = int(steps[0].track_slots[1])
