@@ -373,8 +373,7 @@ _MOSAIC_LAUNCHES = [
     pytest.param(f, id=i, marks=() if ON_GPU else full_only)
     for f, i in [({"small_slots": 1}, "single"), ({"replay": "static"}, "static"),
                  ({"ctas": 3, "small_slots": 1}, "ctas3"), ({"outputs": "smem"}, "outputs-smem"),
-                 ({"auto_barriers": True}, "auto-barriers"), ({"prefetch_next_layer": False}, "no-prefetch"),
-                 ({"slots_ahead": True}, "slots-ahead")]
+                 ({"auto_barriers": True}, "auto-barriers"), ({"prefetch_next_layer": False}, "no-prefetch")]
 ]  # fmt: skip
 
 

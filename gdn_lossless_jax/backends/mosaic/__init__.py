@@ -95,7 +95,6 @@ class VerifyConfig:
     auto_barriers: bool = False
     verify: str = "chain"
     prefetch_next_layer: bool | None = None
-    slots_ahead: bool = False
 
     def __post_init__(self):
         if self.ctas < 1:
@@ -203,7 +202,6 @@ def _geometry(N, D, H, HV, V, K, state_dtype, v, out_dtype, *, out_into, snapsho
         control=config.control, outputs=outputs, form=form, interpret=interpret, auto_barriers=config.auto_barriers,
         verify=config.verify,
         prefetch_next_layer=PD > 0 if config.prefetch_next_layer is None else config.prefetch_next_layer,
-        slots_ahead=config.slots_ahead,
     )  # fmt: skip
 
 

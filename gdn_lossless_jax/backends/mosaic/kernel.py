@@ -94,7 +94,6 @@ class Geometry(NamedTuple):
     verify: str = "chain"  # or "gram": the D steps from the products S k_t, S q_t and coef (see build)
     thread_pool: bool = False  # (never with pending) the pool an in-place ref though unwritten (see build)
     prefetch_next_layer: bool = False  # the CTA's first tile of the pool's next layer into L2 when it is done
-    slots_ahead: bool = False  # the slot (and tape row) of the tile after next loaded a tile early, carried
 
 
 VERIFIES = ("chain", "gram")
@@ -267,16 +266,8 @@ def build(g: Geometry):
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(S_s, dst)
 
-        def ahead_of(tile):  # (SLOT, PROW) of the table row of tile (clamped past the last tile)
-            n = jnp.minimum(tile // (HV * T), N - 1)
-            return tab[n, SLOT], tab[n, PROW]
-
         def tile_step(j, carry):
             tile = cta + j * NG
-            if g.slots_ahead:  # this tile's next one's slot came in the carry; load the one after now
-                nxt = [None] * 8
-                nxt[SLOT], nxt[PROW] = carry
-                carry = ahead_of(tile + 2 * NG)
             cur = table_row(tile)
             slot = j % 2
             plgpu.commit_smem()  # every thread is done with the other slot (the previous tile)
@@ -292,7 +283,7 @@ def build(g: Geometry):
             def _():
                 if g.outputs != "smem":
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores have read its slot
-                fetch(tile + NG, nxt if g.slots_ahead else table_row(tile + NG), 1 - slot)
+                fetch(tile + NG, table_row(tile + NG), 1 - slot)
 
             plgpu.barrier_wait(bars.at[slot])
             if g.small_slots == 1:
@@ -406,7 +397,7 @@ def build(g: Geometry):
         @pl.when(count > 0)
         def _():
             fetch(cta, table_row(cta), 0)
-            lax.fori_loop(0, count, tile_step, ahead_of(cta + NG) if g.slots_ahead else 0)
+            lax.fori_loop(0, count, tile_step, 0)
             if g.prefetch_next_layer:
                 # The tile this CTA would take first in the next layer (a step's next launch: the same
                 # slots), into L2 by a TMA prefetch: that launch starts by waiting for its first tiles.
