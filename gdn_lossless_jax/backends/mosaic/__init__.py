@@ -163,7 +163,8 @@ def _scalar(x):
     return jnp.reshape(_i32(0 if x is None else x), ())
 
 
-def _geometry(N, D, H, HV, V, K, state_dtype, v, out_dtype, *, out_into, snapshots, into, PD, config):
+def _geometry(N, D, H, HV, V, K, state_dtype, v, out_dtype, *, out_into, snapshots, into, PD, config,
+              thread_pool=False):  # fmt: skip
     interpret = _interpret()
     R = min(GPU_ROWS, V) if interpret else GPU_ROWS
     sd = jnp.dtype(state_dtype)
@@ -202,6 +203,7 @@ def _geometry(N, D, H, HV, V, K, state_dtype, v, out_dtype, *, out_into, snapsho
         control=config.control, outputs=outputs, form=form, interpret=interpret, auto_barriers=config.auto_barriers,
         verify=config.verify,
         prefetch_next_layer=PD > 0 if config.prefetch_next_layer is None else config.prefetch_next_layer,
+        thread_pool=thread_pool,
     )  # fmt: skip
 
 
@@ -307,9 +309,8 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
     lay = jnp.stack([layer, tape_layer, _scalar(prev_layer), _scalar(out_layer)] + [_scalar(0)] * 4)
 
     geom = _geometry(N, D, H, HV, V, K, state.dtype, v, out_dtype, out_into=out is not None, snapshots=snapshots,
-                     into=into, PD=PD, config=config)  # fmt: skip
+                     into=into, PD=PD, config=config, thread_pool=thread_pool)  # fmt: skip
     pool_out = pending is not None or thread_pool  # the kernel's pool an in-place ref, returned
-    geom = geom._replace(thread_pool=thread_pool and pending is None)
     kern = build(geom)
     inputs = [tab, lay, qn, kn, v, g, beta, *pend_in]
     if out is None:
