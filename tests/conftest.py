@@ -2,9 +2,18 @@ import os
 import random
 import zlib
 
-import jax
-import pytest
-from hypothesis import HealthCheck, settings
+# The CPU run (JAX_PLATFORMS=cpu, as `make test` sets it) compiles without LLVM's expensive passes:
+# ~20% of the suite's time, and the same bits (XLA:CPU emits no fast-math flags; the LLVM passes keep
+# IEEE results). tests/test_compile_flags.py checks that against XLA's defaults. Set before JAX reads
+# XLA_FLAGS (its first backend); a flag already in XLA_FLAGS is left as it is.
+SUITE_XLA_FLAGS = ["--xla_llvm_disable_expensive_passes=true"] if os.environ.get("JAX_PLATFORMS") == "cpu" else []
+for _flag in SUITE_XLA_FLAGS:
+    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 # Tests compare bit patterns of float32 work: keep JAX's defaults (x64 off) everywhere.
 jax.config.update("jax_enable_x64", False)
