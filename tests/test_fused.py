@@ -333,7 +333,7 @@ def test_controls_in_the_fused_kernel_are_caught(control, replay, seed):
     steps = _steps(seed, _plan("pallas"))
     pool = _pool(seed, F32)  # fp32: a bf16 pool rounds a 1-ULP drift away almost always
     records = ("tuples",) * 3
-    want_pools, _, _ = separate(pool, steps, records, "reference")  # the right pools (the kernels' bits too)
+    want_pools, _, _ = separate(pool, steps, records, "pallas")
     got_pools, _, _ = fused(pool, steps, records, "pallas", control=control,
                             config=VerifyConfig(pending_replay=replay))  # fmt: skip
     assert_bitwise_differs(want_pools, got_pools, f"the {control} control ({replay} replay)")
