@@ -153,7 +153,7 @@ class StepInputs:
         return self.layers[name][i]
 
 
-def make_inputs(config: bc.Config, geometry, *, seed: int) -> StepInputs:
+def make_inputs(config: bc.Config, geometry, *, seed: int, index_sets: int = 4) -> StepInputs:
     g = geometry
     s = Shape.of(g, config.requests, config.drafts)
     L, N, D = g.gdn_layers, s.N, s.D
@@ -174,7 +174,7 @@ def make_inputs(config: bc.Config, geometry, *, seed: int) -> StepInputs:
     params = dict(conv_weight=x[0], conv_bias=x[1], A_log=x[2], dt_bias=x[3])
     pool_inputs = dict(mixed_qkv=x[4], a=x[5], b=x[6])
     qkv = dict(q=x[7], k=x[8], v=x[9], a=x[5], b=x[6])
-    sets = [ix.as_args() for ix in bc.commit_index_sets(config, 4, seed=seed)]
+    sets = [ix.as_args() for ix in bc.commit_index_sets(config, index_sets, seed=seed)]
     split = lambda d: [{k: v[i] for k, v in d.items()} for i in range(L)]  # noqa: E731
     layers = {"params": split(params), "pool_inputs": split(pool_inputs), "qkv": split(qkv)}
     out = StepInputs(config, g, s, bc.pool_slots(config.requests), params, pool_inputs, qkv, sets, layers)
@@ -744,6 +744,8 @@ def parse_args(argv=None):
     p.add_argument("--peer", choices=("auto", "off"), default="auto")
     p.add_argument("--sglang-src", default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--index-sets", type=int, default=4,
+                   help="index sets on the device that the steps take in turn (1: the same arrays every step)")
     return p.parse_args(argv)
 
 
@@ -771,7 +773,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"--mesh {args.mesh} splits the requests {plan.dp} ways: --configs {odd} have a request "
                              f"count that is not a multiple of {plan.dp}")  # fmt: skip
     for cfg in configs:
-        inp = make_inputs(cfg, mode.geometry, seed=args.seed)
+        inp = make_inputs(cfg, mode.geometry, seed=args.seed, index_sets=args.index_sets)
         rows: list[Row] = []
         for backend in [b for b in args.backends.split(",") if b]:
             for record in [r for r in args.records.split(",") if r]:
