@@ -587,11 +587,11 @@ def _compiled_step(backend, record, form, seed, copy_pool=False, size=1):
     return pool_copies(f.lower(p, stack(layers), stack(steps), *ix).compile(), p)
 
 
-# On the CPU snapshots run in the scan form only (the other two with GDN_FULL_TESTS=1: the suite's time).
+# On the CPU tuples only (snapshots in all three forms with GDN_FULL_TESTS=1 and on a GPU: the suite's time).
 @pytest.mark.parametrize("backend", HLO_BACKENDS)
 @pytest.mark.parametrize("form,record", [
     pytest.param(form, record, id=f"{form}-{record}",
-                 marks=full_only if record == "snapshots" and form != "scan" and not ON_GPU else ())
+                 marks=full_only if record == "snapshots" and not ON_GPU else ())
     for form in ("scan", "unrolled", "scan-stacked") for record in gl.RECORD_MODES
 ])  # fmt: skip
 def test_compiled_step_has_no_pool_or_tape_copy(backend, record, form, seed):
