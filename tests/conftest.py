@@ -3,7 +3,7 @@ import random
 import zlib
 
 # The CPU run (JAX_PLATFORMS=cpu, as `make test` sets it) compiles without LLVM's expensive passes:
-# ~20% of the suite's time, and the same bits (XLA:CPU emits no fast-math flags; the LLVM passes keep
+# 13% of the suite's time (docs/testing.md), and the same bits (XLA:CPU emits no fast-math flags; the LLVM passes keep
 # IEEE results). tests/test_compile_flags.py checks that against XLA's defaults. Set before JAX reads
 # XLA_FLAGS (its first backend); a flag already in XLA_FLAGS is left as it is.
 SUITE_XLA_FLAGS = ["--xla_llvm_disable_expensive_passes=true"] if os.environ.get("JAX_PLATFORMS") == "cpu" else []
