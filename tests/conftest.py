@@ -6,10 +6,10 @@ import zlib
 # 13% of the suite's time (docs/testing.md), and the same bits (XLA:CPU emits no fast-math flags; the LLVM passes keep
 # IEEE results). tests/test_compile_flags.py checks that against XLA's defaults. Set before JAX reads
 # XLA_FLAGS (its first backend); a flag already in XLA_FLAGS is left as it is.
-SUITE_XLA_FLAGS = ["--xla_llvm_disable_expensive_passes=true"] if os.environ.get("JAX_PLATFORMS") == "cpu" else []
-for _flag in SUITE_XLA_FLAGS:
-    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+SUITE_XLA_FLAG = "--xla_llvm_disable_expensive_passes=true"
+_xla_flags = os.environ.get("XLA_FLAGS", "")
+if os.environ.get("JAX_PLATFORMS") == "cpu" and SUITE_XLA_FLAG.split("=")[0] not in _xla_flags:
+    os.environ["XLA_FLAGS"] = f"{_xla_flags} {SUITE_XLA_FLAG}".strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

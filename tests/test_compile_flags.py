@@ -15,11 +15,8 @@ import sys
 
 import pytest
 
-from conftest import ON_GPU, SUITE_XLA_FLAGS
+from conftest import ON_GPU, SUITE_XLA_FLAG as FLAG
 from flag_digest import digests
-
-FLAG = "--xla_llvm_disable_expensive_passes=true"
-assert SUITE_XLA_FLAGS in ([FLAG], []), SUITE_XLA_FLAGS
 
 
 @pytest.mark.skipif(
