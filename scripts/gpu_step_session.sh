@@ -19,6 +19,9 @@
 #             verify alone): details and SASS stall samples as CSV
 #   step_cfg  the step phase with the mosaic backend's default launch replaced by STEP_MOSAIC (VerifyConfig fields;
 #             scripts/step_mosaic_config.py), into step-cfg/
+#   spinners  per SPIN_MODES (default "none idle nice"; scripts/idle_spinners.py: a spinner of that policy pinned to
+#             each CPU, "none" without): scripts/call_floor_probe.py, then benchmarks.step with the mosaic backend at
+#             SPIN_CONFIGS (default 25x4,8x16), unrolled-out and fused-out, tuples, into spin-MODE/
 set -u
 OUT=${OUT:-/tmp/out}
 O=/tmp/o; rm -rf $O; mkdir -p $O "$OUT"
@@ -79,6 +82,18 @@ for phase in ${PHASES:-probe tests step tfrt timeline}; do
         echo "== $sched"; grep -E "b2b|poll|sleep|long jit" $O/floor-$sched.log
       done
       unset TF_CUDA_PLATFORM_GPU_DEVICE_SCHEDULE ;;
+    spinners)
+      for mode in ${SPIN_MODES:-none idle nice}; do
+        wrap=""; [ $mode != none ] && wrap="python3 scripts/idle_spinners.py --policy $mode --"
+        mkdir -p $O/spin-$mode
+        timeout 120 $wrap python3 scripts/call_floor_probe.py --nodes 64 --calls 100 --long-mb 4096 \
+          > $O/spin-$mode/floor.log 2>&1
+        echo "== $mode"; grep -E "b2b|poll|sleep|long jit" $O/spin-$mode/floor.log
+        timeout ${SPIN_STEP_TIMEOUT:-150} $wrap python3 -m benchmarks.step --out $O/spin-$mode/step \
+          --configs ${SPIN_CONFIGS:-25x4,8x16} --backends mosaic --kinds unrolled-out,fused-out --records tuples \
+          --budget-s 8 --rounds 20 > $O/spin-$mode/step.log 2>&1
+        grep "^|" $O/spin-$mode/step.log
+      done ;;
     step_cfg)
       timeout ${STEP_TIMEOUT:-260} python3 scripts/step_mosaic_config.py "${STEP_MOSAIC:-replay=static}" --out $O/step-cfg \
         --configs ${STEP_CONFIGS:-25x4,8x16,8x4,8x8} --backends mosaic --kinds ${STEP_KINDS:-unrolled-out,fused-out} \

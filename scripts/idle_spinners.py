@@ -1,0 +1,79 @@
+"""Run a command while every CPU is kept out of its idle state by a process of the lowest priority.
+
+The H200 machines of this workplace are Firecracker virtual machines without a cpuidle driver: an idle
+virtual CPU halts, and waking a thread on a halted one goes through the hypervisor. A jitted JAX call
+that follows a millisecond or more in which JAX had nothing to do is 0.15-0.35 ms slower than one that
+follows another call (``scripts/call_floor_probe.py``; PyTorch, which launches on the calling thread,
+lost none of it). The question this asks: is that the wake-up of JAX's runtime threads on halted CPUs?
+
+Each spinner is pinned to one CPU and runs under ``SCHED_IDLE`` (Linux' lowest class: any other thread
+that wakes on its CPU preempts it at once, and the scheduler counts such a CPU as idle when it places a
+woken thread), so no CPU ever halts and no thread waits for one. ``--policy nice`` runs them at nice
+19 in the normal class instead (a woken thread then goes to a CPU that is really idle, if any)::
+
+    python scripts/idle_spinners.py -- python scripts/call_floor_probe.py --nodes 64
+    python scripts/idle_spinners.py --cpus 0-7 --policy nice -- python -m benchmarks.step ...
+
+The command's exit status is returned; the spinners are killed when it ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+
+
+def parse_cpus(text: str | None) -> list[int]:
+    if not text:
+        return sorted(os.sched_getaffinity(0))
+    out: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def spin(cpu: int, policy: str) -> None:  # in the child: never returns
+    os.sched_setaffinity(0, {cpu})
+    if policy == "idle":
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    else:
+        os.nice(19)
+    while True:
+        pass
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cpus", help="CPUs to keep busy, e.g. 0-15 or 0,2,4 (default: all this process may use)")
+    ap.add_argument("--policy", choices=("idle", "nice"), default="idle")
+    ap.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command to run")
+    a = ap.parse_args(argv)
+    cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
+    if not cmd:
+        ap.error("no command given (write it after --)")
+    cpus = parse_cpus(a.cpus)
+    pids = []
+    for cpu in cpus:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                spin(cpu, a.policy)
+            finally:
+                os._exit(1)
+        pids.append(pid)
+    print(f"idle_spinners: {len(pids)} spinners ({a.policy}) on CPUs {cpus}", file=sys.stderr, flush=True)
+    try:
+        return subprocess.call(cmd)
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        for pid in pids:
+            os.waitpid(pid, 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
