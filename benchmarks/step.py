@@ -30,7 +30,7 @@ way a JAX user composes it, for each record mode and backend:
     inputs out of the stacks (a copy per input and layer), and the unrolled layers taking
     per-layer lists (seven arguments per layer to the jitted call).
 ``*-nocb`` (likewise)
-    ``scan``, ``unrolled``, ``fused`` and ``pool-scan`` compiled with XLA's command buffers off
+    ``scan``, ``unrolled``, ``fused``, ``fused-out`` and ``pool-scan`` compiled with XLA's command buffers off
     for that one jit (``compiler_options={"xla_gpu_enable_command_buffer": ""}``).
 ``fused``
     the ``scan`` step with the commit fused into the next verify
@@ -124,7 +124,7 @@ NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
 #: The direct step's earlier forms, and steps compiled without command buffers (``-nocb``), for
 #: comparison; run only when ``--kinds`` names them.
 OLD_KINDS = ("scan-sliced", "pool-scan-sliced", "unrolled-lists", "scan-nocb", "unrolled-nocb", "fused-nocb",
-             "pool-scan-nocb")
+             "fused-out-nocb", "pool-scan-nocb")
 #: The same steps through a MeshPlan (``--mesh``); run only when ``--kinds`` names them.
 MESH_KINDS = ("pool-scan-mesh", "scan-mesh")
 
@@ -487,6 +487,7 @@ def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: in
     runs = {"pool-python": run_python, "pool-jit": run_pool(pool_jit, False), "pool-scan": run_pool(pool_scan, True),
             **{f: run_direct(f) for f in fns}, "fused": run_fused(), "fused-out": run_fused(form="unrolled-out"),
             "fused-nocb": run_fused(NO_COMMAND_BUFFERS),
+            "fused-out-nocb": run_fused(NO_COMMAND_BUFFERS, "unrolled-out"),
             "pool-scan-nocb": run_pool(pool_scan_nocb, True), "pool-scan-sliced": run_pool(pool_scan_sliced, True),
             "pool-deferred": run_deferred}  # fmt: skip
     if any(k in kinds for k in MESH_KINDS):

@@ -261,12 +261,28 @@ def run(a, folder: str) -> list[tuple[str, str, float]]:
 
         return call
 
+    def fused_out():  # benchmarks.step's fused-out: one executable per parity, the two tapes swapped after each call
+        fns = [bs.fused_step(a.backend, None, "unrolled-out") for _ in range(2)]
+        n = [0]
+
+        def call(ssm, tape, prev, params, xs, ix):
+            fn = fns[n[0] % 2]
+            n[0] += 1
+            outs, ssm, written, old = fn(ssm, tape, prev, params, xs, ix, obox[0])
+            obox[0] = outs
+            return outs, ssm, old, written  # next call: writes the old tape, commits this one
+
+        return call
+
     for form in a.forms.split(","):
-        fn = null if form == "null" else bs.direct_step(a.backend, form)
-        fn = with_out(fn) if form.endswith("-out") else fn
+        fn = null if form == "null" else fused_out() if form == "fused-out" else bs.direct_step(a.backend, form)
+        fn = with_out(fn) if form.endswith("-out") and form != "fused-out" else fn
+        fbox = box
+        if form == "fused-out":  # a pool and two tapes of its own (the states, the tape it writes, the one it commits)
+            fbox = {"d": list(bs._filled((box["d"][0], box["d"][1], box["d"][1]), 11)), "i": 0}
         for r in RUNS:
             path = os.path.join(folder, f"{form}-{r}-{a.config}.xplane.pb")
-            out.append((f"{form}/{r}", path, trace_run(fn, box, inp, a, r == "sync", path)))
+            out.append((f"{form}/{r}", path, trace_run(fn, fbox, inp, a, r == "sync", path)))
             print(f"traced {form}/{r}: {out[-1][2]:.0f} us a call", flush=True)
     return out
 
@@ -274,7 +290,8 @@ def run(a, folder: str) -> list[tuple[str, str, float]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="25x4", help="REQUESTSxDRAFTS (also names the text file under --out)")
-    ap.add_argument("--forms", default="null,unrolled,scan", help="null, and forms of benchmarks.step.direct_step")
+    ap.add_argument("--forms", default="null,unrolled,scan",
+                    help="null, fused-out (benchmarks.step's), and forms of benchmarks.step.direct_step")
     ap.add_argument("--calls", type=int, default=6, help="traced calls per form and run")
     ap.add_argument("--fixed-ix", action="store_true",
                     help="the same index arrays every call (default: the next of four sets, as benchmarks.step)")
