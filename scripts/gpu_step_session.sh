@@ -20,8 +20,9 @@
 #   step_cfg  the step phase with the mosaic backend's default launch replaced by STEP_MOSAIC (VerifyConfig fields;
 #             scripts/step_mosaic_config.py), into step-cfg/
 #   spinners  per SPIN_MODES (default "none idle nice"; scripts/idle_spinners.py: a spinner of that policy pinned to
-#             each CPU, "none" without): scripts/call_floor_probe.py, then benchmarks.step with the mosaic backend at
-#             SPIN_CONFIGS (default 25x4,8x16), unrolled-out and fused-out, tuples, into spin-MODE/
+#             each CPU, "none" without): scripts/call_floor_probe.py (unless SPIN_FLOOR=0), then benchmarks.step with
+#             the mosaic backend at SPIN_CONFIGS (default 25x4,8x16), unrolled-out and fused-out, tuples, into
+#             spin-MODE/ (a mode named twice: its second run into spin-MODE-2/)
 set -u
 OUT=${OUT:-/tmp/out}
 O=/tmp/o; rm -rf $O; mkdir -p $O "$OUT"
@@ -85,14 +86,18 @@ for phase in ${PHASES:-probe tests step tfrt timeline}; do
     spinners)
       for mode in ${SPIN_MODES:-none idle nice}; do
         wrap=""; [ $mode != none ] && wrap="python3 scripts/idle_spinners.py --policy $mode --"
-        mkdir -p $O/spin-$mode
-        timeout 120 $wrap python3 scripts/call_floor_probe.py --nodes 64 --calls 100 --long-mb 4096 \
-          > $O/spin-$mode/floor.log 2>&1
-        echo "== $mode"; grep -E "b2b|poll|sleep|long jit" $O/spin-$mode/floor.log
-        timeout ${SPIN_STEP_TIMEOUT:-150} $wrap python3 -m benchmarks.step --out $O/spin-$mode/step \
+        d=spin-$mode; [ -e $O/$d ] && d=$d-2
+        mkdir -p $O/$d
+        echo "== $d"
+        if [ "${SPIN_FLOOR:-1}" = 1 ]; then
+          timeout 120 $wrap python3 scripts/call_floor_probe.py --nodes 64 --calls 100 --long-mb 4096 \
+            > $O/$d/floor.log 2>&1
+          grep -E "b2b|poll|sleep|long jit" $O/$d/floor.log
+        fi
+        timeout ${SPIN_STEP_TIMEOUT:-150} $wrap python3 -m benchmarks.step --out $O/$d/step \
           --configs ${SPIN_CONFIGS:-25x4,8x16} --backends mosaic --kinds unrolled-out,fused-out --records tuples \
-          --budget-s 8 --rounds 20 > $O/spin-$mode/step.log 2>&1
-        grep "^|" $O/spin-$mode/step.log
+          --budget-s 8 --rounds 20 > $O/$d/step.log 2>&1
+        grep "^|" $O/$d/step.log
       done ;;
     step_cfg)
       timeout ${STEP_TIMEOUT:-260} python3 scripts/step_mosaic_config.py "${STEP_MOSAIC:-replay=static}" --out $O/step-cfg \
