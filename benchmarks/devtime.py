@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["trace_kernels", "device_time", "copy_rate"]
+__all__ = ["trace_kernels", "device_time", "busy_us", "copy_rate"]
 
 # Lines of a GPU plane that repeat the kernels under other groupings (XLA ops, modules,
 # launch statistics): only the per-stream lines list each kernel once.
@@ -26,13 +26,13 @@ _DETAILS = "kernel_details"
 
 
 def trace_kernels(run: Callable[[], None], invocations: int, details: dict[str, str] | None = None,
-                  ) -> dict[str, list[float]] | None:
+                  intervals: list[tuple[float, float]] | None = None) -> dict[str, list[float]] | None:
     """Run ``run`` ``invocations`` times under the profiler; kernel name -> durations in us.
 
     ``run`` must block until the device is done. Returns None when the trace holds no GPU
     kernel (a CPU backend). ``details``, when given, receives each kernel's launch details as
     the tracer records them (``kernel_details``: registers per thread, shared memory, grid,
-    block, occupancy)."""
+    block, occupancy). ``intervals``, when given, receives each kernel's (start, end) in us."""
     import jax
 
     with tempfile.TemporaryDirectory() as d:
@@ -57,6 +57,8 @@ def trace_kernels(run: Callable[[], None], invocations: int, details: dict[str, 
                 if any(x in ev.name for x in _HOST_COPIES):  # device-to-device copies count
                     continue
                 out[ev.name].append(ev.duration_ns / 1e3)
+                if intervals is not None:
+                    intervals.append((ev.start_ns / 1e3, (ev.start_ns + ev.duration_ns) / 1e3))
                 if details is not None and ev.name not in details:
                     details[ev.name] = next((str(v) for k, v in ev.stats if k == _DETAILS), "")
     return dict(out) or None
@@ -65,9 +67,12 @@ def trace_kernels(run: Callable[[], None], invocations: int, details: dict[str, 
 def device_time(run: Callable[[], None], invocations: int, calls: int) -> dict | None:
     """Device time per call of ``run`` (which makes ``calls`` calls of the work), and the
     kernels that make it up (count per call, median and p10/p90 of one launch, total per
-    call), largest first."""
+    call), largest first. ``busy_us_per_call``: the union of the kernels' intervals per call, less
+    than the sum where kernels ran at the same time (streams, or a CUDA graph whose independent
+    nodes overlap)."""
     details: dict[str, str] = {}
-    kernels = trace_kernels(run, invocations, details)
+    spans: list[tuple[float, float]] = []
+    kernels = trace_kernels(run, invocations, details, spans)
     if kernels is None:
         return None
     n = invocations * calls
@@ -85,7 +90,17 @@ def device_time(run: Callable[[], None], invocations: int, calls: int) -> dict |
         })  # fmt: skip
     per_kernel.sort(key=lambda k: -k["us_per_call"])
     return {"us_per_call": float(sum(k["us_per_call"] for k in per_kernel)), "invocations": invocations,
-            "kernels": per_kernel}  # fmt: skip
+            "busy_us_per_call": busy_us(spans) / n, "kernels": per_kernel}  # fmt: skip
+
+
+def busy_us(intervals) -> float:
+    """Length of the union of ``(start, end)`` intervals."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total
 
 
 def copy_rate(gib: int = 2) -> tuple[float, float]:

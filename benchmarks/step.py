@@ -32,6 +32,12 @@ way a JAX user composes it, for each record mode and backend:
 ``*-nocb`` (likewise)
     ``scan``, ``unrolled``, ``fused``, ``fused-out`` and ``pool-scan`` compiled with XLA's command buffers off
     for that one jit (``compiler_options={"xla_gpu_enable_command_buffer": ""}``).
+``unrolled-out-conc``, ``fused-out-conc`` (likewise)
+    ``unrolled-out`` and ``fused-out`` with XLA's command buffers recorded as a graph of the
+    kernels' buffer dependencies (``xla_gpu_command_buffer_scheduling_mode="CONCURRENT"``): a
+    layer's prologue, which does not wait for the last layer's kernel, may run beside it. Their
+    kernels can overlap, so the device column shows the sum of kernel times and, where the GPU
+    was busy for less, the union of their intervals (``busy``).
 ``fused``
     the ``scan`` step with the commit fused into the next verify
     (``gdn_lossless_jax.commit_and_verify``): each layer's kernel applies the previous step's
@@ -121,10 +127,25 @@ STEP_KINDS = ("pool-python", "pool-jit", "pool-scan", "scan", "unrolled", "scan-
               "fused-out", "pool-deferred")
 #: XLA's command buffers (CUDA graphs) off for one jitted step (``jax.jit(..., compiler_options=)``).
 NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
-#: The direct step's earlier forms, and steps compiled without command buffers (``-nocb``), for
-#: comparison; run only when ``--kinds`` names them.
+#: XLA's command buffers recorded as a graph of the kernels' buffer dependencies, so that kernels
+#: that do not depend on each other may run at once (XLA's default, ``LHS``, keeps the order of its
+#: latency-hiding scheduler and serializes them).
+CONCURRENT = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+#: A kind's suffix and the compiler options it stands for.
+OPTION_SUFFIXES = {"-nocb": NO_COMMAND_BUFFERS, "-conc": CONCURRENT}
+#: The direct step's earlier forms, and steps compiled without command buffers (``-nocb``) or with
+#: concurrent command buffers (``-conc``), for comparison; run only when ``--kinds`` names them.
 OLD_KINDS = ("scan-sliced", "pool-scan-sliced", "unrolled-lists", "scan-nocb", "unrolled-nocb", "fused-nocb",
-             "fused-out-nocb", "pool-scan-nocb")
+             "fused-out-nocb", "pool-scan-nocb", "unrolled-out-conc", "fused-out-conc")
+DIRECT_FORMS = ("scan", "unrolled", "scan-out", "unrolled-out", "scan-sliced", "unrolled-lists")
+
+
+def split_kind(kind: str) -> tuple[str, dict | None]:
+    """A step kind's form and its compiler options (``unrolled-out-conc``: ``unrolled-out``, :data:`CONCURRENT`)."""
+    for suffix, options in OPTION_SUFFIXES.items():
+        if kind.endswith(suffix):
+            return kind.removesuffix(suffix), options
+    return kind, None
 #: The same steps through a MeshPlan (``--mesh``); run only when ``--kinds`` names them.
 MESH_KINDS = ("pool-scan-mesh", "scan-mesh")
 
@@ -437,15 +458,14 @@ def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: in
 
     d_box = [(p_box[0].ssm, p_box[0].tape)]  # the direct rows own a second pool of the same shape
     d_box[0] = _filled(d_box[0], seed + 7)
-    fns = {f: direct_step(backend, f.removesuffix("-nocb"), options=NO_COMMAND_BUFFERS if f.endswith("-nocb") else None)
-           for f in ("scan", "unrolled", "scan-out", "unrolled-out", "scan-sliced", "unrolled-lists", "scan-nocb",
-                     "unrolled-nocb") if f in kinds}  # fmt: skip
+    fns = {f: direct_step(backend, split_kind(f)[0], options=split_kind(f)[1])
+           for f in kinds if split_kind(f)[0] in DIRECT_FORMS}  # fmt: skip
     s = inp.shape  # the outputs buffer of the -out rows, made only when one runs
     o_box = [_filled(jax.ShapeDtypeStruct((L, s.N, s.D, s.HV, s.V), inp.qkv["q"].dtype), seed + 9)
-             if any(k.endswith("-out") for k in kinds) else None]  # fmt: skip
+             if any(split_kind(k)[0].endswith("-out") for k in kinds) else None]  # fmt: skip
 
     def run_direct(form):
-        one = direct_runner(fns[form], form, inp, d_box, o_box, next_ix)
+        one = direct_runner(fns[form], split_kind(form)[0], inp, d_box, o_box, next_ix)
 
         def run():
             wait((one(), d_box[0]))
@@ -488,6 +508,7 @@ def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: in
             **{f: run_direct(f) for f in fns}, "fused": run_fused(), "fused-out": run_fused(form="unrolled-out"),
             "fused-nocb": run_fused(NO_COMMAND_BUFFERS),
             "fused-out-nocb": run_fused(NO_COMMAND_BUFFERS, "unrolled-out"),
+            "fused-out-conc": run_fused(CONCURRENT, "unrolled-out"),
             "pool-scan-nocb": run_pool(pool_scan_nocb, True), "pool-scan-sliced": run_pool(pool_scan_sliced, True),
             "pool-deferred": run_deferred}  # fmt: skip
     if any(k in kinds for k in MESH_KINDS):
@@ -639,6 +660,7 @@ def _row_dict(r: Row, b2b=None, ahead=None, polled=None) -> dict:
          "wall_ahead": summarize(ahead if ahead is not None else np.zeros(0))}  # fmt: skip
     if r.device:
         d["device_us"] = r.device["us_per_call"]
+        d["device_busy_us"] = r.device.get("busy_us_per_call")
         ours = sum(k["us_per_call"] for k in r.device["kernels"] if _ours(k["name"]))
         d["our_kernels_us"] = ours
         d["other_kernels"] = [
@@ -681,10 +703,11 @@ def _table(rows: list[dict]) -> list[str]:
             continue
         ref = peer.get(r["config"])
         vs = f"{ref / w['median_us']:.2f}x" if ref and r["backend"] != "sglang" else ""
-        dev = r.get("device_us")
+        dev, busy = r.get("device_us"), r.get("device_busy_us")
+        devs = f"{dev:.0f} (busy {busy:.0f})" if dev and busy and busy < 0.98 * dev else f"{dev or 0:.0f}"
         out.append(
             f"| {r['config']} | {r['backend']} | {r['record']} | {r['kind']} | {w['median_us']:.0f} "
-            f"({w['p10_us']:.0f}-{w['p90_us']:.0f}) | {dev:.0f} | {r.get('our_kernels_us', 0):.0f} | "
+            f"({w['p10_us']:.0f}-{w['p90_us']:.0f}) | {devs} | {r.get('our_kernels_us', 0):.0f} | "
             f"{r.get('wall_over_device') or 0:.2f} | {vs} |"
             if dev
             else f"| {r['config']} | {r['backend']} | {r['record']} | {r['kind']} | {w['median_us']:.0f} "
