@@ -65,7 +65,7 @@ def main(argv=None) -> int:
             finally:
                 os._exit(1)
         pids.append(pid)
-    print(f"idle_spinners: {len(pids)} spinners ({a.policy}) on CPUs {cpus}", file=sys.stderr, flush=True)
+    print(f"idle_spinners: {len(pids)} spinners ({a.policy}) on CPUs {cpus}, pids {pids}", file=sys.stderr, flush=True)
     try:
         return subprocess.call(cmd)
     finally:

@@ -6,6 +6,7 @@ the in-place commit, the checks it records), not speed.
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -149,10 +150,13 @@ def test_peer_without_sources_says_why(tmp_path):
 def test_device_columns_from_trace_dicts():
     """finish_rows derives the device ratios; the markdown lists each row's kernels."""
     from benchmarks import report
-    from benchmarks.devtime import device_time
+    from benchmarks.devtime import busy_us, device_time
 
     # On a CPU the trace has no GPU plane: no device time, and no error.
     assert device_time(lambda: None, 1, 1) is None
+    # busy time: the union of kernel intervals (overlapping kernels counted once); control: the sum
+    spans = [(5.0, 12.0), (0.0, 10.0), (20.0, 25.0), (21.0, 22.0)]
+    assert busy_us(spans) == 17.0 and sum(e - s for s, e in spans) == 23.0 and busy_us([]) == 0.0
     kern = lambda us: {"us_per_call": us, "kernels": [  # noqa: E731
         {"name": "gdn_verify", "launches_per_call": 1.0, "median_us": us - 2, "p10_us": us - 3, "p90_us": us, "us_per_call": us - 2},
         {"name": "loop_fusion", "launches_per_call": 2.0, "median_us": 1.0, "p10_us": 1.0, "p90_us": 1.0, "us_per_call": 2.0}]}
@@ -190,6 +194,22 @@ def test_step_benchmark_runs_on_the_cpu(tmp_path):
     assert "| 2x2 | reference | tuples | scan |" in (out / "results.md").read_text()
 
 
+def test_step_kinds_with_compiler_options_and_busy_column():
+    """A kind's suffix names its compiler options (``-nocb``, ``-conc``); the table shows the busy time
+    where the GPU was busy for less than the kernels' sum (kernels that overlapped), else the sum alone."""
+    from benchmarks import step
+
+    assert step.split_kind("unrolled-out-conc") == ("unrolled-out", step.CONCURRENT)
+    assert step.split_kind("fused-nocb") == ("fused", step.NO_COMMAND_BUFFERS)
+    assert step.split_kind("fused-out") == ("fused-out", None)
+    assert all(step.split_kind(k)[0] in step.DIRECT_FORMS or k.startswith(("fused", "pool")) for k in step.OLD_KINDS)
+    row = {"config": "c", "backend": "mosaic", "record": "tuples", "kind": "fused-out-conc", "our_kernels_us": 9.0,
+           "wall": {"n": 3, "median_us": 20.0, "p10_us": 19.0, "p90_us": 21.0}, "wall_over_device": 2.0}
+    overlapped, serial = dict(row, device_us=10.0, device_busy_us=8.0), dict(row, device_us=10.0, device_busy_us=10.0)
+    assert "| 10 (busy 8) | 9 |" in step._table([overlapped])[2]
+    assert "| 10 | 9 |" in step._table([serial])[2]
+
+
 def test_the_triton_backends_kernels_count_as_ours():
     """The step report counts the Triton backend's kernels (named after their Triton functions
     by the profiler) as ours, and every name it knows is a kernel of that backend."""
@@ -219,3 +239,20 @@ def test_ncu_source_summary_reads_the_committed_profile():
     # --hot: the mosaic fused kernel's largest stall site (benchmarks/NOTES.md, twenty-first session)
     [mosaic] = ncu.launches(str(ROOT / "benchmarks/results/h200-2026-12-03-mosaic2/call1/ncu-replay_loop-sass.csv.gz"))
     assert "R2UR UR14, R15" in ncu.hot(mosaic, 1)[0] and "245 ( 6.6%)  long_sb 239" in ncu.hot(mosaic, 1)[0]
+
+
+def test_idle_spinners_run_the_command_and_stop():
+    """``scripts/idle_spinners.py`` keeps a spinner of the lowest priority on each CPU while the command
+    runs, returns the command's status, and leaves no spinner behind."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "idle_spinners.py"
+    probe = "import os; print(os.sched_getscheduler(0) == os.SCHED_OTHER); raise SystemExit(3)"
+    r = subprocess.run([sys.executable, str(script), "--cpus", "0", "--", sys.executable, "-c", probe],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 3 and r.stdout.strip() == "True", (r.stdout, r.stderr)
+    assert "1 spinners (idle) on CPUs [0], pids [" in r.stderr
+    (pid,) = json.loads(r.stderr.split("pids ")[1].split("\n")[0])
+    with pytest.raises(ProcessLookupError):  # killed and reaped
+        os.kill(pid, 0)
