@@ -21,8 +21,8 @@
 #             scripts/step_mosaic_config.py), into step-cfg/
 #   spinners  per SPIN_MODES (default "none idle nice"; scripts/idle_spinners.py: a spinner of that policy pinned to
 #             each CPU, "none" without): scripts/call_floor_probe.py (unless SPIN_FLOOR=0), then benchmarks.step with
-#             the mosaic backend at SPIN_CONFIGS (default 25x4,8x16), unrolled-out and fused-out, tuples, into
-#             spin-MODE/ (a mode named twice: its second run into spin-MODE-2/)
+#             the mosaic backend at SPIN_CONFIGS (default 25x4,8x16), SPIN_KINDS (default unrolled-out,fused-out),
+#             tuples, SPIN_ARGS (more arguments), into spin-MODE/ (a mode named again: spin-MODE-2/, -3/, ...)
 set -u
 OUT=${OUT:-/tmp/out}
 O=/tmp/o; rm -rf $O; mkdir -p $O "$OUT"
@@ -86,7 +86,7 @@ for phase in ${PHASES:-probe tests step tfrt timeline}; do
     spinners)
       for mode in ${SPIN_MODES:-none idle nice}; do
         wrap=""; [ $mode != none ] && wrap="python3 scripts/idle_spinners.py --policy $mode --"
-        d=spin-$mode; [ -e $O/$d ] && d=$d-2
+        d=spin-$mode; n=2; while [ -e $O/$d ]; do d=spin-$mode-$n; n=$((n + 1)); done
         mkdir -p $O/$d
         echo "== $d"
         if [ "${SPIN_FLOOR:-1}" = 1 ]; then
@@ -95,8 +95,8 @@ for phase in ${PHASES:-probe tests step tfrt timeline}; do
           grep -E "b2b|poll|sleep|long jit" $O/$d/floor.log
         fi
         timeout ${SPIN_STEP_TIMEOUT:-150} $wrap python3 -m benchmarks.step --out $O/$d/step \
-          --configs ${SPIN_CONFIGS:-25x4,8x16} --backends mosaic --kinds unrolled-out,fused-out --records tuples \
-          --budget-s 8 --rounds 20 > $O/$d/step.log 2>&1
+          --configs ${SPIN_CONFIGS:-25x4,8x16} --backends mosaic --kinds ${SPIN_KINDS:-unrolled-out,fused-out} \
+          --records tuples --budget-s 8 --rounds 20 ${SPIN_ARGS:-} > $O/$d/step.log 2>&1
         grep "^|" $O/$d/step.log
       done ;;
     step_cfg)

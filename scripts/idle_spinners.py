@@ -9,7 +9,9 @@ lost none of it). The question this asks: is that the wake-up of JAX's runtime t
 Each spinner is pinned to one CPU and runs under ``SCHED_IDLE`` (Linux' lowest class: any other thread
 that wakes on its CPU preempts it at once, and the scheduler counts such a CPU as idle when it places a
 woken thread), so no CPU ever halts and no thread waits for one. ``--policy nice`` runs them at nice
-19 in the normal class instead (a woken thread then goes to a CPU that is really idle, if any)::
+19 in the normal class instead; ``--policy pause`` likewise, each a C loop of x86 ``pause`` instructions
+(built with ``cc`` into a temporary folder), which leaves more of a shared core to its other hardware
+thread than Python's loop does::
 
     python scripts/idle_spinners.py -- python scripts/call_floor_probe.py --nodes 64
     python scripts/idle_spinners.py --cpus 0-7 --policy nice -- python -m benchmarks.step ...
@@ -24,6 +26,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 
 
 def parse_cpus(text: str | None) -> list[int]:
@@ -36,12 +39,26 @@ def parse_cpus(text: str | None) -> list[int]:
     return out
 
 
-def spin(cpu: int, policy: str) -> None:  # in the child: never returns
+PAUSE_LOOP = "#include <immintrin.h>\nint main(void) { for (;;) _mm_pause(); }\n"
+
+
+def build_pause_loop(folder: str) -> str:
+    """The ``pause`` spinner, compiled with ``cc``: its path."""
+    src, exe = os.path.join(folder, "pause_loop.c"), os.path.join(folder, "pause_loop")
+    with open(src, "w") as f:
+        f.write(PAUSE_LOOP)
+    subprocess.run(["cc", "-O2", "-o", exe, src], check=True)
+    return exe
+
+
+def spin(cpu: int, policy: str, exe: str | None) -> None:  # in the child: never returns
     os.sched_setaffinity(0, {cpu})
     if policy == "idle":
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     else:
         os.nice(19)
+    if exe:
+        os.execv(exe, [exe])  # keeps the affinity and the nice value
     while True:
         pass
 
@@ -49,19 +66,21 @@ def spin(cpu: int, policy: str) -> None:  # in the child: never returns
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cpus", help="CPUs to keep busy, e.g. 0-15 or 0,2,4 (default: all this process may use)")
-    ap.add_argument("--policy", choices=("idle", "nice"), default="idle")
+    ap.add_argument("--policy", choices=("idle", "nice", "pause"), default="idle")
     ap.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command to run")
     a = ap.parse_args(argv)
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
     if not cmd:
         ap.error("no command given (write it after --)")
     cpus = parse_cpus(a.cpus)
+    tmp = tempfile.TemporaryDirectory()
+    exe = build_pause_loop(tmp.name) if a.policy == "pause" else None
     pids = []
     for cpu in cpus:
         pid = os.fork()
         if pid == 0:
             try:
-                spin(cpu, a.policy)
+                spin(cpu, a.policy, exe)
             finally:
                 os._exit(1)
         pids.append(pid)
@@ -73,6 +92,7 @@ def main(argv=None) -> int:
             os.kill(pid, signal.SIGKILL)
         for pid in pids:
             os.waitpid(pid, 0)
+        tmp.cleanup()
 
 
 if __name__ == "__main__":
