@@ -138,6 +138,8 @@ OPTION_SUFFIXES = {"-nocb": NO_COMMAND_BUFFERS, "-conc": CONCURRENT}
 OLD_KINDS = ("scan-sliced", "pool-scan-sliced", "unrolled-lists", "scan-nocb", "unrolled-nocb", "fused-nocb",
              "fused-out-nocb", "pool-scan-nocb", "unrolled-out-conc", "fused-out-conc")
 DIRECT_FORMS = ("scan", "unrolled", "scan-out", "unrolled-out", "scan-sliced", "unrolled-lists")
+#: The same steps through a MeshPlan (``--mesh``); run only when ``--kinds`` names them.
+MESH_KINDS = ("pool-scan-mesh", "scan-mesh")
 
 
 def split_kind(kind: str) -> tuple[str, dict | None]:
@@ -146,8 +148,6 @@ def split_kind(kind: str) -> tuple[str, dict | None]:
         if kind.endswith(suffix):
             return kind.removesuffix(suffix), options
     return kind, None
-#: The same steps through a MeshPlan (``--mesh``); run only when ``--kinds`` names them.
-MESH_KINDS = ("pool-scan-mesh", "scan-mesh")
 
 
 @dataclasses.dataclass

@@ -4,7 +4,9 @@ The H200 machines of this workplace are Firecracker virtual machines without a c
 virtual CPU halts, and waking a thread on a halted one goes through the hypervisor. A jitted JAX call
 that follows a millisecond or more in which JAX had nothing to do is 0.15-0.35 ms slower than one that
 follows another call (``scripts/call_floor_probe.py``; PyTorch, which launches on the calling thread,
-lost none of it). The question this asks: is that the wake-up of JAX's runtime threads on halted CPUs?
+lost none of it). The question this asked: is that the wake-up of JAX's runtime threads on halted CPUs?
+Mostly, yes: with the spinners, 0.02 ms instead of 0.13 after 1 ms asleep, and the fused step at 25x4
+0.09-0.40 ms faster back to back (``benchmarks/results/h200-2026-12-04-spinners/``).
 
 Each spinner is pinned to one CPU and runs under ``SCHED_IDLE`` (Linux' lowest class: any other thread
 that wakes on its CPU preempts it at once, and the scheduler counts such a CPU as idle when it places a
@@ -66,7 +68,8 @@ def spin(cpu: int, policy: str, exe: str | None) -> None:  # in the child: never
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cpus", help="CPUs to keep busy, e.g. 0-15 or 0,2,4 (default: all this process may use)")
-    ap.add_argument("--policy", choices=("idle", "nice", "pause"), default="idle")
+    ap.add_argument("--policy", choices=("idle", "nice", "pause"), default="idle",
+                    help="idle: SCHED_IDLE Python loops; nice: nice-19 Python loops; pause: nice-19 C pause loops")
     ap.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command to run")
     a = ap.parse_args(argv)
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
