@@ -6,7 +6,7 @@ that follows a millisecond or more in which JAX had nothing to do is 0.15-0.35 m
 follows another call (``scripts/call_floor_probe.py``; PyTorch, which launches on the calling thread,
 lost none of it). The question this asked: is that the wake-up of JAX's runtime threads on halted CPUs?
 Mostly, yes: with the spinners, 0.02 ms instead of 0.13 after 1 ms asleep, and the fused step at 25x4
-0.09-0.40 ms faster back to back (``benchmarks/results/h200-2026-12-04-spinners/``).
+0.09-0.49 ms faster back to back (``benchmarks/results/h200-2026-12-04-spinners/``).
 
 Each spinner is pinned to one CPU and runs under ``SCHED_IDLE`` (Linux' lowest class: any other thread
 that wakes on its CPU preempts it at once, and the scheduler counts such a CPU as idle when it places a

@@ -1,8 +1,9 @@
 """Plot the fused step's speed-up over SGLang's step per run, with and without idle spinners.
 
 Reads ``benchmarks.step`` results (``results.json``) of runs made plainly and under
-``scripts/idle_spinners.py`` (the folder name says which: ``none`` or ``step-none`` plainly,
-``nice``/``idle`` under spinners) and draws, per configuration, SGLang's step time over the
+``scripts/idle_spinners.py`` (a ``wrapper.txt`` beside the run's ``step/`` folder holds its wrapper
+command; else the folder name says which: ``none`` or ``step-none`` plainly, ``nice``/``idle``/``pause``
+under spinners) and draws, per configuration, SGLang's step time over the
 ``fused-out`` step's, back to back and dispatched ahead, one point per run, beside issue 16's
 targets::
 
@@ -22,7 +23,8 @@ def runs(root: Path) -> list[dict]:
         label = f.parent.parent.name if f.parent.name == "step" else f.parent.name
         if "tfrt" in label:  # another PJRT client: not this comparison
             continue
-        spun = "none" not in label.split("-")
+        wrapper = f.parent.parent / "wrapper.txt"  # a run's wrapper command, where the folder does not say
+        spun = "idle_spinners" in wrapper.read_text() if wrapper.exists() else "none" not in label.split("-")
         rows = json.loads(f.read_text())["rows"]
         peer = {r["config"]: r for r in rows if r["backend"] == "sglang"}
         for r in rows:
