@@ -56,10 +56,11 @@ def main(argv=None) -> int:
         for x, (key, name) in enumerate((("wall_back_to_back", "back to back"), ("wall_ahead", "ahead"))):
             for spun, color, dx in ((False, "tab:gray", -0.12), (True, "tab:blue", 0.12)):
                 ys = [d[key] for d in data if d["config"] == cfg and d["spinners"] == spun and key in d]
-                ax.scatter([x + dx] * len(ys), ys, color=color, s=22,
-                           label=("spinners on every CPU" if spun else "plain") if x == 0 else None)  # fmt: skip
+                name = "spinners (the CPUs kept from halting)" if spun else "plain"
+                ax.scatter([x + dx] * len(ys), ys, color=color, s=22, label=name if x == 0 else None)
         if cfg in targets:
-            ax.axhline(targets[cfg], color="tab:red", lw=1, ls="--", label=f"issue 16's target ({targets[cfg]}x)")
+            ax.axhline(targets[cfg], color="tab:red", lw=1, ls="--", label="issue 16's target")
+            ax.annotate(f"{targets[cfg]}x", (1.55, targets[cfg]), color="tab:red", fontsize=8, ha="right", va="bottom")
         ax.set_xticks([0, 1], ["back to back", "ahead"])
         ax.set_xlim(-0.6, 1.6)
         ax.set_title(f"{cfg}: fused step (mosaic)")
