@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -76,6 +77,8 @@ def main(argv=None) -> int:
     if not cmd:
         ap.error("no command given (write it after --)")
     cpus = parse_cpus(a.cpus)
+    if a.policy == "pause" and platform.machine() not in ("x86_64", "AMD64"):
+        ap.error(f"--policy pause runs x86 pause instructions; this machine is {platform.machine()}")
     tmp = tempfile.TemporaryDirectory()
     exe = build_pause_loop(tmp.name) if a.policy == "pause" else None
     pids = []
