@@ -138,6 +138,8 @@ OPTION_SUFFIXES = {"-nocb": NO_COMMAND_BUFFERS, "-conc": CONCURRENT}
 OLD_KINDS = ("scan-sliced", "pool-scan-sliced", "unrolled-lists", "scan-nocb", "unrolled-nocb", "fused-nocb",
              "fused-out-nocb", "pool-scan-nocb", "unrolled-out-conc", "fused-out-conc")
 DIRECT_FORMS = ("scan", "unrolled", "scan-out", "unrolled-out", "scan-sliced", "unrolled-lists")
+#: The fused kinds' forms of :func:`fused_step` (``fused-out-nocb``: ``fused-out`` without command buffers).
+FUSED_FORMS = {"fused": "scan", "fused-out": "unrolled-out"}
 #: The same steps through a MeshPlan (``--mesh``); run only when ``--kinds`` names them.
 MESH_KINDS = ("pool-scan-mesh", "scan-mesh")
 
@@ -505,10 +507,9 @@ def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: in
         wait((outs, q_box[0]))
 
     runs = {"pool-python": run_python, "pool-jit": run_pool(pool_jit, False), "pool-scan": run_pool(pool_scan, True),
-            **{f: run_direct(f) for f in fns}, "fused": run_fused(), "fused-out": run_fused(form="unrolled-out"),
-            "fused-nocb": run_fused(NO_COMMAND_BUFFERS),
-            "fused-out-nocb": run_fused(NO_COMMAND_BUFFERS, "unrolled-out"),
-            "fused-out-conc": run_fused(CONCURRENT, "unrolled-out"),
+            **{f: run_direct(f) for f in fns},
+            **{k: run_fused(split_kind(k)[1], FUSED_FORMS[split_kind(k)[0]])
+               for k in STEP_KINDS + OLD_KINDS if split_kind(k)[0] in FUSED_FORMS},
             "pool-scan-nocb": run_pool(pool_scan_nocb, True), "pool-scan-sliced": run_pool(pool_scan_sliced, True),
             "pool-deferred": run_deferred}  # fmt: skip
     if any(k in kinds for k in MESH_KINDS):

@@ -202,7 +202,8 @@ def test_step_kinds_with_compiler_options_and_busy_column():
     assert step.split_kind("unrolled-out-conc") == ("unrolled-out", step.CONCURRENT)
     assert step.split_kind("fused-nocb") == ("fused", step.NO_COMMAND_BUFFERS)
     assert step.split_kind("fused-out") == ("fused-out", None)
-    assert all(step.split_kind(k)[0] in step.DIRECT_FORMS or k.startswith(("fused", "pool")) for k in step.OLD_KINDS)
+    assert all(step.split_kind(k)[0] in step.DIRECT_FORMS + tuple(step.FUSED_FORMS) or k.startswith("pool")
+               for k in step.OLD_KINDS)
     row = {"config": "c", "backend": "mosaic", "record": "tuples", "kind": "fused-out-conc", "our_kernels_us": 9.0,
            "wall": {"n": 3, "median_us": 20.0, "p10_us": 19.0, "p90_us": 21.0}, "wall_over_device": 2.0}
     overlapped, serial = dict(row, device_us=10.0, device_busy_us=8.0), dict(row, device_us=10.0, device_busy_us=10.0)
