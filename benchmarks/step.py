@@ -69,7 +69,9 @@ so hidden work shows. ``wall / device`` is the overhead of the way the step is w
 gaps, host work). Then each row runs ``--b2b-calls`` steps back to back (a decode loop: each
 call waits for the last, no other program between): its *back to back* median; the same with
 our rows waiting by polling ``is_ready()`` (the host thread spins instead of sleeping in
-``block_until_ready``): *polled*; then as many dispatched *ahead*, one wait at the end (a
+``block_until_ready``): *polled*; the same waiting with the driver's wait on the device, as
+SGLang's row waits (:func:`gdn_lossless_jax.sync.synchronize`, GPUs only): *synced*; then as
+many dispatched *ahead*, one wait at the end (a
 decode loop that keeps its accept decision on the device and runs ahead of it): the time a
 step, median of 5 such runs. A blocking call pays ~0.3 ms more than one dispatched ahead on
 the H200 (``scripts/call_floor_probe.py``). XLA's CUDA graphs start later when another program
@@ -106,15 +108,26 @@ import gdn_lossless_jax as gl
 from gdn_lossless_jax import cases, sharding
 from gdn_lossless_jax import pool as gpool
 from gdn_lossless_jax.cases import Shape
+from gdn_lossless_jax.sync import synchronize
 
 from . import cases as bc
 from .suite import _draw
 from .timing import Clock, Row, device_pass, run_rounds, spin_until_ready, summarize
 from .traffic import Traffic
 
-# How the timed rows wait for their step: jax.block_until_ready, or polling is_ready()
-# (back_to_back(..., poll=True): the *polled* column). SGLang's row waits with torch.cuda.synchronize.
+# How the timed rows wait for their step: jax.block_until_ready, polling is_ready()
+# (back_to_back(..., wait="poll"): the *polled* column) or the driver's wait on the device
+# (wait="sync": the *synced* column, gdn_lossless_jax.sync.synchronize). SGLang's row waits with
+# torch.cuda.synchronize in all three.
 _WAIT = [jax.block_until_ready]
+
+
+def _synced(tree):
+    synchronize()
+    return tree
+
+
+WAITS = {"block": jax.block_until_ready, "poll": spin_until_ready, "sync": _synced}
 
 
 def wait(tree):
@@ -610,14 +623,16 @@ def sglang_row(inp: StepInputs, clock: Clock, src=None) -> tuple[Row | None, str
     return row, how
 
 
-def back_to_back(rows: list[Row], calls: int, poll: bool = False) -> dict:
+def back_to_back(rows: list[Row], calls: int, wait: str = "block") -> dict:
     """Each row called ``calls`` times in a row, each call waiting for the last (a decode loop
     that runs one step after another): seconds per call. The interleaved rounds instead run
     another row between two calls of one; XLA's CUDA graph of a jitted step starts later after
-    another program ran (``scripts/launch_probe.py``). ``poll``: our rows wait by polling
-    ``is_ready()`` (:func:`benchmarks.timing.spin_until_ready`) instead of ``block_until_ready``."""
+    another program ran (``scripts/launch_probe.py``). ``wait``: how our rows wait (:data:`WAITS`):
+    ``block`` (``jax.block_until_ready``), ``poll`` (polling ``is_ready()``,
+    :func:`benchmarks.timing.spin_until_ready`) or ``sync`` (the driver's wait on the device,
+    :func:`gdn_lossless_jax.sync.synchronize`, as SGLang's row waits)."""
     out = {}
-    _WAIT[0] = spin_until_ready if poll else jax.block_until_ready
+    _WAIT[0] = WAITS[wait]
     try:
         for r in rows:
             if r.failed or not calls:
@@ -653,11 +668,12 @@ def run_ahead(rows: list[Row], calls: int, repeats: int = 5) -> dict:
     return out
 
 
-def _row_dict(r: Row, b2b=None, ahead=None, polled=None) -> dict:
+def _row_dict(r: Row, b2b=None, ahead=None, polled=None, synced=None) -> dict:
     d = {"config": r.config, "backend": r.backend, "kind": r.op, "record": r.record, "first_call_s": r.compile_s,
          "notes": r.notes, "failed": r.failed, "wall": summarize(np.asarray(r.raw)),
          "wall_back_to_back": summarize(b2b if b2b is not None else np.zeros(0)),
          "wall_polled": summarize(polled if polled is not None else np.zeros(0)),
+         "wall_synced": summarize(synced if synced is not None else np.zeros(0)),
          "wall_ahead": summarize(ahead if ahead is not None else np.zeros(0))}  # fmt: skip
     if r.device:
         d["device_us"] = r.device["us_per_call"]
@@ -679,16 +695,17 @@ def _table(rows: list[dict]) -> list[str]:
     out = [
         (
             "| config | backend | record | step | wall median us (p10-p90) | device us | ours us | wall / device | "
-            "vs SGLang (wall) | back to back us | vs SGLang (back to back) | polled us | vs SGLang (polled) | ahead us | "
-            "vs SGLang (ahead) |"
+            "vs SGLang (wall) | back to back us | vs SGLang (back to back) | polled us | vs SGLang (polled) | "
+            "synced us | vs SGLang (synced) | ahead us | vs SGLang (ahead) |"
         ),
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     peer = {r["config"]: r["wall"].get("median_us") for r in rows if r["backend"] == "sglang" and r["wall"].get("n")}
     peer_b = {r["config"]: (r.get("wall_back_to_back") or {}).get("median_us") for r in rows if r["backend"] == "sglang"}
 
     peer_a = {r["config"]: (r.get("wall_ahead") or {}).get("median_us") for r in rows if r["backend"] == "sglang"}
     peer_p = {r["config"]: (r.get("wall_polled") or {}).get("median_us") for r in rows if r["backend"] == "sglang"}
+    peer_s = {r["config"]: (r.get("wall_synced") or {}).get("median_us") for r in rows if r["backend"] == "sglang"}
 
     def b2b(r, key="wall_back_to_back", peers=peer_b):
         m, ref = (r.get(key) or {}).get("median_us"), peers.get(r["config"])
@@ -700,7 +717,7 @@ def _table(rows: list[dict]) -> list[str]:
         w = r["wall"]
         if not w.get("n"):
             out.append(f"| {r['config']} | {r['backend']} | {r['record']} | {r['kind']} | failed: {r['failed']} "
-                       "| | | | | | | | | | |")
+                       "| | | | | | | | | | | | |")
             continue
         ref = peer.get(r["config"])
         vs = f"{ref / w['median_us']:.2f}x" if ref and r["backend"] != "sglang" else ""
@@ -714,7 +731,8 @@ def _table(rows: list[dict]) -> list[str]:
             else f"| {r['config']} | {r['backend']} | {r['record']} | {r['kind']} | {w['median_us']:.0f} "
             f"({w['p10_us']:.0f}-{w['p90_us']:.0f}) | - | - | - | {vs} |"
         )
-        out[-1] += b2b(r) + b2b(r, "wall_polled", peer_p) + b2b(r, "wall_ahead", peer_a)
+        out[-1] += b2b(r) + b2b(r, "wall_polled", peer_p) + b2b(r, "wall_synced", peer_s)
+        out[-1] += b2b(r, "wall_ahead", peer_a)
     return out
 
 
@@ -812,11 +830,14 @@ def main(argv=None) -> int:
         run_rounds(rows, trials=args.rounds, min_trials=min(8, args.rounds), seed=args.seed, clock=clock,
                    label=cfg.label, warmup=args.warmup, deadline=time.perf_counter() + args.budget_s)  # fmt: skip
         b2b = back_to_back(rows, args.b2b_calls)
-        polled = back_to_back(rows, args.b2b_calls, poll=True)
+        polled = back_to_back(rows, args.b2b_calls, wait="poll")
+        # the driver's wait: GPUs only (gdn_lossless_jax.sync.synchronize)
+        synced = back_to_back(rows, args.b2b_calls, wait="sync") if jax.devices()[0].platform == "gpu" else {}
         ahead = run_ahead(rows, args.b2b_calls)
         if args.device_invocations:
             device_pass(rows, invocations=args.device_invocations, clock=clock, label=cfg.label)
-        result["rows"] += [_row_dict(r, b2b.get(r.key), ahead.get(r.key), polled.get(r.key)) for r in rows]
+        result["rows"] += [_row_dict(r, b2b.get(r.key), ahead.get(r.key), polled.get(r.key), synced.get(r.key))
+                           for r in rows]
         write_report(result, out)
         del rows, inp
     print("\n".join(_table(result["rows"])))

@@ -9,6 +9,8 @@ kernels (Pallas ``x + 1`` on ``[8, 128]`` fp32, its input donated) is timed from
 * ``b2b``: the same call (a decode loop with nothing between);
 * ``poll``: the same, each call waited for by polling ``is_ready()`` instead of
   ``block_until_ready`` (the host thread spins, never sleeps);
+* ``sync``: the same, each call waited for by the driver's wait on the device
+  (``gdn_lossless_jax.sync.synchronize``, as ``torch.cuda.synchronize()`` waits; GPUs only);
 * ``jax``: another jitted program (``--other-nodes`` tiny kernels), blocked on;
 * ``torch``: a PyTorch CUDA graph replay of as many tiny kernels, synchronized (``--no-torch``
   leaves it out);
@@ -22,9 +24,10 @@ each with XLA's command buffers on (the default) and off (``xla_gpu_enable_comma
 for the jit), and the PyTorch graph itself timed the same way (``torch graph``). Medians of
 ``--calls``, wall-clock and the time until the call returns. Last, a jit as long as a step
 (the chain plus a pass over a ``--long-mb`` buffer, donated) run ``--calls`` times blocking on
-each call, then polling ``is_ready()`` on each call (the waiting thread never sleeps), then as
-many dispatched ahead with one block at the end: per call, the difference is what waiting on
-every step costs::
+each call, then polling ``is_ready()`` on each call (the waiting thread never sleeps), then
+with the driver's wait on the device after each call (``gdn_lossless_jax.sync.synchronize``,
+as ``torch.cuda.synchronize()`` waits; GPUs only), then as many dispatched ahead with one
+block at the end: per call, the difference is what waiting on every step costs::
 
     python scripts/call_floor_probe.py --nodes 1,64
 """
@@ -57,6 +60,7 @@ def main() -> int:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for benchmarks/
     from benchmarks.timing import spin_until_ready
+    from gdn_lossless_jax.sync import synchronize
 
     interpret = jax.default_backend() == "cpu"
     if a.long_mb is None:
@@ -98,6 +102,8 @@ def main() -> int:
     # for by polling; the PyTorch graph below waits its own way, so it runs ``before`` only
     cases = [(name, pre, jax.block_until_ready) for name, pre in before.items()]
     cases.insert(1, ("poll", before["b2b"], spin_until_ready))
+    if not interpret:  # back to back, waited for by the driver's wait on the device
+        cases.insert(2, ("sync", before["b2b"], lambda out: (synchronize(), out)[1]))
     print(f"{'jit':>16} {'before':>7} {'wall us':>9} {'returns us':>11}")
     for n in [int(s) for s in a.nodes.split(",")]:
         for cmdbuf in (True, False):
@@ -138,6 +144,13 @@ def main() -> int:
             t = time.perf_counter()
             box = list(spin_until_ready(f(*box)))
             spins.append(time.perf_counter() - t)
+        synced = []  # waiting on each call with the driver's wait on the device (GPUs only)
+        for _ in range(a.calls if not interpret else 0):
+            t = time.perf_counter()
+            box = list(f(*box))
+            synchronize()
+            synced.append(time.perf_counter() - t)
+        jax.block_until_ready(box)
         t = time.perf_counter()
         for _ in range(a.calls):
             box = list(f(*box))
@@ -145,7 +158,10 @@ def main() -> int:
         ahead = (time.perf_counter() - t) / a.calls
         print(f"long jit ({n} kernels and {a.long_mb} MB read and written): blocking on each call "
               f"{np.median(walls) * 1e6:.1f} us a call (median), polling is_ready() on each call "
-              f"{np.median(spins) * 1e6:.1f}, dispatched ahead {ahead * 1e6:.1f} us a call", flush=True)
+              f"{np.median(spins) * 1e6:.1f}, the driver's wait on the device (gdn_lossless_jax.sync.synchronize) "
+              f"{np.median(synced) * 1e6 if synced else float('nan'):.1f}, "
+              f"dispatched ahead {ahead * 1e6:.1f} us a call",
+              flush=True)
     if "torch" in before:
         import torch
 

@@ -22,7 +22,8 @@
 #   spinners  per SPIN_MODES (default "none idle nice"; scripts/idle_spinners.py: a spinner of that policy pinned to
 #             each CPU, "none" without): scripts/call_floor_probe.py (unless SPIN_FLOOR=0), then benchmarks.step with
 #             the mosaic backend at SPIN_CONFIGS (default 25x4,8x16), SPIN_KINDS (default unrolled-out,fused-out),
-#             tuples, SPIN_ARGS (more arguments), into spin-MODE/ (a mode named again: spin-MODE-2/, -3/, ...)
+#             tuples, SPIN_ARGS (more arguments), into spin-MODE/ (a mode named again: spin-MODE-2/, -3/, ...);
+#             SPIN_LONG_MB: the floor probe's long jit (default 4096 MB, ~2.1 ms on the H200)
 set -u
 OUT=${OUT:-/tmp/out}
 O=/tmp/o; rm -rf $O; mkdir -p $O "$OUT"
@@ -90,9 +91,9 @@ for phase in ${PHASES:-probe tests step tfrt timeline}; do
         mkdir -p $O/$d
         echo "== $d"
         if [ "${SPIN_FLOOR:-1}" = 1 ]; then
-          timeout 120 $wrap python3 scripts/call_floor_probe.py --nodes 64 --calls 100 --long-mb 4096 \
+          timeout 120 $wrap python3 scripts/call_floor_probe.py --nodes 64 --calls 100 --long-mb ${SPIN_LONG_MB:-4096} \
             > $O/$d/floor.log 2>&1
-          grep -E "b2b|poll|sleep|long jit" $O/$d/floor.log
+          grep -E "b2b|poll|sync|sleep|long jit" $O/$d/floor.log
         fi
         timeout ${SPIN_STEP_TIMEOUT:-150} $wrap python3 -m benchmarks.step --out $O/$d/step \
           --configs ${SPIN_CONFIGS:-25x4,8x16} --backends mosaic --kinds ${SPIN_KINDS:-unrolled-out,fused-out} \

@@ -1,0 +1,133 @@
+"""Wait for a GPU the way ``torch.cuda.synchronize()`` does.
+
+``jax.block_until_ready`` learns that a computation finished from a host callback that the
+GPU driver runs after the computation's last kernel (XLA enqueues it behind the work); that
+callback then wakes the waiting thread. On the H200 virtual machines this project is measured
+on, that hand-over costs ~0.1 ms a call, even with no CPU idle (``docs/step.md``). The
+driver's own wait does not go through it: :func:`synchronize` asks the driver to block until
+every stream of the device's context is idle (``cuCtxSynchronize`` on the device's primary
+context, the one XLA and PyTorch share; ``hipDeviceSynchronize`` on ROCm). With the driver's
+default schedule the calling thread spins, so it returns within microseconds of the GPU.
+
+What it does not do: tell JAX. An array computed before the call may still report
+``is_ready() == False`` for a moment after it, and reading it (``np.asarray``,
+``block_until_ready``) still waits for JAX's own notice. A loop that only needs the step to
+be over before it dispatches the next one (or before it reads a clock) can use it; passing
+the arrays to the next jitted call does not wait for that notice. It waits for everything
+queued on the device's context: work of other JAX programs and of PyTorch in the same
+process too, as ``torch.cuda.synchronize()`` does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+
+import jax
+
+__all__ = ["synchronize"]
+
+
+def synchronize(device=None) -> None:
+    """Block until all work queued on ``device``'s GPU has finished (see the module's doc).
+
+    ``device``: a ``jax.Device``, a ``jax.Array`` (the devices that hold it, each waited for)
+    or None (the default device). Raises ``ValueError`` for a device that is not a GPU, and
+    ``RuntimeError`` naming the driver's error where the driver's call fails."""
+    for d in _devices(device):
+        if d.platform != "gpu":
+            raise ValueError(
+                f"synchronize: `device` must be a GPU (CUDA or ROCm) device; got {d} (platform {d.platform!r}). "
+                "On other platforms use jax.block_until_ready."
+            )
+        if _is_rocm(d):
+            _hip_synchronize(d.local_hardware_id)
+        else:
+            _cuda_synchronize(d.local_hardware_id)
+
+
+def _devices(device) -> list:
+    if device is None:
+        return [jax.local_devices()[0]]
+    if isinstance(device, jax.Array):
+        return sorted(device.devices(), key=lambda d: d.id)
+    if isinstance(device, jax.Device):
+        return [device]
+    raise TypeError(
+        f"synchronize: `device` must be a jax.Device, a jax.Array or None; got {type(device).__name__}"
+    )
+
+
+def _is_rocm(d) -> bool:
+    text = f"{getattr(d, 'platform_version', '')} {getattr(d.client, 'platform_version', '')}"
+    return "rocm" in text.lower()
+
+
+def _load(names: tuple[str, ...], what: str):
+    for name in names:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    found = ctypes.util.find_library(what)
+    if found:
+        return ctypes.CDLL(found)
+    raise RuntimeError(f"synchronize: cannot load the {what} library (tried {', '.join(names)})")
+
+
+@functools.cache
+def _cuda():
+    lib = _load(("libcuda.so.1", "libcuda.so"), "cuda")
+    _check(lib, lib.cuInit(0), "cuInit")
+    return lib
+
+
+def _check(lib, result: int, call: str) -> None:
+    if result != 0:
+        name = ctypes.c_char_p()
+        if lib.cuGetErrorName(result, ctypes.byref(name)) != 0 or not name.value:
+            raise RuntimeError(f"synchronize: {call} failed with CUresult {result}")
+        raise RuntimeError(f"synchronize: {call} failed: {name.value.decode()} ({result})")
+
+
+@functools.cache
+def _primary_context(ordinal: int) -> ctypes.c_void_p:
+    # Retained once per device and never released: XLA holds the same primary context for the
+    # life of the process, so the retain costs nothing.
+    lib = _cuda()
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    _check(lib, lib.cuDeviceGet(ctypes.byref(dev), ordinal), f"cuDeviceGet({ordinal})")
+    _check(lib, lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+    return ctx
+
+
+def _cuda_synchronize(ordinal: int) -> None:
+    lib, ctx = _cuda(), _primary_context(ordinal)
+    _check(lib, lib.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")  # the caller's current context kept
+    try:
+        _check(lib, lib.cuCtxSynchronize(), "cuCtxSynchronize")
+    finally:
+        _check(lib, lib.cuCtxPopCurrent(ctypes.byref(ctypes.c_void_p())), "cuCtxPopCurrent")
+
+
+@functools.cache
+def _hip():
+    return _load(("libamdhip64.so", "libamdhip64.so.6", "libamdhip64.so.7"), "amdhip64")
+
+
+def _hip_synchronize(ordinal: int) -> None:
+    lib = _hip()
+
+    def check(result: int, call: str) -> None:
+        if result != 0:
+            lib.hipGetErrorName.restype = ctypes.c_char_p
+            raise RuntimeError(f"synchronize: {call} failed: {lib.hipGetErrorName(result).decode()} ({result})")
+
+    prev = ctypes.c_int()
+    check(lib.hipGetDevice(ctypes.byref(prev)), "hipGetDevice")  # the caller's current device kept
+    check(lib.hipSetDevice(ordinal), f"hipSetDevice({ordinal})")
+    try:
+        check(lib.hipDeviceSynchronize(), "hipDeviceSynchronize")
+    finally:
+        check(lib.hipSetDevice(prev.value), f"hipSetDevice({prev.value})")
