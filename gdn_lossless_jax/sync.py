@@ -76,17 +76,31 @@ def _load(names: tuple[str, ...], what: str):
     raise RuntimeError(f"synchronize: cannot load the {what} library (tried {', '.join(names)})")
 
 
+class _Driver:
+    """The CUDA driver calls :func:`_cuda_synchronize` makes, by their ABI names: ``cuda.h`` maps
+    ``cuCtxPushCurrent`` and ``cuCtxPopCurrent`` to their ``_v2`` symbols (the unversioned ones
+    are the old API, which pushes only a context that no thread holds), and names
+    ``cuCtxSynchronize`` as it is (CUDA 13's ``cuCtxSynchronize_v2`` takes a context)."""
+
+    def __init__(self, lib):
+        self.lib = lib
+        self.init, self.device_get = lib.cuInit, lib.cuDeviceGet
+        self.primary_ctx_retain = lib.cuDevicePrimaryCtxRetain
+        self.ctx_push, self.ctx_pop = lib.cuCtxPushCurrent_v2, lib.cuCtxPopCurrent_v2
+        self.ctx_synchronize, self.error_name = lib.cuCtxSynchronize, lib.cuGetErrorName
+
+
 @functools.cache
-def _cuda():
-    lib = _load(("libcuda.so.1", "libcuda.so"), "cuda")
-    _check(lib, lib.cuInit(0), "cuInit")
-    return lib
+def _cuda() -> _Driver:
+    drv = _Driver(_load(("libcuda.so.1", "libcuda.so"), "cuda"))
+    _check(drv, drv.init(0), "cuInit")
+    return drv
 
 
-def _check(lib, result: int, call: str) -> None:
+def _check(drv, result: int, call: str) -> None:
     if result != 0:
         name = ctypes.c_char_p()
-        if lib.cuGetErrorName(result, ctypes.byref(name)) != 0 or not name.value:
+        if drv.error_name(result, ctypes.byref(name)) != 0 or not name.value:
             raise RuntimeError(f"synchronize: {call} failed with CUresult {result}")
         raise RuntimeError(f"synchronize: {call} failed: {name.value.decode()} ({result})")
 
@@ -95,20 +109,20 @@ def _check(lib, result: int, call: str) -> None:
 def _primary_context(ordinal: int) -> ctypes.c_void_p:
     # Retained once per device and never released: XLA holds the same primary context for the
     # life of the process, so the retain costs nothing.
-    lib = _cuda()
+    drv = _cuda()
     dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-    _check(lib, lib.cuDeviceGet(ctypes.byref(dev), ordinal), f"cuDeviceGet({ordinal})")
-    _check(lib, lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+    _check(drv, drv.device_get(ctypes.byref(dev), ordinal), f"cuDeviceGet({ordinal})")
+    _check(drv, drv.primary_ctx_retain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
     return ctx
 
 
 def _cuda_synchronize(ordinal: int) -> None:
-    lib, ctx = _cuda(), _primary_context(ordinal)
-    _check(lib, lib.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")  # the caller's current context kept
+    drv, ctx = _cuda(), _primary_context(ordinal)
+    _check(drv, drv.ctx_push(ctx), "cuCtxPushCurrent")  # the caller's current context kept
     try:
-        _check(lib, lib.cuCtxSynchronize(), "cuCtxSynchronize")
+        _check(drv, drv.ctx_synchronize(), "cuCtxSynchronize")
     finally:
-        _check(lib, lib.cuCtxPopCurrent(ctypes.byref(ctypes.c_void_p())), "cuCtxPopCurrent")
+        _check(drv, drv.ctx_pop(ctypes.byref(ctypes.c_void_p())), "cuCtxPopCurrent")
 
 
 @functools.cache

@@ -32,26 +32,37 @@ def test_rocm_is_told_from_the_platform_version():
 
 
 class _FakeDriver:
-    """The five driver calls _cuda_synchronize makes; ``fail`` the CUresult of cuCtxSynchronize."""
+    """The driver calls _cuda_synchronize makes; ``fail`` the CUresult of cuCtxSynchronize."""
 
     def __init__(self, fail: int):
         self.fail, self.calls = fail, []
 
-    def cuCtxPushCurrent(self, ctx):
+    def ctx_push(self, ctx):
         self.calls.append("push")
         return 0
 
-    def cuCtxSynchronize(self):
+    def ctx_synchronize(self):
         self.calls.append("sync")
         return self.fail
 
-    def cuCtxPopCurrent(self, ref):
+    def ctx_pop(self, ref):
         self.calls.append("pop")
         return 0
 
-    def cuGetErrorName(self, result, ref):
+    def error_name(self, result, ref):
         ref._obj.value = {700: b"CUDA_ERROR_ILLEGAL_ADDRESS"}.get(result)
         return 0 if result == 700 else 1
+
+
+def test_the_driver_is_called_by_its_abi_names():
+    """cuda.h maps cuCtxPushCurrent/cuCtxPopCurrent to their _v2 symbols; the unversioned ones push
+    only a context no thread holds (CUDA_ERROR_INVALID_CONTEXT on the primary context XLA holds)."""
+    names = ("cuInit", "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuCtxPushCurrent_v2", "cuCtxPopCurrent_v2",
+             "cuCtxSynchronize", "cuGetErrorName")
+    lib = types.SimpleNamespace(**{n: n for n in names})
+    drv = sync._Driver(lib)
+    assert (drv.ctx_push, drv.ctx_pop, drv.ctx_synchronize) == ("cuCtxPushCurrent_v2", "cuCtxPopCurrent_v2",
+                                                                "cuCtxSynchronize")  # fmt: skip
 
 
 def test_a_driver_error_is_raised_by_name_and_the_callers_context_restored(monkeypatch):
