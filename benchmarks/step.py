@@ -623,26 +623,37 @@ def sglang_row(inp: StepInputs, clock: Clock, src=None) -> tuple[Row | None, str
     return row, how
 
 
-def back_to_back(rows: list[Row], calls: int, wait: str = "block") -> dict:
+def back_to_back(rows: list[Row], calls: int, wait: str = "block", dispatch: dict | None = None) -> dict:
     """Each row called ``calls`` times in a row, each call waiting for the last (a decode loop
     that runs one step after another): seconds per call. The interleaved rounds instead run
     another row between two calls of one; XLA's CUDA graph of a jitted step starts later after
     another program ran (``scripts/launch_probe.py``). ``wait``: how our rows wait (:data:`WAITS`):
     ``block`` (``jax.block_until_ready``), ``poll`` (polling ``is_ready()``,
     :func:`benchmarks.timing.spin_until_ready`) or ``sync`` (the driver's wait on the device,
-    :func:`gdn_lossless_jax.sync.synchronize`, as SGLang's row waits)."""
+    :func:`gdn_lossless_jax.sync.synchronize`, as SGLang's row waits). With ``sync``, a row that
+    can run ahead is dispatched and then waited for (SGLang's by ``torch.cuda.synchronize``), and
+    ``dispatch`` (if given) gets each call's seconds until the dispatch returned."""
     out = {}
     _WAIT[0] = WAITS[wait]
     try:
         for r in rows:
             if r.failed or not calls:
                 continue
-            ts = []
+            ts, ds = [], []
             for _ in range(calls):
                 t = time.perf_counter()
-                r.run()
+                if wait == "sync" and r.ahead is not None:
+                    go, _ = r.ahead
+                    go()
+                    ds.append(time.perf_counter() - t)
+                    torch_sync = r.backend == "sglang"
+                    (r.ahead[1] if torch_sync else synchronize)()
+                else:
+                    r.run()
                 ts.append(time.perf_counter() - t)
             out[r.key] = np.asarray(ts)
+            if dispatch is not None and ds:
+                dispatch[r.key] = np.asarray(ds)
     finally:
         _WAIT[0] = jax.block_until_ready
     return out
@@ -668,12 +679,13 @@ def run_ahead(rows: list[Row], calls: int, repeats: int = 5) -> dict:
     return out
 
 
-def _row_dict(r: Row, b2b=None, ahead=None, polled=None, synced=None) -> dict:
+def _row_dict(r: Row, b2b=None, ahead=None, polled=None, synced=None, dispatched=None) -> dict:
     d = {"config": r.config, "backend": r.backend, "kind": r.op, "record": r.record, "first_call_s": r.compile_s,
          "notes": r.notes, "failed": r.failed, "wall": summarize(np.asarray(r.raw)),
          "wall_back_to_back": summarize(b2b if b2b is not None else np.zeros(0)),
          "wall_polled": summarize(polled if polled is not None else np.zeros(0)),
          "wall_synced": summarize(synced if synced is not None else np.zeros(0)),
+         "synced_dispatch": summarize(dispatched if dispatched is not None else np.zeros(0)),
          "wall_ahead": summarize(ahead if ahead is not None else np.zeros(0))}  # fmt: skip
     if r.device:
         d["device_us"] = r.device["us_per_call"]
@@ -831,17 +843,21 @@ def main(argv=None) -> int:
                    label=cfg.label, warmup=args.warmup, deadline=time.perf_counter() + args.budget_s)  # fmt: skip
         b2b = back_to_back(rows, args.b2b_calls)
         polled = back_to_back(rows, args.b2b_calls, wait="poll")
-        synced = {}  # the driver's wait: GPUs only (gdn_lossless_jax.sync.synchronize)
+        synced, dispatched = {}, {}  # the driver's wait: GPUs only (gdn_lossless_jax.sync.synchronize)
         if jax.devices()[0].platform == "gpu":
             try:
-                synced = back_to_back(rows, args.b2b_calls, wait="sync")
+                synced = back_to_back(rows, args.b2b_calls, wait="sync", dispatch=dispatched)
             except RuntimeError as e:  # the driver refused: the other columns stand
                 clock.log(f"{cfg.label}: no synced column ({e})")
         ahead = run_ahead(rows, args.b2b_calls)
         if args.device_invocations:
             device_pass(rows, invocations=args.device_invocations, clock=clock, label=cfg.label)
-        result["rows"] += [_row_dict(r, b2b.get(r.key), ahead.get(r.key), polled.get(r.key), synced.get(r.key))
-                           for r in rows]
+        result["rows"] += [_row_dict(r, b2b.get(r.key), ahead.get(r.key), polled.get(r.key), synced.get(r.key),
+                                     dispatched.get(r.key)) for r in rows]  # fmt: skip
+        for r in rows:  # what the synced calls spent before the GPU could start: the dispatch's return
+            if r.key in dispatched:
+                clock.log(f"{cfg.label} {r.key}: synced {np.median(synced[r.key]) * 1e6:.0f} us a call, its dispatch "
+                          f"returned after {np.median(dispatched[r.key]) * 1e6:.0f}")  # fmt: skip
         write_report(result, out)
         del rows, inp
     print("\n".join(_table(result["rows"])))

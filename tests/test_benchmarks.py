@@ -263,3 +263,26 @@ def test_idle_spinners_run_the_command_and_stop(policy):
     (pid,) = json.loads(r.stderr.split("pids ")[1].split("\n")[0])
     with pytest.raises(ProcessLookupError):  # killed and reaped
         os.kill(pid, 0)
+
+
+def test_step_synced_pass_dispatches_then_waits_with_the_driver(monkeypatch):
+    """``back_to_back(wait="sync")``: a row that runs ahead is dispatched, then waited for with the
+    driver's wait (SGLang's with its own ``torch.cuda.synchronize``); its dispatch times are kept.
+    A row that cannot run ahead runs its blocking call with the driver's wait."""
+    from benchmarks import step
+    from benchmarks.timing import Row
+    from benchmarks.traffic import Traffic
+
+    log = []
+    monkeypatch.setattr(step, "synchronize", lambda: log.append("sync"))
+    row = lambda backend, ahead, run=lambda: log.append("run"): Row(  # noqa: E731
+        config="2x2", backend=backend, op="step", record=None, calls=1, traffic=Traffic(0, 0), run=run, ahead=ahead)
+    rows = [row("mosaic", (lambda: log.append("go"), lambda: log.append("block"))),
+            row("sglang", (lambda: log.append("replay"), lambda: log.append("torch"))),
+            row("reference", None, lambda: step.wait(log.append("blocking run")))]  # fmt: skip
+    dispatched = {}
+    out = step.back_to_back(rows, 2, wait="sync", dispatch=dispatched)
+    assert log == ["go", "sync"] * 2 + ["replay", "torch"] * 2 + ["blocking run", "sync"] * 2
+    assert set(out) == {r.key for r in rows} and set(dispatched) == {rows[0].key, rows[1].key}
+    assert all(len(v) == 2 for v in [*out.values(), *dispatched.values()])
+    assert step._WAIT[0] is step.jax.block_until_ready  # restored
