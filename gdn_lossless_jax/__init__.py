@@ -5,7 +5,7 @@ replays the accepted chain from the untouched pool state with exactly the roundi
 used, so the committed state is bit-identical to the snapshot path.
 """
 
-from . import autodiff, cases, checked, conv, memory, pool, reference, rounding, testing
+from . import autodiff, cases, checked, conv, memory, pool, reference, rounding, sync, testing
 from .api import RECORD_MODES, commit, commit_and_verify, replay, verify
 from .backends import BACKENDS, BackendUnavailable
 from .config import MODELS, Geometry, get_geometry
@@ -37,5 +37,6 @@ __all__ = [
     "pool",
     "reference",
     "rounding",
+    "sync",
     "testing",
 ]
