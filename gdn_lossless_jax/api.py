@@ -52,8 +52,8 @@ _INT32 = np.dtype(np.int32)  # compared as a NumPy dtype (against jnp.int32, a s
 
 
 def as_index(x):
-    """An index argument as int32 without an eager JAX op: arrays of int32 pass through, the rest
-    becomes NumPy, which a jitted call takes in as part of its own launch. (``jnp.asarray(layer)``
+    """An index argument as int32 without an eager JAX op: arrays of int32 pass through (a weakly
+    typed one made plain), the rest becomes NumPy, which a jitted call takes in as part of its own launch. (``jnp.asarray(layer)``
     of a Python int dispatched a device op of its own: a sizeable part of a layer call's host time.)
 
     Traced index arrays (inside a ``jax.jit``; rank >= 1: slots, rows, steps, not the layer)
@@ -62,7 +62,9 @@ def as_index(x):
     iteration (XLA does not hoist it), and XLA re-records a loop body's graph every iteration
     anyway."""
     if isinstance(x, jax.Array):
-        x = x if x.dtype == _INT32 else x.astype(jnp.int32)
+        # A weakly typed int32 (``jnp.full((n,), 3)``) is made a plain one: Pallas Triton's lowering
+        # of the commit kernel failed on it on the GPU (an i1 added to an i32).
+        x = x if x.dtype == _INT32 and not x.aval.weak_type else x.astype(jnp.int32)
         here = isinstance(x, jax.core.Tracer) and x.ndim >= 1 and _STAGING.get() and _traced_here(x)
         return staged(x) if here else x
     return np.asarray(x, np.int32)

@@ -180,3 +180,21 @@ def test_submodules_are_attributes():
 
     for name in ("pool", "cases", "conv", "memory", "reference", "rounding", "testing", "autodiff", "checked"):
         assert getattr(gdn_lossless_jax, name).__name__ == f"gdn_lossless_jax.{name}"
+
+
+def test_weakly_typed_index_arrays_become_plain_int32():
+    """``jnp.full((n,), 3)`` is a weakly typed int32; the kernels get a plain one (Pallas Triton's
+    lowering failed on the weak one on the GPU: tests/test_gpu.py), eagerly and under jit, and a
+    plain int32 array passes through as it is."""
+    from gdn_lossless_jax import api
+
+    weak = jnp.full((3,), 2)
+    assert weak.weak_type and not api.as_index(weak).weak_type and api.as_index(weak).dtype == jnp.int32
+    plain = jnp.arange(3, dtype=jnp.int32)
+    assert api.as_index(plain) is plain
+
+    def traced(s):
+        assert s.aval.weak_type and not api.as_index(s).aval.weak_type
+        return api.as_index(s)
+
+    assert not jax.jit(traced)(weak).weak_type

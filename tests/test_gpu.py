@@ -91,6 +91,27 @@ def test_reference_replay_of_kernel_tape_equals_kernel_snapshots(backend, state_
         assert_bitwise_equal(snp.states[:, step], gl.replay(x["state0"], tup, steps, backend="reference"), f"step {step}")
 
 
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS + ["mosaic"])
+def test_weakly_typed_indices_replay_and_commit(backend, seed):
+    """``jnp.full((N,), step)`` is a weakly typed int32: Pallas Triton's lowering of the commit kernel
+    failed on it (an i1 added to an i32) until the API made index arrays plain int32. Replay and
+    commit take such indices on every kernel backend and give the reference's bits."""
+    try:
+        backends.resolve(backend, "replay")
+    except gl.BackendUnavailable as e:
+        pytest.skip(str(e))
+    x = verify_inputs(seed, SHAPE, kind="mixed")
+    _, tup = gl.verify(**x, record="tuples", backend="reference")
+    steps = jnp.full((SHAPE.N,), 2)
+    assert steps.weak_type
+    want = gl.replay(x["state0"], tup, steps, backend="reference")
+    assert_bitwise_equal(want, gl.replay(x["state0"], tup, steps, backend=backend))
+    pool, slots = x["state0"][None], jnp.arange(SHAPE.N)
+    tape = jax.tree.map(lambda t: t[None], tup)
+    assert_bitwise_equal(gl.commit(pool, tape, slots, steps, backend="reference"),
+                         gl.commit(pool, tape, slots, steps, backend=backend))  # fmt: skip
+
+
 @pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
 def test_backends_agree_on_outputs(state_dtype, seed):
     """Verify outputs of all backends agree within 2e-3 relative (max-norm) in float32.
