@@ -53,8 +53,9 @@ _INT32 = np.dtype(np.int32)  # compared as a NumPy dtype (against jnp.int32, a s
 
 def as_index(x):
     """An index argument as int32 without an eager JAX op: arrays of int32 pass through (a weakly
-    typed one made plain), the rest becomes NumPy, which a jitted call takes in as part of its own launch. (``jnp.asarray(layer)``
-    of a Python int dispatched a device op of its own: a sizeable part of a layer call's host time.)
+    typed one made plain), the rest becomes NumPy, which a jitted call takes in as part of its own
+    launch. (``jnp.asarray(layer)`` of a Python int dispatched a device op of its own: a sizeable
+    part of a layer call's host time.)
 
     Traced index arrays (inside a ``jax.jit``; rank >= 1: slots, rows, steps, not the layer)
     are :func:`staged`: the kernels read a copy the jit makes, not the caller's buffer. Not
