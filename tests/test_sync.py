@@ -82,20 +82,17 @@ def test_a_driver_error_is_raised_by_name_and_the_callers_context_restored(monke
 
 @requires_gpu
 def test_synchronize_waits_for_the_gpu():
-    """After synchronize() the GPU is done: JAX's own notice follows within milliseconds, and a
-    step whose arrays are passed on at once (donated) computes the same values."""
+    """After synchronize() the GPU is done: JAX's own notice follows within 0.1 s, and a step whose
+    arrays are passed on at once (donated) computes the same values as one waited for by JAX."""
     step = jax.jit(lambda x: x * 1.0000001 + 1.0, donate_argnums=0)
-    x = jnp.ones((1 << 28,), jnp.float32)  # 1 GiB: ~1 ms a pass on an H200
+    x = jnp.ones((1 << 28,), jnp.float32)  # 1 GiB: ~0.5 ms a pass on an H200
     expect = jax.block_until_ready(step(step(jnp.ones((1 << 28,), jnp.float32))))
-    t = time.perf_counter()
     for _ in range(2):
         x = step(x)
         sync.synchronize(x)
-    took = time.perf_counter() - t
-    deadline = time.perf_counter() + 1.0
+    deadline = time.perf_counter() + 0.1
     while not x.is_ready() and time.perf_counter() < deadline:
         pass
     assert x.is_ready()
     assert bool(jnp.array_equal(x, expect))
-    assert took > 0.0
     sync.synchronize(jax.devices()[0])
