@@ -82,7 +82,7 @@ def test_a_driver_error_is_raised_by_name_and_the_callers_context_restored(monke
 
 @requires_gpu
 def test_synchronize_waits_for_the_gpu():
-    """After synchronize() the GPU is done: JAX's own notice follows within 0.1 s, and a step whose
+    """After synchronize() the GPU is done: JAX's own notice follows (within 1 s), and a step whose
     arrays are passed on at once (donated) computes the same values as one waited for by JAX."""
     step = jax.jit(lambda x: x * 1.0000001 + 1.0, donate_argnums=0)
     x = jnp.ones((1 << 28,), jnp.float32)  # 1 GiB: ~0.5 ms a pass on an H200
@@ -90,7 +90,7 @@ def test_synchronize_waits_for_the_gpu():
     for _ in range(2):
         x = step(x)
         sync.synchronize(x)
-    deadline = time.perf_counter() + 0.1
+    deadline = time.perf_counter() + 1.0
     while not x.is_ready() and time.perf_counter() < deadline:
         pass
     assert x.is_ready()
