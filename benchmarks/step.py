@@ -408,22 +408,37 @@ def direct_runner(fn, form: str, inp: StepInputs, box: list, o_box: list, next_i
     return one
 
 
-def fused_runner(fns, form: str, inp: StepInputs, box: list, o_box: list, fixed: bool = False):
-    """One call of the fused step (:func:`fused_step` of ``form``; ``fns`` one executable, or one
-    per parity of the step, taken in turn) on ``box[0]``: the states, the tape the last call
-    wrote (this call commits it) and the other tape (this call writes it); the two tapes swap
-    roles after the call unless ``fixed`` (the same work, wrong for a decode: what the swap
-    costs). The outputs buffer as in :func:`direct_runner`. Returns the outputs, not waited for."""
+def fused_call(fns):
+    """The fused step (:func:`fused_step`) as a decode loop calls it: ``fns`` one executable, or one
+    per parity of the step, taken in turn. ``call(ssm, tape, prev, params, xs, ix, *obuf)`` writes
+    ``tape`` and commits ``prev`` (the tape the last call wrote), and returns ``(outs, ssm, tape,
+    prev)`` in the next call's roles: the next call writes the tape just committed and commits the
+    one just written."""
     calls = [0]
 
-    def one():
+    def call(ssm, tape, prev, params, xs, ix, *obuf):
         fn = fns[calls[0] % len(fns)]
         calls[0] += 1
+        outs, ssm, written, old = fn(ssm, tape, prev, params, xs, ix, *obuf)
+        return outs, ssm, old, written
+
+    return call
+
+
+def fused_runner(fns, form: str, inp: StepInputs, box: list, o_box: list, fixed: bool = False):
+    """One call of the fused step (:func:`fused_call` of ``fns``, :func:`fused_step` of ``form``) on
+    ``box[0]``: the states, the tape this call writes and the tape the last call wrote (this call
+    commits it); the two tapes swap roles after the call unless ``fixed`` (the same work, wrong for
+    a decode: what the swap costs). The outputs buffer as in :func:`direct_runner`. Returns the
+    outputs, not waited for."""
+    call = fused_call(fns)
+
+    def one():
         obuf = o_box if form == "unrolled-out" else []
-        outs, ssm, written, old = fn(*box[0], inp.params, inp.qkv, inp.index_sets[0], *obuf)
+        outs, ssm, tape, prev = call(*box[0], inp.params, inp.qkv, inp.index_sets[0], *obuf)
         if obuf:
             o_box[0] = outs
-        box[0] = (ssm, written, old) if fixed else (ssm, old, written)  # next: write old, commit this one
+        box[0] = (ssm, prev, tape) if fixed else (ssm, tape, prev)
         return outs
 
     return one

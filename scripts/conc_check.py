@@ -56,11 +56,10 @@ def main(argv=None) -> int:
         return ssm, tape, prev, out
 
     def run_fused(opts, perturb):
-        fns = [bs.fused_step(a.backend, opts, "unrolled-out") for _ in range(2)]
+        step = bs.fused_call([bs.fused_step(a.backend, opts, "unrolled-out") for _ in range(2)])
         ssm, tape, prev, out = fresh(perturb)
         for i in range(a.steps):
-            out, ssm, written, old = fns[i % 2](ssm, tape, prev, inp.params, inp.qkv, inp.index_sets[i % 4], out)
-            tape, prev = old, written
+            out, ssm, tape, prev = step(ssm, tape, prev, inp.params, inp.qkv, inp.index_sets[i % 4], out)
         return bits((out, ssm, tape, prev))
 
     def run_separate(opts, perturb):

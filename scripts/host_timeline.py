@@ -262,15 +262,12 @@ def run(a, folder: str) -> list[tuple[str, str, float]]:
         return call
 
     def fused_out():  # benchmarks.step's fused-out: one executable per parity, the two tapes swapped after each call
-        fns = [bs.fused_step(a.backend, None, "unrolled-out") for _ in range(2)]
-        n = [0]
+        step = bs.fused_call([bs.fused_step(a.backend, None, "unrolled-out") for _ in range(2)])
 
         def call(ssm, tape, prev, params, xs, ix):
-            fn = fns[n[0] % 2]
-            n[0] += 1
-            outs, ssm, written, old = fn(ssm, tape, prev, params, xs, ix, obox[0])
+            outs, ssm, tape, prev = step(ssm, tape, prev, params, xs, ix, obox[0])
             obox[0] = outs
-            return outs, ssm, old, written  # next call: writes the old tape, commits this one
+            return outs, ssm, tape, prev
 
         return call
 
