@@ -287,3 +287,25 @@ def test_step_synced_pass_dispatches_then_waits_with_the_driver(monkeypatch):
     assert set(out) == {r.key for r in rows} and set(dispatched) == {rows[0].key, rows[1].key}
     assert all(len(v) == 2 for v in [*out.values(), *dispatched.values()])
     assert step._WAIT[0] is step.jax.block_until_ready  # restored
+
+
+def test_fused_call_alternates_executables_and_swaps_the_tapes():
+    """``fused_call``: executables taken in turn, and the next call writes the tape just committed
+    and commits the one just written (the decode loop's roles)."""
+    from benchmarks import step
+
+    seen = []
+
+    def exe(name):
+        def fn(ssm, tape, prev, params, xs, ix, *obuf):
+            seen.append((name, tape, prev, obuf))
+            return "outs", ssm + 1, tape, prev  # (outs, ssm, written, old)
+
+        return fn
+
+    call = step.fused_call([exe("even"), exe("odd")])
+    ssm, tape, prev = 0, "A", "B"
+    for _ in range(3):
+        _, ssm, tape, prev = call(ssm, tape, prev, None, None, None, "obuf")
+    assert [s[:3] for s in seen] == [("even", "A", "B"), ("odd", "B", "A"), ("even", "A", "B")]
+    assert ssm == 3 and seen[0][3] == ("obuf",)
