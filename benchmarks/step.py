@@ -658,11 +658,10 @@ def back_to_back(rows: list[Row], calls: int, wait: str = "block", dispatch: dic
             for _ in range(calls):
                 t = time.perf_counter()
                 if wait == "sync" and r.ahead is not None:
-                    go, _ = r.ahead
+                    go, block = r.ahead
                     go()
                     ds.append(time.perf_counter() - t)
-                    torch_sync = r.backend == "sglang"
-                    (r.ahead[1] if torch_sync else synchronize)()
+                    (block if r.backend == "sglang" else synchronize)()  # SGLang's block: torch.cuda.synchronize
                 else:
                     r.run()
                 ts.append(time.perf_counter() - t)
@@ -867,12 +866,13 @@ def main(argv=None) -> int:
         ahead = run_ahead(rows, args.b2b_calls)
         if args.device_invocations:
             device_pass(rows, invocations=args.device_invocations, clock=clock, label=cfg.label)
-        result["rows"] += [_row_dict(r, b2b.get(r.key), ahead.get(r.key), polled.get(r.key), synced.get(r.key),
-                                     dispatched.get(r.key)) for r in rows]  # fmt: skip
-        for r in rows:  # what the synced calls spent before the GPU could start: the dispatch's return
+        done = [_row_dict(r, b2b.get(r.key), ahead.get(r.key), polled.get(r.key), synced.get(r.key),
+                          dispatched.get(r.key)) for r in rows]  # fmt: skip
+        for r, d in zip(rows, done):  # what the synced calls spent before the GPU could start: the dispatch
             if r.key in dispatched:
-                clock.log(f"{cfg.label} {r.key}: synced {np.median(synced[r.key]) * 1e6:.0f} us a call, its dispatch "
-                          f"returned after {np.median(dispatched[r.key]) * 1e6:.0f}")  # fmt: skip
+                clock.log(f"{cfg.label} {r.key}: synced {d['wall_synced']['median_us']:.0f} us a call, its dispatch "
+                          f"returned after {d['synced_dispatch']['median_us']:.0f}")  # fmt: skip
+        result["rows"] += done
         write_report(result, out)
         del rows, inp
     print("\n".join(_table(result["rows"])))
