@@ -28,6 +28,8 @@ import functools
 
 import jax
 
+from .backends import is_rocm
+
 __all__ = ["synchronize"]
 
 
@@ -43,7 +45,7 @@ def synchronize(device=None) -> None:
                 f"synchronize: `device` must be a GPU (CUDA or ROCm) device; got {d} (platform {d.platform!r}). "
                 "On other platforms use jax.block_until_ready."
             )
-        if _is_rocm(d):
+        if is_rocm(d):
             _hip_synchronize(d.local_hardware_id)
         else:
             _cuda_synchronize(d.local_hardware_id)
@@ -59,11 +61,6 @@ def _devices(device) -> list:
     raise TypeError(
         f"synchronize: `device` must be a jax.Device, a jax.Array or None; got {type(device).__name__}"
     )
-
-
-def _is_rocm(d) -> bool:
-    text = f"{getattr(d, 'platform_version', '')} {getattr(d.client, 'platform_version', '')}"
-    return "rocm" in text.lower()
 
 
 def _load(names: tuple[str, ...], what: str):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import ON_GPU, requires_gpu
-from gdn_lossless_jax import sync
+from gdn_lossless_jax import backends, sync
 
 
 @pytest.mark.skipif(ON_GPU, reason="checks the error on a CPU device")
@@ -27,8 +27,8 @@ def test_a_wrong_argument_type_is_refused_by_name():
 
 def test_rocm_is_told_from_the_platform_version():
     dev = lambda v: types.SimpleNamespace(platform_version=v, client=types.SimpleNamespace(platform_version=""))  # noqa: E731
-    assert sync._is_rocm(dev("rocm 6.4.1"))
-    assert not sync._is_rocm(dev("cuda 13000"))
+    assert backends.is_rocm(dev("rocm 6.4.1"))
+    assert not backends.is_rocm(dev("cuda 13000"))
 
 
 class _FakeDriver:

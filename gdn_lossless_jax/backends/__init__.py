@@ -30,7 +30,7 @@ import importlib
 
 import jax
 
-__all__ = ["BACKENDS", "resolve", "resolve_name", "platform", "BackendUnavailable"]
+__all__ = ["BACKENDS", "resolve", "resolve_name", "platform", "is_rocm", "BackendUnavailable"]
 
 BACKENDS = ("reference", "pallas", "triton", "mosaic")
 
@@ -42,6 +42,14 @@ class BackendUnavailable(RuntimeError):
 def platform() -> str:
     """The platform JAX computes on by default: ``cpu``, ``gpu`` (CUDA or ROCm) or ``tpu``."""
     return jax.default_backend()
+
+
+def is_rocm(device=None) -> bool:
+    """Whether ``device`` (default: JAX's first device) is an AMD GPU under ROCm: its platform
+    reads ``gpu`` for CUDA and ROCm alike, its platform version names ROCm."""
+    d = jax.devices()[0] if device is None else device
+    text = f"{getattr(d, 'platform_version', '')} {getattr(d.client, 'platform_version', '')}"
+    return "rocm" in text.lower()
 
 
 def _auto() -> str:

@@ -83,7 +83,6 @@ def default_form(interpret: bool) -> str:
     """PTX on CUDA; the portable form on ROCm and in interpret mode."""
     if interpret:
         return "portable"
-    platform_version = getattr(jax.devices()[0], "platform_version", "") or ""
-    client = jax.devices()[0].client
-    is_rocm = "rocm" in platform_version.lower() or "rocm" in str(getattr(client, "platform_version", "")).lower()
-    return "portable" if is_rocm else "ptx"
+    from .. import is_rocm
+
+    return "portable" if is_rocm() else "ptx"
