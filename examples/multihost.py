@@ -69,7 +69,7 @@ def run(args) -> int:
 
     import gdn_lossless_jax as gl
     from gdn_lossless_jax import sharding
-    from gdn_lossless_jax.cases import Shape, commit_indices, verify_inputs
+    from gdn_lossless_jax.testing.cases import Shape, commit_indices, verify_inputs
     from gdn_lossless_jax.testing import compare_bitwise
 
     me, P, local = jax.process_index(), jax.process_count(), jax.local_device_count()

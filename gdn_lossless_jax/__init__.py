@@ -5,7 +5,7 @@ replays the accepted chain from the untouched pool state with exactly the roundi
 used, so the committed state is bit-identical to the snapshot path.
 """
 
-from . import autodiff, cases, checked, conv, memory, pool, reference, rounding, sync, testing
+from . import _deprecated, autodiff, checked, checks, conv, pool, reference, rounding, sharding, sync, testing
 from .api import RECORD_MODES, commit, commit_and_verify, replay, verify
 from .backends import BACKENDS, BackendUnavailable
 from .config import MODELS, Geometry, get_geometry
@@ -30,13 +30,24 @@ __all__ = [
     "MODELS",
     "get_geometry",
     "autodiff",
-    "cases",
     "checked",
+    "checks",
     "conv",
-    "memory",
     "pool",
     "reference",
     "rounding",
+    "sharding",
     "sync",
     "testing",
 ]
+
+# Modules that moved to the tools and testing subpackages: one release under their old name.
+__getattr__ = _deprecated.alias(__name__, {
+    "cases": "gdn_lossless_jax.testing.cases",
+    "memory": "gdn_lossless_jax.tools.memory",
+    "equivalence": "gdn_lossless_jax.testing.equivalence",
+    "cli": "gdn_lossless_jax.tools.cli",
+    "check": "gdn_lossless_jax.tools.check",
+    "fuzz": "gdn_lossless_jax.tools.fuzz",
+    "viz": "gdn_lossless_jax.tools.viz",
+})  # fmt: skip

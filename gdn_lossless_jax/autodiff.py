@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from . import reference, rounding
+from .backends.contract import VerifyCall, run_verify
 from .tape import Tape, Tuples
 
 __all__ = ["plain_verify", "plain_replay", "plain_commit", "verify", "replay", "commit"]
@@ -149,27 +150,22 @@ def _with_plain_derivative(exact: Callable, plain: Callable) -> Callable:
     return f
 
 
-def verify(impl, state, q, k, v, a, b, A_log, dt_bias, *, record: str, scale: float, out_dtype, **form):
-    """``impl.verify`` (a backend's exact kernel) with the derivatives of :func:`plain_verify`.
+def verify(impl, call: VerifyCall):
+    """``impl.verify(call)`` (a backend's exact kernel) with the derivatives of :func:`plain_verify`.
 
-    ``form``: the backend keywords of the pool forms (``slots``, ``layer``, ``tape``,
-    ``tape_layer``, ``rows``, ``pending``; see :func:`gdn_lossless_jax.verify` and
-    :func:`gdn_lossless_jax.commit_and_verify`). Their plain formulation is
+    The plain formulation of the call's forms (gathers by slot, the scatter into the tape
+    buffer, the pending commit's scatter into the pool) is
     :func:`gdn_lossless_jax.reference.verify_form` with :func:`plain_verify` and
-    :func:`plain_commit`: the gathers by slot, the scatter into the tape buffer and the
-    pending commit's scatter into the pool are differentiated as they are.
+    :func:`plain_commit`: they are differentiated as they are.
     """
-    static = dict(record=record, scale=scale, out_dtype=out_dtype)
-    names = tuple(form)
 
-    def exact(*args):
-        return impl.verify(*args[:8], **static, **dict(zip(names, args[8:])))
+    def exact(c):
+        return run_verify(impl, c)
 
-    def plain(*args):
-        kw = dict(zip(names, args[8:]))
-        return reference.verify_form(*args[:8], **static, **kw, verify_fn=plain_verify, commit_fn=plain_commit)
+    def plain(c):
+        return reference.verify_form(c, verify_fn=plain_verify, commit_fn=plain_commit)
 
-    return _with_plain_derivative(exact, plain)(state, q, k, v, a, b, A_log, dt_bias, *form.values())
+    return _with_plain_derivative(exact, plain)(call)
 
 
 def replay(impl, state0, tuples: Tuples, steps) -> jax.Array:

@@ -34,7 +34,7 @@ import numpy as np
 from jax import lax
 
 from . import reference, rounding
-from .api import _check_float, _check_index, _check_rank, _check_shape, _fmt, _shape, as_index
+from .checks import as_index, check_float, check_index, check_rank, check_shape, fmt_shape, shape_of
 
 __all__ = ["causal_conv1d_verify", "causal_conv1d_verify_dense", "dense_windows", "conv_commit", "verify_from_pool"]
 
@@ -42,21 +42,21 @@ F32 = jnp.float32
 
 
 def _check_verify_args(fn: str, conv_state, x, weight, bias):
-    _check_rank(fn, "conv_state", conv_state, 3, "[N, conv_dim, Kc-1]")
-    N, C, W = _shape(conv_state)
-    _check_rank(fn, "x", x, 3, "[N, D, conv_dim]")
-    D = _shape(x)[1]
-    _check_shape(fn, "x", x, (N, D, C), "[N, D, conv_dim]", "N and conv_dim from conv_state")
+    check_rank(fn, "conv_state", conv_state, 3, "[N, conv_dim, Kc-1]")
+    N, C, W = shape_of(conv_state)
+    check_rank(fn, "x", x, 3, "[N, D, conv_dim]")
+    D = shape_of(x)[1]
+    check_shape(fn, "x", x, (N, D, C), "[N, D, conv_dim]", "N and conv_dim from conv_state")
     if D < 1:
-        raise ValueError(f"{fn}: need at least one draft step, got D={D} (x has shape {_fmt(_shape(x))})")
-    _check_shape(fn, "weight", weight, (C, W + 1), "[conv_dim, Kc]", "Kc = conv_state.shape[-1] + 1")
+        raise ValueError(f"{fn}: need at least one draft step, got D={D} (x has shape {fmt_shape(shape_of(x))})")
+    check_shape(fn, "weight", weight, (C, W + 1), "[conv_dim, Kc]", "Kc = conv_state.shape[-1] + 1")
     if W + 1 < 2:
-        raise ValueError(f"{fn}: the conv width Kc must be at least 2, got Kc={W + 1} (conv_state {_fmt(_shape(conv_state))})")
+        raise ValueError(f"{fn}: the conv width Kc must be at least 2, got Kc={W + 1} (conv_state {fmt_shape(shape_of(conv_state))})")
     if bias is not None:
-        _check_shape(fn, "bias", bias, (C,), "[conv_dim]", "from conv_state")
+        check_shape(fn, "bias", bias, (C,), "[conv_dim]", "from conv_state")
     for name, a in (("conv_state", conv_state), ("x", x), ("weight", weight), ("bias", bias)):
         if a is not None:
-            _check_float(fn, name, a)
+            check_float(fn, name, a)
 
 
 def _taps(taps, weight, bias):
@@ -235,22 +235,22 @@ def conv_commit(conv_pool, windows, slots, steps, track_slots=None, track_steps=
       track slot: the track write). Every other element keeps its bits.
     """
     fn = "conv_commit"
-    _check_rank(fn, "conv_pool", conv_pool, 4, "[L, S, conv_dim, Kc-1]")
-    L, _, C, W = _shape(conv_pool)
+    check_rank(fn, "conv_pool", conv_pool, 4, "[L, S, conv_dim, Kc-1]")
+    L, _, C, W = shape_of(conv_pool)
     Kc = W + 1
-    _check_rank(fn, "windows", windows, 4, "[L, R, conv_dim, D+Kc-2]")
-    R, width = _shape(windows)[1], _shape(windows)[3]
+    check_rank(fn, "windows", windows, 4, "[L, R, conv_dim, D+Kc-2]")
+    R, width = shape_of(windows)[1], shape_of(windows)[3]
     D = width - (Kc - 2)
     if D < 1:
         raise ValueError(
             f"{fn}: argument 'windows' must have D+Kc-2 >= Kc-1 columns (Kc={Kc} from conv_pool), "
-            f"got shape {_fmt(_shape(windows))}"
+            f"got shape {fmt_shape(shape_of(windows))}"
         )
-    _check_shape(fn, "windows", windows, (L, R, C, width), "[L, R, conv_dim, D+Kc-2]", "L, conv_dim from conv_pool")
+    check_shape(fn, "windows", windows, (L, R, C, width), "[L, R, conv_dim, D+Kc-2]", "L, conv_dim from conv_pool")
     if windows.dtype != conv_pool.dtype:
         raise TypeError(f"{fn}: window dtype {windows.dtype} must match the conv pool dtype {conv_pool.dtype}")
-    _check_rank(fn, "slots", slots, 1, "[N]")
-    N = _shape(slots)[0]
+    check_rank(fn, "slots", slots, 1, "[N]")
+    N = shape_of(slots)[0]
     if (track_slots is None) != (track_steps is None):
         raise ValueError(f"{fn}: give both track_slots and track_steps, or neither")
     if track_slots is None:
@@ -258,7 +258,7 @@ def conv_commit(conv_pool, windows, slots, steps, track_slots=None, track_steps=
     if rows is None:
         rows = np.arange(N, dtype=np.int32)
     for name, a in (("slots", slots), ("steps", steps), ("track_slots", track_slots), ("track_steps", track_steps), ("rows", rows)):
-        _check_index(fn, name, a, N)
+        check_index(fn, name, a, N)
     slots, steps, track_slots, track_steps, rows = (as_index(a) for a in (slots, steps, track_slots, track_steps, rows))
     form = _kernel_form(backend)
     if form is not None:

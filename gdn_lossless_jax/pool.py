@@ -32,8 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import api, checked as checked_mode, reference
-from .api import _check_heads, _check_index, _check_linear_chain, _check_rank, _check_shape, _fmt, _shape, as_index
+from . import api, checked as checked_mode, checks, reference
+from .backends.contract import PendingCommit, VerifyCall
+from .checks import as_index, check_heads, check_index, check_linear_chain, check_rank, check_shape, fmt_shape, shape_of
 from .config import Geometry
 from .conv import conv_commit, verify_from_pool
 from .tape import Snapshots, Tape, Tuples, replace_fields
@@ -58,7 +59,7 @@ __all__ = [
 ]
 
 #: Record modes the pool allocates (those :func:`gdn_lossless_jax.verify` records).
-POOL_RECORD_MODES = api.RECORD_MODES
+POOL_RECORD_MODES = checks.RECORD_MODES
 #: Record modes the memory accounting knows: the pool's, plus ``seed_ring``, the tuple ring of SGLang's
 #: lossless-verify pull request (k stored once per v-head).
 SCRATCH_MODES = (*POOL_RECORD_MODES, "seed_ring")
@@ -95,8 +96,8 @@ def check_supported(fn: str, geometry: Geometry, *, drafts: int = 1, topk: int =
             f"{fn}: geometry {geometry.name!r} has linear_attention={geometry.linear_attention!r} layers; "
             "only Gated DeltaNet ('gdn') layers are supported"
         )
-    _check_heads(fn, geometry.num_k_heads, geometry.num_v_heads)
-    _check_linear_chain(fn, parents, topk, drafts)
+    check_heads(fn, geometry.num_k_heads, geometry.num_v_heads)
+    check_linear_chain(fn, parents, topk, drafts)
 
 
 def scratch_rows(requests: int) -> int:
@@ -261,7 +262,7 @@ def allocate(
             + (" (seed_ring, the pull request's layout, is counted by gdn_lossless_jax.memory, not allocated)"
                if record == "seed_ring" else "")
         )
-    if jnp.dtype(state_dtype) not in api.STATE_DTYPES:
+    if jnp.dtype(state_dtype) not in checks.STATE_DTYPES:
         raise TypeError(f"{fn}: state_dtype must be float32 or bfloat16, got {jnp.dtype(state_dtype)}")
     if not jnp.issubdtype(conv_dtype, jnp.floating):
         raise TypeError(f"{fn}: conv_dtype must be a floating-point dtype, got {jnp.dtype(conv_dtype)}")
@@ -365,32 +366,32 @@ def _check_arrays(fn: str, pool: StatePool) -> None:
     pool would replay with the wrong heads, or commit the SSM and conv states under different
     masks (another D or row count), silently."""
     g, cw = pool.geometry, pool.conv_windows
-    if len(_shape(cw)) != 4:
-        raise ValueError(f"{fn}: the pool's conv_windows must have rank 4 ([L, R, conv_dim, D+Kc-2]), got {_fmt(_shape(cw))}")
+    if len(shape_of(cw)) != 4:
+        raise ValueError(f"{fn}: the pool's conv_windows must have rank 4 ([L, R, conv_dim, D+Kc-2]), got {fmt_shape(shape_of(cw))}")
     S, rows, D = pool.slots, cw.shape[1], cw.shape[3] - g.conv_kernel + 2
     want = state_specs(g, S, state_dtype=pool.ssm.dtype, conv_dtype=pool.conv.dtype)
     want |= {f"tape.{k}": v for k, v in tape_specs(g, rows, D, pool.record, state_dtype=pool.ssm.dtype).items()}
     want["conv_windows"] = conv_window_spec(g, rows, D, conv_dtype=pool.conv.dtype)
     for name, spec in want.items():
         x = getattr(pool.tape, name[5:]) if name.startswith("tape.") else getattr(pool, name)
-        if _shape(x) != spec.shape or jnp.dtype(x.dtype) != spec.dtype:
+        if shape_of(x) != spec.shape or jnp.dtype(x.dtype) != spec.dtype:
             raise ValueError(
-                f"{fn}: the pool's {name} is {jnp.dtype(x.dtype)} {_fmt(_shape(x))}, but a {pool.record} pool of "
+                f"{fn}: the pool's {name} is {jnp.dtype(x.dtype)} {fmt_shape(shape_of(x))}, but a {pool.record} pool of "
                 f"{g.name!r} (L={g.gdn_layers}, H={g.num_k_heads}, HV={g.num_v_heads}, K={g.head_k_dim}, "
                 f"V={g.head_v_dim}) with {S} slots, {rows} scratch rows and D={D} (from its conv windows) has "
-                f"{spec.dtype} {_fmt(spec.shape)}: it was recorded for another geometry, record mode or pool"
+                f"{spec.dtype} {fmt_shape(spec.shape)}: it was recorded for another geometry, record mode or pool"
             )
     if pool.deferred is not None:
         for got, want in zip(jax.tree.leaves(pool.deferred.tape), jax.tree.leaves(pool.tape)):
-            if _shape(got) != _shape(want) or got.dtype != want.dtype or type(pool.deferred.tape) is not type(pool.tape):
+            if shape_of(got) != shape_of(want) or got.dtype != want.dtype or type(pool.deferred.tape) is not type(pool.tape):
                 raise ValueError(f"{fn}: the pool's deferred tape must be shaped like its tape, "
-                                 f"got {type(pool.deferred.tape).__name__} {_fmt(_shape(got))}")  # fmt: skip
+                                 f"got {type(pool.deferred.tape).__name__} {fmt_shape(shape_of(got))}")  # fmt: skip
 
 
 def _check_rows(fn: str, rows, N: int):
     if rows is None:
         return np.arange(N, dtype=np.int32)
-    _check_index(fn, "rows", rows, N)
+    check_index(fn, "rows", rows, N)
     return as_index(rows)
 
 
@@ -415,11 +416,11 @@ def store_layer(pool: StatePool, layer, tape: Tape, windows: jax.Array, rows=Non
         )
     for f in dataclasses.fields(tape):
         got, want = getattr(tape, f.name), getattr(pool.tape, f.name)
-        _check_shape(fn, f"tape.{f.name}", got, (N, D, *want.shape[3:]), "[N, D, ...]", "from the pool's scratch")
+        check_shape(fn, f"tape.{f.name}", got, (N, D, *want.shape[3:]), "[N, D, ...]", "from the pool's scratch")
         if got.dtype != want.dtype:
             raise TypeError(f"{fn}: argument 'tape.{f.name}' must be {want.dtype} (the pool's scratch), got {got.dtype}")
     C, Kc = pool.geometry.conv_dim, pool.geometry.conv_kernel
-    _check_shape(fn, "windows", windows, (N, C, D + Kc - 2), "[N, conv_dim, D+Kc-2]", "N, D from the tape")
+    check_shape(fn, "windows", windows, (N, C, D + Kc - 2), "[N, conv_dim, D+Kc-2]", "N, D from the tape")
     return _store_layer(pool, _layer_arg(pool, layer), tape, windows, _check_rows(fn, rows, N))
 
 
@@ -486,21 +487,29 @@ def verify_layer(
     g = pool.geometry
     L = g.gdn_layers
     for name, x, rank in (("mixed_qkv", mixed_qkv, 3), ("conv_weight", conv_weight, 2), ("conv_bias", conv_bias, 1)):
-        if x is not None and len(_shape(x)) == rank + 1 and _shape(x)[0] != L:
+        if x is not None and len(shape_of(x)) == rank + 1 and shape_of(x)[0] != L:
             raise ValueError(f"{fn}: argument {name!r} is stacked over layers (rank {rank + 1}), so its leading axis "
-                             f"must be the pool's gdn_layers={L}, got shape {list(_shape(x))}")  # fmt: skip
-    one = mixed_qkv if len(_shape(mixed_qkv)) != 4 else jax.ShapeDtypeStruct(_shape(mixed_qkv)[1:], mixed_qkv.dtype)
-    _check_rank(fn, "mixed_qkv", one, 3, "[N, D, conv_dim] or [L, N, D, conv_dim]")
-    N, D, _ = _shape(one)
+                             f"must be the pool's gdn_layers={L}, got shape {list(shape_of(x))}")  # fmt: skip
+    one = mixed_qkv if len(shape_of(mixed_qkv)) != 4 else jax.ShapeDtypeStruct(shape_of(mixed_qkv)[1:], mixed_qkv.dtype)
+    check_rank(fn, "mixed_qkv", one, 3, "[N, D, conv_dim] or [L, N, D, conv_dim]")
+    N, D, _ = shape_of(one)
     if D > pool.drafts:
         raise ValueError(
             f"{fn}: argument 'mixed_qkv' has D={D} draft steps, but the pool's scratch was sized for "
             f"at most drafts={pool.drafts}"
         )
-    _check_shape(fn, "mixed_qkv", one, (N, D, g.conv_dim), "[N, D, conv_dim]", f"conv_dim = 2*H*K + HV*V of {g.name}")
-    _check_linear_chain(fn, parents, topk, D)
-    _check_index(fn, "slots", slots, N)
+    check_shape(fn, "mixed_qkv", one, (N, D, g.conv_dim), "[N, D, conv_dim]", f"conv_dim = 2*H*K + HV*V of {g.name}")
+    check_linear_chain(fn, parents, topk, D)
+    check_index(fn, "slots", slots, N)
     rows = _check_rows(fn, rows, N)
+    HV = g.num_v_heads
+    for name, x, want, dims in (("a", a, (N, D, HV), "[N, D, HV]"), ("b", b, (N, D, HV), "[N, D, HV]"),
+                                ("A_log", A_log, (HV,), "[HV]"), ("dt_bias", dt_bias, (HV,), "[HV]")):  # fmt: skip
+        x = checks.as_array(fn, name, x)
+        full = (L, *want) if len(shape_of(x)) == len(want) + 1 else want
+        check_shape(fn, name, x, full, dims if full == want else f"[L, {dims[1:]}", f"from mixed_qkv and {g.name}")
+        checks.check_float(fn, name, x)
+    scale = checks.as_scale(fn, scale, g.head_k_dim)
     return _verify_layer(
         pool, _layer_arg(pool, layer), mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias,
         as_index(slots), rows, scale=scale, backend=backend,
@@ -508,7 +517,7 @@ def verify_layer(
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames=("scale", "backend"))
-@api.unstaged  # verify_layer staged its index arguments where its caller traces
+@checks.unstaged  # verify_layer staged its index arguments where its caller traces
 def _verify_layer(pool, layer, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, slots, rows, *, scale, backend):
     # The kernels read each request's conv and SSM states from the pool by slot and write the
     # windows and the tape into the scratch rows in place (verify_from_pool, verify's slots=/
@@ -524,11 +533,11 @@ def _verify_layer(pool, layer, mixed_qkv, a, b, conv_weight, conv_bias, A_log, d
     k = k.reshape(N, D, g.num_k_heads, g.head_k_dim)
     v = v.reshape(N, D, g.num_v_heads, g.head_v_dim)
     d = pool.deferred
+    # verify_layer checked every argument: the backend's call directly (api.verify would check again)
+    call = VerifyCall(pool.ssm, slots, layer, q, k, v, a, b, A_log, dt_bias, rows=rows, tape_layer=layer, scale=scale,
+                      record=pool.record, out_dtype=jnp.dtype(q.dtype))  # fmt: skip
     if d is None:
-        outputs, tape = api.verify(
-            pool.ssm, q, k, v, a, b, A_log, dt_bias, slots=slots, layer=layer, tape=pool.tape, rows=rows, scale=scale,
-            backend=backend,
-        )  # fmt: skip
+        outputs, tape = api.run_verify(call.replace(tape=pool.tape), backend)
         return outputs, dataclasses.replace(pool, tape=tape, conv_windows=windows)
     # The previous step's commit of each request's slot, applied inside this layer's verify.
     # (Every layer of the step applies its own layer's part: `applied` only tells the next flush.)
@@ -536,11 +545,8 @@ def _verify_layer(pool, layer, mixed_qkv, a, b, conv_weight, conv_bias, A_log, d
     has, j = match.any(1), jnp.argmax(match, axis=1)
     pick = lambda x: jnp.where(has, x[j], -1)  # noqa: E731
     current, pending_tape = d.buffers(pool.tape)
-    pending = api.Pending(pending_tape, pick(d.rows), pick(d.steps), pick(d.track_slots), pick(d.track_steps))
-    outputs, tape, ssm = api.commit_and_verify(
-        pool.ssm, pending, q, k, v, a, b, A_log, dt_bias, slots=slots, layer=layer, tape=current, rows=rows,
-        scale=scale, backend=backend,
-    )  # fmt: skip
+    pending = PendingCommit(pending_tape, layer, pick(d.rows), pick(d.steps), pick(d.track_slots), pick(d.track_steps))
+    outputs, tape, ssm = api.run_verify(call.replace(tape=current, pending=pending), backend)
     d = dataclasses.replace(d, applied=d.applied | match.any(0))
     if d.parity:
         return outputs, dataclasses.replace(pool, ssm=ssm, conv_windows=windows, deferred=dataclasses.replace(d, tape=tape))
@@ -576,17 +582,17 @@ def commit(
         raise TypeError(f"commit: argument 'pool' must be a StatePool, got {type(pool).__name__}")
     _check_arrays("commit", pool)
     if checked:
-        ints = api._commit_index_args("pool.commit", slots, steps, track_slots, track_steps, rows)
+        ints = checks.commit_index_args("pool.commit", slots, steps, track_slots, track_steps, rows)
         checked_mode.check_commit("pool.commit", pool.ssm.shape[1], pool.rows, pool.drafts, *ints)
     # Defaults (None) are filled, and every argument checked, by the two commits it calls; the
-    # index arrays are staged here, where the caller traces (api.as_index).
+    # index arrays are staged here, where the caller traces (checks.as_index).
     ix = [as_index(x) if isinstance(x, jax.Array) and x.dtype == jnp.int32 else x
           for x in (slots, steps, track_slots, track_steps, rows)]  # fmt: skip
     return _commit(pool, *ix, backend=backend)
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames=("backend",))
-@api.unstaged  # commit staged its index arguments where its caller traces
+@checks.unstaged  # commit staged its index arguments where its caller traces
 def _commit(pool, slots, steps, track_slots, track_steps, rows, *, backend):
     conv = conv_commit(pool.conv, pool.conv_windows, slots, steps, track_slots, track_steps, rows, backend=backend)
     if pool.deferred is None:

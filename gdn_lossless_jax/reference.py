@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import rounding
+from . import _deprecated, rounding
 from .tape import Snapshots, Tuples
 
 __all__ = [
@@ -45,7 +45,6 @@ __all__ = [
     "replay",
     "replay_two",
     "commit",
-    "commit_accepted_first",
     "read_slots",
     "write_rows",
     "verify_form",
@@ -227,41 +226,38 @@ def write_rows(buffer, layer, rows, tape):
     return jax.tree.map(lambda b, t: b.at[layer, idx, :D].set(t.astype(b.dtype), mode="drop"), buffer, tape)
 
 
-def verify_form(
-    state0, q, k, v, a, b, A_log, dt_bias, *, record: str, scale: float, out_dtype, slots=None, layer=None, tape=None,
-    tape_layer=None, rows=None, pending=None, out=None, out_layer=None, verify_fn: Callable = verify,
-    commit_fn: Callable | None = None,
-):  # fmt: skip
-    """:func:`verify` in every form of :func:`gdn_lossless_jax.verify`, as the backends take it.
+def verify_form(call, *, verify_fn: Callable = verify, commit_fn: Callable | None = None):
+    """:func:`verify` of a :class:`~gdn_lossless_jax.backends.contract.VerifyCall`, as the backends take it.
 
-    With ``pending`` (``(rows, steps, track_slots, track_steps, tape layer, tape)``), the
-    previous step's commit of this layer first (:func:`commit`), then the verify from the pool
-    it leaves; inputs stacked over layers (``q [L, N, D, H, K]``, ...) are taken at ``layer``;
-    with ``slots`` (and ``layer``), the states gathered from the pool
-    (:func:`read_slots`); with ``tape``, the tape scattered into that buffer at ``rows``
-    (:func:`write_rows`); with ``out`` (``[L', N, D, HV, V]``), the outputs written into it at
-    ``out_layer``. Returns ``(outputs, tape)``, and the pool after the pending commit
+    With ``call.pending``, the previous step's commit of this layer first (:func:`commit`), then
+    the verify from the pool it leaves; inputs stacked over layers are taken at ``call.layer``;
+    the states gathered from the pool (:func:`read_slots`); with ``call.tape``, the tape
+    scattered into that buffer (:func:`write_rows`); with ``call.out``, the outputs written into
+    it at ``call.out_layer``. Returns ``(outputs, tape)``, and the pool after the pending commit
     when there is one. ``verify_fn`` and ``commit_fn`` (default :func:`verify` and
     :func:`commit`) are what runs: gdn_lossless_jax.autodiff passes its plain formulations.
     """
     commit_fn = commit_fn or commit
+    pool, layer = call.pool, jnp.reshape(call.layer, ())
     # inputs stacked over the pool's layers (one axis more than one layer's): this layer's
     q, k, v, a, b, A_log, dt_bias = (
-        lax.dynamic_index_in_dim(x, jnp.reshape(layer, ()), 0, keepdims=False) if stacked(n, x) else x
-        for n, x in zip(INPUT_RANKS, (q, k, v, a, b, A_log, dt_bias))
+        lax.dynamic_index_in_dim(x, layer, 0, keepdims=False) if stacked(n, x) else x
+        for n, x in zip(INPUT_RANKS, call.inputs)
     )
-    if pending is not None:  # the previous step's commit of this layer, then the verify from the pool it leaves
-        prows, psteps, ptslots, ptsteps, prev_layer, prev = pending
-        one = jax.tree.map(lambda x: x[prev_layer][None], prev)
-        committed = commit_fn(state0[layer][None], one, slots, psteps, ptslots, ptsteps, prows)
-        state0 = lax.dynamic_update_index_in_dim(state0, committed[0], layer, 0)
-    state = state0 if slots is None else read_slots(state0, layer, slots)
-    outputs, new = verify_fn(state, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, out_dtype=out_dtype)
-    if tape is not None:
-        new = write_rows(tape, tape_layer, rows, new)
-    if out is not None:
-        outputs = lax.dynamic_update_index_in_dim(out, outputs.astype(out.dtype), jnp.reshape(out_layer, ()), 0)
-    return (outputs, new) if pending is None else (outputs, new, state0)
+    p = call.pending
+    if p is not None:  # the previous step's commit of this layer, then the verify from the pool it leaves
+        one = jax.tree.map(lambda x: x[p.layer][None], p.tape)
+        committed = commit_fn(pool[layer][None], one, call.slots, p.steps, p.track_slots, p.track_steps, p.rows)
+        pool = lax.dynamic_update_index_in_dim(pool, committed[0], layer, 0)
+    state = read_slots(pool, layer, call.slots)
+    outputs, new = verify_fn(state, q, k, v, a, b, A_log, dt_bias, record=call.record, scale=call.scale,
+                             out_dtype=call.out_dtype)  # fmt: skip
+    if call.tape is not None:
+        new = write_rows(call.tape, call.tape_layer, call.rows, new)
+    if call.out is not None:
+        out = call.out
+        outputs = lax.dynamic_update_index_in_dim(out, outputs.astype(out.dtype), jnp.reshape(call.out_layer, ()), 0)
+    return (outputs, new) if p is None else (outputs, new, pool)
 
 
 def replay_two(state0, tuples: Tuples, steps, track_steps, *, rule: Callable = rounding.apply_rule):
@@ -360,15 +356,4 @@ def commit(pool, tape, slots, steps, track_slots, track_steps, rows, *, rule: Ca
     return _scatter(pool, slots, accept, final)
 
 
-def commit_accepted_first(pool, tape: Tuples, slots, steps, track_slots, track_steps, rows):
-    """Control, not for use: the accepted-first ordering bug.
-
-    Writes the accepted state in place first, then replays the track state from the
-    *pool* (which now holds the advanced state). The track state comes out wrong whenever
-    a request has both. (SGLang's lossless-verify pull request, where this design started,
-    had to order its two replays to avoid exactly this.) Tests keep it to show the suite
-    catches it.
-    """
-    none = jnp.full_like(slots, -1)
-    pool = commit(pool, tape, slots, steps, none, none, rows)
-    return commit(pool, tape, slots, none, track_slots, track_steps, rows)
+__getattr__ = _deprecated.alias(__name__, {"commit_accepted_first": "gdn_lossless_jax.testing.controls:commit_accepted_first"})

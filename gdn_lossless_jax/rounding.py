@@ -24,9 +24,8 @@ product. So every form here is pinned:
   autodiff would find through the integer bit manipulation.
 * :func:`apply_rule` is the rule itself, written once and used by verify, replay and
   every backend (backends may pass hardware instructions for ``mul``/``fma``).
-* The naive forms (:func:`naive_update`, :func:`twice_rounded_update`,
-  :func:`other_product_update`) are what the rule must *not* be; tests and notebooks use
-  them as controls that a bit-exactness test must catch.
+* The forms the rule must *not* be (the controls a bit-exactness test must catch) are in
+  :mod:`gdn_lossless_jax.testing.controls`.
 
 All functions take and return float32 arrays (they broadcast like ``jnp`` ops).
 """
@@ -40,6 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from . import _deprecated
+
 __all__ = [
     "exp",
     "log",
@@ -47,10 +48,6 @@ __all__ = [
     "mul_rn",
     "add_rn",
     "apply_rule",
-    "naive_update",
-    "twice_rounded_update",
-    "other_product_update",
-    "FORMS",
 ]
 
 _U32 = jnp.uint32
@@ -421,26 +418,7 @@ def apply_rule(S, alpha, k, u, *, mul: Op = mul_rn, fma: Op = fma_rn):
     return update(decay(S, alpha[..., None, None], mul=mul), k, u, fma=fma)
 
 
-def naive_update(S, alpha, k, u):
-    """Control: the one-expression form ``S * alpha + k * u``; the compiler decides."""
-    return S * alpha[..., None, None] + k[..., None, :] * u[..., :, None]
-
-
-def twice_rounded_update(S, alpha, k, u):
-    """Control: ``rn(rn(S * alpha) + rn(k * u))``, each step pinned (what XLA:GPU does)."""
-    Sd = mul_rn(S, alpha[..., None, None])
-    return add_rn(Sd, mul_rn(k[..., None, :], u[..., :, None]))
-
-
-def other_product_update(S, alpha, k, u):
-    """Control: ``fma(S, alpha, rn(k * u))``, the product Triton's fp fusion fuses."""
-    return fma_rn(S, alpha[..., None, None], mul_rn(k[..., None, :], u[..., :, None]))
-
-
-#: The named update forms ``(S, alpha, k, u) -> S'`` (the rule first).
-FORMS: dict[str, Callable] = {
-    "rule": apply_rule,
-    "naive": naive_update,
-    "twice_rounded": twice_rounded_update,
-    "other_product": other_product_update,
-}
+__getattr__ = _deprecated.alias(__name__, {
+    name: f"gdn_lossless_jax.testing.controls:{name}"
+    for name in ("naive_update", "twice_rounded_update", "other_product_update", "FORMS")
+})  # fmt: skip

@@ -76,7 +76,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import api
+from . import api, checks
 from . import pool as pool_mod
 from . import reference
 from .config import Geometry
@@ -269,7 +269,7 @@ def from_tp_layout(x, geometry: Geometry, tp: int, axis: int = -1):
 def _check_channels(fn, x, axis, C):
     if np.shape(x)[axis] != C:
         raise ValueError(f"{fn}: axis {axis} of the array must be the conv_dim={C} channels, got shape "
-                         f"{api._fmt(np.shape(x))}")  # fmt: skip
+                         f"{checks.fmt_shape(np.shape(x))}")  # fmt: skip
 
 
 def _divisors(n: int) -> str:
@@ -383,7 +383,7 @@ class MeshPlan:
                 arg = name + jax.tree_util.keystr(path)
                 raise ValueError(
                     f"{fn}: argument {arg!r} has {shape[dim]} {what} on axis {len(shape) + dim} (shape "
-                    f"{api._fmt(shape)}), not a multiple of the {'data' if axis == self.data else 'tensor'} axis "
+                    f"{checks.fmt_shape(shape)}), not a multiple of the {'data' if axis == self.data else 'tensor'} axis "
                     f"{axis!r} of size {size}: each device must hold the same number"
                 )
 
@@ -660,9 +660,9 @@ class MeshPlan:
 
 
 def _int32(x):
-    """Index arguments as int32 (:func:`gdn_lossless_jax.api.as_index`: host values stay on the
+    """Index arguments as int32 (:func:`gdn_lossless_jax.checks.as_index`: host values stay on the
     host, which ``jit`` takes as replicated, across processes too)."""
-    return None if x is None else api.as_index(x)
+    return None if x is None else checks.as_index(x)
 
 
 def _get(args: Mapping, path: str):
@@ -826,8 +826,8 @@ def _run(plan: MeshPlan, name: str, call: _Static, fill_rows, names: tuple, dona
     # mesh of Explicit axes shard_map requires the types to match already.
     given = jax.tree.map(lambda x, s: _place(plan.mesh, x, s), given, in_specs)
     # check_vma=False: Pallas and Triton calls declare no varying mesh axes for their outputs.
-    # api.unstaged: the index arguments were staged (or not, in a loop body) by _int32 out here.
-    return shard_map(api.unstaged(local), mesh=plan.mesh, in_specs=(in_specs,), out_specs=out_specs,
+    # checks.unstaged: the index arguments were staged (or not, in a loop body) by _int32 out here.
+    return shard_map(checks.unstaged(local), mesh=plan.mesh, in_specs=(in_specs,), out_specs=out_specs,
                      check_vma=False)(given)  # fmt: skip
 
 

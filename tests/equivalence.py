@@ -1,7 +1,7 @@
-"""The shared equivalence suite now ships in the package (gdn_lossless_jax.equivalence);
+"""The shared equivalence suite now ships in the package (gdn_lossless_jax.testing.equivalence);
 this module keeps the name the tests import it by."""
 
-from gdn_lossless_jax.equivalence import (  # noqa: F401
+from gdn_lossless_jax.testing.equivalence import (  # noqa: F401
     Case,
     check_commit,
     check_controls,

@@ -40,7 +40,7 @@ def _work(seed: int, rule=None, full: bool = False):
     one core)."""
     import gdn_lossless_jax as gl
     from gdn_lossless_jax import conv, reference
-    from gdn_lossless_jax.cases import Shape, commit_indices, verify_inputs
+    from gdn_lossless_jax.testing.cases import Shape, commit_indices, verify_inputs
 
     s = Shape(N=3, D=4, H=2, HV=4, K=16, V=16)
     x = verify_inputs(seed, s, kind="mixed")

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 import gdn_lossless_jax as gl
-from gdn_lossless_jax.cases import Shape, verify_inputs
+from gdn_lossless_jax.testing.cases import Shape, verify_inputs
 from gdn_lossless_jax.testing import assert_trees_bitwise_equal
+from gdn_lossless_jax import checks
 
 SHAPE = Shape(N=2, D=3, H=2, HV=4, K=8, V=4)
 
@@ -189,12 +190,12 @@ def test_weakly_typed_index_arrays_become_plain_int32():
     from gdn_lossless_jax import api
 
     weak = jnp.full((3,), 2)
-    assert weak.weak_type and not api.as_index(weak).weak_type and api.as_index(weak).dtype == jnp.int32
+    assert weak.weak_type and not checks.as_index(weak).weak_type and checks.as_index(weak).dtype == jnp.int32
     plain = jnp.arange(3, dtype=jnp.int32)
-    assert api.as_index(plain) is plain
+    assert checks.as_index(plain) is plain
 
     def traced(s):
-        assert s.aval.weak_type and not api.as_index(s).aval.weak_type
-        return api.as_index(s)
+        assert s.aval.weak_type and not checks.as_index(s).aval.weak_type
+        return checks.as_index(s)
 
     assert not jax.jit(traced)(weak).weak_type

@@ -19,8 +19,9 @@ from jax.test_util import check_grads
 import gdn_lossless_jax as gl
 from conftest import FULL_TESTS, ON_GPU
 from gdn_lossless_jax import autodiff, conv, reference, rounding
-from gdn_lossless_jax.cases import Shape, commit_indices, verify_inputs
+from gdn_lossless_jax.testing.cases import Shape, commit_indices, verify_inputs
 from gdn_lossless_jax.testing import assert_bitwise_differs, assert_bitwise_equal
+from gdn_lossless_jax.testing import controls
 
 SHAPE = Shape(N=3, D=3, H=2, HV=4, K=4, V=4)
 L, S_POOL = 2, 8
@@ -289,8 +290,8 @@ def _entry_points(seed):
     x = verify_inputs(rng, SHAPE)
     yield "reference.verify", lambda *a: reference.verify(*a, record="tuples", scale=0.5), tuple(x.values())
     S, alpha, k, u = _normal(rng, (2, 3, 4)), jnp.full((2,), 0.9, F32), _normal(rng, (2, 4)), _normal(rng, (2, 3))
-    for name, form in rounding.FORMS.items():
-        yield f"rounding.FORMS[{name!r}]", form, (S, alpha, k, u)
+    for name, form in controls.FORMS.items():
+        yield f"controls.FORMS[{name!r}]", form, (S, alpha, k, u)
     C, Kc = 6, 4
     yield (
         "conv.causal_conv1d_verify",

@@ -21,7 +21,7 @@ from benchmarks import cases as bc  # noqa: E402
 from benchmarks import peer_sglang, traffic  # noqa: E402
 from benchmarks.run import main  # noqa: E402
 from conftest import ON_GPU  # noqa: E402
-from gdn_lossless_jax.cases import CommitIndices, Shape  # noqa: E402
+from gdn_lossless_jax.testing.cases import CommitIndices, Shape  # noqa: E402
 
 RECORDS = ("tuples", "snapshots")
 ROW_KEYS = ("median_us", "p10_us", "p90_us", "min_us", "bytes", "gbps", "floor_us", "x_floor", "vs_snapshots", "samples_us")

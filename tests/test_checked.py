@@ -9,7 +9,7 @@ import pytest
 from jax.experimental import checkify
 
 import gdn_lossless_jax as gl
-from gdn_lossless_jax.cases import Shape, commit_indices, commit_tapes
+from gdn_lossless_jax.testing.cases import Shape, commit_indices, commit_tapes
 from gdn_lossless_jax.testing import assert_bitwise_equal
 
 SHAPE = Shape(N=4, D=3, H=2, HV=4, K=8, V=4)

@@ -12,9 +12,9 @@ import pytest
 
 import gdn_lossless_jax
 from conftest import ON_GPU
-from gdn_lossless_jax import check
-from gdn_lossless_jax.cases import Shape
-from gdn_lossless_jax.cli import main
+from gdn_lossless_jax.tools import check
+from gdn_lossless_jax.testing.cases import Shape
+from gdn_lossless_jax.tools.cli import main
 from gdn_lossless_jax.config import get_geometry
 
 SRC = str(Path(__file__).resolve().parents[1])

@@ -1,3 +1,4 @@
+from gdn_lossless_jax.testing import controls
 """The CPU suite's compile flag gives the bits of XLA's defaults (tests/flag_digest.py).
 
 ``tests/conftest.py`` adds ``--xla_llvm_disable_expensive_passes=true`` to ``XLA_FLAGS`` for the
@@ -38,5 +39,5 @@ def test_suite_flag_keeps_the_bits_of_xla_defaults(seed):
 
     from gdn_lossless_jax import rounding
 
-    naive = digests(seed, rule=rounding.FORMS["naive"], last="reference replay")
+    naive = digests(seed, rule=controls.FORMS["naive"], last="reference replay")
     assert [n for n in naive if naive[n] != ours[n]] == ["reference replay"], "the control: the naive replay form"

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from gdn_lossless_jax import conv, rounding, testing
-from gdn_lossless_jax.cases import commit_indices
+from gdn_lossless_jax.testing.cases import commit_indices
 
 
 def _normal(rng, shape, scale, dtype):

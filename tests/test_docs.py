@@ -19,7 +19,7 @@ import pytest
 
 import gdn_lossless_jax
 from conftest import ON_GPU
-from gdn_lossless_jax.cli import main
+from gdn_lossless_jax.tools.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import ON_GPU, full_only
 from equivalence import check_commit, check_controls, check_outputs, check_replay_every_step, make_case
-from gdn_lossless_jax.cases import Shape
+from gdn_lossless_jax.testing.cases import Shape
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 

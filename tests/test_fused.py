@@ -24,8 +24,10 @@ import gdn_lossless_jax as gl
 from conftest import FULL_TESTS, ON_GPU, full_only
 from gdn_lossless_jax import api
 from gdn_lossless_jax.backends.pallas.verify import PENDING_REPLAYS, VerifyConfig
-from gdn_lossless_jax.cases import Shape, verify_inputs
+from gdn_lossless_jax.testing.cases import Shape, verify_inputs
 from gdn_lossless_jax.testing import assert_bitwise_differs, assert_bitwise_equal
+from gdn_lossless_jax import backends, checks
+from gdn_lossless_jax.backends.contract import PendingCommit, run_verify
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 BACKENDS = ["reference", "pallas"] + (["triton"] if ON_GPU and importlib.util.find_spec("jax_triton") else [])
@@ -165,15 +167,14 @@ def fused(pool, steps, records, backend, control=None, stacked=False, config=Non
 def _backend_call(backend, pool, pending, st, x, layer, buf, control=None, config=None):
     """The backend's kernel as commit_and_verify calls it on the inputs ``x``, with a control
     switch (broken on purpose; Pallas only) or a launch configuration (its ``VerifyConfig``)."""
-    impl, args, kw = api._verify_call("control", pool, **x, record=None, scale=None, backend=backend,
-                                      out_dtype=None, slots=st.slots, layer=layer, tape=buf, rows=st.rows)  # fmt: skip
+    call = checks.verify_args("control", pool, **x, slots=st.slots, layer=layer, tape=buf, rows=st.rows)
     extra = {} if config is None else {"config": config}
     if control is not None:
         extra["pending_control"] = control
-    if pending is None:  # a verify alone
-        return impl.verify(*args, **kw, **extra)
-    pend = tuple(api.as_index(getattr(pending, n)) for n in ("rows", "steps", "track_slots", "track_steps"))
-    return impl.verify(*args, **kw, pending=(*pend, api.as_index(layer), pending.tape), **extra)
+    if pending is not None:
+        idx = [checks.as_index(getattr(pending, n)) for n in ("rows", "steps", "track_slots", "track_steps")]
+        call = call.replace(pending=PendingCommit(pending.tape, checks.as_index(layer), *idx))
+    return run_verify(backends.resolve(backend, "verify"), call, **extra)
 
 
 def _pool(seed, dtype):

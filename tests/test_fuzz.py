@@ -6,8 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gdn_lossless_jax import api, fuzz
-from gdn_lossless_jax.cli import main
+from gdn_lossless_jax import api
+from gdn_lossless_jax.tools import fuzz
+from gdn_lossless_jax.tools.cli import main
 
 
 def test_draws_cover_the_masking_rules(seed):

@@ -14,7 +14,7 @@ import pytest
 import gdn_lossless_jax as gl
 from conftest import requires_gpu
 from gdn_lossless_jax import backends
-from gdn_lossless_jax.cases import KINDS, Shape, verify_inputs
+from gdn_lossless_jax.testing.cases import KINDS, Shape, verify_inputs
 from gdn_lossless_jax.testing import assert_bitwise_differs, assert_bitwise_equal
 
 pytestmark = requires_gpu

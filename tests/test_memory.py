@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from gdn_lossless_jax import memory, pool as P
+from gdn_lossless_jax import pool as P
+from gdn_lossless_jax.tools import memory
 from gdn_lossless_jax.config import MODELS, get_geometry
 
 F32, BF16 = jnp.float32, jnp.bfloat16

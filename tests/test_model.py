@@ -15,8 +15,8 @@ second turn resumes from a prefix-cache state tracked at an interval boundary. C
   repeat at D = 8 with tuples; at every D and in both modes with GDN_FULL_TESTS=1).
 
 Controls the checks must catch: a naive replay form in the commit
-(``rounding.FORMS["naive"]``) and the track state replayed after the in-place write
-(``reference.commit_accepted_first``), injected through the engine's ``commit``.
+(``controls.FORMS["naive"]``) and the track state replayed after the in-place write
+(``controls.commit_accepted_first``), injected through the engine's ``commit``.
 """
 
 import dataclasses
@@ -27,9 +27,10 @@ import pytest
 
 from conftest import FULL_TESTS, full_only
 from gdn_lossless_jax import conv, reference, rounding
-from gdn_lossless_jax.cli import main
+from gdn_lossless_jax.tools.cli import main
 from gdn_lossless_jax.model import Engine, ModelConfig, PrefixCache, Request, SpecStep, get_config, init_params
 from gdn_lossless_jax.testing import assert_bitwise_differs, assert_bitwise_equal
+from gdn_lossless_jax.testing import controls
 
 CONFIG = get_config("tiny")
 MODES = ("tuples", "snapshots")
@@ -225,8 +226,8 @@ def _with_ssm_commit(ssm_commit):
     return commit
 
 
-NAIVE = _with_ssm_commit(lambda *a: reference.commit(*a, rule=rounding.FORMS["naive"]))
-ACCEPTED_FIRST = _with_ssm_commit(reference.commit_accepted_first)
+NAIVE = _with_ssm_commit(lambda *a: reference.commit(*a, rule=controls.FORMS["naive"]))
+ACCEPTED_FIRST = _with_ssm_commit(controls.commit_accepted_first)
 CORRECT = _with_ssm_commit(reference.commit)  # the reference's commit, through the same wrapper
 
 

@@ -17,7 +17,7 @@ from conftest import ON_GPU, full_only, requires_gpu
 from equivalence import check_commit, make_case, naive_replays
 from gdn_lossless_jax import backends
 from gdn_lossless_jax.backends.pallas import CommitConfig, VerifyConfig
-from gdn_lossless_jax.cases import Shape, verify_inputs
+from gdn_lossless_jax.testing.cases import Shape, verify_inputs
 from gdn_lossless_jax.testing import assert_bitwise_differs, assert_bitwise_equal
 
 SHAPE = Shape(N=2, D=3, H=2, HV=4, K=16, V=16)

@@ -9,7 +9,7 @@ import pytest
 
 import gdn_lossless_jax as gdn
 from gdn_lossless_jax import conv, pool as P, testing
-from gdn_lossless_jax.cases import commit_indices
+from gdn_lossless_jax.testing.cases import commit_indices
 from gdn_lossless_jax.config import Geometry, get_geometry
 
 # Reduced Qwen3.6-35B-A3B: 2 GDN layers, H=2, HV=4, K=V=16 (conv_dim 128), Kc = 4.

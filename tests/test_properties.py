@@ -1,6 +1,6 @@
 """Property-based tests (Hypothesis) of verify and commit over geometries, D, dtypes and indices.
 
-The cases come from :mod:`gdn_lossless_jax.fuzz` with Hypothesis as the integer source, so
+The cases come from :mod:`gdn_lossless_jax.tools.fuzz` with Hypothesis as the integer source, so
 every draw (shape, slots, rows, steps, track steps, specials, the data seed) shrinks. The
 properties, each with the control it must catch:
 
@@ -32,9 +32,9 @@ from hypothesis import strategies as st
 
 import gdn_lossless_jax as gl
 from conftest import examples
-from gdn_lossless_jax import fuzz
+from gdn_lossless_jax.tools import fuzz
 from gdn_lossless_jax import pool as P
-from gdn_lossless_jax.cases import Shape, verify_inputs
+from gdn_lossless_jax.testing.cases import Shape, verify_inputs
 from gdn_lossless_jax.config import get_geometry
 from gdn_lossless_jax.testing import assert_bitwise_differs, assert_bitwise_equal, bits, compare_bitwise
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import gdn_lossless_jax as gl
-from gdn_lossless_jax.cases import KINDS, Shape, commit_indices, verify_inputs
+from gdn_lossless_jax.testing.cases import KINDS, Shape, commit_indices, verify_inputs
 from gdn_lossless_jax.testing import assert_bitwise_equal, replay_oracle
 
 

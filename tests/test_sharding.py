@@ -35,8 +35,9 @@ from conftest import FULL_TESTS, ON_GPU, full_only, requires_gpu
 from equivalence import Case, check_commit, check_outputs, check_replay_every_step
 from gdn_lossless_jax import pool as gpool
 from gdn_lossless_jax import reference, rounding, sharding
-from gdn_lossless_jax.cases import Shape, commit_indices, verify_inputs
+from gdn_lossless_jax.testing.cases import Shape, commit_indices, verify_inputs
 from gdn_lossless_jax.testing import assert_bitwise_differs, assert_bitwise_equal, ulp_stats
+from gdn_lossless_jax.testing import controls
 
 N_DEVICES = len(jax.devices())
 SIMULATED = 8  # the CPU devices of test_mesh_suite_in_subprocess
@@ -370,7 +371,7 @@ def test_shard_controls_are_caught(seed):
     assert_bitwise_equal(snp.states[:, -1], right, "sharded replay")
 
     def naive(v):
-        return jax.jit(lambda s0, t, st: reference.replay(s0, t, st, rule=rounding.FORMS["naive"]))(
+        return jax.jit(lambda s0, t, st: reference.replay(s0, t, st, rule=controls.FORMS["naive"]))(
             v["state0"], v["tuples"], v["steps"])
 
     got = plan.run("replay", naive, dict(state0=x["state0"], tuples=want[1], steps=last))
@@ -589,7 +590,7 @@ def test_demo_cli_on_a_mesh_is_identical_to_a_single_device(capsys, monkeypatch)
     final SSM, conv and KV states, so the verdict is 'identical'; a control (the mesh's conv states
     compared in the tensor-parallel order) gives 'DIFFERENT' and exit status 1. (Not named "one
     device": the subprocess deselects those.)"""
-    from gdn_lossless_jax.cli import main
+    from gdn_lossless_jax.tools.cli import main
     from gdn_lossless_jax.model import Engine, get_config, init_params
 
     args = ["demo", "--mesh", "2x1", "--prompts", "2", "--tokens", "40", "--turns", "2", "--batch", "2",
@@ -624,9 +625,9 @@ def test_demo_cli_on_a_mesh_is_identical_to_a_single_device(capsys, monkeypatch)
 def test_demo_mesh_errors_name_the_argument_and_sizes(capsys):
     """``--mesh`` errors before anything runs: DP > 1, a TP that does not divide H (with the sizes
     that fit), too few devices (with the XLA flag that simulates more on a CPU), a malformed size."""
-    from gdn_lossless_jax.cli import main
+    from gdn_lossless_jax.tools.cli import main
     from gdn_lossless_jax.model import get_config
-    from gdn_lossless_jax.model.demo import mesh_plan
+    from gdn_lossless_jax.tools.demo import mesh_plan
 
     def error(*argv):
         assert main(["demo", *argv, "--tokens", "4", "--progress", "off"]) == 2
@@ -698,7 +699,7 @@ def test_one_device_mesh_step_equals_unsharded(backend, record, seed):
 def test_memory_tp_table_is_what_each_device_of_a_mesh_holds(record):
     """``gdn-lossless memory --tp``'s per-device bytes == the shard each device of a 4-way
     tensor mesh holds of a pool from MeshPlan.allocate."""
-    from gdn_lossless_jax import memory
+    from gdn_lossless_jax.tools import memory
 
     plan = make_plan(4, 1)
     p = plan.allocate(GEOMETRY, slots=7, requests=3, drafts=SHAPE.D, record=record)

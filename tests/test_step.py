@@ -26,7 +26,7 @@ import gdn_lossless_jax as gl
 from conftest import ON_GPU, full_only, requires_gpu
 from gdn_lossless_jax import api
 from gdn_lossless_jax import pool as gpool
-from gdn_lossless_jax.cases import Shape, verify_inputs
+from gdn_lossless_jax.testing.cases import Shape, verify_inputs
 from gdn_lossless_jax.config import get_geometry
 from gdn_lossless_jax.conv import causal_conv1d_verify
 from gdn_lossless_jax.testing import assert_bitwise_differs, assert_bitwise_equal
@@ -416,7 +416,7 @@ def test_pool_verify_layer_reads_inputs_stacked_over_layers(backend, record, see
 # ---------------------------------------------------------------------------------------
 # The kernels read the jit's copy of the index arrays, not the caller's buffers
 # ---------------------------------------------------------------------------------------
-STAGING = {"eq", "jit[_where]", "pjit[_where]"}  # api.staged's primitives (jit is pjit before jax 0.7)
+STAGING = {"eq", "jit[_where]", "pjit[_where]"}  # checks.staged's primitives (jit is pjit before jax 0.7)
 
 
 def _readers(jaxpr, var) -> list[str]:
@@ -428,7 +428,7 @@ def _readers(jaxpr, var) -> list[str]:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_kernels_read_staged_index_arrays(backend, seed, monkeypatch):
     """In a jitted step (two layers unrolled, then the commit), ``slots``, ``rows``, ``steps``
-    and the track indices are read only by the one staging op each (``api.staged``: XLA
+    and the track indices are read only by the one staging op each (``checks.staged``: XLA
     re-records every CUDA-graph kernel node whose buffers moved since the last launch, and a
     serving loop passes new index arrays every step). Bit-exactness is unchanged (the test
     above and the equivalence suite run through it). Control: without the staging the

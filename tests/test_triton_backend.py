@@ -25,7 +25,7 @@ import pytest
 import gdn_lossless_jax as gl
 from equivalence import check_commit, check_controls, check_outputs, check_replay_every_step, make_case
 from gdn_lossless_jax import backends, reference
-from gdn_lossless_jax.cases import Shape, verify_inputs
+from gdn_lossless_jax.testing.cases import Shape, verify_inputs
 from gdn_lossless_jax.testing import assert_bitwise_differs, assert_bitwise_equal
 
 ON_GPU = jax.default_backend() == "gpu"

@@ -2,7 +2,7 @@
 
 ``example_backend`` (tests/example_backend.py) is a tiny module wrapping the reference;
 ``naive`` is the same with the replay's rounding left to the compiler
-(``rounding.naive_update``: ``S * alpha + k * u`` in one expression). The suite passes
+(``controls.naive_update``: ``S * alpha + k * u`` in one expression). The suite passes
 the first and must fail the second.
 """
 
@@ -15,8 +15,9 @@ import pytest
 import example_backend
 import gdn_lossless_jax as gl
 from gdn_lossless_jax import reference, rounding
-from gdn_lossless_jax.cases import Shape, verify_inputs
+from gdn_lossless_jax.testing.cases import Shape, verify_inputs
 from gdn_lossless_jax.testing import assert_trees_bitwise_equal, run_equivalence_suite
+from gdn_lossless_jax.testing import controls
 
 # One geometry (grouped heads, N = 5 for every masking rule) keeps this example short;
 # run_equivalence_suite's defaults cover three.
@@ -24,8 +25,8 @@ SHAPES = [Shape(N=5, D=3, H=2, HV=4, K=8, V=8)]
 
 naive = types.SimpleNamespace(
     verify=example_backend.verify,
-    replay=jax.jit(lambda s, t, st: reference.replay(s, t, st, rule=rounding.naive_update)),
-    commit=jax.jit(lambda p, t, *idx: reference.commit(p, t, *idx, rule=rounding.naive_update)),
+    replay=jax.jit(lambda s, t, st: reference.replay(s, t, st, rule=controls.naive_update)),
+    commit=jax.jit(lambda p, t, *idx: reference.commit(p, t, *idx, rule=controls.naive_update)),
 )
 
 

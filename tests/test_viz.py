@@ -1,4 +1,4 @@
-"""gdn_lossless_jax.viz: the analyses against the oracles and the library, with controls; every
+"""gdn_lossless_jax.tools.viz: the analyses against the oracles and the library, with controls; every
 plot drawn without a display (Agg); the benchmark-result finder on files made here."""
 
 import importlib.util
@@ -17,9 +17,11 @@ import numpy as np
 import pytest
 
 import gdn_lossless_jax as gl
-from gdn_lossless_jax import get_geometry, rounding, viz
-from gdn_lossless_jax.cases import Shape, verify_inputs
+from gdn_lossless_jax import get_geometry, rounding
+from gdn_lossless_jax.tools import viz
+from gdn_lossless_jax.testing.cases import Shape, verify_inputs
 from gdn_lossless_jax.testing import (
+from gdn_lossless_jax.testing import controls
     assert_bitwise_differs,
     assert_bitwise_equal,
     bits,
@@ -237,5 +239,5 @@ def test_errors_name_the_argument(monkeypatch):
 
 
 def test_forms_are_the_library_forms():
-    """viz evaluates rounding.FORMS themselves (no copy of the rule)."""
-    assert list(viz.FORM_LABELS) == list(rounding.FORMS)
+    """viz evaluates controls.FORMS themselves (no copy of the rule)."""
+    assert list(viz.FORM_LABELS) == list(controls.FORMS)

@@ -3,7 +3,7 @@
 - :mod:`~gdn_lossless_jax.model.model`: the model (sizes, parameters, layer functions).
 - :mod:`~gdn_lossless_jax.model.decode`: the jitted step (draft, verify, accept, commit).
 - :mod:`~gdn_lossless_jax.model.engine`: requests joining and leaving a batch, the prefix cache.
-- :mod:`~gdn_lossless_jax.model.demo`: ``gdn-lossless demo``.
+- :mod:`gdn_lossless_jax.tools.demo`: ``gdn-lossless demo``.
 """
 
 from .decode import DecodeState, KVCache, SpecStep, StepInputs, StepOutputs, allocate_state, copy_slot

@@ -8,10 +8,6 @@ The oracles here share no code with the library: the fused multiply-add is compu
 float64 with round-to-odd (an f64 product of two f32 is exact; a sum rounded to odd in 53
 bits and then to nearest in 24 bits is correctly rounded), in NumPy, which keeps
 subnormals.
-
-The shared equivalence suite ships here too: :func:`run_equivalence_suite` checks a
-backend (yours: any object with ``verify``, ``replay`` and ``commit``) against its own
-snapshot path (:mod:`gdn_lossless_jax.equivalence`, loaded on first use).
 """
 
 from __future__ import annotations
@@ -30,8 +26,6 @@ __all__ = [
     "assert_bitwise_equal",
     "assert_trees_bitwise_equal",
     "assert_bitwise_differs",
-    "run_equivalence_suite",
-    "DEFAULT_SHAPES",
     "fma_oracle",
     "mul_oracle",
     "replay_oracle",
@@ -236,13 +230,3 @@ def replay_oracle(state0, u, k, alpha, steps, *, heads_per_group: int | None = N
                 Sd = mul_oracle(S[n, hv], alpha[n, t, hv])
                 S[n, hv] = fma_oracle(k[n, t, hv // r][None, :], u[n, t, hv][:, None], Sd)
     return S.astype(state0.dtype)
-
-
-def __getattr__(name: str):
-    # The suite imports the whole library; loaded on first use, so that the library can
-    # import this module (and this module stays light for tests that only compare bits).
-    if name in ("run_equivalence_suite", "DEFAULT_SHAPES"):
-        from . import equivalence
-
-        return getattr(equivalence, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

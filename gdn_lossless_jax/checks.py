@@ -1,0 +1,559 @@
+"""Argument checks shared by every entry point (:mod:`~gdn_lossless_jax.api`, the pool, the
+conv, sharding).
+
+Each check runs on static shapes and dtypes before anything is computed or allocated, and
+raises naming the function, the argument, the expected and the actual value, also under
+``jax.jit``. :func:`as_index` and :func:`staged` turn index arguments into int32 arrays the
+kernels can read without a copy.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import reference
+from .backends.contract import PendingCommit, VerifyCall
+from .tape import Pending, Snapshots, Tuples
+
+RECORD_MODES = ("tuples", "snapshots")
+
+
+STATE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def shape_of(x) -> tuple[int, ...]:
+    shape = getattr(x, "shape", None)  # arrays, tracers and ShapeDtypeStructs: their own tuple (no NumPy call)
+    return shape if type(shape) is tuple else tuple(np.shape(x))
+
+
+def fmt_shape(shape) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def dtype_of(x):
+    return x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
+
+
+def is_float(x) -> bool:
+    d = dtype_of(x)  # NumPy's own kinds answer at once; the rest (bfloat16, float8, int4: kind V) ask JAX
+    return d.kind == "f" if getattr(d, "kind", "V") in "biuf" else jnp.issubdtype(d, jnp.floating)
+
+
+def is_int(x) -> bool:
+    d = dtype_of(x)
+    return d.kind in "iu" if getattr(d, "kind", "V") in "biuf" else jnp.issubdtype(d, jnp.integer)
+
+
+_INT32 = np.dtype(np.int32)  # compared as a NumPy dtype (against jnp.int32, a scalar type, it costs a hash)
+
+
+def as_index(x):
+    """An index argument as int32 without an eager JAX op: arrays of int32 pass through (a weakly
+    typed one made plain), the rest becomes NumPy, which a jitted call takes in as part of its own
+    launch. (``jnp.asarray(layer)`` of a Python int dispatched a device op of its own: a sizeable
+    part of a layer call's host time.)
+
+    Traced index arrays (inside a ``jax.jit``; rank >= 1: slots, rows, steps, not the layer)
+    are :func:`staged`: the kernels read a copy the jit makes, not the caller's buffer. Not
+    those a loop body (``lax.scan``) closes over: staged there, the op would run in every
+    iteration (XLA does not hoist it), and XLA re-records a loop body's graph every iteration
+    anyway."""
+    if isinstance(x, jax.Array):
+        # A weakly typed int32 (``jnp.full((n,), 3)``) is made a plain one: Pallas Triton's lowering
+        # of the commit kernel failed on it on the GPU (an i1 added to an i32).
+        x = x if x.dtype == _INT32 and not x.aval.weak_type else x.astype(jnp.int32)
+        here = isinstance(x, jax.core.Tracer) and x.ndim >= 1 and _STAGING.get() and _traced_here(x)
+        return staged(x) if here else x
+    return np.asarray(x, np.int32)
+
+
+_STAGING = contextvars.ContextVar("gdn_lossless_jax_staging", default=True)
+
+
+def unstaged(fn):
+    """``fn`` traced without :func:`staged` index arrays: for the library's own jits, whose
+    Python wrappers pass their index arguments through :func:`as_index` already (which stages
+    them where the caller's trace runs, not inside a loop body that calls the wrapper)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        token = _STAGING.set(False)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _STAGING.reset(token)
+
+    return wrapper
+
+
+def _traced_here(x) -> bool:
+    """Whether tracer ``x`` belongs to the trace now running (not one an inner trace, such as a
+    loop body's, closes over)."""
+    try:
+        from jax._src import core as jcore
+
+        return x._trace is jcore.trace_ctx.trace
+    except (ImportError, AttributeError):  # other JAX internals: stage
+        return True
+
+
+_INT32_MIN = np.int32(np.iinfo(np.int32).min)
+
+
+def staged(x: jax.Array) -> jax.Array:
+    """``x`` through one elementwise op that equals it bit for bit, which XLA can neither remove
+    nor fuse into a kernel: the kernels that read it read the jit's own buffer.
+
+    Why: XLA runs a jit's kernels as a CUDA graph and re-records every kernel node whose buffers
+    moved since the last launch. A serving loop passes new index arrays every step; read by all
+    L verify kernels and the commit, they made each launch of an unrolled step re-record the
+    whole graph (0.38 ms of host time a step at 25x4 on the H200). Staged, only this op's node
+    moves; XLA merges the identical ops of the L layers into one."""
+    return jnp.where(x == _INT32_MIN, _INT32_MIN, x)
+
+
+def check_rank(fn: str, name: str, x, rank: int, dims: str):
+    if len(shape_of(x)) != rank:
+        raise ValueError(f"{fn}: argument {name!r} must have rank {rank} ({dims}), got shape {fmt_shape(shape_of(x))}")
+
+
+def check_shape(fn: str, name: str, x, expected: Sequence[int], dims: str, source: str):
+    if shape_of(x) != tuple(expected):
+        raise ValueError(
+            f"{fn}: argument {name!r} must have shape {dims} = {fmt_shape(expected)} ({source}), got {fmt_shape(shape_of(x))}"
+        )
+
+
+def as_array(fn: str, name: str, x):
+    """Arrays (and tracers) pass; nested lists, tuples and numbers become ``jnp`` arrays of
+    JAX's default dtypes (float32 and int32 unless x64 is on); anything else is rejected."""
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        return x
+    if isinstance(x, (list, tuple, int, float)) and not isinstance(x, bool):
+        try:
+            return jnp.asarray(x)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"{fn}: argument {name!r} could not be converted to an array ({e})") from e
+    raise TypeError(
+        f"{fn}: argument {name!r} must be an array (jax.Array, numpy array, or a nested list of numbers), "
+        f"got {type(x).__name__}"
+    )
+
+
+def as_arrays(fn: str, optional: tuple[str, ...] = (), **xs):
+    """:func:`as_array` of each keyword; None passes for the ``optional`` ones."""
+    return [None if x is None and name in optional else as_array(fn, name, x) for name, x in xs.items()]
+
+
+def check_float(fn: str, name: str, x):
+    if not is_float(x):
+        raise TypeError(f"{fn}: argument {name!r} must be a floating-point array, got dtype {dtype_of(x)}")
+    if jnp.dtype(dtype_of(x)).itemsize > 4:
+        # Rejected like a float64 state0: everything is computed in fp32, so the library
+        # would round the input silently, and results would not be reproducible from it.
+        raise TypeError(
+            f"{fn}: argument {name!r} must be at most 32-bit (the library computes in float32), got dtype "
+            f"{dtype_of(x)}; cast it with {name}.astype(jnp.float32)"
+        )
+
+
+def check_static(fn: str, name: str, x):
+    if isinstance(x, jax.core.Tracer):
+        raise TypeError(
+            f"{fn}: argument {name!r} is traced (an outer jax.jit made it an array), but it must be a Python "
+            f"value: mark it static, e.g. jax.jit({fn}, static_argnames=(\"record\", \"backend\", \"scale\", "
+            f"\"out_dtype\")), or bind it with functools.partial"
+        )
+
+
+def as_scale(fn: str, scale, K: int) -> float:
+    """The query scale as a Python float: ``K ** -0.5`` when None."""
+    check_static(fn, "scale", scale)
+    if scale is None:
+        return float(K**-0.5)
+    try:
+        return float(scale)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{fn}: argument 'scale' must be a real number or None, got {type(scale).__name__} {scale!r}") from e
+
+
+def check_index(fn: str, name: str, x, n: int):
+    if not is_int(x):
+        raise TypeError(f"{fn}: argument {name!r} must be an integer array, got dtype {dtype_of(x)}")
+    check_shape(fn, name, x, (n,), "[N]", "one per request")
+
+
+def check_state_dtype(fn: str, name: str, x):
+    if jnp.dtype(x.dtype) not in STATE_DTYPES:
+        hint = f"; cast it with {name}.astype(jnp.float32)" if jnp.dtype(x.dtype) == jnp.float64 else ""
+        raise TypeError(f"{fn}: argument {name!r} must be float32 or bfloat16, got dtype {x.dtype}{hint}")
+
+
+def check_not_transposed(fn: str, q, k, v, a) -> None:
+    """q or k passed as ``[N, H, D, K]`` instead of ``[N, D, H, K]`` are named as transposed
+    (D from v and a), instead of the mismatch being blamed on v. (When D == H the shapes
+    cannot tell.)"""
+    N, D, H, K = shape_of(q)
+    others = {shape_of(x)[1] for x, rank in ((v, 4), (a, 3)) if len(shape_of(x)) == rank}
+    if len(others) == 1 and D not in others and H in others:
+        raise ValueError(
+            f"{fn}: argument 'q' has shape {fmt_shape(shape_of(q))}, which reads as [N, H, D, K]: v and a have "
+            f"D={H} draft steps on axis 1. q and k must be [N, D, H, K]: pass jnp.swapaxes(q, 1, 2)"
+        )
+    if H != D and shape_of(k) == (N, H, D, K):
+        raise ValueError(
+            f"{fn}: argument 'k' has shape {fmt_shape(shape_of(k))}, which reads as [N, H, D, K] (q has D={D} draft "
+            f"steps and H={H} heads). k must be [N, D, H, K] like q: pass jnp.swapaxes(k, 1, 2)"
+        )
+
+
+def check_heads(fn: str, H: int, HV: int):
+    if H <= 0 or HV % H:
+        raise ValueError(
+            f"{fn}: the q/k heads H={H} must divide the v-heads HV={HV} "
+            f"(v-heads [h*HV/H, (h+1)*HV/H) share k-head h)"
+        )
+
+
+def check_linear_chain(fn: str, parents, topk: int, D: int):
+    if topk != 1:
+        raise ValueError(
+            f"{fn}: topk={topk} is not supported: only linear draft chains (EAGLE/MTP top-k 1, "
+            "DFLASH, DSPARK) can be replayed; tree verify needs the snapshot path of another library"
+        )
+    if parents is None:
+        return
+    try:
+        p = np.asarray(parents)
+    except (TypeError, jax.errors.TracerArrayConversionError) as e:
+        raise ValueError(
+            f"{fn}: tree/parent metadata ('parents') was given as a traced value; only linear chains "
+            "are supported: pass parents=None"
+        ) from e
+    chain = np.arange(-1, p.shape[-1] - 1) if p.ndim else None
+    if p.ndim == 0 or p.shape[-1] != D or not np.array_equal(p, np.broadcast_to(chain, p.shape)):
+        raise ValueError(
+            f"{fn}: tree/parent metadata ('parents') describes a tree, not a linear chain "
+            f"(expected [-1, 0, 1, ..., {D - 2}] per request); only linear chains are supported"
+        )
+
+
+def check_layer_index(fn: str, layer, L: int, what: str):
+    if layer is None:
+        raise ValueError(f"{fn}: {what} has a leading layer axis (L={L}): pass layer= (an int or int32 scalar)")
+    if isinstance(layer, (int, np.integer)):
+        if not 0 <= layer < L:
+            raise ValueError(f"{fn}: argument 'layer' must be in [0, {L}) ({what}), got {layer}")
+        return
+    if shape_of(layer) != () or not is_int(layer):
+        raise TypeError(f"{fn}: argument 'layer' must be an int or an integer scalar, got {dtype_of(layer)} {fmt_shape(shape_of(layer))}")
+
+
+def stacked_inputs(fn: str, state0, inputs: dict, slots, layer) -> dict:
+    """Which inputs are stacked over the pool's layers (rank one above one layer's; the
+    kernels read them at ``layer``), checked: they need the pool form with layers and
+    ``layer``, and a leading axis of the pool's L. Returns ``{name: stacked}``."""
+    stacked = {n: reference.stacked(n, x) for n, x in inputs.items()}
+    if not any(stacked.values()):
+        return stacked
+    names = [n for n, st in stacked.items() if st]
+    rank = {n: reference.INPUT_RANKS[n] + 1 for n in names}
+    pool = shape_of(state0)
+    if slots is None or len(pool) != 5:
+        if not stacked["q"]:  # one wrong shape, most likely: the usual checks name it
+            return dict.fromkeys(stacked, False)
+        raise ValueError(
+            f"{fn}: argument {names[0]!r} has rank {rank[names[0]]} (stacked over layers), which needs the "
+            f"pool form with layers (state0 [L, S, HV, V, K], slots= and layer=); got state0 {fmt_shape(pool)}"
+            + ("" if slots is not None else " and no slots")
+        )
+    L = pool[0]
+    check_layer_index(fn, layer, L, "the pool and the stacked inputs")
+    for n in names:
+        if shape_of(inputs[n])[0] != L:
+            raise ValueError(
+                f"{fn}: argument {n!r} is stacked over layers (rank {rank[n]}), so its leading axis must be "
+                f"the pool's L={L}, got shape {fmt_shape(shape_of(inputs[n]))}"
+            )
+    return stacked
+
+
+def check_tape_buffer(fn: str, tape, record, N: int, D: int, H: int, HV: int, V: int, K: int, state_dtype, layer):
+    """The preallocated tape of ``verify(..., tape=)``; returns ``(record, layered, L)``."""
+    if isinstance(tape, Tuples):
+        mode, field, lead = "tuples", tape.u, (HV, V)
+    elif isinstance(tape, Snapshots):
+        mode, field, lead = "snapshots", tape.states, (HV, V, K)
+    else:
+        raise TypeError(f"{fn}: argument 'tape' must be a Tuples or Snapshots buffer, got {type(tape).__name__}")
+    if record is not None and record != mode:
+        raise ValueError(f"{fn}: record={record!r} but the tape buffer is a {type(tape).__name__} tape ({mode!r})")
+    rank = len(shape_of(field))
+    name = "tape.u" if mode == "tuples" else "tape.states"
+    layered = rank == 2 + len(lead) + 1
+    if rank not in (2 + len(lead), 2 + len(lead) + 1):
+        dims = "[L, ]R, Dmax, " + ", ".join(("HV", "V", "K")[: len(lead)])
+        raise ValueError(f"{fn}: argument {name!r} must have rank {2 + len(lead)} or {3 + len(lead)} ([{dims}]), "
+                         f"got shape {fmt_shape(shape_of(field))}")  # fmt: skip
+    pre = shape_of(field)[: rank - len(lead) - 2]
+    R, Dmax = shape_of(field)[rank - len(lead) - 2 : rank - len(lead)]
+    dims = ("[L, R, Dmax, " if layered else "[R, Dmax, ") + ("HV, V]" if mode == "tuples" else "HV, V, K]")
+    check_shape(fn, name, field, (*pre, R, Dmax, *lead), dims, "HV, V, K from the state")
+    if Dmax < D:
+        raise ValueError(f"{fn}: the tape buffer holds Dmax={Dmax} draft steps, fewer than D={D} (q has D={D})")
+    if mode == "tuples":
+        lead_dims = "L, R" if layered else "R"
+        check_tuples(fn, tape, (*pre, R), HV, V, K, lead_dims, prefix="tape")
+        if shape_of(tape.k)[len(pre) + 2] != H:
+            raise ValueError(f"{fn}: argument 'tape.k' must have H={H} q/k heads (from q), got {fmt_shape(shape_of(tape.k))}")
+    elif jnp.dtype(tape.states.dtype) != jnp.dtype(state_dtype):
+        raise TypeError(f"{fn}: argument 'tape.states' must have the state's dtype {state_dtype}, got {tape.states.dtype}")
+    if layered:
+        check_layer_index(fn, layer, pre[0], "the tape buffer")
+    return mode, layered
+
+
+def check_out_buffer(fn: str, out, out_dtype, N: int, D: int, HV: int, V: int, layer):
+    """The preallocated outputs of ``verify(..., out=)``; returns ``(out_dtype, layered)``."""
+    rank = len(shape_of(out))
+    if rank not in (4, 5):
+        raise ValueError(f"{fn}: argument 'out' must have rank 4 ([N, D, HV, V]) or 5 ([L, N, D, HV, V]), "
+                         f"got shape {fmt_shape(shape_of(out))}")  # fmt: skip
+    layered = rank == 5
+    pre = shape_of(out)[:1] if layered else ()
+    check_shape(fn, "out", out, (*pre, N, D, HV, V), "[L, N, D, HV, V]" if layered else "[N, D, HV, V]",
+                 "N, D from q; HV, V from the state")  # fmt: skip
+    check_float(fn, "out", out)
+    if out_dtype is not None and jnp.dtype(out_dtype) != jnp.dtype(out.dtype):
+        raise TypeError(f"{fn}: out_dtype={jnp.dtype(out_dtype).name} but argument 'out' is {jnp.dtype(out.dtype).name}")
+    if layered:
+        check_layer_index(fn, layer, pre[0], "the outputs buffer")
+    return jnp.dtype(out.dtype), layered
+
+
+def verify_args(fn, state0, q, k, v, a, b, A_log, dt_bias, *, record=None, scale=None, out_dtype=None, slots=None,
+                layer=None, tape=None, rows=None, parents=None, topk=1, out=None) -> VerifyCall:  # fmt: skip
+    """Every check of :func:`gdn_lossless_jax.verify`; returns the backend's :class:`VerifyCall`."""
+    if record is not None and record not in RECORD_MODES:
+        raise ValueError(f"{fn}: record must be one of {RECORD_MODES}, got {record!r}")
+    check_static(fn, "scale", scale)
+    check_static(fn, "topk", topk)
+    state0, q, k, v, a, b, A_log, dt_bias = as_arrays(
+        fn, state0=state0, q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias
+    )
+    full = dict(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
+    stacked = stacked_inputs(fn, state0, full, slots, layer)
+    if any(stacked.values()):  # the checks below run on one layer's shapes
+        q, k, v, a, b, A_log, dt_bias = (jax.ShapeDtypeStruct(shape_of(x)[1:], dtype_of(x)) if stacked[n] else x
+                                         for n, x in full.items())  # fmt: skip
+    check_rank(fn, "q", q, 4, "[N, D, H, K]")
+    check_not_transposed(fn, q, k, v, a)
+    N, D, H = shape_of(q)[:3]
+    if slots is None:
+        check_rank(fn, "state0", state0, 4, "[N, HV, V, K]")
+        check_state_dtype(fn, "state0", state0)
+        _, HV, V, K = shape_of(state0)
+        check_shape(fn, "q", q, (shape_of(state0)[0], D, H, K), "[N, D, H, K]", "N and K from state0")
+        state, pool_layer = state0, None
+    else:
+        if len(shape_of(state0)) not in (4, 5):
+            raise ValueError(f"{fn}: with slots, argument 'state0' is the pool: rank 4 ([S, HV, V, K]) or 5 "
+                             f"([L, S, HV, V, K]), got shape {fmt_shape(shape_of(state0))}")  # fmt: skip
+        check_state_dtype(fn, "state0", state0)
+        HV, V, K = shape_of(state0)[-3:]
+        check_shape(fn, "q", q, (N, D, H, K), "[N, D, H, K]", "K from the pool")
+        check_index(fn, "slots", slots, N)
+        if len(shape_of(state0)) == 5:
+            check_layer_index(fn, layer, shape_of(state0)[0], "the pool")
+            state, pool_layer = state0, layer
+        else:
+            state, pool_layer = state0[None], 0
+    check_shape(fn, "k", k, (N, D, H, K), "[N, D, H, K]", "from state0 and q")
+    check_shape(fn, "v", v, (N, D, HV, V), "[N, D, HV, V]", "from state0 and q")
+    check_shape(fn, "a", a, (N, D, HV), "[N, D, HV]", "from state0 and q")
+    check_shape(fn, "b", b, (N, D, HV), "[N, D, HV]", "from state0 and q")
+    check_shape(fn, "A_log", A_log, (HV,), "[HV]", "from state0")
+    check_shape(fn, "dt_bias", dt_bias, (HV,), "[HV]", "from state0")
+    for name, x in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias)):
+        check_float(fn, name, x)
+    if D < 1:
+        raise ValueError(f"{fn}: need at least one draft step, got D={D} (q has shape {fmt_shape(shape_of(q))})")
+    check_heads(fn, H, HV)
+    check_linear_chain(fn, parents, topk, D)
+    buf = tape_layer = None
+    if tape is not None:
+        record, layered = check_tape_buffer(fn, tape, record, N, D, H, HV, V, K, state0.dtype, layer)
+        buf, tape_layer = (tape, layer) if layered else (jax.tree.map(lambda x: x[None], tape), 0)
+        if rows is None:
+            rows = np.arange(N, dtype=np.int32)
+        check_index(fn, "rows", rows, N)
+        rows = as_index(rows)
+    elif rows is not None:
+        raise ValueError(f"{fn}: rows= maps requests to rows of a tape buffer: pass tape= too")
+    obuf = out_layer = None
+    if out is not None:
+        out = as_array(fn, "out", out)
+        out_dtype, layered = check_out_buffer(fn, out, out_dtype, N, D, HV, V, layer)
+        obuf, out_layer = (out, layer) if layered else (out[None], 0)
+    q, k, v, a, b, A_log, dt_bias = full.values()  # the backends take the stacks
+    static = dict(record=record or "tuples", scale=as_scale(fn, scale, K), out_dtype=jnp.dtype(out_dtype or q.dtype))
+    if buf is not None:
+        static.update(tape=buf, tape_layer=as_index(tape_layer), rows=rows)
+    if obuf is not None:
+        static.update(out=obuf, out_layer=as_index(out_layer))
+    if slots is None:
+        return VerifyCall.of_state(state, q, k, v, a, b, A_log, dt_bias, **static)
+    return VerifyCall(state, as_index(slots), as_index(pool_layer), q, k, v, a, b, A_log, dt_bias, **static)
+
+
+def check_tuples(
+    fn: str, tuples: Tuples, lead: tuple[int, ...], HV: int, V: int, K: int, lead_dims: str, prefix: str = "tuples"
+):
+    if not isinstance(tuples, Tuples):
+        raise TypeError(f"{fn}: the tape must be a Tuples tape here, got {type(tuples).__name__}")
+    nl = len(lead)
+    check_rank(fn, f"{prefix}.u", tuples.u, nl + 3, f"[{lead_dims}, D, HV, V]")
+    D = shape_of(tuples.u)[nl]
+    source = "L, HV, V from the pool" if nl == 2 else "HV, V from the state"
+    check_shape(fn, f"{prefix}.u", tuples.u, (*lead, D, HV, V), f"[{lead_dims}, D, HV, V]", source)
+    check_rank(fn, f"{prefix}.k", tuples.k, nl + 3, f"[{lead_dims}, D, H, K]")
+    H = shape_of(tuples.k)[nl + 1]
+    check_shape(fn, f"{prefix}.k", tuples.k, (*lead, D, H, K), f"[{lead_dims}, D, H, K]", "from the u field and K")
+    check_shape(fn, f"{prefix}.g", tuples.g, (*lead, D, HV), f"[{lead_dims}, D, HV]", "from the u field")
+    for name in ("u", "k", "g"):
+        x = getattr(tuples, name)
+        if jnp.dtype(x.dtype) != jnp.float32:
+            raise TypeError(f"{fn}: argument '{prefix}.{name}' must be float32 (the tape is always fp32), got {x.dtype}")
+    check_heads(fn, H, HV)
+
+
+def tape_arrays(fn: str, tape, prefix: str):
+    """The tape with list-valued fields converted (see :func:`as_array`)."""
+    if not isinstance(tape, (Tuples, Snapshots)):
+        return tape
+    fields = {f.name: getattr(tape, f.name) for f in dataclasses.fields(tape)}
+    return tape.replace(**{name: as_array(fn, f"{prefix}.{name}", x) for name, x in fields.items()})
+
+
+def commit_index_args(fn: str, slots, steps, track_slots=None, track_steps=None, rows=None) -> list[jax.Array]:
+    """Commit's index arguments checked (``[N]`` int each) and completed: no track copies
+    (-1) and rows ``i`` by default. Returns ``[slots, steps, track_slots, track_steps, rows]``
+    as int32."""
+    slots, steps, track_slots, track_steps, rows = as_arrays(
+        fn,
+        ("track_slots", "track_steps", "rows"),
+        slots=slots,
+        steps=steps,
+        track_slots=track_slots,
+        track_steps=track_steps,
+        rows=rows,
+    )
+    check_rank(fn, "slots", slots, 1, "[N]")
+    N = shape_of(slots)[0]
+    check_index(fn, "slots", slots, N)
+    check_index(fn, "steps", steps, N)
+    if (track_slots is None) != (track_steps is None):
+        raise ValueError(f"{fn}: give both track_slots and track_steps, or neither")
+    if track_slots is None:
+        track_slots = track_steps = np.full((N,), -1, np.int32)
+    check_index(fn, "track_slots", track_slots, N)
+    check_index(fn, "track_steps", track_steps, N)
+    if rows is None:
+        rows = np.arange(N, dtype=np.int32)
+    check_index(fn, "rows", rows, N)
+    return [as_index(x) for x in (slots, steps, track_slots, track_steps, rows)]
+
+
+def check_pending(fn: str, pending: Pending, N: int, H: int, HV: int, V: int, K: int, state_dtype, pool_layers):
+    """The pending commit's tape and indices; returns ``(tape with a layer axis, its layer or None)``."""
+    if not isinstance(pending, Pending):
+        raise TypeError(f"{fn}: argument 'pending' must be a gdn_lossless_jax.Pending, got {type(pending).__name__}")
+    for name in ("rows", "steps", "track_slots", "track_steps"):
+        check_index(fn, f"pending.{name}", getattr(pending, name), N)
+    t = pending.tape
+    lead = 1 if pool_layers is None else 2
+    if isinstance(t, Snapshots):
+        dims = "[R, D, HV, V, K]" if lead == 1 else "[L, R, D, HV, V, K]"
+        check_rank(fn, "pending.tape.states", t.states, lead + 4, dims)
+        pre = shape_of(t.states)[:lead]
+        check_shape(fn, "pending.tape.states", t.states, (*pre, shape_of(t.states)[lead], HV, V, K), dims,
+                     "HV, V, K from the pool")  # fmt: skip
+        if jnp.dtype(t.states.dtype) != jnp.dtype(state_dtype):
+            raise TypeError(f"{fn}: argument 'pending.tape.states' must have the pool's dtype {state_dtype}, got {t.states.dtype}")
+    elif isinstance(t, Tuples):
+        check_rank(fn, "pending.tape.u", t.u, lead + 3, "[L, R, D, HV, V]" if lead == 2 else "[R, D, HV, V]")
+        pre = shape_of(t.u)[:lead]
+        check_tuples(fn, t, pre, HV, V, K, "L, R" if lead == 2 else "R", prefix="pending.tape")
+        if shape_of(t.k)[lead + 1] != H:
+            raise ValueError(f"{fn}: argument 'pending.tape.k' must have H={H} q/k heads (from q), got {fmt_shape(shape_of(t.k))}")
+    else:
+        raise TypeError(f"{fn}: argument 'pending.tape' must be Tuples or Snapshots, got {type(t).__name__}")
+    if lead == 2 and pre[0] != pool_layers:
+        raise ValueError(f"{fn}: the pending tape has L={pre[0]} layers, the pool {pool_layers}")
+    return (t, True) if lead == 2 else (jax.tree.map(lambda x: x[None], t), False)
+
+
+def replay_args(fn: str, state0, tuples, steps):
+    """The checks of :func:`gdn_lossless_jax.replay`; returns ``(state0, tuples, steps as int32)``."""
+    state0, steps = as_arrays(fn, state0=state0, steps=steps)
+    tuples = tape_arrays(fn, tuples, "tuples")
+    check_rank(fn, "state0", state0, 4, "[N, HV, V, K]")
+    check_state_dtype(fn, "state0", state0)
+    N, HV, V, K = shape_of(state0)
+    check_tuples(fn, tuples, (N,), HV, V, K, "N")
+    check_index(fn, "steps", steps, N)
+    return state0, tuples, as_index(steps)
+
+
+def commit_args(fn: str, pool, tape, slots, steps, track_slots=None, track_steps=None, rows=None):
+    """The checks of :func:`gdn_lossless_jax.commit`; returns ``(pool, tape, [slots, steps,
+    track_slots, track_steps, rows] as int32)``."""
+    (pool,) = as_arrays(fn, pool=pool)
+    tape = tape_arrays(fn, tape, "tape")
+    check_rank(fn, "pool", pool, 5, "[L, S, HV, V, K]")
+    check_state_dtype(fn, "pool", pool)
+    L, _, HV, V, K = shape_of(pool)
+    ints = commit_index_args(fn, slots, steps, track_slots, track_steps, rows)
+    if isinstance(tape, Snapshots):
+        check_rank(fn, "tape.states", tape.states, 6, "[L, R, D, HV, V, K]")
+        R, D = shape_of(tape.states)[1:3]
+        check_shape(fn, "tape.states", tape.states, (L, R, D, HV, V, K), "[L, R, D, HV, V, K]", "L, HV, V, K from pool")
+        if tape.states.dtype != pool.dtype:
+            raise TypeError(f"{fn}: snapshot dtype {tape.states.dtype} must match the pool dtype {pool.dtype}")
+    elif isinstance(tape, Tuples):
+        check_rank(fn, "tape.u", tape.u, 5, "[L, R, D, HV, V]")
+        R = shape_of(tape.u)[1]
+        check_tuples(fn, tape, (L, R), HV, V, K, "L, R", prefix="tape")
+    else:
+        raise TypeError(f"{fn}: tape must be Tuples or Snapshots, got {type(tape).__name__}")
+    return pool, tape, ints
+
+
+def commit_and_verify_args(fn: str, pool, pending, q, k, v, a, b, A_log, dt_bias, *, slots, layer=None, tape=None,
+                           rows=None, record=None, scale=None, out_dtype=None, out=None) -> VerifyCall:  # fmt: skip
+    """The checks of :func:`gdn_lossless_jax.commit_and_verify`: verify's (:func:`verify_args`) and the
+    pending commit's (:func:`check_pending`); returns the :class:`VerifyCall` with its
+    :class:`PendingCommit`."""
+    if slots is None:
+        raise ValueError(f"{fn}: argument 'slots' is required (request n's state is pool[layer, slots[n]])")
+    if len(shape_of(q)) != 5:  # (stacked over layers: checked by verify_args below)
+        check_rank(fn, "q", q, 4, "[N, D, H, K]")
+    N, _, H, _ = shape_of(q)[-4:]
+    if len(shape_of(pool)) not in (4, 5):
+        raise ValueError(f"{fn}: argument 'pool' must have rank 4 ([S, HV, V, K]) or 5 ([L, S, HV, V, K]), "
+                         f"got shape {fmt_shape(shape_of(pool))}")  # fmt: skip
+    check_state_dtype(fn, "pool", pool)
+    HV, V, K = shape_of(pool)[-3:]
+    L = shape_of(pool)[0] if len(shape_of(pool)) == 5 else None
+    prev, layered = check_pending(fn, pending, N, H, HV, V, K, pool.dtype, L)
+    call = verify_args(fn, pool, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, out_dtype=out_dtype,
+                       slots=slots, layer=layer, tape=tape, rows=rows, out=out)  # fmt: skip
+    pend = [as_index(getattr(pending, n)) for n in ("rows", "steps", "track_slots", "track_steps")]
+    return call.replace(pending=PendingCommit(prev, as_index(layer if layered else 0), *pend))

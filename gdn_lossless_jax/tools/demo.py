@@ -1,0 +1,241 @@
+"""``gdn-lossless demo``: greedy speculative decoding on the hybrid model in both record modes.
+
+Decodes a few random conversations (a later turn appends the answer and a new message, and
+resumes from the prefix cache) with the layer-skipping self-draft, once with the pool in
+each record mode, and prints tokens per second, the mean accepted length, the scratch memory of
+each mode, and a verdict: ``identical`` when both modes gave the same tokens and the same
+final states (SSM, conv and KV, bit for bit). Exit status 1 otherwise. With
+``--tokens 10000`` it is the long-decode soak.
+
+``--mesh TPxDP`` decodes each record mode on a device mesh (the GDN heads with their q/k
+groups over a tensor axis of size TP; DP must be 1) and once more on one device (tuples
+mode); the verdict is then ``identical`` when every run gave the same tokens and the same
+final states, the mesh's conv states read back in the usual channel order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+__all__ = ["add_parser", "mesh_plan", "run"]
+
+MODES = ("tuples", "snapshots")
+ONE_DEVICE = "1 device"  # the label of the one-device run beside a mesh
+
+
+def _name(device) -> str:
+    return f"{device.platform}:{device.id}"
+
+
+def _mesh_size(text: str) -> tuple[int, int]:
+    try:
+        tp, dp = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be TPxDP, tensor x data sizes (e.g. 2x1), got {text!r}") from None
+    if tp < 1 or dp < 1:
+        raise argparse.ArgumentTypeError(f"the sizes must be positive integers, got {text!r}")
+    return tp, dp
+
+
+def mesh_plan(tp: int, dp: int, config, devices=None):
+    """The demo's :class:`~gdn_lossless_jax.sharding.MeshPlan` for ``--mesh TPxDP``: a mesh of
+    axes ``("data", "tensor")`` (``Auto`` axis types) over the first ``tp * dp`` devices.
+
+    Raises a ValueError naming ``--mesh`` when DP > 1 (the engine allocates slots and rows from
+    one free list, not per data shard), when TP does not divide the model's H (with the sizes
+    that fit), or when there are too few devices.
+
+    >>> from gdn_lossless_jax.model import get_config
+    >>> plan = mesh_plan(1, 1, get_config("tiny"))
+    >>> plan.tp, plan.dp, plan.mesh.axis_names
+    (1, 1, ('data', 'tensor'))
+    >>> mesh_plan(4, 1, get_config("tiny"))
+    Traceback (most recent call last):
+    ...
+    ValueError: --mesh 4x1 with --size tiny: H=2 q/k heads cannot be split ... tensor sizes that fit: 1, 2
+    """
+    import jax
+    import numpy as np
+
+    from .. import sharding
+
+    devices = jax.devices() if devices is None else devices
+    arg = f"--mesh {tp}x{dp}"
+    if dp != 1:
+        raise ValueError(
+            f"{arg}: the demo splits heads only (DP must be 1, got {dp}); the data axis is exercised by "
+            f"tests/test_sharding.py. Use --mesh {tp}x1"
+        )
+    H, HV = config.num_k_heads, config.num_v_heads
+    sharding._check_heads_split(f"{arg} with --size {config.name}", H, HV, tp, "tensor")
+    if tp * dp > len(devices):
+        here = ", ".join(_name(d) for d in devices[:8]) + (", ..." if len(devices) > 8 else "")
+        raise ValueError(
+            f"{arg} needs {tp * dp} devices, {len(devices)} here ({here}); on a CPU, set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={tp * dp} before JAX starts"
+        )
+    mesh = jax.sharding.Mesh(np.array(devices[: tp * dp]).reshape(dp, tp), ("data", "tensor"))
+    return sharding.MeshPlan(mesh, tensor="tensor", data="data")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``demo`` subcommand to an ``argparse`` subparsers object."""
+    from ..backends import BACKENDS
+    from ..model.model import SIZES
+
+    d = subparsers.add_parser(
+        "demo",
+        help="speculative decoding with a small hybrid GDN model in both record modes; tokens/s, acceptance, memory",
+        description="Greedy speculative decoding with a small hybrid GDN model (random weights, Qwen3-Next style; "
+        "a layer-skipping self-draft proposes D-1 tokens, the target verifies D inputs through the state pool). "
+        "Runs the same prompts once per record mode and prints tokens per second, the mean accepted length, the "
+        "scratch memory of each mode and a verdict: 'identical' when both modes gave the same tokens and the "
+        "same final SSM, conv and KV states bit for bit (exit status 1 otherwise). Sizes: "
+        + "; ".join(c.describe() for c in SIZES.values())
+        + ". With --mesh TPxDP the record modes run on a device mesh (GDN heads over the tensor axis) and once more "
+        "on one device, and 'identical' also means the mesh gave one device's tokens and states.",
+    )
+    d.add_argument("--size", choices=list(SIZES), default="tiny",
+                   help="model size (default tiny; 'gpu' has H=16, HV=32, K=V=128)")
+    d.add_argument("--drafts", "-D", type=int, default=4,
+                   help="D, inputs verified per step: 1 given + D-1 drafted (default 4)")
+    d.add_argument("--prompts", type=int, default=4, help="number of prompts (conversations; default 4)")
+    d.add_argument("--prompt-len", type=int, default=16, help="new prompt tokens per turn (default 16)")
+    d.add_argument("--tokens", type=int, default=200,
+                   help="generated tokens per turn (default 200; 10000 for the soak)")
+    d.add_argument("--turns", type=int, default=2,
+                   help="turns per conversation: turn t+1 resumes from the prefix cache (default 2)")
+    d.add_argument("--batch", type=int, default=2, help="batch rows: prompts join as others leave (default 2)")
+    d.add_argument("--track-interval", type=int, default=64,
+                   help="prefix-cache track interval in tokens (0: off; default 64)")
+    d.add_argument("--backend", choices=["auto", *BACKENDS], default="auto",
+                   help="the library's backend (default auto: pallas on a GPU, else reference)")
+    d.add_argument("--record", choices=MODES, nargs="+", default=list(MODES), help="record modes to run (default both)")
+    d.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompts (default 0)")
+    d.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
+                   help="progress bar on stderr (auto: when stderr is a terminal)")
+    fits = "; ".join(f"{n}: {', '.join(str(t) for t in range(1, c.num_k_heads + 1) if c.num_k_heads % t == 0)}"
+                     for n, c in SIZES.items())  # fmt: skip
+    d.add_argument("--mesh", type=_mesh_size, default=None, metavar="TPxDP",
+                   help="decode each record mode on a mesh of TP x DP devices: the GDN heads with their q/k groups "
+                        f"over a tensor axis of size TP (it must divide H; {fits}), DP "
+                        "must be 1; plus one run on one device (tuples) that the verdict compares bit for bit "
+                        "(default: one device). On a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N "
+                        "simulates N devices")  # fmt: skip
+    d.set_defaults(func=run)
+    return d
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.3f} MiB"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo; returns the exit status (0: identical, 1: the runs differ)."""
+    import jax
+    import numpy as np
+    from tqdm import tqdm
+
+    from ..testing import compare_bitwise
+    from ..model.engine import Engine, Request
+    from ..model.model import get_config, init_params
+
+    for name in ("drafts", "prompts", "prompt_len", "tokens", "turns", "batch"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    if args.track_interval < 0:
+        raise ValueError(f"--track-interval must be >= 0, got {args.track_interval}")
+    config = get_config(args.size)
+    plan = None if getattr(args, "mesh", None) is None else mesh_plan(*args.mesh, config)
+    params = init_params(config, args.seed)
+    rng = np.random.default_rng(args.seed)
+    # Turn 1 is a random prompt; each later turn appends the answer and a new random message.
+    messages = [[rng.integers(0, config.vocab, args.prompt_len).tolist() for _ in range(args.prompts)]
+                for _ in range(args.turns)]  # fmt: skip
+    total = args.prompts * args.tokens * args.turns
+    print(f"gdn-lossless demo: {config.describe()}")
+    print(
+        f"{args.prompts} conversations of {args.turns} turn(s): {args.prompt_len} new prompt tokens and "
+        f"{args.tokens} generated tokens per turn; D={args.drafts}, batch {args.batch}, track interval "
+        f"{args.track_interval}, backend {args.backend} ({jax.default_backend()})",
+        flush=True,
+    )
+    if plan is not None:
+        devices = list(plan.mesh.devices.flat)
+        print(
+            f"mesh {plan.tp}x{plan.dp} (tensor x data) over {len(devices)} device{'s' if len(devices) > 1 else ''}: "
+            f"{', '.join(map(_name, devices))}; GDN heads H={config.num_k_heads} "
+            f"HV={config.num_v_heads}, {config.num_k_heads // plan.tp} q/k head(s) with their v-heads per device; "
+            f"the record modes run on the mesh, '{ONE_DEVICE}' (tuples) on {_name(devices[0])} alone",
+            flush=True,
+        )
+    # (label, record mode, mesh): each record mode (on the mesh if any), then one device beside a mesh.
+    runs = [(mode, mode, plan) for mode in args.record]
+    if plan is not None:
+        runs.append((ONE_DEVICE, "tuples", None))
+    disable = {"auto": None, "on": False, "off": True}[args.progress]
+    outcome = {}
+    for label, mode, mesh in runs:
+        engine = Engine(
+            params, config, record=mode, drafts=args.drafts, max_batch=args.batch,
+            max_len=args.turns * (args.prompt_len + args.tokens) + args.drafts, track_interval=args.track_interval,
+            cache_entries=args.prompts + args.batch, backend=args.backend, mesh=mesh,
+        )  # fmt: skip
+        compile_s = engine.warmup()
+        history = [[] for _ in range(args.prompts)]
+        results = []
+        with tqdm(total=total, desc=f"{label:<10}", unit="tok", disable=disable, file=sys.stderr) as bar:
+            t0 = time.perf_counter()
+            for turn in range(args.turns):
+                prompts = [h + m for h, m in zip(history, messages[turn])]
+                done = engine.generate([Request(p, args.tokens) for p in prompts], on_step=bar.update)
+                history = [p + r.tokens for p, r in zip(prompts, done)]
+                results += done
+            jax.block_until_ready(engine.state)
+            wall = time.perf_counter() - t0
+        accepted = np.concatenate([r.accepted for r in results])
+        proposed = np.concatenate([r.proposed for r in results])
+        pool = engine.state.pool
+        windows = pool.conv_windows.nbytes
+        resumed = [r.resumed for r in results if r.resumed]
+        print(
+            f"{label:<10} {total} tokens in {wall:.2f} s: {total / wall:,.1f} tokens/s (compile {compile_s:.1f} s, "
+            f"{engine.compiles} trace{'s' if engine.compiles != 1 else ''}); {engine.steps} steps, mean accepted "
+            f"length {accepted.mean():.2f} of {proposed.mean():.2f} drafted ({(accepted + 1).mean():.2f} tokens per "
+            f"step); scratch {_mib(pool.scratch_nbytes + windows)} (SSM tape {_mib(pool.scratch_nbytes)}, conv "
+            f"windows {_mib(windows)}); prefix cache: {sum(len(r.tracked) for r in results)} states tracked, "
+            f"{len(resumed)} of {args.prompts * (args.turns - 1)} later turns resumed "
+            f"({sum(resumed):,} prompt tokens not recomputed)",
+            flush=True,
+        )
+        outcome[label] = ([r.tokens for r in results], engine.host_states())
+    if len(outcome) < 2:
+        print("verdict    one record mode run: nothing to compare")
+        return 0
+    (first_label, (ta, sa)), *others = outcome.items()
+    equal = True
+    for label, (tb, _) in others:
+        same = sum(int(np.sum(np.asarray(x) == np.asarray(y))) for x, y in zip(ta, tb))
+        first = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
+        print(f"tokens     {first_label} vs {label}: {same:,} of {total:,} tokens equal"
+              + ("" if first is None else f"; prompt {first} differs first"))  # fmt: skip
+        equal &= same == total
+    for label, (_, sb) in others:
+        report = compare_bitwise(sa, sb)
+        print(f"states     {first_label} vs {label}, final SSM, conv and KV states: "
+              + ("bit-identical" if report.equal else f"DIFFER\n  {report}"))  # fmt: skip
+        equal &= report.equal
+    if plan is None:
+        if equal:
+            print("verdict    identical: both record modes gave the same tokens and the same final states")
+            return 0
+        print("verdict    DIFFERENT: the record modes disagree")
+        return 1
+    where = f"{' and '.join(args.record)} on the {plan.tp}x{plan.dp} mesh and {ONE_DEVICE}"
+    if equal:
+        print(f"verdict    identical: {where} gave the same tokens and the same final states")
+        return 0
+    print(f"verdict    DIFFERENT: {where} disagree")
+    return 1
