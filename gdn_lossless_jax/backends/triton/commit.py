@@ -6,8 +6,8 @@ chain ``t = 0 .. max(steps[n], track_steps[n])`` in registers with the library's
 ``S = fma(k_t, u_t, rn(S * exp(g_t)))`` (k of q/k head ``hv // (HV // H)``), and stores
 the state to ``pool[l, track_slots[n]]`` when ``t == track_steps[n]`` and to
 ``pool[l, slots[n]]`` when ``t == steps[n]`` (rounded to the pool dtype). Both come from
-the pre-verify state read before either write, so the accepted-first ordering bug of the
-seed cannot happen.
+the pre-verify state read before either write, so the accepted-first ordering bug
+(``reference.commit_accepted_first``) cannot happen.
 
 Snapshot tape: a masked gather-scatter, grid ``(blocks of HV*V*K, N, L)``.
 
