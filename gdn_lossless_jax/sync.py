@@ -1,14 +1,11 @@
 """Wait for a GPU the way ``torch.cuda.synchronize()`` does.
 
-``jax.block_until_ready`` learns that a computation finished from a host callback that the
-GPU driver runs after the computation's last kernel (XLA enqueues it behind the work); that
-callback then wakes the waiting thread. Where idle CPUs halt (the H200 virtual machines this
-project is measured on), the hand-over costs 0.14-0.17 ms a call; with every CPU kept busy,
-0.01-0.02 ms (``docs/step.md``). The driver's own wait does not go through it:
-:func:`synchronize` asks the driver to block until every stream of the device's context is
-idle (``cuCtxSynchronize`` on the device's primary context, the one XLA and PyTorch share;
-``hipDeviceSynchronize`` on ROCm). With the driver's default schedule the calling thread spins,
-so it returns within microseconds of the GPU.
+``jax.block_until_ready`` learns that a computation finished from a host callback that the GPU
+driver runs after the computation's last kernel; that callback then wakes the waiting thread,
+which is slow where idle CPUs halt (``docs/step.md``). :func:`synchronize` instead asks the
+driver to block until every stream of the device's context is idle (``cuCtxSynchronize`` on the
+device's primary context, the one XLA and PyTorch share; ``hipDeviceSynchronize`` on ROCm); with
+the driver's default schedule the calling thread spins, so it returns within microseconds.
 
 What it does not do: tell JAX. An array computed before the call may still report
 ``is_ready() == False`` for a moment after it, and reading it (``np.asarray``,
@@ -16,8 +13,8 @@ What it does not do: tell JAX. An array computed before the call may still repor
 be over before it dispatches the next one (or before it reads a clock) can use it; passing
 the arrays to the next jitted call does not wait for that notice. It waits for everything
 queued on the device's context: work of other JAX programs and of PyTorch in the same
-process too, as ``torch.cuda.synchronize()`` does. Tested on CUDA (the H200); the ROCm path
-is written to HIP's API and not yet run on an AMD GPU.
+process too, as ``torch.cuda.synchronize()`` does. Tested on CUDA; the ROCm path is written
+to HIP's API and not yet run on an AMD GPU.
 """
 
 from __future__ import annotations

@@ -53,9 +53,8 @@ def is_rocm(device=None) -> bool:
 
 
 def _auto() -> str:
-    # The fastest exact backend for the platform: on a GPU the Pallas kernels (in the
-    # H200 run of benchmarks/results/ they led verify at every configuration; Triton's
-    # commit was within the spread), elsewhere the reference.
+    # The fastest exact backend for the platform: the Pallas kernels on a GPU, else the
+    # reference.
     return "pallas" if platform() == "gpu" else "reference"
 
 

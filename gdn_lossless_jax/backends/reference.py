@@ -20,7 +20,7 @@ def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, s
     # path: the kernels read by slot instead) and scatters the tape into its buffer.
     # The barrier makes the inputs arrive in their own dtype: inside a caller's jit, XLA:GPU
     # (allow_excess_precision) would otherwise fuse their producer and skip its rounding to
-    # bf16 (seen on the H200: the pool path's outputs differed from the same call outside).
+    # bf16 (the pool path's outputs then differed from the same call outside a jit).
     q, k, v, a, b, A_log, dt_bias = jax.lax.optimization_barrier((q, k, v, a, b, A_log, dt_bias))
     return ref.verify_form(
         state0, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, out_dtype=out_dtype, slots=slots,

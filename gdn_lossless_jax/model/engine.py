@@ -20,11 +20,9 @@ are evicted least recently used when slots run out.
 On a device mesh (``Engine(..., mesh=plan)``, a :class:`~gdn_lossless_jax.sharding.MeshPlan`
 with a tensor axis only): the GDN heads with their q/k groups are split over the tensor axis,
 everything else is replicated. ``gdn-lossless demo --mesh 2x1`` compares the run with one
-device: the tokens and final states are one device's bit for bit, at the ``tiny`` and (on two
-simulated CPU devices) the ``gpu`` size. At the ``gpu`` size they were not, until the gated norm
-after each GDN layer summed its squares in a fixed order (XLA:CPU had summed them in another
-order on the mesh); two H200s, measured before that fix, also differed, and have not been
-measured since (see ``docs/sharding.md``).
+device: the tokens and final states must be one device's bit for bit, which is why the gated
+norm after each GDN layer sums its squares in a fixed order (see ``docs/sharding.md``). Not
+yet checked on two GPUs.
 """
 
 from __future__ import annotations

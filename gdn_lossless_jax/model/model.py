@@ -15,21 +15,15 @@ commit) and the draft with one step of the reference recurrence from a carried s
 (:mod:`gdn_lossless_jax.model.decode`). So every state that lands in the pool comes from the
 library's verify and commit.
 
-Why plain pytrees (frozen dataclasses registered with JAX) and not Flax NNX: the model has
-no training, no dropout and no mutable module state; its state is the library's
-:class:`~gdn_lossless_jax.pool.StatePool` (already a pytree) plus a KV cache, both passed
-through one jitted, donated step function. Parameters as plain pytrees go through
-``jax.jit``, ``lax.scan`` and ``jax.tree`` without a split/merge layer, keep the package's
-dependencies to jax/numpy/chex, and make the arithmetic (which matmul, in which dtype) visible
-in a few functions.
+Parameters are plain pytrees (frozen dataclasses registered with JAX), not Flax NNX: the model
+has no training and no mutable module state, so parameters pass through ``jax.jit`` and
+``lax.scan`` as they are, and the arithmetic (which matmul, in which dtype) stays visible.
 
-Initialisation is deterministic from a seed (``jax.random`` threefry, the same bits on
-every platform). Random weights give a random model; to make a layer-skipping draft
-*meaningful* (agreeing with the target often, but not always), the output projections of the
-blocks the draft skips are scaled by ``residual_scale`` (0.2): the residual stream is
-dominated by the embedding and the draft's own blocks, a path target and draft share, and the
-deeper blocks perturb it. On the ``tiny`` size the draft's three proposals are accepted about
-1.5 at a time, and the greedy text does not fall into a short loop.
+Initialisation is deterministic from a seed (``jax.random`` threefry, the same bits on every
+platform). So that a layer-skipping draft of random weights agrees with the target often but
+not always, the output projections of the blocks the draft skips are scaled by
+``residual_scale`` (0.2): the residual stream is dominated by the embedding and the draft's own
+blocks, which target and draft share.
 """
 
 from __future__ import annotations

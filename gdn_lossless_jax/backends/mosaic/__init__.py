@@ -8,12 +8,11 @@ state once. The q/k norms and gates come from the Pallas backend's prologue kern
 ``commit`` and ``replay`` are the Pallas backend's (the rule is pinned there too, so the bits
 are the same: a commit does not depend on a backend's reduction order).
 
-Where it runs: CUDA GPUs of compute capability 9.0 or later (TMA; run on the H200 only), and in
-Mosaic GPU's interpret mode on a CPU (tests, CI). On ROCm or an
-older NVIDIA GPU use ``pallas`` or ``triton``. Shapes on the GPU: ``V`` a multiple of 64, ``K``
-a multiple of 32 (64 for a bfloat16 pool) and ``HV`` of 4. Measured on the H200 with jax 0.11.2;
-under jax 0.12 (CI's) it lowers for CUDA, bf16 outputs staged in shared memory
-(``VerifyConfig.outputs``), but has not run on a GPU.
+Where it runs: CUDA GPUs of compute capability 9.0 or later (TMA, WGMMA; Hopper), and in
+Mosaic GPU's interpret mode on a CPU (tests, CI). On ROCm or an older NVIDIA GPU use ``pallas``
+or ``triton``. Shapes on the GPU: ``V`` a multiple of 64, ``K`` a multiple of 32 (64 for a
+bfloat16 pool) and ``HV`` of 4. Run on a GPU with jax 0.11.2; under jax 0.12 (CI's) it lowers
+for CUDA, bf16 outputs staged in shared memory (``VerifyConfig.outputs``), but is untested on a GPU.
 
 A pending commit whose tape holds snapshots is committed first (the Pallas scatter of that one
 layer, in place in the donated pool) and then verified: bit for bit the same, not fused.
@@ -40,7 +39,7 @@ from .kernel import CONTROL_FORMS, CONTROLS, FORMS, VERIFIES, Geometry, build, c
 __all__ = ["CONTROLS", "CONTROL_FORMS", "FORMS", "OUTPUTS", "VERIFIES", "VerifyConfig", "check_available", "commit",
            "replay", "verify"]  # fmt: skip
 
-SMEM_PER_SM = 227 * 1024  # the H100/H200's shared memory an SM offers its CTAs
+SMEM_PER_SM = 227 * 1024  # Hopper (sm_90): the shared memory an SM offers its CTAs
 GPU_ROWS = 64  # rows of a tile: the WGMMA layout's
 _NUM_SMS_INTERPRET = 1  # interpret mode: SMs simulated (ctas x this CTAs, enough to stride the tiles)
 REPLAYS = ("loop", "static")
@@ -49,41 +48,33 @@ OUTPUTS = ("smem", "registers")
 
 @dataclasses.dataclass(frozen=True)
 class VerifyConfig:
-    """The kernel's launch.
+    """The kernel's launch. Only ``form``, ``control`` and ``verify`` change the arithmetic.
 
     Attributes:
-      ctas: persistent CTAs an SM (each one warpgroup); 2 measured fastest on the H200 at
-        25x4, 8x4, 8x8 and 8x16 (``benchmarks/NOTES.md``, nineteenth session).
+      ctas: persistent CTAs an SM (each one warpgroup).
       small_slots: shared-memory copies of a tile's step inputs, 2 (the next tile's arrive
         while this one computes) or 1 (copied at each tile's start); None: 2 where ``ctas``
         CTAs of two fit an SM's shared memory, else 1.
       replay: how a pending tuple commit is replayed: ``"loop"``, a loop to the accepted step
-        (then on to a later track step), or ``"static"``, all of the previous step's D steps
-        unrolled with the accepted state selected at its step (no dynamic loop; the steps past
-        the last one needed are computed and dropped). The same bits either way.
+        (then on to a later track step), or ``"static"``, all D previous steps unrolled, the
+        accepted state selected at its step. The same bits either way.
       form: the rule's rounding (:data:`FORMS`; None: ``"pinned"`` on the GPU, ``"portable"``
         in interpret mode) or, in tests, a control (:data:`CONTROL_FORMS`).
       control: tests only: a wrong ordering of the fused commit (:data:`CONTROLS`).
-      outputs: how a tile's outputs leave: ``"registers"``, each step's stored from registers,
-        or ``"smem"``, staged in shared memory and stored by TMA after the tile's D steps. None:
-        ``"registers"``, except for outputs narrower than 4 bytes under jax 0.12, whose Mosaic GPU
-        refuses that store. The same bits either way; staging was slower on the H200 (jax 0.11.2,
-        ``benchmarks/NOTES.md``, twenty-second session).
+      outputs: how a tile's outputs leave: ``"registers"`` (each step's, from registers) or
+        ``"smem"`` (staged in shared memory, stored by TMA after the tile's D steps). None:
+        ``"registers"``, except outputs narrower than 4 bytes under jax 0.12, whose Mosaic GPU
+        refuses that store. The same bits either way.
       auto_barriers: keep Pallas' automatic warpgroup barriers around every load and store
         (``plgpu.CompilerParams(unsafe_no_auto_barriers=False)``); the kernel orders its shared
         memory itself (``kernel.build`` says how), so by default they are left out.
-      verify: how the D new steps are computed (:data:`VERIFIES`): ``"chain"``, step after step
-        through the state tile, or ``"gram"``, the Pallas backend's Gram form (its prologue gives
-        the ``D x D`` coefficients): every product ``S k_t``, ``S q_t`` of the starting state
-        first, then ``u`` and the outputs by the small recurrence (with ``snapshots``, the states
-        from that ``u`` by the rule). Its ``u`` differs from the chain's in the low bits; the
-        tape stays exact against its own commit, as every backend's does.
+      verify: how the D new steps are computed (:data:`VERIFIES`): ``"chain"``, step after step,
+        or ``"gram"``, the Pallas backend's Gram form (products of the starting state first, then
+        the small recurrence). Its ``u`` differs from the chain's in the low bits; the tape stays
+        exact against its own commit.
       prefetch_next_layer: each CTA, when done, prefetches into L2 (by TMA) the state tile it
-        would take first from the pool's next layer: a step's next launch (the same slots) starts
-        by waiting for those tiles. None: with a pending tuple commit (the fused kernel) only. A
-        hint: the same bits. On the H200 (``benchmarks/NOTES.md``, twenty-fifth session) it made
-        the fused step at 25x4 1.3 us a layer faster (8x16: the same) and the verify alone 0.9 us
-        a layer slower at 25x4, 1 us faster at 8x16.
+        would take first from the pool's next layer (a hint: the same bits). None: with a
+        pending tuple commit (the fused kernel) only.
     """
 
     ctas: int = 2
@@ -249,8 +240,8 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
             both = jnp.stack([layer, _scalar(prev_layer)])  # the pool's layer, the tape's
             state = commit_snapshots(state, prev.states, slots, psteps, ptslots, ptsteps, prows,
                                      interpret=_interpret(), layers=both)  # fmt: skip
-        # the pool through the kernel (read only): read as a plain input, XLA copied the whole pool
-        # twice a step to let the next layer's in-place commit run (scripts/fused_step_hlo.py, 25x4)
+        # the pool through the kernel (read only): as a plain input, XLA would copy the whole pool
+        # twice a step to let the next layer's in-place commit run (scripts/fused_step_hlo.py shows it)
         return _verify(state, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_layer, rows, None, out,
                        out_layer, record=record, scale=scale, out_dtype=out_dtype, config=config,
                        thread_pool=True)  # fmt: skip

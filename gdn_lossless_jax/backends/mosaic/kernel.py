@@ -21,16 +21,12 @@ TMA in the other of two shared-memory slots (``small_slots=1``: the inputs singl
 at each tile's start, where two slots of them would not fit two CTAs an SM); every state the pool
 or a snapshot receives leaves from shared memory by a TMA store. With a pending commit (by
 default) a CTA that is done prefetches into L2 the tile it would take first from the pool's next
-layer, which a step's next launch starts by waiting for. On the H200 at 25x4 (30 layers,
-``benchmarks/NOTES.md``, twenty-fifth session) the fused kernel takes 36.3 us a layer in a step,
-1.32x the byte floor of one state read and write and the tapes (Triton's fused kernel: 41.3), and
-the verify alone 23.3 us (Triton's: 27.5); about as long with the state in L2 (twenty-third
-session): its instructions' latency, not its bytes, holds it there.
+layer, which a step's next launch starts by waiting for.
 
 Rounding: the rule's fma is MLIR's ``math.fma`` through ``plgpu.inline_mgpu`` (``form="pinned"``,
 the GPU); in Mosaic GPU's interpret mode (the CPU, CI) it is the portable integer form of
 :mod:`gdn_lossless_jax.rounding` (``form="portable"``). ``form="naive"`` is a control for tests:
-``fma(S, alpha, rn(k u))``, a different rounding, which the equivalence tests must catch.
+``rn(rn(S alpha) + rn(k u))``, the update rounded twice, which the equivalence tests must catch.
 Decays: ``exp(g)`` in the kernel is libdevice's on the GPU (Mosaic GPU lowers ``math.exp`` to
 it, as XLA, Pallas and Triton do), :func:`gdn_lossless_jax.rounding.exp` in interpret mode.
 """
@@ -224,8 +220,7 @@ def build(g: Geometry):
             return n, hv, hv // G, pl.ds((tile % T) * R, R)
 
         def table_row(tile):
-            """The table's row (8 scalars) of tile ``tile``'s request. (Loaded a tile ahead, in the loop's
-            carry, it made the verify 1.6 us faster and the fused kernel 1.4 us slower at 25x4: not kept.)"""
+            """The table's row (8 scalars) of tile ``tile``'s request."""
             n = tile // (HV * T)
             return tuple(tab[n, c] for c in range(8))
 
@@ -401,9 +396,7 @@ def build(g: Geometry):
             if g.prefetch_next_layer:
                 # The tile this CTA would take first in the next layer (a step's next launch: the same
                 # slots), into L2 by a TMA prefetch: that launch starts by waiting for its first tiles.
-                # Issued once the CTA is done, while others finish theirs (benchmarks/NOTES.md,
-                # twenty-fifth session: the fused step at 25x4 1.3 us a layer faster; issued at the
-                # start of the last tile it cost 8x16 as much; the tile after next, each tile: slower).
+                # Issued once the CTA is done, while others finish theirs (docs/design.md).
                 @pl.when(layer + 1 < NL)
                 def _():
                     n0, hv0, _, rows0 = where(cta)
@@ -414,9 +407,9 @@ def build(g: Geometry):
         if g.thread_pool:
             # A store to the pool that never runs (lay[ZERO] is 0): it keeps the pool an in-place
             # operand of the kernel, so that XLA orders the next layer's in-place commit after this
-            # kernel's reads. Unwritten, the ref is dropped from the kernel's results, and XLA copied
-            # the whole pool twice a step to run a pending snapshot commit before the verify
-            # (scripts/fused_step_hlo.py, 25x4 on the H200).
+            # kernel's reads. Unwritten, the ref is dropped from the kernel's results, and XLA would
+            # copy the whole pool twice a step to run a pending snapshot commit before the verify
+            # (scripts/fused_step_hlo.py shows it).
             @pl.when(lay[ZERO] != 0)
             def _():
                 plgpu.copy_smem_to_gmem(smem["S"].at[0], pool.at[layer, 0, 0, pl.ds(0, R), :])
@@ -442,8 +435,7 @@ def build(g: Geometry):
         grid_names=("cta",),
         kernel_name=f"gdn_mosaic_verify_{'snapshots' if g.snapshots else 'tuples'}",
         # Without Pallas' automatic barriers (a warpgroup barrier before and after each store from
-        # registers and around each async copy: ~30 a tile, 189 a warp in a launch at 25x4),
-        # which the kernel does not need: a thread writes to shared memory only the state tile's
+        # registers and around each async copy), which the kernel does not need: a thread writes to shared memory only the state tile's
         # elements it loaded itself (each warp its 16 rows), after ``wait_smem_to_gmem`` (which ends
         # with a barrier) where a TMA store may still read them; every TMA store and the prefetch
         # into the other slot come after ``commit_smem`` (a fence and a barrier); the outputs and

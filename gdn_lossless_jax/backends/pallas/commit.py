@@ -50,20 +50,20 @@ def _ids(order: str, HV: int):
 
 @dataclasses.dataclass(frozen=True)
 class CommitConfig:
-    # H200, 30 layers, in the "heads" order, 8 rows on one warp against 16 on 4 (the default before):
-    # replay 841 / 302 / 270 / 266 us against 907 / 342 / 309 / 283 at 25 x 4 / 8 x 16 / 8 x 8 / 8 x 4,
-    # scatter 861 against 891 at 25 x 4 (benchmarks/NOTES.md, ninth session).
+    """Launch parameters of the commit kernels (none changes the arithmetic).
+
+    ``block_v``: V rows per program (cut to V by :meth:`fit`).
+    ``num_warps``, ``num_stages``: Triton's launch parameters.
+    ``evict``: eviction policy of the replay's pool loads and stores (None: Triton's default).
+    ``order``: the grid's order (programs are scheduled first axis fastest): ``"requests"``
+    ``(N, L * HV, V // block_v)``; ``"tiles"`` ``(V // block_v, L * HV, N)``; ``"heads"``
+    ``(V // block_v, HV, N, L)``, the Triton backend's order.
+    """
+
     block_v: int = 8
     num_warps: int = 1
     num_stages: int = 1
-    # Eviction policy of the replay's pool loads and stores: None (Triton's default). On the H200
-    # "evict_first" made the 30-layer replay slower, 947 against 922 us (benchmarks/NOTES.md).
     evict: str | None = None
-    # The grid's order (programs are scheduled first axis fastest): "requests" (N, L * HV, V // block_v);
-    # "tiles" (V // block_v, L * HV, N): consecutive programs walk one state's contiguous tiles, then
-    # its layers; "heads" (V // block_v, HV, N, L): the tiles and heads of one layer's state, then
-    # the other requests, then the layers (the Triton backend's order). H200, 30 layers at 25 x 4,
-    # 32 rows on 8 warps: replay 922 / 986 / 918 us, scatter 894 / 898 / 894 us in that order.
     order: str = "heads"
 
     def __post_init__(self):

@@ -2,20 +2,18 @@
 
 The taps of :func:`gdn_lossless_jax.conv.causal_conv1d_verify` (inputs rounded to the conv
 dtype; accumulated from the bias as ``acc = fma(w_j, x_j, acc)``, the fma pinned in PTX, or the
-portable form in interpret mode); the kernel returns the fp32 accumulators and the caller
-applies the SiLU (``acc / (1 + exp(-acc))``) in XLA, the same operations as the XLA form, so
-the two give the same bits on every platform (tested). (Division in the kernel did not match:
-on the H200 the kernel's ``div.rn.f32`` and XLA's division differed by 1 ULP on a quarter of
-the outputs.)
+portable form in interpret mode). The kernel returns the fp32 accumulators and the caller
+applies the SiLU (``acc / (1 + exp(-acc))``) in XLA, the same operations as the XLA form, so the
+two give the same bits on every platform (tested); the kernel's ``div.rn.f32`` differed from
+XLA's division by 1 ULP on some outputs, so the division stays in XLA.
 
-Why a kernel: XLA compiles the portable fma (about 150 integer operations) into large fusions,
-seconds per layer (a 30-layer step unrolled in one jit took 95 s to compile on the H200), and
-the XLA form also gathers each request's conv state, transposes and concatenates. Here a
-program of the grid ``(N, conv_dim / BC)`` reads request n's conv state from the pool at
-``[layer, slots[n]]`` (zeros for a padding slot), its D inputs, and writes the accumulators split
-into ``[q | k | v]`` (``splits``: the SiLU that follows writes each part, no slicing copies) and
-the deduplicated windows straight into the scratch at ``[layer, rows[n]]`` (aliased; an
-out-of-range row writes nothing), or into a fresh ``[N, C, D+Kc-2]`` array.
+Why a kernel: XLA compiles the portable fma (about 150 integer operations) into large, slow to
+compile fusions, and the XLA form also gathers, transposes and concatenates each request's conv
+state. A program of the grid ``(N, conv_dim / BC)`` reads request n's conv state from the pool
+at ``[layer, slots[n]]`` (zeros for a padding slot), its D inputs, and writes the accumulators
+split into ``[q | k | v]`` (``splits``: no slicing copies) and the deduplicated windows straight
+into the scratch at ``[layer, rows[n]]`` (aliased; an out-of-range row writes nothing), or into a
+fresh ``[N, C, D+Kc-2]`` array.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ instruction each, which no compiler pass can contract or reorder. ``"portable"``
 :func:`gdn_lossless_jax.rounding.mul_rn` / ``fma_rn`` (integer operations on the bit
 patterns): it lowers in Pallas Triton on any GPU (ROCm has no PTX; the AMDGPU backend
 rejects the ``f`` constraint) and in interpret mode on a CPU. Both are exact, so they
-give the same bits (the H200 run checks that).
+give the same bits (checked on a GPU).
 """
 
 from __future__ import annotations

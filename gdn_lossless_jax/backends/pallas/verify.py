@@ -1,43 +1,26 @@
 """Pallas (Triton backend) verify: one kernel body, one launch configuration for both record modes.
 
-Work outside the serial chain runs first, in a small prologue kernel: the q/k l2 norms,
-the query scale and the gates, with ``reference.prepare``'s formulas (XLA compiled those into
-six kernels, ~10 us on the H200; this is one launch, ``VerifyConfig.prep_heads`` q/k heads
-per program). Its ``k`` and ``g`` *are* the tape's ``k`` and ``g``: written once per
-(request, q/k head) and (request, v-head), never once per V tile.
+A small prologue kernel (:func:`_prep`) computes the q/k l2 norms, the query scale and the gates
+with ``reference.prepare``'s formulas; its ``k`` and ``g`` *are* the tape's, written once per
+(request, head), never once per V tile. The main kernel's grid is ``(N, HV, V // BV)`` (or
+``(V // BV, HV, N)``, ``VerifyConfig.order``): one program per request, v-head and V tile, holding
+the ``[BV, K]`` fp32 state tile in registers. Two algorithms (``VerifyConfig.algorithm``):
 
-The kernel's grid is ``(N, HV, V // BV)`` (or ``(V // BV, HV, N)``, ``VerifyConfig.order``):
-one program per request, v-head and V tile, holding the ``[BV, K]`` fp32 state tile in
-registers. Two algorithms, chosen by ``VerifyConfig.algorithm``:
+- ``"chain"`` (default): the D steps as written (steps 3-6 of :mod:`gdn_lossless_jax.reference`):
+  per step a pinned decay multiply, a reduction over K, a pinned fma, an output reduction and the
+  step's store (``u`` or the snapshot).
+- ``"gram"``: with ``G[t, s] = a_{s+1} ... a_t`` and ``P_t = a_1 ... a_t``,
+  ``u_t = beta_t (v_t - P_t (S0 k_t)) - sum_{s<t} beta_t G[t, s] (k_t . k_s) u_s`` and
+  ``o_t = P_t (S0 q_t) + sum_{s<=t} G[t, s] (q_t . k_s) u_s`` (``_gram_kernel``): the products
+  against the untouched state are independent, and the ``[D, D]`` coefficients come from their
+  own prologue (:func:`_gram_prep_kernel`). ``u`` and ``o`` differ from the chain's in their low
+  bits; the tape stays exact because snapshots are built from the same ``u`` with the pinned rule.
 
-- ``"chain"``: the D steps as written (steps 3-6 of :mod:`gdn_lossless_jax.reference`). Per
-  step: one pinned decay multiply, one reduction over K, one pinned fma, one output reduction, and the step's store (``u``,
-  or the snapshot). Each reduction over K sums the chunks' products elementwise (fused into
-  the running sums with the pinned fma by default, ``VerifyConfig.dot_fma``), then ends in a
-  short tree of warp shuffles inside the serial chain.
-- ``"gram"``: no reduction over K inside a chain. With ``G[t, s] = a_{s+1} ... a_t`` and
-  ``P_t = a_1 ... a_t``, the state after step t is ``P_t S0 + sum_{s<=t} G[t, s] u_s k_s^T``,
-  so ``u_t = beta_t (v_t - P_t (S0 k_t)) - sum_{s<t} beta_t G[t, s] (k_t . k_s) u_s`` and
-  ``o_t = P_t (S0 q_t) + sum_{s<=t} G[t, s] (q_t . k_s) u_s`` (see ``_gram_kernel``): the
-  products of the untouched state against all D keys and queries are independent of each
-  other (chunked like the chain's, no step waits on another's reduction), and per row the
-  recurrence is a few scalar multiply-adds, with the ``[D, D]`` coefficients made once per
-  (request, q/k head) by its own prologue kernel. ``u`` and ``o`` differ from the chain's in
-  their low bits; the tape stays exact because the snapshot mode builds its states from the
-  same ``u`` with the pinned rule, step by step. ``VerifyConfig.products="mma"`` computes
-  those products on the tensor cores.
-
-The default launch is the chain with 8 rows and one warp per program, its state tile held as
-``[8, 16]`` chunks (``VerifyConfig.k_chunk``) and its steps run as a loop: on the H200 the fastest
-tuple verify at D = 4, 8 and 16, and within 4% of the fastest snapshot verify (the whole-K tile);
-both modes must share its arithmetic (``benchmarks/NOTES.md``). They differ only in the grid's
-order (``VerifyConfig.order``), which changes no arithmetic: the V tiles first for snapshots.
-
-Where data lives: the kernels read each request's state from the pool by slot
-(``state[layer, slots[n]]``, SGLang's ``h0_indices``), never from a gathered copy, and with
-``tape=`` they write the tape straight into its buffer at ``[tape_layer, rows[n]]`` (the chain's
-``u`` or snapshots, the prologue's ``k`` and ``g``), aliased, so a step jitted with the
-buffers donated moves no byte twice. The state0 form is the same kernel on a one-layer pool.
+Both record modes must use the same :class:`VerifyConfig` (they share arithmetic). Entry point:
+:func:`verify`. The kernels read each state from the pool by slot (``state[layer, slots[n]]``,
+SGLang's ``h0_indices``), never a gathered copy, and with ``tape=`` write the tape in place into
+its buffer at ``[tape_layer, rows[n]]`` (aliased; donate the buffers under jit). The state0 form is
+the same kernel on a one-layer pool.
 """
 
 from __future__ import annotations
@@ -73,86 +56,50 @@ HIGHEST = jax.lax.Precision.HIGHEST  # fp32 products in fp32 (the default would 
 
 @dataclasses.dataclass(frozen=True)
 class VerifyConfig:
-    """Launch configuration (the same for both record modes, so outputs agree by construction).
+    """Launch configuration, the same for both record modes so that their outputs agree by construction.
 
-    ``k_chunk``: the chain holds its ``[BV, K]`` state tile as ``K / k_chunk`` tiles
-    ``[BV, k_chunk]``, sums a reduction's products over the chunks elementwise and reduces
-    once. Triton lays a ``[8, 16]`` fp32 tile out with 8 lanes across rows and 4 across
-    columns, so a reduction costs 2 shuffle levels for one row per lane, where a whole
-    ``[8, 128]`` row (32 lanes across K) costs 5 levels for each of 8 rows per lane: 24
-    shuffles per thread at 25 x 4 instead of 320 (``scripts/sass_stats.py``). The Gram form's
-    products use the same chunks.
-    ``unroll``: the chain unrolls its D steps (every step's inputs loaded first) up to this
-    D and runs them as a loop above it (step t + 1's inputs prefetched during step t). The
-    loop is the default: on the H200 it was as fast or faster at every D (31.9 against
-    33.0 us at 25 x 4), and unrolled chunked steps took Triton minutes to compile at D = 16
-    and 255 registers at D = 8.
-    ``row_vectors``: load q and k as ``[1, K]`` rows of the state tile's layout rather than
-    ``[K]`` vectors (which Triton must convert through shared memory every step).
-    ``one_pass``: compute a step's output from the decayed state, ``o = Sd q + u (k . q)``,
-    so both K-reductions of a step read ``Sd`` together and the output leaves the chain
-    (the output's fp32 rounding changes; the tape and the state do not).
-    ``evict``: Triton's eviction policy (``"evict_first"``, ``"evict_last"`` or None) for the
-    chain's state loads and snapshot stores, each touched once; ``"evict_first"`` keeps the
-    shared q/k rows in L2 (H200: 25 x 4 tuples 35.5 -> 33.3 us, 8 x 16 snapshots -4 to -8%).
-    ``prefetch_q``: in the loop, load step t + 1's q with its k during step t; False loads
-    each step's q in that step (its registers are not held across steps: 114 instead of 126
-    for tuples, 94 instead of 128 for snapshots, ``scripts/sass_stats.py``).
-    ``products``: how the Gram form computes ``S0 k_t`` and ``S0 q_t``: ``"fma"`` as the
-    chain's chunked dots, step by step; ``"mma"`` as matrix products on the tensor cores,
-    ``[BV, C] x [C, 16+]`` per chunk of K (``C = max(16, k_chunk)``) for all steps at once,
-    with Triton's TF32x3 (three TF32 products of split operands, fp32 accumulation: about
-    fp32's accuracy; ``block_v`` >= 16; the step axis padded to 16). The tape stays exact
-    either way (the states are built from the ``u`` the products give); only ``u`` and
-    ``o``'s low bits change. On the H200 ``algorithm="gram", products="mma", block_v=64,
-    num_warps=4, k_chunk=32`` is the fastest tuple verify at D = 16 (8 x 16: 22.1 + 6.0 us
-    against the chain's 30.6 + 3.3) but its snapshot verify is 40% slower than the chain's,
-    and at D = 4 it is slower in both modes (``benchmarks/NOTES.md``).
-    ``prep_heads``: q/k heads per program of the chain's prologue kernel (grid
-    ``(N, D, H / prep_heads)``; 0: all heads in one program per request and step). The
-    prologue is one program's latency long; with 2 heads per program it took 2.3 against 3.1 us
-    at 25 x 4 (tuples) on the H200, 2.7 against 3.7 (snapshots), 1.9 against 2.5 at 8 x 4
-    (1 and 4 heads: between the two).
+    ``order``, ``evict``, ``num_stages`` and ``pending_slice_v`` change no arithmetic; others may
+    change ``u``'s and the outputs' low bits (never the tape's exactness). ``row_vectors``,
+    ``one_pass``, ``unroll`` and ``prefetch_q`` apply to the chain only (the Gram form always runs
+    loops). Design reasons for the defaults: docs/design.md.
+
+    ``block_v``: V rows per program (a power of 2; cut to V by :meth:`fit`).
+    ``num_warps``, ``num_stages``: Triton's launch parameters.
+    ``row_vectors``: load q and k as ``[1, K]`` rows in the state tile's layout, not ``[K]`` vectors
+    (which Triton converts through shared memory every step).
+    ``one_pass``: ``o = Sd q + u (k . q)`` from the decayed state, so both reductions of a step read
+    ``Sd`` together (changes the outputs' fp32 rounding, not the tape's or the state's).
+    ``algorithm``: ``"chain"`` or ``"gram"`` (module docstring).
+    ``k_chunk``: hold the ``[BV, K]`` state tile as ``K / k_chunk`` tiles ``[BV, k_chunk]``; a
+    reduction sums the chunks elementwise, then reduces once (fewer shuffle levels). The Gram
+    form's products use the same chunks.
+    ``unroll``: unroll the D steps up to this D (inputs all loaded first); above it, a loop that
+    prefetches step t + 1's inputs during step t. 0 (default): always a loop.
+    ``evict``: Triton's eviction policy for the chain's state loads and snapshot stores, each
+    touched once (``"evict_first"``, ``"evict_last"`` or None).
+    ``prefetch_q``: in the loop, load step t + 1's q with its k; False loads q in its own step
+    (fewer registers held across steps).
+    ``products``: how the Gram form computes ``S0 k_t`` and ``S0 q_t``: ``"fma"`` (the chain's
+    chunked dots) or ``"mma"`` (tensor-core ``tl.dot``, TF32x3, ``[BV, C] x [C, 16+]`` per chunk
+    with ``C = max(16, k_chunk)``; needs ``block_v`` >= 16, pads the step axis to 16). Only
+    ``u`` and ``o``'s low bits change; the tape stays exact.
+    ``prep_heads``: q/k heads per program of the prologue kernel (grid ``(N, D, H / prep_heads)``;
+    0: all heads in one program); 0 or a power of 2.
     ``order``: the grid's order, ``"requests"`` ``(N, HV, V // block_v)`` or ``"tiles"``
-    ``(V // block_v, HV, N)`` (programs are scheduled first axis fastest: with the tiles first,
-    consecutive programs read one state's contiguous tiles and write its snapshots next to each
-    other). The order changes no arithmetic, so the two modes may differ in it; None (the
-    default) takes the tiles first for snapshots and the requests first for tuples. On the
-    H200 the tiles first made the snapshot verify 6-7% faster (25 x 4: 71.7 against 77.3 us;
-    8 x 16: 77.9 against 82.7) and the tuple verify no faster (30.4 against 30.3 us at 25 x 4;
-    31.9 against 30.7 at 8 x 16).
-    ``dot_fma``: which of the chain's reductions over K fuse the chunks' products into their
-    running sums with the pinned fma (one instruction per element instead of a multiply and an
-    add, which Pallas Triton never contracts): ``"none"``, ``"u"`` (``Sd . k``) or ``"both"``
-    (and ``S . q``). Only ``u`` and the outputs' low bits change, the same way in both modes. The
-    portable form (ROCm, interpret mode) always multiplies and adds: its fma is ~20 integer
-    operations. On the H200 ``"both"`` made the tuple verify 1-5% faster (25 x 4: 29.7 against
-    30.0 us of kernel; 8 x 16: 29.1 against 30.5) at the same 128 registers, and the snapshot
-    verify no slower (``benchmarks/NOTES.md``, ninth session). (In the Triton backend the same
-    fusion took 130 registers, one warp per SM fewer, and was slower.)
+    ``(V // block_v, HV, N)``; None: tiles first for snapshots (consecutive programs read one
+    state's contiguous tiles), requests first for tuples.
+    ``dot_fma``: which of the chain's K-reductions fuse the chunks' products into the running sums
+    with the pinned fma: ``"none"``, ``"u"`` (``Sd . k``) or ``"both"`` (and ``S . q``). Changes
+    only ``u`` and the outputs' low bits, the same in both modes. The portable form (ROCm,
+    interpret) always multiplies and adds (its fma is ~20 integer operations).
     ``pending_replay``: how the fused kernel (``commit_and_verify``) replays a pending tuple
-    commit: ``"split"`` runs the steps up to the accepted one carrying one state (the track
-    state stored on the way; a track step after the accepted one continues from it), ``"carry"``
-    runs one loop to the later of the two steps with the accepted state carried beside the
-    running one (32 more registers a thread at 8 rows). On the H200 ``"split"`` made the fused
-    step 4-9% faster (25 x 4: 1669 against 1794 us of device time, unrolled with ``out=``).
-    Loading the next step's tape during a step took the kernel from 128 to 168 registers (12
-    warps an SM instead of 16) and was 10-20% slower; not kept. ``"rows"`` replays on a
-    ``[BV, K]`` tile with the lanes across K (a step's ``k`` in ``K / 32`` registers a lane, not
-    ``K / 4``), stores the committed states, and the chain reads the state back from the pool
-    after a barrier (in ``_kernel``). The Triton backend's kernel gains 7-14% from it;
-    XLA's build of this one takes 130 registers (12 warps an SM; 128 and below: 16), and it was
-    faster only at 25 x 4 (49.7 against 51.5 us a layer), slower at 8 x 16 (46.1 against 39.9)
-    and 8 x 8 (``benchmarks/NOTES.md``, eleventh session). With ``dot_fma="u"`` it takes 128 at
-    25 x 4 and 45.9 us: the launch of :data:`TUNED` there.
-    ``pending_slice_v``: the fused tuple kernel reads one layer's ``v`` sliced out by XLA (a
-    copy of ~2 us and one more launch a layer) rather than the stack at the layer. Reading the
-    stack was 22% slower while the fused kernel took 168 registers; at 128-130 it costs up to
-    1.4 us of kernel a layer and saves the copy: the unrolled fused step with ``out=`` took
-    1648 against 1657 us at 25 x 4, 1301 against 1316 at 8 x 16, 643 against 672 at 8 x 4.
-    ``algorithm``: ``"chain"`` or ``"gram"`` (module docstring); ``row_vectors``,
-    ``one_pass``, ``unroll`` and ``prefetch_q`` only apply to the chain (the Gram form always
-    runs loops: unrolled, its steps took Triton 2-3 min to compile at D = 16).
+    commit: ``"split"`` runs to the accepted step carrying one state (a later track step
+    continues from it); ``"carry"`` runs one loop to the later of the two steps, the accepted
+    state carried beside the running one; ``"rows"`` replays on a whole ``[BV, K]`` tile (lanes
+    across K), stores the committed states and reads the state back from the pool after a
+    barrier (in ``_kernel``).
+    ``pending_slice_v``: the fused tuple kernel reads one layer's ``v`` sliced out by XLA (a copy)
+    rather than the stacked ``v`` at the layer.
     """
 
     block_v: int = 8
@@ -204,14 +151,9 @@ class VerifyConfig:
 #: dtype)``: :func:`tuned_config` gives them where no ``config`` is passed. An entry computes what the
 #: defaults compute (up to the outputs' low bits, through ``dot_fma``); it differs in the registers
 #: XLA's build of the fused kernel takes, which no flag caps (ptxas's ``--maxrregcount`` through XLA
-#: changed nothing). At 25 x 4 ``pending_replay="rows"`` with ``dot_fma="u"`` takes 128 registers a
-#: thread (16 one-warp programs an SM) where the defaults take 130 (12); on the H200 (jax 0.11.2) the
-#: fused step (unrolled, ``out=``) took 1484 against 1648 us of device time, the kernel 45.9 against
-#: 51.4 us a layer, and the separate step 1903 against 1882 (its verify 31.8 against 31.1 us: the
-#: outputs' dot is not fused). The same launch at 8 x 4, 8 x 8 and 8 x 16 took 148 registers and was
-#: 4-17% slower (``benchmarks/NOTES.md``, twelfth session). Because ``dot_fma`` changes the outputs'
-#: low bits, the verify and the fused kernel of a shape always take the same entry (the fused step's
-#: outputs equal the separate step's).
+#: has no effect). At 25 x 4, ``pending_replay="rows"`` with ``dot_fma="u"`` keeps that kernel at 128
+#: registers a thread where the defaults take 130 (fewer warps an SM). Because ``dot_fma`` changes the outputs' low bits, the verify and the fused kernel
+#: of a shape always take the same entry (the fused step's outputs equal the separate step's).
 TUNED: dict[tuple[int, int, str], dict] = {
     (25, 4, "float32"): {"pending_replay": "rows", "dot_fma": "u"},
 }
@@ -452,8 +394,8 @@ def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bo
         o = sq + u * kq if one_pass else _chunk_dot(S, qs, fuse_o)
         o_ref[(*w.olead, n, t, hv, vs)] = o.astype(o_ref.dtype)
         if snapshots:
-            # (interpret mode: the barrier changes no value; without it XLA:CPU took ~15 s instead of ~1.5 s to
-            # compile the kernel storing a bf16 state into a snapshot buffer in place)
+            # (interpret mode: the barrier changes no value; without it XLA:CPU compiles the in-place
+            # bf16 snapshot store very slowly)
             _store_state(tape_ref, w, t, cols, jax.lax.optimization_barrier(S) if interpret else S, evict)
         else:
             _store_row(tape_ref, w, (*w.lead, t, hv, vs), u)
@@ -496,8 +438,8 @@ def _prep_kernel(*refs, H: int, HV: int, hb: int, scale: float, into: bool, stac
     """Per (request, step, group of ``hb`` q/k heads): the q/k l2 norms of those heads and the
     gates of their v-heads.
 
-    ``reference.prepare``'s formulas in one small kernel (XLA made six kernels of them, ~10 us
-    on the H200). Heads are padded to powers of 2 and masked. With ``into`` the tape's ``k``
+    ``reference.prepare``'s formulas in one small kernel (XLA would make several). Heads are
+    padded to powers of 2 and masked. With ``into`` the tape's ``k``
     and ``g`` also go straight into the tape buffers at ``[tape_layer, rows[n], t]`` (aliased:
     no copy after the kernel; an out-of-range row writes nothing). ``stacked``: which of the six
     inputs are stacked over layers, read at the layer in the ``[1]`` input after them.
@@ -761,7 +703,7 @@ def _gram_prep(q, k, a, b, A_log, dt_bias, *, scale, Dp: int, interpret: bool, p
 
 
 def gram_prep_warps(Dp: int) -> int:
-    return 4 if Dp >= 16 else 2  # two [Dp, K] tiles per program: at Dp = 16, 2 warps spill (scripts/sass_stats.py)
+    return 4 if Dp >= 16 else 2  # two [Dp, K] tiles per program: at Dp = 16, 2 warps spill registers
 
 
 def _store_row(ref, w: _Where, idx, value, evict=None):

@@ -6,8 +6,8 @@ chain ``t = 0 .. max(steps[n], track_steps[n])`` in registers with the library's
 ``S = fma(k_t, u_t, rn(S * exp(g_t)))`` (k of q/k head ``hv // (HV // H)``), and stores
 the state to ``pool[l, track_slots[n]]`` when ``t == track_steps[n]`` and to
 ``pool[l, slots[n]]`` when ``t == steps[n]`` (rounded to the pool dtype). Both come from
-the pre-verify state read before either write, so the accepted-first ordering bug of the
-seed cannot happen.
+the pre-verify state read before either write, so the accepted-first ordering bug
+(``reference.commit_accepted_first``) cannot happen.
 
 Snapshot tape: a masked gather-scatter, grid ``(blocks of HV*V*K, N, L)``.
 
@@ -52,13 +52,10 @@ __all__ = [
 #: forms break it by construction, for tests that must catch them: ``twice_rounded`` is
 #: ``rn(rn(S * alpha) + rn(k * u))`` (what XLA:GPU makes of the plain expression) and
 #: ``other_product`` is ``fma(S, alpha, rn(k * u))`` written out (what Triton's fp fusion
-#: made of it in SGLang's kernel, as measured on the H200). ``naive`` writes
-#: ``S * alpha + k * u`` and launches with fp fusion on, so the compiler decides, which is why it is not among
-#: the controls: compiled for sm_90 as jax-triton 0.3.1 specialises the kernel, Triton 3.6
-#: fuses ``S * alpha`` (the other product) at 32 rows on 2 warps, and at 8 rows on one warp
-#: ``k * u`` (the rule) for an fp32 pool but ``S * alpha`` for a bf16 one; compiled without
-#: jax-triton's 16-byte pointer specialisation, it fused ``k * u``. All seen in the PTX
-#: (scripts/triton_interpret_check.py prints which); the rule is written out for this reason.
+#: made of it in SGLang's kernel). ``naive`` writes ``S * alpha + k * u`` and launches with fp
+#: fusion on, so the compiler decides, which is why it is not among the controls: which product
+#: Triton 3.6 fuses depends on the launch, the pool dtype and jax-triton's pointer
+#: specialisation (scripts/triton_interpret_check.py prints which). Hence the rule is written out.
 FORMS = ("rule",)
 CONTROL_FORMS = ("twice_rounded", "other_product")
 COMPILER_FORMS = ("naive",)
@@ -73,13 +70,10 @@ class CommitConfig:
       block_v, num_warps, num_stages: the tuple (replay) kernel's V tile and launch.
       block: elements per program of the snapshot gather-scatter.
       copy_warps: num_warps of the gather-scatter.
-      evict: Triton's eviction policy for the replay's pool loads and stores (``""``,
-        Triton's default; on the H200 ``"evict_first"`` was not faster: 898 against 892 us
-        for 30 layers at 25 x 4, benchmarks/NOTES.md).
+      evict: Triton's eviction policy for the replay's pool loads and stores (``""``: Triton's
+        default).
     """
 
-    # H200, 30 layers, 8 rows on one warp against 32 on 2 (the default before): replay 840 / 279 /
-    # 268 / 266 us against 861 / 311 / 290 / 278 at 25 x 4 / 8 x 16 / 8 x 8 / 8 x 4 (benchmarks/NOTES.md).
     block_v: int = 8
     num_warps: int = 1
     num_stages: int = 2

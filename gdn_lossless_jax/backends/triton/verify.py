@@ -1,19 +1,15 @@
 """Verify as Triton kernels, called through jax-triton: a prologue, then the chain.
 
-The design of the Pallas backend's default launch (``backends/pallas/verify.py``,
-``benchmarks/NOTES.md``), written in Triton:
+The design of the Pallas backend's default launch (``backends/pallas/verify.py``), in Triton:
 
 * ``verify_prep_kernel``, grid ``(N, D, H / prep_heads)``: the q/k l2 norms (the query also
-  scaled) and the gates ``g``, ``beta`` of every step, once per (request, step, q/k head) and
-  (request, step, v-head) rather than once per V tile. Its ``k`` and ``g`` *are* the tape's.
-* ``verify_kernel``, grid ``(N, HV, V / BV)`` for tuples and ``(V / BV, HV, N)`` for
-  snapshots (``VerifyConfig.order``; programs run first axis fastest, so with the tiles
-  first neighbouring programs write their snapshots next to each other): one program holds
-  a ``[BV, K]`` fp32 tile of one request's state for one v-head (bf16 upcast) as
-  ``[BV, K / C, C]`` chunks (``VerifyConfig.k_chunk``: with ``[8, 16]`` chunks Triton puts 8
-  lanes across the rows and 4 across the columns, so a reduction over K sums the chunks in
-  registers and ends in 2 shuffle levels, not 5 per row). It walks the D steps as a loop,
-  step t + 1's inputs loaded during step t (steps 3-6 of :mod:`gdn_lossless_jax.reference`)::
+  scaled) and the gates ``g``, ``beta``, once per (request, step, head) rather than once per V
+  tile. Its ``k`` and ``g`` *are* the tape's.
+* ``verify_kernel``, grid ``(N, HV, V / BV)`` for tuples and ``(V / BV, HV, N)`` for snapshots
+  (``VerifyConfig.order``): one program holds a ``[BV, K]`` fp32 tile of one request's state for
+  one v-head (bf16 upcast), as ``[BV, K / C, C]`` chunks or, up to ``ROWS_UP_TO`` drafts, as a
+  ``[BV, K]`` tile with the lanes across K (:func:`_chain_rows`; ``VerifyConfig.chain``). It
+  walks the D steps (steps 3-6 of :mod:`gdn_lossless_jax.reference`)::
 
     alpha = exp(g_t)
     Sd    = S * alpha                      # one rounded multiply
@@ -21,13 +17,7 @@ The design of the Pallas backend's default launch (``backends/pallas/verify.py``
     S     = fma(k_t, u, Sd)                # explicit: fp fusion would fuse the other product
     o_t   = sum_k S * q_t
 
-Up to 4 drafts (``VerifyConfig.chain``) the chain holds the tile as ``[BV, K]`` with the 32
-lanes across K instead (:func:`_chain_rows`): a step's q and k are then 4 registers a lane,
-loaded once rather than once a row, and a reduction over K sends half of the rows a lane
-holds at each butterfly level (:func:`_row_sums`); u returns to every row by one gather
-(72 registers a thread instead of 128; 27.4 against 31.8 us at 25 x 4 on the H200). Its
-dependent shuffles make it slower at 16 drafts. The reductions' order, and so u's and the
-outputs' low bits, differ between the two chains.
+The two chains' reduction orders differ, and so do u's and the outputs' low bits.
 
 One kernel body serves both record modes (the constexpr ``SNAPSHOTS`` only chooses what is
 stored, ``TILES_FIRST`` only how the program ids are read), so the outputs are identical by
@@ -36,17 +26,9 @@ same arithmetic in the same layouts). ``record="snapshots"`` stores the state af
 (``[N, D, HV, V, K]``, state0's dtype); ``record="tuples"`` stores ``u [N, D, HV, V]``, with
 the prologue's ``k [N, D, H, K]`` and ``g [N, D, HV]`` (fp32) as the rest of the tape.
 
-On the H200 this takes 27.5 us per layer for tuples and 70.0 us for snapshots at 25 x 4 with the
-rows chain (31.8 and 74.4 us with the chunks, the Pallas kernel's times; the first design here,
-one program per 32 rows on 4 warps with the whole-K tile and the norms in every program, took
-97 and 108 us).
-
-The wrappers launch with fp fusion off (``_lang.py``): every multiply and add rounds as
-written. (With it on, the reductions' products and sums contract into fmas: on the H200 the
-tuple verify was 5-8% slower, ``benchmarks/NOTES.md``.)
-
-JAX is imported inside the wrappers only, so that the kernels also load where the Triton
-interpreter checks them without JAX (``scripts/triton_interpret_check.py``).
+The wrappers launch with fp fusion off (``_lang.py``): every multiply and add rounds as written,
+and the pinned fma is explicit. JAX is imported inside the wrappers only, so that the kernels also
+load where the Triton interpreter checks them without JAX (``scripts/triton_interpret_check.py``).
 """
 
 from __future__ import annotations
@@ -83,48 +65,23 @@ class VerifyConfig:
       evict: Triton's eviction policy of the state loads and snapshot stores (``""``: Triton's
         default), each touched once.
       prep_heads: q/k heads per program of the prologue (a power of two).
-      prefetch_pending: in the fused kernel (a pending tuple commit replayed before the
-        verify), ask L2 for the lines of every pending step's ``k``, ``u`` and ``g`` at the
-        program's start (``prefetch.global.L2``, no registers held), so that the replay's
-        steps wait on L2 rather than each on its own trip to memory. On the H200 the fused
-        step (unrolled, ``out=``) took 1% less device time at 25 x 4 (1613 against 1632 us) and
-        3% less at 8 x 16 (1490 against 1534), at the same 140 and 138 registers
-        (``benchmarks/NOTES.md``, eleventh session). The replay's loads were not what it
-        waits on: without the replay the kernel takes 42.4 instead of 50.5 us at 25 x 4.
-      pending_replay: how the fused kernel replays a pending tuple commit. ``"rows"`` loads the
-        state as a ``[BV, K]`` tile with the lanes across K (a step's ``k`` is 4 registers a
-        lane; in the chain's chunk layout it is 32), replays there, stores the accepted and
-        track states to the pool, and the chain then reads the state the pool holds, in its own
-        layout (an L2 hit; the program's lanes meet at a barrier first). ``"split"`` replays in
-        the chain's layout (the Pallas kernel's ``pending_replay="split"``) and hands the state
-        over in registers. On the H200 ``"rows"`` took 126-128 registers instead of 138-140 and
-        made the fused step (unrolled, ``out=``) 7% faster at 25 x 4 (1497 against 1613 us of
-        device time) and 14% at 8 x 16 (1278 against 1484). Loading the replay's steps ahead
-        (all of them first, or one step ahead) changed nothing.
-      chain: the layout of the chain's state tile. ``"chunks"``: ``[BV, K / C, C]`` chunks with 8
-        lanes across the rows and 4 across the columns, so a reduction over K ends in 2 shuffle
-        levels, but every step's q and k are loaded once a row (32 registers a lane each, a
-        copy in each of 8 lanes). ``"rows"``: a ``[BV, K]`` tile with the 32 lanes across K, the
-        rows in registers (a step's q and k are 4 registers a lane, loaded once); its reductions
-        send half of a lane's rows at each butterfly level (:func:`_row_sums`), a longer chain
-        of dependent shuffles a step. With ``"rows"`` a pending tuple commit is always replayed
-        on that tile (``pending_replay`` is not read). None (the default): ``"rows"`` up to 8
-        drafts (up to 4 before the steps were unrolled, ``unroll``), ``"chunks"`` above. ``u``
-        and the outputs differ between the two in their low bits (the reductions' order), the
-        same way in both record modes and in the fused kernel; the tape replays exactly either
-        way. On the H200 (``benchmarks/NOTES.md``,
-        thirteenth session), kernel us a layer, rows against chunks: the tuple verify 27.4
-        against 31.8 at 25 x 4 (72 registers against 128), 12.5 against 13.1 at 8 x 4, 20.3
-        against 19.5 at 8 x 8, 35.8 against 32.2 at 8 x 16; the fused kernel 43.4 against 46.4,
-        17.4 against 17.7, 24.4 against 24.7, 39.2 against 39.0.
-      unroll: the rows chain's steps unrolled (the chunk chain ignores it), so that a step's
-        output reduction, which the next step does not wait on, can overlap the next step's
-        chain. The same arithmetic, bit for bit. None (the default): unrolled up to 8 drafts.
-        On the H200 (``benchmarks/NOTES.md``, fourteenth session), fused kernel us a layer:
-        41.0 against 42.8 at 25 x 4 (95 registers), 15.8 against 16.9 at 8 x 4, and at 8 x 8
-        22.6 (64 registers) against the chunk chain's 24.6 (128); at 8 x 16 41.6 against
-        the chunk chain's 38.9. The verify alone moved less: 27.2 against 27.2, 11.1 against
-        12.5, 19.4 against 19.4, 31.6 against 32.1.
+      prefetch_pending: in the fused kernel, ask L2 for every pending step's ``k``, ``u`` and
+        ``g`` at the program's start (``prefetch.global.L2``, no registers held).
+      pending_replay: how the fused kernel replays a pending tuple commit: ``"rows"`` on a
+        ``[BV, K]`` tile with the lanes across K, storing the accepted and track states to the
+        pool, after which the chain reads the state back from the pool in its own layout (the
+        program's lanes meet at a barrier first); ``"split"`` in the chain's layout, the state
+        handed over in registers (the Pallas kernel's ``pending_replay="split"``).
+      chain: the layout of the chain's state tile. ``"chunks"``: ``[BV, K / C, C]`` chunks, 8
+        lanes across the rows and 4 across the columns (short reductions; q and k loaded once a
+        row). ``"rows"``: ``[BV, K]`` with the 32 lanes across K, the rows in registers (q and k
+        loaded once; reductions by :func:`_row_sums`); a pending tuple commit is then always
+        replayed on that tile (``pending_replay`` is not read). None: ``"rows"`` up to
+        ``ROWS_UP_TO`` drafts, ``"chunks"`` above. The two differ in ``u``'s and the outputs' low
+        bits (the reductions' order), the same way in both record modes and the fused kernel.
+      unroll: unroll the rows chain's steps (the chunk chain ignores it), so a step's output
+        reduction can overlap the next step's chain; bit-identical. None: unrolled up to
+        ``UNROLL_UP_TO`` drafts.
     """
 
     block_v: int = 8
