@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 # Modules that moved to the tools and testing subpackages: one release under their old name.
-__getattr__ = _deprecated.alias(__name__, {
+_moved = _deprecated.alias(__name__, {
     "cases": "gdn_lossless_jax.testing.cases",
     "memory": "gdn_lossless_jax.tools.memory",
     "equivalence": "gdn_lossless_jax.testing.equivalence",
@@ -51,3 +51,11 @@ __getattr__ = _deprecated.alias(__name__, {
     "fuzz": "gdn_lossless_jax.tools.fuzz",
     "viz": "gdn_lossless_jax.tools.viz",
 })  # fmt: skip
+
+
+def __getattr__(name: str):
+    if name == "tools":  # imported on first use: the core does not need it
+        import importlib
+
+        return importlib.import_module(f"{__name__}.tools")
+    return _moved(name)

@@ -179,8 +179,33 @@ def test_replace(x):
 def test_submodules_are_attributes():
     import gdn_lossless_jax
 
-    for name in ("pool", "cases", "conv", "memory", "reference", "rounding", "testing", "autodiff", "checked"):
+    for name in ("pool", "conv", "reference", "rounding", "testing", "autodiff", "checked", "checks", "sharding", "tools"):
         assert getattr(gdn_lossless_jax, name).__name__ == f"gdn_lossless_jax.{name}"
+    assert gdn_lossless_jax.tools.memory.__name__ == "gdn_lossless_jax.tools.memory"
+
+
+@pytest.mark.parametrize("old, new", [("cases", "testing.cases"), ("memory", "tools.memory"), ("viz", "tools.viz"),
+                                      ("fuzz", "tools.fuzz"), ("equivalence", "testing.equivalence")])
+def test_moved_modules_keep_their_old_names(old, new):
+    """A module that moved is still there under its old name for one release, with a DeprecationWarning."""
+    import importlib
+
+    import gdn_lossless_jax
+
+    with pytest.warns(DeprecationWarning, match=f"moved to gdn_lossless_jax.{new}"):
+        assert getattr(gdn_lossless_jax, old).__name__ == f"gdn_lossless_jax.{new}"
+    assert importlib.import_module(f"gdn_lossless_jax.{old}").__name__ == f"gdn_lossless_jax.{new}"
+
+
+@pytest.mark.parametrize("module, name, new", [("rounding", "FORMS", "testing.controls"),
+                                               ("reference", "commit_accepted_first", "testing.controls"),
+                                               ("api", "as_index", "checks")])
+def test_moved_names_keep_their_old_homes(module, name, new):
+    import importlib
+
+    old = importlib.import_module(f"gdn_lossless_jax.{module}")
+    with pytest.warns(DeprecationWarning, match=f"moved to gdn_lossless_jax.{new}.{name}"):
+        assert getattr(old, name) is getattr(importlib.import_module(f"gdn_lossless_jax.{new}"), name)
 
 
 def test_weakly_typed_index_arrays_become_plain_int32():

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from ...tape import Snapshots
+from ..contract import VerifyCall
 from .. import BackendUnavailable, platform
 from .commit import CommitConfig, commit_snapshots, commit_tuples
 from .conv import conv_commit, conv_verify
@@ -70,19 +71,12 @@ def _form(form: str | None, allowed=FORMS) -> str:
     return form
 
 
-def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, slots=None, layer=None, tape=None,
-           tape_layer=None, rows=None, pending=None, form=None, config=None, pending_control=None, out=None,
-           out_layer=None):  # fmt: skip
+def verify(call: VerifyCall, *, form=None, config=None, pending_control=None):
     """See :func:`gdn_lossless_jax.verify`; ``config`` (a :class:`VerifyConfig`) sets the kernel's tile
     and launch, by default :func:`~gdn_lossless_jax.backends.pallas.verify.tuned_config` of the shape."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
-        return _verify(
-            state0, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, out_dtype=jnp.dtype(out_dtype),
-            config=config, form=_form(form), interpret=_interpret(), slots=slots, layer=layer, tape=tape,
-            tape_layer=tape_layer, rows=rows, pending=pending, pending_control=pending_control, out=out,
-            out_layer=out_layer,
-        )  # fmt: skip
+        return _verify(call, config=config, form=_form(form), interpret=_interpret(), pending_control=pending_control)
 
 
 def commit(pool, tape, slots, steps, track_slots, track_steps, rows, *, form=None, config=CommitConfig()):

@@ -37,6 +37,7 @@ from jax.experimental.pallas import triton as plgpu
 from ...reference import INPUT_RANKS, L2NORM_EPS, gates
 from ...reference import stacked as is_stacked
 from ... import rounding
+from ..contract import VerifyCall
 from ._refs import grid, program_ids, store
 from .conv import scalar
 from .rounding import ops as rounding_ops
@@ -716,44 +717,29 @@ def _store_row(ref, w: _Where, idx, value, evict=None):
         store(ref, idx, value, evict)
 
 
-@functools.partial(jax.jit, static_argnames=("record", "scale", "out_dtype", "config", "form", "interpret",
-                                             "pending_control"))
-def verify(
-    state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, config=None, form, interpret,
-    slots=None, layer=None, tape=None, tape_layer=None, rows=None, pending=None, pending_control=None, out=None,
-    out_layer=None,
-):  # fmt: skip
-    """See :func:`gdn_lossless_jax.verify` (arguments already checked there).
+@functools.partial(jax.jit, static_argnames=("config", "form", "interpret", "pending_control"))
+def verify(call: VerifyCall, *, config=None, form, interpret, pending_control=None):
+    """See :func:`gdn_lossless_jax.verify`; the call's fields as :class:`~..contract.VerifyCall` has them.
 
-    ``state0`` is ``[N, HV, V, K]`` (``slots`` None) or a pool ``[L, S, HV, V, K]`` that the
-    kernel reads at ``[layer, slots[n]]`` (zeros for a slot outside ``[0, S)``; no gathered
-    copy). With ``tape`` (a ``Tuples`` or ``Snapshots`` buffer ``[L', R, Dmax, ...]``, Dmax >=
-    D) request n's tape goes to ``[tape_layer, rows[n], :D]`` of that buffer, in place (aliased;
-    donate it under jit); other rows, steps and layers keep their contents, and an out-of-range
-    row writes nothing. Returns ``(outputs, tape)``: the fresh ``[N, D, ...]`` tape, or the
-    updated buffer. Any input with a leading layer axis (one more than one layer's rank) is
-    read at ``layer`` by the kernels (the pool form).
-
-    With ``pending`` (``(rows, steps, track_slots, track_steps, prev_layer, prev_tape)``, the
-    previous step's commit per request, its tape ``[L', R', D', ...]`` read at ``prev_layer``)
-    each program first applies that commit to its tile of the pool (:func:`_apply_pending`) and
-    verifies from the committed state; the pool (``state0``, with ``slots``) is aliased to a
-    third output: returns ``(outputs, tape, pool)``. The chain algorithm only.
-
-    With ``out`` (``[L', N, D, HV, V]`` in ``out_dtype``) the outputs go to ``out[out_layer]``,
-    in place (aliased); the buffer is returned as the outputs.
+    The kernel reads each request's state at ``pool[layer, slots[n]]`` (zeros for a slot outside
+    ``[0, S)``; no gathered copy). With a tape buffer, request n's tape goes to ``[tape_layer,
+    rows[n], :D]`` of it, in place (aliased; donate it under jit); an out-of-range row writes
+    nothing. Inputs with a leading layer axis are read at ``layer`` by the kernels. With
+    ``pending``, each program first applies that commit to its tile of the pool
+    (:func:`_apply_pending`) and verifies from the committed state; the pool is aliased to a
+    third output (the chain algorithm only). With ``out``, the outputs go to ``out[out_layer]``,
+    in place. Returns ``(outputs, tape[, pool])``.
     """
     from ...tape import Snapshots, Tuples
 
-    # inputs stacked over the pool's layers (pool form; by rank): read at `layer` by the kernels
-    stacked = any(is_stacked(n, x) for n, x in zip(INPUT_RANKS, (q, k, v, a, b, A_log, dt_bias)))
+    state, slots, layer, pending = call.pool, call.slots, call.layer, call.pending
+    q, k, v, a, b, A_log, dt_bias = call.inputs
+    tape, tape_layer, rows, out, out_layer = call.tape, call.tape_layer, call.rows, call.out, call.out_layer
+    record, scale, out_dtype = call.record, call.scale, jnp.dtype(call.out_dtype)
+    # inputs stacked over the pool's layers (by rank): read at `layer` by the kernels
+    stacked = any(is_stacked(n, x) for n, x in zip(INPUT_RANKS, call.inputs))
     D, H = q.shape[-3], q.shape[-2]
     i32 = jnp.int32
-    pool_form = slots is not None
-    if slots is None:  # state0 form: a one-layer pool whose slot n is request n
-        state, slots, layer = state0[None], jnp.arange(state0.shape[0], dtype=i32), 0
-    else:
-        state = state0
     N = q.shape[-4]
     _, _, HV, V, K = state.shape
     layer, tape_layer = scalar(layer), scalar(tape_layer)
@@ -767,8 +753,8 @@ def verify(
         raise ValueError(f"pallas verify: K={K} must be a multiple of k_chunk={cfg.k_chunk} (or at most it)")
     snapshots = record == "snapshots"
     into = tape is not None
-    if pending is not None and (cfg.algorithm != "chain" or not pool_form):
-        raise ValueError("pallas verify: a pending commit needs the pool form (slots=) and the chain algorithm")
+    if pending is not None and cfg.algorithm != "chain":
+        raise ValueError("pallas verify: a pending commit needs the chain algorithm")
     if into and rows is None:
         rows = jnp.arange(N, dtype=i32)
     gram = cfg.algorithm == "gram"
@@ -810,12 +796,13 @@ def verify(
         out_shape.append(jax.ShapeDtypeStruct((N, D, HV, V), F32))
     pending_mode = None
     if pending is not None:
-        prows, psteps, ptslots, ptsteps, prev_layer, prev_tape = pending
+        prev_tape = pending.tape
         pending_mode = "snapshots" if isinstance(prev_tape, Snapshots) else "tuples"
         if pending_mode == "tuples" and v.ndim == 5 and cfg.pending_slice_v:  # one layer's v, copied by XLA
             v = jax.lax.dynamic_index_in_dim(v, layer[0], 0, keepdims=False)
             inputs[6] = v
-        inputs += [prows, psteps, ptslots, ptsteps, scalar(prev_layer), *jax.tree.leaves(prev_tape)]
+        inputs += [pending.rows, pending.steps, pending.track_slots, pending.track_steps, scalar(pending.layer),
+                   *jax.tree.leaves(prev_tape)]
         out_shape.append(jax.ShapeDtypeStruct(state.shape, state.dtype))
         aliases[0] = 2
     out_into = out is not None
