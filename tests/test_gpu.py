@@ -16,6 +16,7 @@ from conftest import requires_gpu
 from gdn_lossless_jax import backends
 from gdn_lossless_jax.testing.cases import KINDS, Shape, verify_inputs
 from gdn_lossless_jax.testing import assert_bitwise_differs, assert_bitwise_equal
+from gdn_lossless_jax.testing import backend_verify
 
 pytestmark = requires_gpu
 
@@ -38,11 +39,11 @@ def test_pallas_ptx_and_portable_forms_are_bit_identical(kind, state_dtype, seed
     x = verify_inputs(seed, FORMS_SHAPE, kind=kind, state_dtype=state_dtype)
     unfused = pal.VerifyConfig(dot_fma="none")
     for record in gl.RECORD_MODES:
-        ptx = pal.verify(**x, record=record, scale=128**-0.5, out_dtype=jnp.bfloat16, form="ptx", config=unfused)
-        portable = pal.verify(**x, record=record, scale=128**-0.5, out_dtype=jnp.bfloat16, form="portable",
+        ptx = backend_verify(pal, **x, record=record, scale=128**-0.5, out_dtype=jnp.bfloat16, form="ptx", config=unfused)
+        portable = backend_verify(pal, **x, record=record, scale=128**-0.5, out_dtype=jnp.bfloat16, form="portable",
                               config=unfused)  # fmt: skip
         assert_bitwise_equal(ptx, portable, f"verify {record}")
-    tup = pal.verify(**x, record="tuples", scale=128**-0.5, out_dtype=jnp.bfloat16, form="ptx")[1]
+    tup = backend_verify(pal, **x, record="tuples", scale=128**-0.5, out_dtype=jnp.bfloat16, form="ptx")[1]
     steps = jnp.asarray(np.arange(FORMS_SHAPE.N) % FORMS_SHAPE.D, jnp.int32)
     assert_bitwise_equal(pal.replay(x["state0"], tup, steps, form="ptx"), pal.replay(x["state0"], tup, steps, form="portable"))
 
@@ -53,9 +54,9 @@ def test_pallas_default_launch_fuses_the_dots(seed):
     pal = backends.resolve("pallas", "verify")
     x = verify_inputs(seed, SHAPE, kind="normal")
     kw = {"record": "tuples", "scale": 128**-0.5, "out_dtype": jnp.bfloat16, "form": "ptx"}
-    fused = pal.verify(**x, **kw)[1]
-    assert_bitwise_differs(fused.u, pal.verify(**x, **kw, config=pal.VerifyConfig(dot_fma="none"))[1].u, "fused dots")
-    _, snp = pal.verify(**x, **(kw | {"record": "snapshots"}))
+    fused = backend_verify(pal, **x, **kw)[1]
+    assert_bitwise_differs(fused.u, backend_verify(pal, **x, **kw, config=pal.VerifyConfig(dot_fma="none"))[1].u, "fused dots")
+    _, snp = backend_verify(pal, **x, **(kw | {"record": "snapshots"}))
     steps = jnp.full((SHAPE.N,), SHAPE.D - 1, jnp.int32)
     assert_bitwise_equal(snp.states[:, -1], gl.replay(x["state0"], fused, steps, backend="reference"))
 

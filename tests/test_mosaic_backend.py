@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import pytest
 
 from gdn_lossless_jax.backends import BackendUnavailable, mosaic
+from gdn_lossless_jax import checks
+from gdn_lossless_jax.backends.contract import PendingCommit
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -74,9 +76,9 @@ def _lower_for_cuda(monkeypatch, out_dtype, config):
     ix = sds((N,), i32)
 
     def f(pool, q, v, a, A, slots, tape, prev, idx):
-        return mosaic.verify(pool, q, q, v, a, a, A, A, record="tuples", scale=K**-0.5, out_dtype=out_dtype,
-                             slots=slots, layer=1, tape=tape, tape_layer=1, rows=idx,
-                             pending=(idx, idx, idx, idx, 0, prev), config=config)  # fmt: skip
+        call = checks.verify_args("lower", pool, q, q, v, a, a, A, A, record="tuples", scale=K**-0.5,
+                                  out_dtype=out_dtype, slots=slots, layer=1, tape=tape, rows=idx)  # fmt: skip
+        return mosaic.verify(call.replace(pending=PendingCommit(prev, jnp.int32(0), idx, idx, idx, idx)), config=config)
 
     args = (sds((L, S, HV, V, K), F32), q, v, a, sds((HV,), F32), ix, tuples(L, R, D), tuples(L, R, D), ix)
     return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -19,13 +19,14 @@ from gdn_lossless_jax import backends
 from gdn_lossless_jax.backends.pallas import CommitConfig, VerifyConfig
 from gdn_lossless_jax.testing.cases import Shape, verify_inputs
 from gdn_lossless_jax.testing import assert_bitwise_differs, assert_bitwise_equal
+from gdn_lossless_jax.testing import backend_verify
 
 SHAPE = Shape(N=2, D=3, H=2, HV=4, K=16, V=16)
 
 
 def _verify(x, record, config):
     pal = backends.resolve("pallas", "verify")
-    return pal.verify(**x, record=record, scale=x["q"].shape[-1] ** -0.5, out_dtype=jnp.float32, config=config)
+    return backend_verify(pal, **x, record=record, scale=x["q"].shape[-1] ** -0.5, out_dtype=jnp.float32, config=config)
 
 
 CONFIGS = {

@@ -27,6 +27,7 @@ from equivalence import check_commit, check_controls, check_outputs, check_repla
 from gdn_lossless_jax import backends, reference
 from gdn_lossless_jax.testing.cases import Shape, verify_inputs
 from gdn_lossless_jax.testing import assert_bitwise_differs, assert_bitwise_equal
+from gdn_lossless_jax.testing import backend_verify
 
 ON_GPU = jax.default_backend() == "gpu"
 HAVE_JAX_TRITON = importlib.util.find_spec("jax_triton") is not None and importlib.util.find_spec("triton") is not None
@@ -215,8 +216,8 @@ def test_the_unrolled_rows_chain_gives_the_loops_bits(D, seed):
         slots = jnp.array([0, 3, -1, 2, 4], jnp.int32)
         for record in gl.RECORD_MODES:
             kw = {"record": record, "scale": 128**-0.5, "out_dtype": jnp.dtype(BF16), "slots": slots, "layer": 0}
-            loop = tb.verify(pool, **x, **kw, config=tb.VerifyConfig(chain="rows", unroll=False))
-            unrolled = tb.verify(pool, **x, **kw, config=tb.VerifyConfig(chain="rows", unroll=True))
+            loop = backend_verify(tb, pool, **x, **kw, config=tb.VerifyConfig(chain="rows", unroll=False))
+            unrolled = backend_verify(tb, pool, **x, **kw, config=tb.VerifyConfig(chain="rows", unroll=True))
             assert_bitwise_equal(loop, unrolled, f"{record}, {jnp.dtype(dtype).name} state, D={D}")
 
 
@@ -229,8 +230,8 @@ def test_any_verify_config_replays_exactly(fields, seed):
     cfg = tb.VerifyConfig(**fields)
     x = verify_inputs(seed, SHAPE, kind="mixed", state_dtype=BF16)
     kw = dict(scale=128**-0.5, out_dtype=jnp.dtype(BF16), config=cfg)
-    o_t, tup = tb.verify(**x, record="tuples", **kw)
-    o_s, snp = tb.verify(**x, record="snapshots", **kw)
+    o_t, tup = backend_verify(tb, **x, record="tuples", **kw)
+    o_s, snp = backend_verify(tb, **x, record="snapshots", **kw)
     assert_bitwise_equal(o_s, o_t, "outputs of the two record modes")
     for step in range(SHAPE.D):
         steps = jnp.full((SHAPE.N,), step, jnp.int32)

@@ -6,6 +6,7 @@
 the first and must fail the second.
 """
 
+import functools
 import types
 
 import jax
@@ -48,3 +49,18 @@ def test_own_backend_through_the_api(seed):
         gl.verify(**dict(x, v=x["v"][:, :, :2]), backend=example_backend)
     with pytest.raises(TypeError, match=r"has no callable 'replay'"):
         gl.replay(x["state0"], gl.verify(**x)[1], jnp.zeros(5, jnp.int32), backend=types.SimpleNamespace())
+
+
+def test_backend_of_the_earlier_signature_still_runs(seed):
+    """A backend written for the earlier signature (``verify(state0, q, k, ..., *, record, scale,
+    out_dtype, ...)``) runs for one release, with a DeprecationWarning, and gives the same bits."""
+
+    @functools.partial(jax.jit, static_argnames=("record", "scale", "out_dtype"))
+    def old_verify(state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype):
+        return reference.verify(state0, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, out_dtype=out_dtype)
+
+    old = types.SimpleNamespace(verify=old_verify, replay=example_backend.replay, commit=example_backend.commit)
+    x = verify_inputs(seed, SHAPES[0], kind="mixed")
+    with pytest.warns(DeprecationWarning, match="earlier backend signature"):
+        got = gl.verify(**x, backend=old)
+    assert_trees_bitwise_equal(gl.verify(**x, backend=example_backend), got)

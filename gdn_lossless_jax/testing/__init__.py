@@ -7,6 +7,7 @@
 * :mod:`~.cases`: case factories (adversarial inputs, commit indices) for tests and benchmarks.
 * :mod:`~.expect`: what a commit must write, in NumPy.
 * :mod:`~.controls`: the wrong rounding forms and the wrong commit ordering a test must catch.
+* :func:`backend_verify`: a backend's verify called directly, with its own options.
 """
 
 from . import cases, controls, equivalence, expect
@@ -23,6 +24,7 @@ from .asserts import (
     ulp_distance,
     ulp_stats,
 )
+from .calls import backend_verify
 from .equivalence import DEFAULT_SHAPES, run_equivalence_suite
 
 __all__ = [
@@ -39,6 +41,7 @@ __all__ = [
     "mul_oracle",
     "replay_oracle",
     "ulp_stats",
+    "backend_verify",
     "cases",
     "controls",
     "equivalence",

@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 
 from ...reference import stacked as is_stacked
 from ...tape import Snapshots, Tuples
+from ..contract import VerifyCall
 from .. import BackendUnavailable, platform
 from .. import pallas as _pallas
 from ..pallas.commit import commit_snapshots
@@ -198,53 +199,43 @@ def _geometry(N, D, H, HV, V, K, state_dtype, v, out_dtype, *, out_into, snapsho
     )  # fmt: skip
 
 
-def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, slots=None, layer=None, tape=None,
-           tape_layer=None, rows=None, pending=None, out=None, out_layer=None,
-           config: VerifyConfig = VerifyConfig()):  # fmt: skip
+def verify(call: VerifyCall, *, config: VerifyConfig = VerifyConfig()):
     """See :func:`gdn_lossless_jax.verify` (arguments already checked there); ``config`` sets the launch.
 
-    ``state0`` is ``[N, HV, V, K]`` or, with ``slots``, the pool ``[L, S, HV, V, K]`` read at
-    ``[layer, slots[n]]`` by TMA (zeros for a slot outside ``[0, S)``). With ``tape`` the tape
-    goes to ``[tape_layer, rows[n]]`` of that buffer, with ``out`` the outputs to
-    ``out[out_layer]``, in place. With ``pending`` the previous step's commit is applied first
-    and the pool comes back as a third element.
+    The kernel reads each request's state at ``pool[layer, slots[n]]`` by TMA (zeros for a slot
+    outside ``[0, S)``). With a tape buffer the tape goes to ``[tape_layer, rows[n]]`` of it, with
+    ``out`` the outputs to ``out[out_layer]``, in place. With ``pending`` the previous step's
+    commit is applied first and the pool comes back as a third element.
     """
     check_available("verify")
-    return _jitted()(
-        state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_layer, rows, pending, out, out_layer,
-        record=record, scale=float(scale), out_dtype=jnp.dtype(out_dtype), config=config,
-    )  # fmt: skip
+    return _jitted()(call, config=config)
 
 
 @functools.cache
 def _jitted():
-    return jax.jit(_verify, static_argnames=("record", "scale", "out_dtype", "config"))
+    return jax.jit(_verify, static_argnames=("config",))
 
 
-def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_layer, rows, pending, out, out_layer, *,
-            record, scale, out_dtype, config, thread_pool=False):  # fmt: skip
+def _verify(call: VerifyCall, *, config, thread_pool=False):
     # thread_pool: the pool passed through the kernel as an in-place ref and returned (unchanged), so
     # that the in-place commit of the next layer orders after this kernel's reads without a copy
     i32 = jnp.int32
-    if slots is None:  # the state0 form: a one-layer pool whose slot n is request n
-        state, slots, layer = state0[None], jnp.arange(state0.shape[0], dtype=i32), 0
-    else:
-        state = state0
-    layer = _scalar(layer)
-    if pending is not None and isinstance(pending[-1], Snapshots):
+    state, slots, pending = call.pool, call.slots, call.pending
+    q, k, v, a, b, A_log, dt_bias = call.inputs
+    tape, tape_layer, rows, out, out_layer = call.tape, call.tape_layer, call.rows, call.out, call.out_layer
+    record, scale, out_dtype = call.record, call.scale, jnp.dtype(call.out_dtype)
+    layer = _scalar(call.layer)
+    if pending is not None and isinstance(pending.tape, Snapshots):
         # snapshots: the commit first (the Pallas scatter of this layer's two snapshots, in place), then
         # the verify; the same bits, not fused
-        prows, psteps, ptslots, ptsteps, prev_layer, prev = pending
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
-            both = jnp.stack([layer, _scalar(prev_layer)])  # the pool's layer, the tape's
-            state = commit_snapshots(state, prev.states, slots, psteps, ptslots, ptsteps, prows,
-                                     interpret=_interpret(), layers=both)  # fmt: skip
+            both = jnp.stack([layer, _scalar(pending.layer)])  # the pool's layer, the tape's
+            state = commit_snapshots(state, pending.tape.states, slots, pending.steps, pending.track_slots,
+                                     pending.track_steps, pending.rows, interpret=_interpret(), layers=both)  # fmt: skip
         # the pool through the kernel (read only): as a plain input, XLA would copy the whole pool
-        # twice a step to let the next layer's in-place commit run (scripts/fused_step_hlo.py shows it)
-        return _verify(state, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_layer, rows, None, out,
-                       out_layer, record=record, scale=scale, out_dtype=out_dtype, config=config,
-                       thread_pool=True)  # fmt: skip
+        # twice a step to let the next layer's in-place commit run
+        return _verify(call.replace(pool=state, pending=None), config=config, thread_pool=True)
     N, D, H, K = q.shape[-4:]
     _, NS, HV, V, _ = state.shape
     snapshots = record == "snapshots"
@@ -286,7 +277,9 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
     prev_layer = 0
     pend_in = []
     if pending is not None:
-        prows, psteps, ptslots, ptsteps, prev_layer, prev = pending
+        prev, prows, psteps, ptslots, ptsteps = pending.tape, pending.rows, pending.steps, pending.track_slots, \
+            pending.track_steps
+        prev_layer = pending.layer
         PR, PD = prev.u.shape[1], prev.u.shape[2]
         valid = slot_ok & (prows >= 0) & (prows < PR)
         accept = valid & (psteps >= 0) & (psteps < PD)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from ...tape import Snapshots, Tuples
+from ..contract import VerifyCall
 from .. import BackendUnavailable, platform
 from ._lang import IMPORT_ERROR
 from .commit import COMPILER_FORMS, CONTROL_FORMS, FORMS, CommitConfig, commit_snapshots, commit_tuples
@@ -51,17 +52,11 @@ def check_available(op: str) -> None:
         ) from e
 
 
-def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, slots=None, layer=None, tape=None,
-           tape_layer=None, rows=None, pending=None, out=None, out_layer=None,
-           config: VerifyConfig = VerifyConfig()):  # fmt: skip
+def verify(call: VerifyCall, *, config: VerifyConfig = VerifyConfig()):
     """See :func:`gdn_lossless_jax.verify`; ``config`` sets the kernel's tile and launch."""
     check_available("verify")
-    outputs, fields, *pool = _verify(
-        state0, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, out_dtype=jnp.dtype(out_dtype), config=config,
-        slots=slots, layer=layer, tape=tape, tape_layer=tape_layer, rows=rows, pending=pending, out=out,
-        out_layer=out_layer,
-    )  # fmt: skip
-    return (outputs, Snapshots(*fields) if record == "snapshots" else Tuples(*fields), *pool)
+    outputs, fields, *pool = _verify(call, config=config)
+    return (outputs, Snapshots(*fields) if call.record == "snapshots" else Tuples(*fields), *pool)
 
 
 def _form(form: str) -> str:

@@ -738,40 +738,32 @@ def prep_launch(q_shape, HV: int, config: VerifyConfig):
 def _jitted():
     import jax
 
-    return jax.jit(_verify, static_argnames=("record", "scale", "out_dtype", "config"))
+    return jax.jit(_verify, static_argnames=("config",))
 
 
-def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype, config: VerifyConfig = VerifyConfig(),
-           slots=None, layer=None, tape=None, tape_layer=None, rows=None, pending=None, out=None,
-           out_layer=None):  # fmt: skip
-    """jax-triton verify; arguments as :func:`gdn_lossless_jax.verify` (already checked).
+def verify(call, *, config: VerifyConfig = VerifyConfig()):
+    """jax-triton verify of a checked :class:`~gdn_lossless_jax.backends.contract.VerifyCall`.
 
-    ``state0`` is ``[N, HV, V, K]`` or, with ``slots``, the pool ``[L, S, HV, V, K]`` read at
-    ``[layer, slots[n]]`` inside the kernel. With ``tape`` (fields ``[L', R, Dmax, ...]``) the
-    tape goes to ``[tape_layer, rows[n]]`` of that buffer, in place (aliased).
-    Returns ``(outputs [N, D, HV, V], fields)``: ``(states,)`` for ``record="snapshots"``,
-    ``(u, k, g)`` for ``record="tuples"`` (the fresh tape, or the updated buffer). With
-    ``pending`` (as in the Pallas backend) the previous step's commit is applied first and the
-    pool comes back as a third element. With ``out`` (``[L', N, D, HV, V]``) the outputs go to
+    The kernel reads each request's state at ``pool[layer, slots[n]]``. With a tape buffer
+    (fields ``[L', R, Dmax, ...]``) the tape goes to ``[tape_layer, rows[n]]`` of it, in place
+    (aliased). Returns ``(outputs [N, D, HV, V], fields)``: ``(states,)`` for snapshots,
+    ``(u, k, g)`` for tuples (the fresh tape, or the updated buffer), and with ``pending`` (as in
+    the Pallas backend) the pool as a third element. With ``out`` the outputs go to
     ``out[out_layer]``, in place (aliased), and the buffer comes back as the outputs.
     """
-    return _jitted()(
-        state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_layer, rows, pending, out, out_layer,
-        record=record, scale=scale, out_dtype=out_dtype, config=config,
-    )  # fmt: skip
+    return _jitted()(call, config=config)
 
 
-def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_layer, rows, pending, out, out_layer, *,
-            record, scale, out_dtype, config):  # fmt: skip
+def _verify(call, *, config):
     import jax
     import jax.numpy as jnp
     import jax_triton as jt
 
     i32, f32 = jnp.int32, jnp.float32
-    if slots is None:  # the state0 form: a one-layer pool whose slot n is request n
-        state, slots, layer = state0[None], jnp.arange(state0.shape[0], dtype=i32), 0
-    else:
-        state = state0
+    state, slots, layer, pending = call.pool, call.slots, call.layer, call.pending
+    q, k, v, a, b, A_log, dt_bias = call.inputs
+    tape, tape_layer, rows, out, out_layer = call.tape, call.tape_layer, call.rows, call.out, call.out_layer
+    record, scale, out_dtype = call.record, call.scale, jnp.dtype(call.out_dtype)
     # inputs stacked over the pool's layers (by rank): read at `layer` in the kernels
     from ...reference import stacked
 
@@ -832,11 +824,11 @@ def _verify(state0, q, k, v, a, b, A_log, dt_bias, slots, layer, tape, tape_laye
     else:
         from ...tape import Snapshots
 
-        prows, psteps, ptslots, ptsteps, prev_layer, prev = pending
+        prev = pending.tape
         snap_prev = isinstance(prev, Snapshots)
         lead = prev.states if snap_prev else prev.u
         fields = [dummy] * 3 + [prev.states] if snap_prev else [prev.u, prev.k, prev.g, dummy]
-        pend_in = [prows, psteps, ptslots, ptsteps, as1(prev_layer), *fields]
+        pend_in = [pending.rows, pending.steps, pending.track_slots, pending.track_steps, as1(pending.layer), *fields]
         pend_sizes = dict(PENDING=2 if snap_prev else 1, PR=lead.shape[1], PD=lead.shape[2],
                           PREFETCH=config.prefetch_pending and not snap_prev, PDP=next_power_of_2(lead.shape[2]),
                           KL=next_power_of_2(-(-K // 32)),
