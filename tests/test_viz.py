@@ -20,8 +20,8 @@ import gdn_lossless_jax as gl
 from gdn_lossless_jax import get_geometry, rounding
 from gdn_lossless_jax.tools import viz
 from gdn_lossless_jax.testing.cases import Shape, verify_inputs
-from gdn_lossless_jax.testing import (
 from gdn_lossless_jax.testing import controls
+from gdn_lossless_jax.testing import (
     assert_bitwise_differs,
     assert_bitwise_equal,
     bits,
