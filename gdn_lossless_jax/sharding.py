@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Any, Callable, Mapping
 
 import jax
@@ -404,146 +405,7 @@ class MeshPlan:
         spec = jax.eval_shape(make)
         return jax.jit(make, out_shardings=self.shardings("pool", spec))()
 
-    # -- the methods ---------------------------------------------------------------------
-    def verify(
-        self,
-        state0: jax.Array,
-        q: jax.Array,
-        k: jax.Array,
-        v: jax.Array,
-        a: jax.Array,
-        b: jax.Array,
-        A_log: jax.Array,
-        dt_bias: jax.Array,
-        *,
-        record: str | None = None,
-        scale: float | None = None,
-        backend: str = "auto",
-        out_dtype: Any = None,
-        slots: jax.Array | None = None,
-        layer: Any = None,
-        tape: Tape | None = None,
-        rows: jax.Array | None = None,
-        parents: Any = None,
-        topk: int = 1,
-        out: jax.Array | None = None,
-        check: bool = True,
-    ) -> tuple[jax.Array, Tape]:
-        """:func:`gdn_lossless_jax.verify` per shard (arguments, shapes and results as there, global).
-
-        With ``slots``, ``state0`` is the pool ``[L?, S, HV, V, K]`` and ``slots`` global slot
-        indices; with ``tape``, ``rows`` are global rows of the buffer (``None``: each shard's own
-        rows in order); ``out``, an outputs buffer ``[L?, N, D, HV, V]``, is sharded like the
-        outputs (not donated: the per-shard call writes a copy). ``check``: check that every
-        request's slot and row lives on its data shard when the indices are concrete (see the
-        module docstring).
-        Returns:
-          ``(outputs [N, D, HV, V], tape)``, sharded as :data:`ARG_KINDS` says.
-        """
-        args = dict(state0=state0, q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, slots=slots, tape=tape,
-                    rows=rows, out=out)  # fmt: skip
-        opts = dict(record=record, scale=scale, backend=backend, out_dtype=None if out_dtype is None else
-                    jnp.dtype(out_dtype), parents=_freeze(parents), topk=topk)  # fmt: skip
-        static_layer, args["layer"] = _split_layer(layer)
-
-        def call(x, static_layer=static_layer):
-            return api.verify(x["state0"], x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"],
-                              slots=x["slots"], layer=_layer(x, static_layer), tape=x["tape"], rows=x["rows"],
-                              out=x["out"], **{**opts, "parents": _thaw(opts["parents"])})  # fmt: skip
-
-        return self.run("verify", call, args, check=check, fill_rows="tape")
-
-    def replay(self, state0: jax.Array, tuples: Tuples, steps: jax.Array, *, backend: str = "auto") -> jax.Array:
-        """:func:`gdn_lossless_jax.replay` per shard: ``[N, HV, V, K]``, sharded like ``state0``."""
-
-        def call(x):
-            return api.replay(x["state0"], x["tuples"], x["steps"], backend=backend)
-
-        return self.run("replay", call, dict(state0=state0, tuples=tuples, steps=steps))
-
-    def commit(
-        self,
-        pool: jax.Array,
-        tape: Tape,
-        slots: jax.Array,
-        steps: jax.Array,
-        track_slots: jax.Array | None = None,
-        track_steps: jax.Array | None = None,
-        rows: jax.Array | None = None,
-        *,
-        backend: str = "auto",
-        check: bool = True,
-    ) -> jax.Array:
-        """:func:`gdn_lossless_jax.commit` per shard: the new pool ``[L, S, HV, V, K]``.
-
-        ``slots``, ``track_slots``: global slots of ``pool``; ``rows``: global rows of ``tape``
-        (``None``: each shard's own rows in order). Not donated (as the unsharded commit).
-        """
-        args = dict(pool=pool, tape=tape, slots=slots, steps=steps, track_slots=track_slots, track_steps=track_steps,
-                    rows=rows)  # fmt: skip
-
-        def call(x):
-            return api.commit(x["pool"], x["tape"], x["slots"], x["steps"], x["track_slots"], x["track_steps"],
-                              x["rows"], backend=backend)  # fmt: skip
-
-        return self.run("commit", call, args, check=check, fill_rows="tape")
-
-    def verify_layer(
-        self,
-        pool: pool_mod.StatePool,
-        layer,
-        mixed_qkv: jax.Array,
-        a: jax.Array,
-        b: jax.Array,
-        conv_weight: jax.Array,
-        conv_bias: jax.Array | None,
-        A_log: jax.Array,
-        dt_bias: jax.Array,
-        slots: jax.Array,
-        rows: jax.Array | None = None,
-        *,
-        scale: float | None = None,
-        backend: str = "auto",
-        check: bool = True,
-    ) -> tuple[jax.Array, pool_mod.StatePool]:
-        """:func:`gdn_lossless_jax.pool.verify_layer` per shard (the pool is donated).
-
-        The conv arrays (``mixed_qkv [N, D, conv_dim]``, ``conv_weight``, ``conv_bias`` and the
-        pool's conv states) are in the tensor-parallel channel order when ``tp > 1``
-        (:func:`to_tp_layout`). Returns ``(outputs [N, D, HV, V], the new pool)``.
-        """
-        static_layer, layer_arr = _split_layer(layer)
-        args = dict(pool=pool, layer=layer_arr, mixed_qkv=mixed_qkv, a=a, b=b, conv_weight=conv_weight,
-                    conv_bias=conv_bias, A_log=A_log, dt_bias=dt_bias, slots=slots, rows=rows)  # fmt: skip
-
-        def call(x, static_layer=static_layer):
-            return pool_mod.verify_layer(x["pool"], _layer(x, static_layer), x["mixed_qkv"], x["a"], x["b"],
-                                         x["conv_weight"], x["conv_bias"], x["A_log"], x["dt_bias"], x["slots"],
-                                         x["rows"], scale=scale, backend=backend)  # fmt: skip
-
-        return self.run("verify_layer", call, args, check=check, fill_rows="pool", donate="pool")
-
-    def pool_commit(
-        self,
-        pool: pool_mod.StatePool,
-        slots: jax.Array,
-        steps: jax.Array,
-        track_slots: jax.Array | None = None,
-        track_steps: jax.Array | None = None,
-        rows: jax.Array | None = None,
-        *,
-        backend: str = "auto",
-        check: bool = True,
-    ) -> pool_mod.StatePool:
-        """:func:`gdn_lossless_jax.pool.commit` per shard (SSM and conv; the pool is donated)."""
-        args = dict(pool=pool, slots=slots, steps=steps, track_slots=track_slots, track_steps=track_steps, rows=rows)
-
-        def call(x):
-            return pool_mod.commit(x["pool"], x["slots"], x["steps"], x["track_slots"], x["track_steps"], x["rows"],
-                                   backend=backend)  # fmt: skip
-
-        return self.run("pool_commit", call, args, check=check, fill_rows="pool", donate="pool")
-
+    # -- the methods: the unsharded functions' signatures, derived (_per_shard, below the class) --
     def flush(self, pool: pool_mod.StatePool, *, backend: str = "auto") -> pool_mod.StatePool:
         """:func:`gdn_lossless_jax.pool.flush` per shard (the pool is donated).
 
@@ -557,46 +419,6 @@ class MeshPlan:
             return pool_mod.flush(x["pool"], backend=backend)
 
         return self.run("flush", call, dict(pool=pool), donate="pool")
-
-    def commit_and_verify(
-        self,
-        pool: jax.Array,
-        pending: Pending,
-        q: jax.Array,
-        k: jax.Array,
-        v: jax.Array,
-        a: jax.Array,
-        b: jax.Array,
-        A_log: jax.Array,
-        dt_bias: jax.Array,
-        *,
-        slots: jax.Array,
-        layer: Any = None,
-        tape: Tape | None = None,
-        rows: jax.Array | None = None,
-        record: str | None = None,
-        scale: float | None = None,
-        backend: str = "auto",
-        out_dtype: Any = None,
-        out: jax.Array | None = None,
-        check: bool = True,
-    ) -> tuple[jax.Array, Tape, jax.Array]:
-        """:func:`gdn_lossless_jax.commit_and_verify` per shard: ``(outputs, tape, pool)``.
-
-        ``pending.rows`` are global rows of ``pending.tape`` and ``pending.track_slots`` global
-        slots of ``pool``, on each request's own data shard like ``slots`` and ``rows``."""
-        static_layer, layer_arr = _split_layer(layer)
-        args = dict(pool=pool, pending=pending, q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, slots=slots,
-                    layer=layer_arr, tape=tape, rows=rows, out=out)  # fmt: skip
-        opts = dict(record=record, scale=scale, backend=backend, out_dtype=None if out_dtype is None else
-                    jnp.dtype(out_dtype))  # fmt: skip
-
-        def call(x, static_layer=static_layer):
-            return api.commit_and_verify(x["pool"], x["pending"], x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"],
-                                         x["dt_bias"], slots=x["slots"], layer=_layer(x, static_layer), tape=x["tape"],
-                                         rows=x["rows"], out=x["out"], **opts)  # fmt: skip
-
-        return self.run("commit_and_verify", call, args, check=check, fill_rows="tape")
 
     # -- the machinery -------------------------------------------------------------------
     def run(self, name: str, call: Callable[[dict], Any], args: dict, *, check: bool = True, fill_rows: str | None = None,
@@ -657,6 +479,61 @@ class MeshPlan:
                     f"{owner[i]} ({what}s [{owner[i] * block}, {(owner[i] + 1) * block}) of {size}); each request's "
                     f"slots and row must be on its own shard (no collectives move states between shards)"
                 )
+
+
+def _per_shard(fn: Callable, name: str, *, fill_rows: str | None = None, donate: str | None = None,
+               exclude: tuple[str, ...] = (), doc: str = "") -> Callable:
+    """The method ``MeshPlan.<name>``: ``fn`` per shard, with ``fn``'s signature (less ``exclude``)
+    and a keyword ``check``. The arguments :data:`ARG_KINDS` ``[name]`` names are arrays split over
+    the mesh; the others are options passed to every shard as they are."""
+    sig = inspect.signature(fn)
+    params = [p for p in sig.parameters.values() if p.name not in exclude]
+    kinds = ARG_KINDS[name]
+
+    def method(self, *args, check: bool = True, **kwargs):
+        bound = sig.replace(parameters=params).bind(*args, **kwargs)
+        bound.apply_defaults()
+        arrays = {k: v for k, v in bound.arguments.items() if k in kinds}
+        opts = {k: v for k, v in bound.arguments.items() if k not in kinds}
+        if opts.get("out_dtype") is not None:
+            opts["out_dtype"] = jnp.dtype(opts["out_dtype"])
+        if "parents" in opts:
+            opts["parents"] = _freeze(opts["parents"])
+        static_layer = None
+        if "layer" in arrays:
+            static_layer, arrays["layer"] = _split_layer(arrays["layer"])
+
+        def call(x, static_layer=static_layer):
+            kw = {**opts, "parents": _thaw(opts["parents"])} if "parents" in opts else opts
+            return fn(**{**x, **({"layer": _layer(x, static_layer)} if "layer" in x else {})}, **kw)
+
+        return self.run(name, call, arrays, check=check, fill_rows=fill_rows, donate=donate)
+
+    check = inspect.Parameter("check", inspect.Parameter.KEYWORD_ONLY, default=True, annotation=bool)
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    method.__signature__ = sig.replace(parameters=[self_param, *params, check])
+    method.__name__ = method.__qualname__ = name
+    method.__qualname__ = f"MeshPlan.{name}"
+    method.__doc__ = (f":func:`{fn.__module__}.{fn.__name__}` per shard: its arguments, shapes and results, global, "
+                      f"split as :data:`ARG_KINDS` says.\n\n{doc}``check``: check that every request's slot and row "
+                      "lives on its data shard when the indices are concrete (see the module docstring).")  # fmt: skip
+    return method
+
+
+_ROWS = "Index arguments are global (slots of the pool, rows of the tape); ``rows=None``: each shard's own rows in order. "
+MeshPlan.verify = _per_shard(api.verify, "verify", fill_rows="tape", doc=_ROWS + (
+    "With ``slots``, ``state0`` is the pool ``[L?, S, HV, V, K]``; ``out`` is sharded like the outputs (not donated: the "
+    "per-shard call writes a copy). "))
+MeshPlan.replay = _per_shard(api.replay, "replay", exclude=("checked",))
+MeshPlan.commit = _per_shard(api.commit, "commit", fill_rows="tape", exclude=("checked",), doc=_ROWS + "Not donated. ")
+MeshPlan.verify_layer = _per_shard(pool_mod.verify_layer, "verify_layer", fill_rows="pool", donate="pool", doc=(
+    "The pool is donated. The conv arrays (``mixed_qkv``, ``conv_weight``, ``conv_bias`` and the pool's conv states) are "
+    "in the tensor-parallel channel order when ``tp > 1`` (:func:`to_tp_layout`). "))
+MeshPlan.pool_commit = _per_shard(pool_mod.commit, "pool_commit", fill_rows="pool", donate="pool", exclude=("checked",),
+                                  doc="SSM and conv; the pool is donated. ")
+MeshPlan.commit_and_verify = _per_shard(api.commit_and_verify, "commit_and_verify", fill_rows="tape", doc=_ROWS + (
+    "``pending.rows`` are global rows of ``pending.tape`` and ``pending.track_slots`` global slots of ``pool``, on each "
+    "request's own data shard like ``slots`` and ``rows``. "))
 
 
 def _int32(x):

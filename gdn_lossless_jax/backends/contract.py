@@ -30,7 +30,7 @@ import numpy as np
 
 from ..tape import Tape
 
-__all__ = ["VerifyCall", "PendingCommit", "run_verify", "LaunchConfig"]
+__all__ = ["VerifyCall", "PendingCommit", "run_verify", "legacy_arguments"]
 
 
 @jax.tree_util.register_dataclass
@@ -155,17 +155,3 @@ def run_verify(backend, call: VerifyCall, **options):
     if call.pending is not None and not call.pool_form:
         result = (*result[:2], result[2][None])
     return result
-
-
-@dataclasses.dataclass(frozen=True)
-class LaunchConfig:
-    """The launch fields every GPU backend's verify config shares.
-
-    Attributes:
-      num_warps: warps a program (Triton) or a warpgroup's threads / 32 (Mosaic GPU); None: the
-        backend's choice for the shape.
-      num_stages: software-pipelining stages (Triton); None: the backend's choice.
-    """
-
-    num_warps: int | None = None
-    num_stages: int | None = None

@@ -34,7 +34,7 @@ from ..contract import VerifyCall
 from .. import BackendUnavailable, platform
 from .. import pallas as _pallas
 from ..pallas.commit import commit_snapshots
-from ..pallas.verify import _gram_prep, _prep
+from ..pallas.prologue import gram_prep, prep
 from .kernel import CONTROL_FORMS, CONTROLS, FORMS, VERIFIES, Geometry, build, coef_shape, smem_bytes
 
 __all__ = ["CONTROLS", "CONTROL_FORMS", "FORMS", "OUTPUTS", "VERIFIES", "VerifyConfig", "check_available", "commit",
@@ -254,11 +254,11 @@ def _verify(call: VerifyCall, *, config, thread_pool=False):
         warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
         if config.verify == "gram":  # the Gram prologue ("beta": the coefficients; stacked reads, tape writes by XLA)
             rows_c, Dp = coef_shape(D)
-            qn, kn, g, beta, *bufs = _gram_prep(q, k, a, b, A_log, dt_bias, scale=scale, Dp=Dp, interpret=interpret,
+            qn, kn, g, beta, *bufs = gram_prep(q, k, a, b, A_log, dt_bias, scale=scale, Dp=Dp, interpret=interpret,
                                                 packed=rows_c, into=pre,
                                                 xlayer=layer[None] if stacked else None)  # fmt: skip
         else:
-            qn, kn, g, beta, *bufs = _prep(
+            qn, kn, g, beta, *bufs = prep(
                 q, k, a, b, A_log, dt_bias, scale=scale, interpret=interpret, heads=_pallas.VerifyConfig().prep_heads,
                 into=pre, xlayer=layer[None] if stacked else None,
             )  # fmt: skip

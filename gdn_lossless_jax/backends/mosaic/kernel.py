@@ -99,7 +99,7 @@ def coef_shape(D: int) -> tuple[int, int]:
     """``(rows, Dp)`` of a (request, v-head)'s Gram coefficients: rows ``beta``, ``P``, then ``W``
     and ``C`` (``Dp`` each, ``Dp`` = the Pallas Gram prologue's padded steps, at least 4: a TMA
     copy's rows are 16-byte multiples), padded so that a block is a multiple of 128 bytes."""
-    from ..pallas.verify import gram_steps
+    from ..pallas.prologue import gram_steps
 
     Dp = max(4, gram_steps(D))
     rows = 2 + 2 * Dp

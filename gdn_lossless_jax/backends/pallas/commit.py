@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from ..launch import LaunchConfig
 from ._refs import grid, program_ids, store
 from ... import rounding
 from .rounding import replay_update
@@ -49,29 +50,22 @@ def _ids(order: str, HV: int):
 
 
 @dataclasses.dataclass(frozen=True)
-class CommitConfig:
-    """Launch parameters of the commit kernels (none changes the arithmetic).
-
-    ``block_v``: V rows per program (cut to V by :meth:`fit`).
-    ``num_warps``, ``num_stages``: Triton's launch parameters.
+class CommitConfig(LaunchConfig):
+    """Launch parameters of the commit kernels (none changes the arithmetic): ``block_v``,
+    ``num_warps``, ``num_stages`` (:class:`~gdn_lossless_jax.backends.launch.LaunchConfig`), and
     ``evict``: eviction policy of the replay's pool loads and stores (None: Triton's default).
     ``order``: the grid's order (programs are scheduled first axis fastest): ``"requests"``
     ``(N, L * HV, V // block_v)``; ``"tiles"`` ``(V // block_v, L * HV, N)``; ``"heads"``
     ``(V // block_v, HV, N, L)``, the Triton backend's order.
     """
 
-    block_v: int = 8
-    num_warps: int = 1
-    num_stages: int = 1
     evict: str | None = None
     order: str = "heads"
 
     def __post_init__(self):
+        super().__post_init__()
         if self.order not in ORDERS:
             raise ValueError(f"CommitConfig: order must be one of {ORDERS}, got {self.order!r}")
-
-    def fit(self, V: int) -> "CommitConfig":
-        return dataclasses.replace(self, block_v=min(self.block_v, V))
 
 
 def _request(idx_refs, n, S: int, R: int, D: int):

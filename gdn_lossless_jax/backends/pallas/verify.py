@@ -1,6 +1,6 @@
 """Pallas (Triton backend) verify: one kernel body, one launch configuration for both record modes.
 
-A small prologue kernel (:func:`_prep`) computes the q/k l2 norms, the query scale and the gates
+A small prologue kernel (:func:`~.prologue.prep`) computes the q/k l2 norms, the query scale and the gates
 with ``reference.prepare``'s formulas; its ``k`` and ``g`` *are* the tape's, written once per
 (request, head), never once per V tile. The main kernel's grid is ``(N, HV, V // BV)`` (or
 ``(V // BV, HV, N)``, ``VerifyConfig.order``): one program per request, v-head and V tile, holding
@@ -34,11 +34,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ...reference import INPUT_RANKS, L2NORM_EPS, gates
+from ...reference import INPUT_RANKS
 from ...reference import stacked as is_stacked
 from ... import rounding
 from ..contract import VerifyCall
+from ..launch import VerifyLaunch
 from ._refs import grid, program_ids, store
+from .prologue import MMA_MIN, gram_prep, gram_steps, one_layer, prep
 from .conv import scalar
 from .rounding import ops as rounding_ops
 from .rounding import replay_update
@@ -48,32 +50,27 @@ __all__ = ["VerifyConfig", "verify", "ALGORITHMS", "TUNED", "tuned_config"]
 F32 = jnp.float32
 ALGORITHMS = ("chain", "gram")
 PRODUCTS = ("fma", "mma")
-ORDERS = ("requests", "tiles")
 PENDING_REPLAYS = ("rows", "split", "carry")
 DOT_FMA = {"none": (False, False), "u": (True, False), "both": (True, True)}  # fused: (u's dot, o's dot)
-MMA_MIN = 16  # Triton's smallest tl.dot tile side
 HIGHEST = jax.lax.Precision.HIGHEST  # fp32 products in fp32 (the default would be TF32 on a GPU)
 
 
 @dataclasses.dataclass(frozen=True)
-class VerifyConfig:
+class VerifyConfig(VerifyLaunch):
     """Launch configuration, the same for both record modes so that their outputs agree by construction.
 
     ``order``, ``evict``, ``num_stages`` and ``pending_slice_v`` change no arithmetic; others may
     change ``u``'s and the outputs' low bits (never the tape's exactness). ``row_vectors``,
     ``one_pass``, ``unroll`` and ``prefetch_q`` apply to the chain only (the Gram form always runs
-    loops). Design reasons for the defaults: docs/design.md.
+    loops). The shared fields (``block_v``, ``num_warps``, ``num_stages``, ``k_chunk``, ``order``,
+    ``prep_heads``) are :class:`~gdn_lossless_jax.backends.launch.VerifyLaunch`'s; the Gram form's
+    products use the same ``k_chunk``. Design reasons for the defaults: docs/design.md.
 
-    ``block_v``: V rows per program (a power of 2; cut to V by :meth:`fit`).
-    ``num_warps``, ``num_stages``: Triton's launch parameters.
     ``row_vectors``: load q and k as ``[1, K]`` rows in the state tile's layout, not ``[K]`` vectors
     (which Triton converts through shared memory every step).
     ``one_pass``: ``o = Sd q + u (k . q)`` from the decayed state, so both reductions of a step read
     ``Sd`` together (changes the outputs' fp32 rounding, not the tape's or the state's).
     ``algorithm``: ``"chain"`` or ``"gram"`` (module docstring).
-    ``k_chunk``: hold the ``[BV, K]`` state tile as ``K / k_chunk`` tiles ``[BV, k_chunk]``; a
-    reduction sums the chunks elementwise, then reduces once (fewer shuffle levels). The Gram
-    form's products use the same chunks.
     ``unroll``: unroll the D steps up to this D (inputs all loaded first); above it, a loop that
     prefetches step t + 1's inputs during step t. 0 (default): always a loop.
     ``evict``: Triton's eviction policy for the chain's state loads and snapshot stores, each
@@ -84,11 +81,6 @@ class VerifyConfig:
     chunked dots) or ``"mma"`` (tensor-core ``tl.dot``, TF32x3, ``[BV, C] x [C, 16+]`` per chunk
     with ``C = max(16, k_chunk)``; needs ``block_v`` >= 16, pads the step axis to 16). Only
     ``u`` and ``o``'s low bits change; the tape stays exact.
-    ``prep_heads``: q/k heads per program of the prologue kernel (grid ``(N, D, H / prep_heads)``;
-    0: all heads in one program); 0 or a power of 2.
-    ``order``: the grid's order, ``"requests"`` ``(N, HV, V // block_v)`` or ``"tiles"``
-    ``(V // block_v, HV, N)``; None: tiles first for snapshots (consecutive programs read one
-    state's contiguous tiles), requests first for tuples.
     ``dot_fma``: which of the chain's K-reductions fuse the chunks' products into the running sums
     with the pinned fma: ``"none"``, ``"u"`` (``Sd . k``) or ``"both"`` (and ``S . q``). Changes
     only ``u`` and the outputs' low bits, the same in both modes. The portable form (ROCm,
@@ -103,24 +95,19 @@ class VerifyConfig:
     rather than the stacked ``v`` at the layer.
     """
 
-    block_v: int = 8
-    num_warps: int = 1
-    num_stages: int = 1
     row_vectors: bool = True
     one_pass: bool = False
     algorithm: str = "chain"
-    k_chunk: int = 16
     unroll: int = 0
     evict: str | None = "evict_first"
     prefetch_q: bool = True
     products: str = "fma"
-    prep_heads: int = 2
-    order: str | None = None
     dot_fma: str = "both"
     pending_replay: str = "split"
     pending_slice_v: bool = False
 
     def __post_init__(self):
+        super().__post_init__()
         if self.pending_replay not in PENDING_REPLAYS:
             raise ValueError(f"VerifyConfig: pending_replay must be one of {PENDING_REPLAYS}, got {self.pending_replay!r}")
         if self.dot_fma not in DOT_FMA:
@@ -133,19 +120,8 @@ class VerifyConfig:
             raise ValueError(f"VerifyConfig: products='mma' needs algorithm='gram', got {self.algorithm!r}")
         if self.evict not in (None, "evict_first", "evict_last"):
             raise ValueError(f"VerifyConfig: evict must be None, 'evict_first' or 'evict_last', got {self.evict!r}")
-        if self.order not in (None, *ORDERS):
-            raise ValueError(f"VerifyConfig: order must be None or one of {ORDERS}, got {self.order!r}")
-        if self.prep_heads < 0 or self.prep_heads & (self.prep_heads - 1):
-            raise ValueError(f"VerifyConfig: prep_heads must be 0 or a power of 2, got {self.prep_heads}")
         if self.unroll < 0:
             raise ValueError(f"VerifyConfig: unroll must be >= 0, got {self.unroll}")
-        for name in ("block_v", "num_warps", "k_chunk"):
-            n = getattr(self, name)
-            if n < 1 or n & (n - 1):
-                raise ValueError(f"VerifyConfig: {name} must be a power of 2, got {n}")
-
-    def fit(self, V: int) -> "VerifyConfig":
-        return dataclasses.replace(self, block_v=min(self.block_v, V))
 
 
 #: Launches that beat :class:`VerifyConfig`'s defaults at one shape, by ``(requests N, drafts D, pool
@@ -212,17 +188,6 @@ def _program(refs, n_inputs: int, into: bool, r: int, BV: int, tiles_first: bool
     where = _Where(n, hv, hv // r, pl.ds(j * BV, BV), layer_ref[0], jnp.where(slot_ok, slot, 0), slot_ok, lead, row_ok,
                    olead)  # fmt: skip
     return refs[4:n_inputs], o_ref, tape_ref, state_ref, where
-
-
-def _unit_rows(x):
-    """l2norm of each row of a ``[rows, K]`` tile (``reference.l2norm``'s formula)."""
-    return x / jnp.sqrt(jnp.sum(x * x, axis=1)[:, None] + L2NORM_EPS)
-
-
-def gram_steps(D: int, products: str = "fma") -> int:
-    """The Gram form's step axis: D padded to a power of 2 (Triton tiles), at least 2 (at
-    least 16 for ``products="mma"``: a side of a ``tl.dot`` tile)."""
-    return max(MMA_MIN if products == "mma" else 2, pl.next_power_of_2(D))
 
 
 def _chunks(K: int, k_chunk: int):
@@ -435,139 +400,6 @@ def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bo
     jax.lax.fori_loop(0, D, body, (S, inputs(0)))
 
 
-def _prep_kernel(*refs, H: int, HV: int, hb: int, scale: float, into: bool, stacked: tuple = (False,) * 6):
-    """Per (request, step, group of ``hb`` q/k heads): the q/k l2 norms of those heads and the
-    gates of their v-heads.
-
-    ``reference.prepare``'s formulas in one small kernel (XLA would make several). Heads are
-    padded to powers of 2 and masked. With ``into`` the tape's ``k``
-    and ``g`` also go straight into the tape buffers at ``[tape_layer, rows[n], t]`` (aliased:
-    no copy after the kernel; an out-of-range row writes nothing). ``stacked``: which of the six
-    inputs are stacked over layers, read at the layer in the ``[1]`` input after them.
-    """
-    # inputs: q, k, a, b, A_log, dt_bias[, layer][, rows, tape_layer, k buffer, g buffer];
-    # outputs: qn, kn, g, beta[, buffers]
-    q_ref, k_ref, a_ref, b_ref, A_log_ref, dt_bias_ref = refs[:6]
-    x = 7 if any(stacked) else 6  # the first ref after the inputs
-    xl = refs[6][0] if any(stacked) else None
-    at_q, at_k, at_a, at_b, at_A, at_dt = (((xl,) if st else ()) for st in stacked)  # each input's layer index
-    qn_ref, kn_ref, g_ref, beta_ref = refs[x + 4 : x + 8] if into else refs[x : x + 4]
-    n, t, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    if into:
-        row, tape_layer = refs[x][n], refs[x + 1][0]
-        kbuf_ref, gbuf_ref = refs[x + 8 : x + 10]
-        row_ok = (row >= 0) & (row < kbuf_ref.shape[1])
-        row = jnp.where(row_ok, row, 0)
-    r = HV // H
-    K = k_ref.shape[-1]
-    heads = j * hb + jax.lax.broadcasted_iota(jnp.int32, (hb, K), 0) < H
-    hs = pl.ds(j * hb, hb)
-    for src, at, dst, mult in ((q_ref, at_q, qn_ref, scale), (k_ref, at_k, kn_ref, None)):
-        xt = plgpu.load(src.at[(*at, n, t, hs, slice(None))], mask=heads, other=0.0).astype(F32)  # [hb, K]
-        y = _unit_rows(xt)
-        y = y if mult is None else y * jnp.asarray(mult, F32)
-        plgpu.store(dst.at[n, t, hs, :], y, mask=heads)
-        if into and mult is None:
-            plgpu.store(kbuf_ref.at[tape_layer, row, t, hs, :], y, mask=heads & row_ok)
-    hvb = pl.next_power_of_2(hb * r)  # the group's v-heads, padded
-    off = jax.lax.broadcasted_iota(jnp.int32, (hvb,), 0)
-    vheads = (off < hb * r) & (j * hb * r + off < HV)
-    hvs = pl.ds(j * hb * r, hvb)
-
-    def load(ref, *idx):
-        return plgpu.load(ref.at[(*idx, hvs)], mask=vheads, other=0.0)
-
-    g, beta = gates(load(a_ref, *at_a, n, t), load(b_ref, *at_b, n, t), load(A_log_ref, *at_A), load(dt_bias_ref, *at_dt))
-    plgpu.store(g_ref.at[n, t, hvs], g, mask=vheads)
-    plgpu.store(beta_ref.at[n, t, hvs], beta, mask=vheads)
-    if into:
-        plgpu.store(gbuf_ref.at[tape_layer, row, t, hvs], g, mask=vheads & row_ok)
-
-
-def _prep(q, k, a, b, A_log, dt_bias, *, scale, interpret: bool, heads: int = 0, into=None, xlayer=None):
-    """``(qn, kn, g, beta)`` as ``reference.prepare`` computes them, in one launch: grid
-    ``(N, D, H / heads)``, ``heads`` q/k heads per program (0: all of them). ``into``:
-    ``(rows, tape_layer, k buffer, g buffer)``; then the updated buffers are returned too.
-    ``xlayer`` (a ``[1]`` index): the layer of the inputs stacked over layers (by their rank)."""
-    named = {"q": q, "k": k, "a": a, "b": b, "A_log": A_log, "dt_bias": dt_bias}
-    stacked = tuple(is_stacked(n, x) for n, x in named.items())
-    N, D, H, K = q.shape[-4:]
-    HV = a.shape[-1]
-    hb = min(pl.next_power_of_2(heads or H), pl.next_power_of_2(H))
-    out_shape = [jax.ShapeDtypeStruct((N, D, H, K), F32)] * 2 + [jax.ShapeDtypeStruct((N, D, HV), F32)] * 2
-    inputs, aliases = [q, k, a, b, A_log, dt_bias] + ([xlayer] if any(stacked) else []), {}
-    if into is not None:
-        inputs += list(into)
-        out_shape += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in into[2:]]
-        aliases = {len(inputs) - 2: 4, len(inputs) - 1: 5}
-    return pl.pallas_call(
-        functools.partial(_prep_kernel, H=H, HV=HV, hb=hb, scale=scale, into=into is not None, stacked=stacked),
-        out_shape=out_shape,
-        grid=(N, D, pl.cdiv(H, hb)),
-        input_output_aliases=aliases,
-        compiler_params=plgpu.CompilerParams(num_warps=2 if hb > 1 else 1, num_stages=1),
-        interpret=interpret,
-        name="gdn_verify_prep",
-    )(*inputs)
-
-
-def _dot(a, b, *, trans_b=False):
-    """``a @ b`` (``a @ b.T`` with ``trans_b``) in fp32, fp32 accumulation."""
-    return jax.lax.dot_general(a, b, (((1,), (1 if trans_b else 0,)), ((), ())), precision=HIGHEST)
-
-
-def _gram_prep_kernel(q_ref, k_ref, a_ref, b_ref, A_log_ref, dt_bias_ref, qn_ref, kn_ref, g_ref, *coef_refs, D: int,
-                      Dp: int, r: int, scale: float):  # fmt: skip
-    """Per (request, q/k head): the norms of its D queries and keys, and for each of its r
-    v-heads the gates and the coefficients of :func:`_gram_kernel`'s recurrence.
-
-    ``qn``, ``kn`` and ``g`` are ``reference.prepare``'s (``kn`` and ``g`` are the tape's).
-    With ``G[t, s] = exp(g_{s+1} + ... + g_t)`` (each exponent a sum of terms of one sign: a
-    product with a 0/1 mask, no difference of cumulative sums, which would cancel under strong
-    decays): ``W[t, s] = beta_t G[t, s] (k_t . k_s)`` for s < t, ``C[t, s] = G[t, s] (q_t . k_s)``
-    for s <= t, ``P_t = exp(g_0 + ... + g_t)``, ``beta_t``; steps >= D are zero. ``coef_refs``:
-    ``W``, ``C``, ``P``, ``beta``, or one ``[N, HV, rows, Dp]`` block of them (``_gram_prep``'s
-    ``packed``: rows ``beta``, ``P``, ``W``, ``C``; the ``mosaic`` backend's ``verify="gram"``).
-    """
-    n, h = pl.program_id(0), pl.program_id(1)
-    steps = pl.ds(0, Dp)
-    K = k_ref.shape[-1]
-    rows = jax.lax.broadcasted_iota(jnp.int32, (Dp, K), 0) < D
-
-    def unit(ref):  # l2norm of the D rows (reference.l2norm)
-        return _unit_rows(plgpu.load(ref.at[n, steps, h, :], mask=rows, other=0.0).astype(F32))
-
-    qn, kn = unit(q_ref) * jnp.asarray(scale, F32), unit(k_ref)
-    plgpu.store(qn_ref.at[n, steps, h, :], qn, mask=rows)
-    plgpu.store(kn_ref.at[n, steps, h, :], kn, mask=rows)
-    KK = _dot(kn, kn, trans_b=True)  # k_t . k_s
-    QK = _dot(qn, kn, trans_b=True)  # q_t . k_s
-    t_ = jax.lax.broadcasted_iota(jnp.int32, (Dp, Dp), 0)
-    s_ = jax.lax.broadcasted_iota(jnp.int32, (Dp, Dp), 1)
-    live = jax.lax.broadcasted_iota(jnp.int32, (Dp,), 0) < D
-    for i in range(r):  # the v-heads of this q/k head
-        hv = h * r + i
-        a = plgpu.load(a_ref.at[n, steps, hv], mask=live, other=0.0)
-        b = plgpu.load(b_ref.at[n, steps, hv], mask=live, other=0.0)
-        g, beta = gates(a, b, A_log_ref[hv], dt_bias_ref[hv])
-        g, beta = jnp.where(live, g, 0.0), jnp.where(live, beta, 0.0)
-        plgpu.store(g_ref.at[n, steps, hv], g, mask=live)
-        upto = jnp.where(s_ <= t_, g[None, :], 0.0)  # [t, j]: g_j for j <= t
-        G = rounding.exp(_dot(upto, jnp.where(t_ > s_, 1.0, 0.0)))  # [t, s]: exp(sum of g_j for s < j <= t)
-        W = jnp.where(s_ < t_, beta[:, None] * (G * KK), 0.0)
-        C = jnp.where((s_ <= t_) & (t_ < D), G * QK, 0.0)
-        P = jnp.where(live, rounding.exp(jnp.sum(upto, axis=1)), 0.0)
-        if len(coef_refs) == 1:
-            (coef_ref,) = coef_refs
-            coef_ref[n, hv, 0, :] = beta
-            coef_ref[n, hv, 1, :] = P
-            coef_ref[n, hv, pl.ds(2, Dp), :] = W
-            coef_ref[n, hv, pl.ds(2 + Dp, Dp), :] = C
-        else:
-            W_ref, C_ref, P_ref, beta_ref = coef_refs
-            W_ref[n, hv, :, :], C_ref[n, hv, :, :], P_ref[n, hv, :], beta_ref[n, hv, :] = W, C, P, beta
-
-
 def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bool, k_chunk: int,
                  evict: str | None, interpret: bool, mma_chunk: int | None, tiles_first: bool,
                  out_into: bool = False):  # fmt: skip
@@ -661,52 +493,6 @@ def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, int
         jax.lax.fori_loop(0, D, lambda t, S: state(t, S, jax.lax.bitcast_convert_type(pick(bits, t), F32)), S0)
 
 
-def _one_layer(layer, **named):
-    """The inputs stacked over layers (by their rank) sliced at ``layer`` by XLA (a copy each), the
-    others as they are, in the order given."""
-    return tuple(jax.lax.dynamic_index_in_dim(x, layer, 0, keepdims=False) if is_stacked(n, x) else x
-                 for n, x in named.items())  # fmt: skip
-
-
-def _gram_prep(q, k, a, b, A_log, dt_bias, *, scale, Dp: int, interpret: bool, packed: int = 0, into=None,
-               xlayer=None):  # fmt: skip
-    """``(qn, kn, g, W, C, P, beta)`` for the Gram form, in one launch (grid ``(N, H)``); with
-    ``packed`` (rows, at least ``2 + 2 Dp``): ``(qn, kn, g, coef)``, ``coef [N, HV, packed, Dp]``
-    (:func:`_gram_prep_kernel`). ``into`` and ``xlayer`` as :func:`_prep` takes them, done by XLA
-    here: the stacked inputs' layer sliced out, the tape's k and g scattered into the buffers
-    (returned last; an out-of-range row writes nothing)."""
-    if xlayer is not None:
-        q, k, a, b, A_log, dt_bias = _one_layer(xlayer[0], q=q, k=k, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
-    N, D, H, K = q.shape
-    HV = a.shape[-1]
-    kernel = functools.partial(_gram_prep_kernel, D=D, Dp=Dp, r=HV // H, scale=scale)
-    # The kernel reads and writes whole [Dp] step tiles (masked past D): the step axis is padded to
-    # Dp, so that every slice is in bounds (jax 0.12 checks them), and the outputs cut back to D.
-    pad = lambda x: jnp.pad(x, [(0, 0), (0, Dp - D)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
-    qn, kn, g, *rest = pl.pallas_call(
-        kernel,
-        out_shape=[jax.ShapeDtypeStruct((N, Dp, H, K), F32)] * 2 + [jax.ShapeDtypeStruct((N, Dp, HV), F32)]
-        + ([jax.ShapeDtypeStruct((N, HV, packed, Dp), F32)] if packed else
-           [jax.ShapeDtypeStruct((N, HV, Dp, Dp), F32)] * 2 + [jax.ShapeDtypeStruct((N, HV, Dp), F32)] * 2),
-        grid=(N, H),
-        compiler_params=plgpu.CompilerParams(num_warps=gram_prep_warps(Dp), num_stages=1),
-        interpret=interpret,
-        name="gdn_verify_gram_prep",
-    )(pad(q), pad(k), pad(a), pad(b), A_log, dt_bias)
-    qn, kn, g = qn[:, :D], kn[:, :D], g[:, :D]
-    if into is None:
-        return (qn, kn, g, *rest)
-    rows, tape_layer, kbuf, gbuf = into
-    nr = kbuf.shape[1]
-    at = jnp.where((rows >= 0) & (rows < nr), rows, nr)  # out-of-range rows: dropped (negative would wrap)
-    return (qn, kn, g, *rest, kbuf.at[tape_layer[0], at, :D].set(kn, mode="drop"),
-            gbuf.at[tape_layer[0], at, :D].set(g, mode="drop"))  # fmt: skip
-
-
-def gram_prep_warps(Dp: int) -> int:
-    return 4 if Dp >= 16 else 2  # two [Dp, K] tiles per program: at Dp = 16, 2 warps spill registers
-
-
 def _store_row(ref, w: _Where, idx, value, evict=None):
     if w.row_ok is None:  # a fresh tape: rows are the requests themselves
         store(ref, idx, value, evict)
@@ -745,7 +531,7 @@ def verify(call: VerifyCall, *, config=None, form, interpret, pending_control=No
     layer, tape_layer = scalar(layer), scalar(tape_layer)
     cfg = (tuned_config(N, D, state.dtype) if config is None else config).fit(V)
     if stacked and cfg.algorithm == "gram":  # the Gram prologue reads one layer: slice it out (a copy)
-        q, k, v, a, b, A_log, dt_bias = _one_layer(layer[0], **dict(zip(INPUT_RANKS, (q, k, v, a, b, A_log, dt_bias))))
+        q, k, v, a, b, A_log, dt_bias = one_layer(layer[0], **dict(zip(INPUT_RANKS, (q, k, v, a, b, A_log, dt_bias))))
         stacked = False
     if V % cfg.block_v:
         raise ValueError(f"pallas verify: V={V} must be a multiple of block_v={cfg.block_v}")
@@ -767,7 +553,7 @@ def verify(call: VerifyCall, *, config=None, form, interpret, pending_control=No
             raise ValueError(f"pallas verify: products='mma' needs block_v >= {MMA_MIN} (got {cfg.block_v}, V={V}) "
                              f"and K >= {MMA_MIN} a multiple of max({MMA_MIN}, k_chunk) (got K={K}, k_chunk={cfg.k_chunk})")  # fmt: skip
         pre = (rows, tape_layer, tape.k, tape.g) if into and not snapshots else None  # k and g into the tape
-        qn, kn, g, W, C, P, beta, *bufs = _gram_prep(q, k, a, b, A_log, dt_bias, scale=scale, Dp=gram_steps(D),
+        qn, kn, g, W, C, P, beta, *bufs = gram_prep(q, k, a, b, A_log, dt_bias, scale=scale, Dp=gram_steps(D),
                                                      interpret=interpret, into=pre)  # fmt: skip
         if bufs:
             kbuf, gbuf = bufs
@@ -778,7 +564,7 @@ def verify(call: VerifyCall, *, config=None, form, interpret, pending_control=No
         inputs = [state, slots, layer, tape_layer, pad(qn), pad(kn), v, g, W, C, P, beta]
     else:
         pre = (rows, tape_layer, tape.k, tape.g) if into and not snapshots else None
-        qn, kn, g, beta, *bufs = _prep(q, k, a, b, A_log, dt_bias, scale=scale, interpret=interpret,
+        qn, kn, g, beta, *bufs = prep(q, k, a, b, A_log, dt_bias, scale=scale, interpret=interpret,
                                        heads=cfg.prep_heads, into=pre, xlayer=layer if stacked else None)  # fmt: skip
         if bufs:
             kbuf, gbuf = bufs

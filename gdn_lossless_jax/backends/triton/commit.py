@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from ..launch import LaunchConfig
 from ._lang import exp as _exp
 from ._lang import fma as _fma
 from ._lang import from_f32 as _from_f32
@@ -63,19 +64,18 @@ _FORM_CODE = {"rule": 0, "naive": 1, "twice_rounded": 1, "other_product": 2}
 
 
 @dataclasses.dataclass(frozen=True)
-class CommitConfig:
-    """Launch parameters of the commit kernels.
+class CommitConfig(LaunchConfig):
+    """Launch parameters of the commit kernels: the tuple (replay) kernel's ``block_v``,
+    ``num_warps`` and ``num_stages`` (:class:`~gdn_lossless_jax.backends.launch.LaunchConfig`;
+    two stages here), and
 
     Attributes:
-      block_v, num_warps, num_stages: the tuple (replay) kernel's V tile and launch.
       block: elements per program of the snapshot gather-scatter.
       copy_warps: num_warps of the gather-scatter.
       evict: Triton's eviction policy for the replay's pool loads and stores (``""``: Triton's
         default).
     """
 
-    block_v: int = 8
-    num_warps: int = 1
     num_stages: int = 2
     block: int = 2048
     copy_warps: int = 4

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from ..launch import ORDERS, VerifyLaunch
 from ._lang import exp as _exp
 from ._lang import fma as _fma
 from ._lang import from_f32 as _from_f32
@@ -45,7 +46,6 @@ from ._lang import to_f32 as _to_f32
 
 __all__ = ["VerifyConfig", "verify", "verify_kernel", "verify_prep_kernel", "launch_sizes", "prep_launch"]
 
-ORDERS = ("requests", "tiles")
 PENDING_REPLAYS = ("rows", "split")
 CHAINS = ("chunks", "rows")
 ROWS_UP_TO = 8  # VerifyConfig.chain=None: the rows chain up to this many drafts
@@ -53,18 +53,17 @@ UNROLL_UP_TO = 8  # VerifyConfig.unroll=None: the rows chain's steps unrolled up
 
 
 @dataclasses.dataclass(frozen=True)
-class VerifyConfig:
+class VerifyConfig(VerifyLaunch):
     """Launch parameters of the verify kernels (the same arithmetic for both record modes).
 
+    The shared fields (``block_v``, ``num_warps``, ``num_stages``, ``k_chunk``, ``order``,
+    ``prep_heads``) are :class:`~gdn_lossless_jax.backends.launch.VerifyLaunch`'s; here
+    ``block_v`` and ``k_chunk`` are capped at V and K rounded up to a power of 2, and
+    ``prep_heads`` must be at least 1.
+
     Attributes:
-      block_v: V rows per program (a power of two; capped at V rounded up to one).
-      num_warps, num_stages: Triton launch parameters of the chain.
-      k_chunk: columns per chunk of the state tile (a power of two; capped at K rounded up).
-      order: ``"requests"`` ``(N, HV, V / BV)`` or ``"tiles"`` ``(V / BV, HV, N)``; None takes
-        the tiles first for snapshots and the requests first for tuples (no arithmetic changes).
       evict: Triton's eviction policy of the state loads and snapshot stores (``""``: Triton's
         default), each touched once.
-      prep_heads: q/k heads per program of the prologue (a power of two).
       prefetch_pending: in the fused kernel, ask L2 for every pending step's ``k``, ``u`` and
         ``g`` at the program's start (``prefetch.global.L2``, no registers held).
       pending_replay: how the fused kernel replays a pending tuple commit: ``"rows"`` on a
@@ -84,34 +83,25 @@ class VerifyConfig:
         ``UNROLL_UP_TO`` drafts.
     """
 
-    block_v: int = 8
-    num_warps: int = 1
-    num_stages: int = 1
-    k_chunk: int = 16
-    order: str | None = None
     evict: str = "evict_first"
-    prep_heads: int = 2
     prefetch_pending: bool = True
     pending_replay: str = "rows"
     chain: str | None = None
     unroll: bool | None = None
 
     def __post_init__(self):
+        super().__post_init__()
         if self.chain not in (None, *CHAINS):
             raise ValueError(f"VerifyConfig: chain must be None or one of {CHAINS}, got {self.chain!r}")
         if self.unroll not in (None, True, False):
             raise ValueError(f"VerifyConfig: unroll must be None, True or False, got {self.unroll!r}")
-        if self.order not in (None, *ORDERS):
-            raise ValueError(f"VerifyConfig: order must be None or one of {ORDERS}, got {self.order!r}")
         if self.pending_replay not in PENDING_REPLAYS:
             raise ValueError(f"VerifyConfig: pending_replay must be one of {PENDING_REPLAYS}, "
                              f"got {self.pending_replay!r}")
         if self.evict not in ("", "evict_first", "evict_last"):
             raise ValueError(f"VerifyConfig: evict must be '', 'evict_first' or 'evict_last', got {self.evict!r}")
-        for name in ("block_v", "num_warps", "k_chunk", "prep_heads"):
-            n = getattr(self, name)
-            if n < 1 or n & (n - 1):
-                raise ValueError(f"VerifyConfig: {name} must be a power of 2, got {n}")
+        if self.prep_heads < 1:
+            raise ValueError(f"VerifyConfig: prep_heads must be a power of 2, got {self.prep_heads}")
 
 
 @jit
