@@ -8,7 +8,7 @@ Shapes are given per layer; a tape for ``commit`` carries a leading layer axis `
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,9 +28,31 @@ def replace_fields(obj: Any, fields: dict[str, Any]) -> Any:
     return dataclasses.replace(obj, **fields)
 
 
+class _TapeFields:
+    """What both tapes share: :meth:`replace`, and the step and row counts, read off the first
+    field (``_trailing``: its axes after the step axis)."""
+
+    _trailing: ClassVar[int]
+
+    def replace(self, **fields: jax.Array):
+        """A copy with the given fields replaced, e.g. ``tape.replace(g=g2)``."""
+        return replace_fields(self, fields)
+
+    def _lead_shape(self) -> tuple[int, ...]:
+        return getattr(self, dataclasses.fields(self)[0].name).shape
+
+    @property
+    def num_steps(self) -> int:
+        return self._lead_shape()[-1 - self._trailing]
+
+    @property
+    def num_rows(self) -> int:
+        return self._lead_shape()[-2 - self._trailing]
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Tuples:
+class Tuples(_TapeFields):
     """The lossless tape: what replay needs to rebuild every draft step's state.
 
     Attributes:
@@ -43,23 +65,12 @@ class Tuples:
     u: jax.Array
     k: jax.Array
     g: jax.Array
-
-    @property
-    def num_steps(self) -> int:
-        return self.u.shape[-3]
-
-    def replace(self, **fields: jax.Array) -> "Tuples":
-        """A copy with the given fields replaced, e.g. ``tape.replace(g=g2)``."""
-        return replace_fields(self, fields)
-
-    @property
-    def num_rows(self) -> int:
-        return self.u.shape[-4]
+    _trailing: ClassVar[int] = 2  # u [..., N, D, HV, V]
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Snapshots:
+class Snapshots(_TapeFields):
     """The dense tape: the state after every draft step.
 
     Attributes:
@@ -67,18 +78,7 @@ class Snapshots:
     """
 
     states: jax.Array
-
-    @property
-    def num_steps(self) -> int:
-        return self.states.shape[-4]
-
-    def replace(self, **fields: jax.Array) -> "Snapshots":
-        """A copy with the given fields replaced, e.g. ``tape.replace(states=s2)``."""
-        return replace_fields(self, fields)
-
-    @property
-    def num_rows(self) -> int:
-        return self.states.shape[-5]
+    _trailing: ClassVar[int] = 3  # states [..., N, D, HV, V, K]
 
 
 Tape = Tuples | Snapshots

@@ -10,7 +10,7 @@
 * :func:`backend_verify`: a backend's verify called directly, with its own options.
 """
 
-from . import cases, controls, equivalence, expect
+from . import asserts, cases, controls, equivalence, expect
 from .asserts import (
     BitwiseReport,
     assert_bitwise_differs,
@@ -27,23 +27,5 @@ from .asserts import (
 from .calls import backend_verify
 from .equivalence import DEFAULT_SHAPES, run_equivalence_suite
 
-__all__ = [
-    "bits",
-    "ulp_distance",
-    "BitwiseReport",
-    "compare_bitwise",
-    "assert_bitwise_equal",
-    "assert_trees_bitwise_equal",
-    "assert_bitwise_differs",
-    "run_equivalence_suite",
-    "DEFAULT_SHAPES",
-    "fma_oracle",
-    "mul_oracle",
-    "replay_oracle",
-    "ulp_stats",
-    "backend_verify",
-    "cases",
-    "controls",
-    "equivalence",
-    "expect",
-]
+__all__ = [*asserts.__all__, "run_equivalence_suite", "DEFAULT_SHAPES", "backend_verify", "cases", "controls",
+           "equivalence", "expect"]
