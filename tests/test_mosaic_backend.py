@@ -68,7 +68,7 @@ def _lower_for_cuda(monkeypatch, out_dtype, config):
         z = jnp.sum(q.astype(F32))
         return [jnp.zeros((N, D, H, K)) + z] * 2 + [jnp.zeros((N, D, HV)) + z] * 2 + list(into[2:])
 
-    monkeypatch.setattr(mosaic, "_prep", prep)
+    monkeypatch.setattr(mosaic, "prep", prep)
     N, D, H, HV, K, V, L, S, R = 2, 2, 2, 4, 64, 64, 2, 6, 3
     sds, i32 = jax.ShapeDtypeStruct, jnp.int32
     tuples = lambda *s: Tuples(sds((*s, HV, V), F32), sds((*s, H, K), F32), sds((*s, HV), F32))  # noqa: E731

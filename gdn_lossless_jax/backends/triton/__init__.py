@@ -13,7 +13,6 @@ bit for bit in the other backends on the same device (see ``_lang.py``).
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 
 from ...tape import Snapshots, Tuples
 from ..contract import VerifyCall

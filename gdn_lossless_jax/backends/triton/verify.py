@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from ..launch import ORDERS, VerifyLaunch
+from ..launch import VerifyLaunch
 from ._lang import exp as _exp
 from ._lang import fma as _fma
 from ._lang import from_f32 as _from_f32
