@@ -105,7 +105,7 @@ def busy_us(intervals) -> float:
 
 def copy_rate(gib: int = 2) -> tuple[float, float]:
     """``(device us, bytes per second)`` of XLA's ``x * 2`` over ``gib`` GiB of fp32 (one read
-    and one write per element): the copy rate the tuning scripts divide byte counts by."""
+    and one write per element): the copy rate that byte counts are divided by for a byte floor."""
     import jax
     import jax.numpy as jnp
 

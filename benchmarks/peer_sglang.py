@@ -163,10 +163,9 @@ def _load_sources(src: Path) -> Peer:
 def _triton_cache_dir() -> None:
     """Give Triton a writable cache folder when it has none.
 
-    Inside the benchmark on the H200 machine Triton's cache folder resolved to nothing, with
-    or without ``TRITON_CACHE_DIR`` ("Could not create or locate cache dir" at the first
-    launch; in a plain Python it is ``~/.triton/cache``), so the peer never ran. A temporary
-    folder set on ``triton.knobs`` works whatever the cause.
+    Triton's cache folder can resolve to nothing inside the benchmark, with or without
+    ``TRITON_CACHE_DIR`` ("Could not create or locate cache dir" at the first launch), and the
+    peer would not run. A temporary folder set on ``triton.knobs`` works whatever the cause.
     """
     import tempfile
 

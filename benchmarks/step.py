@@ -73,13 +73,13 @@ our rows waiting by polling ``is_ready()`` (the host thread spins instead of sle
 SGLang's row waits (:func:`gdn_lossless_jax.sync.synchronize`, GPUs only): *synced*; then as
 many dispatched *ahead*, one wait at the end (a
 decode loop that keeps its accept decision on the device and runs ahead of it): the time a
-step, median of 5 such runs. A blocking call pays ~0.3 ms more than one dispatched ahead on
-the H200 (``scripts/call_floor_probe.py``). XLA's CUDA graphs start later when another program
-ran just before (the interleaved rounds), SGLang's graph hardly (``scripts/launch_probe.py``).
+step, median of 5 such runs. A call that blocks pays the host's dispatch and wake-up on every
+step; a step dispatched ahead hides them behind the last step's kernels.
 
-Run (H200, about 3 minutes)::
+Run on a GPU (a few minutes; the runs of record: ``benchmarks/results/step/``)::
 
-    python -m benchmarks.step --out $OUT/step --configs 25x4,8x16 --backends pallas,triton
+    python -m benchmarks.step --out $OUT/step --configs 25x4,8x16,8x4,8x8 --backends mosaic,pallas \
+        --kinds unrolled-out,fused-out --records tuples --budget-s 8 --rounds 20
 
 The sharded code path on a one-device mesh beside the unsharded one::
 
@@ -506,7 +506,7 @@ def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: in
     def run_fused(options=None, form="scan"):
         # unrolled-out: one executable per parity of the step, so that each always sees the same
         # tape in each role (the tapes swap roles every step; one executable seeing them swapped
-        # re-records its whole CUDA graph before every call, ~0.35 ms at 25x4 on the H200)
+        # re-records its whole CUDA graph before every call)
         fns = [fused_step(backend, options, form) for _ in range(2 if form == "unrolled-out" else 1)]
         f_box = [None]  # each fused row its own buffers: another row's swap would swap this one's tapes' roles
         one = fused_runner(fns, form, inp, f_box, o_box)
@@ -642,7 +642,7 @@ def back_to_back(rows: list[Row], calls: int, wait: str = "block", dispatch: dic
     """Each row called ``calls`` times in a row, each call waiting for the last (a decode loop
     that runs one step after another): seconds per call. The interleaved rounds instead run
     another row between two calls of one; XLA's CUDA graph of a jitted step starts later after
-    another program ran (``scripts/launch_probe.py``). ``wait``: how our rows wait (:data:`WAITS`):
+    another program ran. ``wait``: how our rows wait (:data:`WAITS`):
     ``block`` (``jax.block_until_ready``), ``poll`` (polling ``is_ready()``,
     :func:`benchmarks.timing.spin_until_ready`) or ``sync`` (the driver's wait on the device,
     :func:`gdn_lossless_jax.sync.synchronize`, as SGLang's row waits). With ``sync``, a row that

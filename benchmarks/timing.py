@@ -164,7 +164,7 @@ def device_pass(rows: list[Row], *, invocations: int, clock: Clock, label: str) 
 
 def spin_until_ready(tree):
     """``jax.block_until_ready`` by polling each array's ``is_ready()``: the waiting host thread
-    spins instead of sleeping (``benchmarks.step``'s *polled* column, ``scripts/call_floor_probe.py``)."""
+    spins instead of sleeping (``benchmarks.step``'s *polled* column)."""
     import jax
 
     for x in jax.tree.leaves(tree):

@@ -3,7 +3,7 @@
 Checks that the pieces' groups cover ``[0, G)`` once each, and prints a table of what was tried and
 what held (cases, geometries, D ranges, dtypes, writes, specials, corrupted slots, controls)::
 
-    python scripts/fuzz_merge.py benchmarks/results/fuzz-gpu-x2-2026-12-01/logs/*.log
+    python scripts/fuzz_merge.py $OUT/fuzz/*.log        # the logs of scripts/gpu_x2.sh fuzz
 """
 
 from __future__ import annotations

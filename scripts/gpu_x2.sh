@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# One device call on two H200s (issues 21 and 22): the step benchmark split 2-way over heads beside
-# the same work on one GPU, then, side by side, the GPU tests (the sharded suite on both GPUs), the
-# long-decode soak at the real head geometry and the GPU fuzz split in chunks of groups over both
-# GPUs. Everything stops by a deadline; logs come back as one $OUT/results.tgz.
-# Usage on the device machine: bash scripts/gpu_x2.sh [step] [step1] [diff] [demo] [tests] [parallel] [fuzz]
-# Env: BUDGET (seconds from the start, default 560), STEP_ARGS, TEST_FILES, WORKERS, SOAK_ARGS,
-# FUZZ_RANGES (backend:first:end group ranges, default pallas:0:100 triton:0:100: 10,000 cases each),
-# FUZZ_CHUNK (groups of 100 cases per command), FUZZ_PAR (commands at once), FUZZ_SEED, GPUS, DEMO_ARGS,
-# STEP1_ARGS (a second step run, on GPU 0 alone: phase step1), DIFF_ARGS (scripts/mesh_diff.py), PYTEST_K.
+# Two GPUs of one host: the step benchmark split 2-way over heads beside the same work on one GPU, the sharded test
+# suite on both GPUs, the long-decode soak and the GPU fuzz split in chunks of shape groups over both GPUs. Everything
+# stops by a deadline; logs come back as one $OUT/results.tgz. Run from the repository root:
+#   bash scripts/gpu_x2.sh [step] [step1] [diff] [demo] [tests] [parallel] [fuzz]
+# Phases: step (benchmarks.step --mesh 2x1, alone on the machine), step1 (the same with one GPU visible), diff
+# (scripts/mesh_diff.py: where the demo model on a mesh first differs from one GPU), demo (gdn-lossless demo DEMO_ARGS),
+# tests (pytest of TEST_FILES on both GPUs), parallel (tests, a soak on GPU 1 and the fuzz side by side), fuzz.
+# Env: BUDGET (seconds from the start, default 3600), STEP_ARGS, STEP1_ARGS, DIFF_ARGS, TEST_FILES, WORKERS, PYTEST_K,
+# SOAK_ARGS, DEMO_ARGS, FUZZ_RANGES (backend:first:end group ranges, default pallas:0:100 triton:0:100: 10,000 cases
+# each), FUZZ_CHUNK (groups of 100 cases per command), FUZZ_PAR (commands at once), FUZZ_SEED, GPUS.
+# Add up the fuzz logs with: python scripts/fuzz_merge.py $OUT/fuzz/*.log
 set -u
 START=$(date +%s)
-DEADLINE=$((START + ${BUDGET:-560}))
+DEADLINE=$((START + ${BUDGET:-3600}))
 left() { echo $((DEADLINE - $(date +%s))); }
 FINAL_OUT=${OUT:-/tmp/out}
 OUT=/tmp/gpu_out; rm -rf "$OUT"; mkdir -p "$OUT/fuzz"
@@ -20,7 +22,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}tests:. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # NVLink multicast off
 {
   date -u; nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader; nvidia-smi topo -m
   python3 -c "import jax, triton; print('jax', jax.__version__, 'triton', triton.__version__, jax.devices())"

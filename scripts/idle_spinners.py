@@ -1,12 +1,9 @@
 """Run a command while every CPU is kept out of its idle state by a process of the lowest priority.
 
-The H200 machines of this workplace are Firecracker virtual machines without a cpuidle driver: an idle
-virtual CPU halts, and waking a thread on a halted one goes through the hypervisor. A jitted JAX call
-that follows a millisecond or more in which JAX had nothing to do is 0.15-0.35 ms slower than one that
-follows another call (``scripts/call_floor_probe.py``; PyTorch, which launches on the calling thread,
-lost none of it). The question this asked: is that the wake-up of JAX's runtime threads on halted CPUs?
-Mostly, yes: with the spinners, 0.02 ms instead of 0.13 after 1 ms asleep, and the fused step at 25x4
-0.09-0.49 ms faster back to back (``benchmarks/results/h200-2026-12-04-spinners/``).
+On a machine whose idle CPUs halt (a virtual machine without a cpuidle driver, for one), a jitted JAX call
+that follows a millisecond or more in which JAX had nothing to do pays for waking JAX's runtime threads on
+halted CPUs (0.15-0.35 ms a call on an H200 host). With every CPU kept busy at the lowest priority that
+cost goes away, so back-to-back timings measure the step, not the wake-ups (``docs/step.md``).
 
 Each spinner is pinned to one CPU and runs under ``SCHED_IDLE`` (Linux' lowest class: any other thread
 that wakes on its CPU preempts it at once, and the scheduler counts such a CPU as idle when it places a
@@ -15,7 +12,7 @@ woken thread), so no CPU ever halts and no thread waits for one. ``--policy nice
 (built with ``cc`` into a temporary folder), which leaves more of a shared core to its other hardware
 thread than Python's loop does::
 
-    python scripts/idle_spinners.py -- python scripts/call_floor_probe.py --nodes 64
+    python scripts/idle_spinners.py -- python -m benchmarks.step --out /tmp/step ...
     python scripts/idle_spinners.py --cpus 0-7 --policy nice -- python -m benchmarks.step ...
 
 The command's exit status is returned; the spinners are killed when it ends.

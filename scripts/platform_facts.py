@@ -7,7 +7,7 @@ forms; whether subnormals survive) and ``exp.npz`` (the bits of ``exp`` on
 own ``jnp.exp`` as ``"<platform>_xla"`` for every platform present). The notebook compares a
 recorded GPU's ``exp`` with the CPU it runs on, bit for bit.
 
-    python scripts/platform_facts.py --out benchmarks/results/h200-DATE-platform
+    python scripts/platform_facts.py --out benchmarks/results/platform
 """
 
 from __future__ import annotations

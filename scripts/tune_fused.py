@@ -1,16 +1,15 @@
-"""Device time of the fused step (``commit_and_verify`` over every layer in a ``lax.scan``, as
-``benchmarks.step``'s ``fused`` row) for each way the Pallas kernel replays the pending commit
-(``VerifyConfig.pending_replay``), unrolled with the outputs in place (``fused-out``) or not, beside
-the separate steps of the same run.
+"""Time the fused step per launch of the Pallas (or Triton) kernel, to pick a tuned launch for a shape.
 
-Each variant's ``VerifyConfig`` reaches the kernel as its backend's default launch (the Pallas
-or, with the tag ``triton``, the Triton backend's ``verify``'s keyword default, set while the
-variant's step is traced: a static argument of the
-kernel's jit, so every variant compiles its own kernel). Prints, per configuration and variant,
-the step's device time per call, its back-to-back wall-clock, the fused kernel's median launch
-and its registers (from the profiler trace); writes ``$OUT/tune_fused.json``::
+The fused step is ``benchmarks.step``'s ``fused`` (a ``lax.scan``) or ``fused-out`` (unrolled, outputs in
+place) row; each variant names a ``VerifyConfig`` by tags, beside the separate steps of the same run. A
+variant's ``VerifyConfig`` reaches the kernel as its backend's default launch (``verify``'s keyword default,
+set while the variant's step is traced: a static argument of the kernel's jit, so every variant compiles its
+own kernel). Prints, per configuration and variant, the step's device time per call, its back-to-back
+wall-clock, the fused kernel's median launch and its registers (from the profiler trace); writes
+``$OUT/tune_fused.json``. The winner at a shape goes into ``gdn_lossless_jax.backends.pallas.verify.TUNED``
+(``docs/step.md``). From the repository root, on a GPU::
 
-    python scripts/tune_fused.py --configs 25x4,8x16 --variants scan,fused:carry,fused:split,fused-out:split
+    PYTHONPATH=. python scripts/tune_fused.py --configs 25x4 --variants unrolled-out,fused-out:pair,fused-out:pair:split
 """
 
 from __future__ import annotations
@@ -28,7 +27,48 @@ from benchmarks import step as bstep
 from benchmarks.devtime import device_time
 from gdn_lossless_jax.backends import pallas as gp
 from gdn_lossless_jax.backends.pallas.verify import PENDING_REPLAYS, VerifyConfig
-from variants import triton_verify_config, verify_config
+
+# Tags naming VerifyConfig fields: a tag adds to or overrides the fields a variant sets; other tags are ignored.
+_NUMBERED = {"kc": "k_chunk", "un": "unroll", "ns": "num_stages", "ph": "prep_heads"}  # tag prefix -> field
+_ORDERS = {"tf": {"order": "tiles"}, "rf": {"order": "requests"}}
+_DOT_FMA = {"dfn": {"dot_fma": "none"}, "dfu": {"dot_fma": "u"}, "dfb": {"dot_fma": "both"}}
+_REPLAYS = {"prc": {"pending_replay": "carry"}, "prs": {"pending_replay": "split"}, "prr": {"pending_replay": "rows"},
+            "psv": {"pending_slice_v": True}}
+
+
+def _apply(tags, fields: dict, named: dict, numbered) -> dict:
+    """``fields`` with each tag applied in turn: a name from ``named`` (its field values), or a
+    prefix from ``numbered`` (prefix -> field) followed by a number."""
+    for tag in tags:
+        if tag in named:
+            fields.update(named[tag])
+        elif tag[:2] in numbered and tag[2:].isdigit():
+            fields[numbered[tag[:2]]] = int(tag[2:])
+    return fields
+
+
+def verify_config(tags, **fields):
+    """The Pallas backend's :class:`VerifyConfig`: ``gram``, ``one_pass``, ``kcN``, ``unN``, ``nsN``,
+    ``phN``, ``noef`` (``evict=None``), ``lq`` (``prefetch_q=False``), ``mma``, ``tf`` / ``rf`` (grid
+    order), ``dfn`` / ``dfu`` / ``dfb`` (``dot_fma``), ``prc`` / ``prs`` / ``prr`` (``pending_replay``),
+    ``psv`` (``pending_slice_v=True``)."""
+    named = {"gram": {"algorithm": "gram"}, "one_pass": {"one_pass": True}, "noef": {"evict": None},
+             "lq": {"prefetch_q": False}, "mma": {"products": "mma"}, **_ORDERS, **_DOT_FMA, **_REPLAYS}  # fmt: skip
+    return VerifyConfig(**_apply(tags, fields, named, _NUMBERED))
+
+
+def triton_verify_config(tags, **fields):
+    """The Triton backend's :class:`VerifyConfig`: ``kcN``, ``nsN``, ``phN``, ``bvN`` (``block_v=N``),
+    ``chr`` / ``chc`` (``chain``), ``unr`` / ``unl`` (``unroll``), ``tf`` / ``rf``, ``noef`` (``evict=""``),
+    ``prs`` / ``prr`` (``pending_replay``)."""
+    from gdn_lossless_jax.backends.triton import VerifyConfig as TritonConfig
+
+    numbered = {k: _NUMBERED[k] for k in ("kc", "ns", "ph")} | {"bv": "block_v"}
+    named = {"noef": {"evict": ""}, "prs": {"pending_replay": "split"}, "prr": {"pending_replay": "rows"},
+             "chr": {"chain": "rows"}, "chc": {"chain": "chunks"}, "unr": {"unroll": True},
+             "unl": {"unroll": False}, **_ORDERS}  # fmt: skip
+    return TritonConfig(**_apply(tags, fields, named, numbered))
+
 
 T0 = time.perf_counter()
 
@@ -49,8 +89,8 @@ def main(argv=None) -> int:
                         "rows or split), npf (with triton: VerifyConfig.prefetch_pending=False), bvN (with triton: "
                         "block_v=N), "
                         "lq (Pallas: prefetch_q=False, each step's q loaded in that step), tuned (Pallas: the "
-                        "backend's default, tuned_config of the shape), and scripts/variants.py's tags (Pallas: "
-                        "dfn / dfu / dfb for a dot_fma, kcN, ...)")
+                        "backend's default, tuned_config of the shape), and the VerifyConfig tags of verify_config "
+                        "(Pallas: dfn / dfu / dfb for a dot_fma, kcN, ...)")
     p.add_argument("--records", default="tuples", help="record modes of the step (the pending tape's too)")
     p.add_argument("--calls", type=int, default=4, help="steps per traced invocation")
     p.add_argument("--invocations", type=int, default=3)
@@ -80,7 +120,7 @@ def main(argv=None) -> int:
                 else:
                     replay = next((t for t in tags if t in PENDING_REPLAYS), default.pending_replay)
                     impl, saved = gp, gp.verify.__kwdefaults__["config"]
-                    # scripts/variants.py's tags apply too (dfu: dot_fma="u", kcN, ...)
+                    # verify_config's tags apply too (dfu: dot_fma="u", kcN, ...)
                     launch = None if "tuned" in tags else verify_config(
                         tags, pending_replay=replay, pending_slice_v="slice" in tags, prefetch_q="lq" not in tags)
                 impl.verify.__kwdefaults__["config"] = launch

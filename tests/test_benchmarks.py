@@ -226,24 +226,6 @@ def test_the_triton_backends_kernels_count_as_ours():
     assert [k["name"] for k in bstep._kernels_not_ours({"kernels": kernels})] == ["loop_select_fusion_4"]
 
 
-def test_ncu_source_summary_reads_the_committed_profile():
-    """scripts/ncu_source_summary.py on a committed Nsight Compute source page (eight launches:
-    the verify and the fused kernel at 25x4, swizzled and not): the numbers the notes quote."""
-    spec = importlib.util.spec_from_file_location("ncu_source_summary", ROOT / "scripts" / "ncu_source_summary.py")
-    ncu = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ncu)
-    launches = ncu.launches(str(ROOT / "benchmarks/results/h200-2026-12-02-replay/call3/sass_fused.csv.gz"))
-    assert len(launches) == 8
-    fused = launches[6]  # the shipped fused kernel (swizzle off)
-    assert ncu.summary(fused, 12800).startswith("1625 instructions a warp")
-    runs = ncu.segments(fused, 12800)
-    assert any(" x 2.56 a warp   106 instructions" in line for line in runs)  # the replay loop
-    assert ncu.opcode("@!P4  LDG.E.128 R52, desc[UR12][R78.64+0x10] ;") == "LDG"
-    # --hot: the mosaic fused kernel's largest stall site (benchmarks/NOTES.md, twenty-first session)
-    [mosaic] = ncu.launches(str(ROOT / "benchmarks/results/h200-2026-12-03-mosaic2/call1/ncu-replay_loop-sass.csv.gz"))
-    assert "R2UR UR14, R15" in ncu.hot(mosaic, 1)[0] and "245 ( 6.6%)  long_sb 239" in ncu.hot(mosaic, 1)[0]
-
-
 @pytest.mark.parametrize("policy", ["idle", "pause"])
 def test_idle_spinners_run_the_command_and_stop(policy):
     """``scripts/idle_spinners.py`` keeps a spinner of the lowest priority on each CPU while the command
