@@ -15,7 +15,7 @@ rule directly, ``jax.grad``/``jax.vjp`` transpose its linear part (a ``custom_vj
 forward mode). The rule calls the wrapped function again for its primal value, so
 higher-order derivatives are those of the plain formulation too.
 
-What this means in numbers: the derivative is evaluated along the plain formulation's
+Accuracy and memory: the derivative is evaluated along the plain formulation's
 trajectory, which differs from the exact one by rounding (a few ULP per step, more after
 cancellation); it is the derivative of the exact function up to that. Memory: the plain
 formulation, like the reference it is built from (:func:`gdn_lossless_jax.reference.chain`),

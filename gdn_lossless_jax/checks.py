@@ -57,8 +57,7 @@ _INT32 = np.dtype(np.int32)  # compared as a NumPy dtype (against jnp.int32, a s
 def as_index(x):
     """An index argument as int32 without an eager JAX op: arrays of int32 pass through (a weakly
     typed one made plain), the rest becomes NumPy, which a jitted call takes in as part of its own
-    launch. (``jnp.asarray(layer)`` of a Python int dispatched a device op of its own: a sizeable
-    part of a layer call's host time.)
+    launch (``jnp.asarray`` of a Python int would dispatch a device op of its own).
 
     Traced index arrays (inside a ``jax.jit``; rank >= 1: slots, rows, steps, not the layer)
     are :func:`staged`: the kernels read a copy the jit makes, not the caller's buffer. Not
@@ -67,7 +66,7 @@ def as_index(x):
     anyway."""
     if isinstance(x, jax.Array):
         # A weakly typed int32 (``jnp.full((n,), 3)``) is made a plain one: Pallas Triton's lowering
-        # of the commit kernel failed on it on the GPU (an i1 added to an i32).
+        # of the commit kernel fails on it (an i1 added to an i32).
         x = x if x.dtype == _INT32 and not x.aval.weak_type else x.astype(jnp.int32)
         here = isinstance(x, jax.core.Tracer) and x.ndim >= 1 and _STAGING.get() and _traced_here(x)
         return staged(x) if here else x
@@ -113,9 +112,8 @@ def staged(x: jax.Array) -> jax.Array:
 
     Why: XLA runs a jit's kernels as a CUDA graph and re-records every kernel node whose buffers
     moved since the last launch. A serving loop passes new index arrays every step; read by all
-    L verify kernels and the commit, they made each launch of an unrolled step re-record the
-    whole graph (0.38 ms of host time a step at 25x4 on the H200). Staged, only this op's node
-    moves; XLA merges the identical ops of the L layers into one."""
+    L verify kernels and the commit, they would make each launch re-record the whole graph.
+    Staged, only this op's node moves; XLA merges the identical ops of the L layers into one."""
     return jnp.where(x == _INT32_MIN, _INT32_MIN, x)
 
 

@@ -351,7 +351,7 @@ def _device_index(i: int, device) -> jax.Array:
 def _layer_arg(pool: StatePool, layer):
     """``layer`` for a layer call's jit: a Python int becomes an int32 scalar kept on the pool's
     device (one per layer and device, made once). As NumPy it would be a host-to-device copy in
-    every call: 0.1 ms of host time each on the H200, a third of ``pool.verify_layer``'s."""
+    every call, a large part of ``pool.verify_layer``'s host time."""
     ssm = pool.ssm
     if isinstance(layer, (int, np.integer)) and isinstance(ssm, jax.Array) and not isinstance(ssm, jax.core.Tracer):
         devices = ssm.devices()

@@ -76,12 +76,11 @@ def gates(a, b, A_log, dt_bias):
 def ksum(x):
     """Sum over the last axis; on a GPU as a fixed pairwise tree of elementwise adds.
 
-    Not ``jnp.sum`` on a GPU: XLA:GPU picks a reduction strategy per compiled program, and
-    the two record modes' programs summed in different orders (their outputs differed
-    bitwise; seen on the H200). Elementwise adds leave the compiler no order to choose.
-    On XLA:CPU ``jnp.sum`` gave the same bits in both modes in every run, and the tree made
-    some of its compiles take minutes, so the CPU keeps ``jnp.sum``. (These sums feed the
-    tape; the replay rule never recomputes them.)
+    Not ``jnp.sum`` on a GPU: XLA:GPU picks a reduction strategy per compiled program, so the
+    two record modes' programs could sum in different orders and their outputs differ bitwise.
+    Elementwise adds leave the compiler no order to choose. XLA:CPU's ``jnp.sum`` gives the
+    same bits in both modes, and the tree makes some CPU compiles very slow, so the CPU keeps
+    ``jnp.sum``. (These sums feed the tape; the replay rule never recomputes them.)
     """
     if jax.default_backend() == "cpu":
         return jnp.sum(x, axis=-1)
@@ -186,9 +185,9 @@ def chain(state0, qn, kn, v, g, beta, *, record: str, out_dtype, step: Callable 
 
     # One program for both record modes: the scan emits the outputs, u and the fp32 states,
     # and the barrier keeps XLA from pruning the unused ones. Otherwise XLA compiles the
-    # two modes' loops differently (on XLA:GPU that changed the order of the K-term
-    # reductions: outputs and u differed between modes on the H200). The states are rounded
-    # to the pool dtype after the loop: rounding bf16 inside it made XLA:CPU's compile hang.
+    # two modes' loops differently (on XLA:GPU that changes the order of the K-term
+    # reductions: outputs and u differ between modes). The states are rounded to the pool
+    # dtype after the loop: rounding bf16 inside it makes XLA:CPU's compile hang.
     # The reference thus materialises the snapshots in tuples mode too: it is the
     # specification, not the memory-lean path.
     _, ys = lax.scan(body, state0.astype(dtype), xs)
@@ -290,7 +289,7 @@ def replay_two(state0, tuples: Tuples, steps, track_steps, *, rule: Callable = r
         S, final, track = carry
         u, k, g, t = x
         # The barrier keeps XLA from fusing the integer fma graph into its three consumers:
-        # at D = 1 the scan is inlined and XLA:CPU's compile of a bf16 replay never ended.
+        # at D = 1 the scan is inlined and XLA:CPU's compile of a bf16 replay never ends.
         S = lax.optimization_barrier(rule(S, rounding.exp(g), k, u))
         return (S, jnp.where(sel(t, steps), S, final), jnp.where(sel(t, track_steps), S, track)), None
 

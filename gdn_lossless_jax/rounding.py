@@ -13,12 +13,12 @@ snapshot bit for bit. Nothing may rely on what a compiler happens to do with
 subnormals to zero), XLA:GPU never contracts, Triton with fp fusion contracts the other
 product. So every form here is pinned:
 
-* :func:`fma_rn` and :func:`mul_rn` are *portable*: they compute the correctly rounded
-  fp32 results from integer operations on the bit patterns (unsigned 32-bit arithmetic,
-  shifts, ``clz``), so no compiler can contract, reassociate or flush them. They keep
-  subnormals (as the GPU does), work with x64 off, and lower in XLA on any platform, in
-  Pallas interpret mode and in Pallas Triton. On CUDA they are bit-identical to
-  ``mul.rn.f32`` / ``fma.rn.f32`` (tested on the H200).
+* :func:`fma_rn`, :func:`mul_rn` and :func:`add_rn` are *portable*: they compute the
+  correctly rounded fp32 results from integer operations on the bit patterns (unsigned
+  32-bit arithmetic, shifts, ``clz``), so no compiler can contract, reassociate or flush
+  them. They keep subnormals (as the GPU does), work with x64 off, and lower in XLA on any
+  platform, in Pallas interpret mode and in Pallas Triton. On CUDA they are bit-identical
+  to ``mul.rn.f32`` / ``fma.rn.f32`` (tested on a CUDA GPU).
 * All three are differentiable (``jax.custom_jvp``): the derivative is that of the exact
   operation they round (``a * b + c``, ``x * y``, ``x + y``), never the silent zero that
   autodiff would find through the integer bit manipulation.

@@ -55,13 +55,10 @@ does). :meth:`MeshPlan.spec`, :meth:`~MeshPlan.sharding` and
 :meth:`~MeshPlan.put` build the ``PartitionSpec``, ``NamedSharding`` or placed array of any kind.
 
 **Plain functions under jit.** ``jax.jit`` of the unsharded functions on arrays placed with these
-shardings also gives the same bits with the reference backend (tested on 8 CPU devices): XLA
-propagates the shardings, with no collective in verify and replay, but all-gathers in commit (its
-gathers by slot cannot know that each request's slot is on its own shard). The Pallas kernels in
-the CPU's interpret mode compiled to 48 all-gathers and 36 collective-permutes and a replicated
-result. On a GPU the Pallas and Triton kernels are custom calls with no partitioning rule, which
-XLA's partitioner runs whole on replicated operands (not measured here: no GPU mesh was at hand).
-Use the methods here (``shard_map``) for the kernels; no ``custom_partitioning`` rule is provided.
+shardings gives the same bits with the reference backend (XLA propagates the shardings, but
+commit all-gathers: its gathers by slot cannot know each request's slot is on its own shard). The
+Pallas and Triton kernels have no partitioning rule, so XLA would run them whole on replicated
+operands: use the methods here (``shard_map``) for the kernels.
 """
 
 from __future__ import annotations

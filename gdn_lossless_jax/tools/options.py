@@ -9,7 +9,6 @@ import math
 __all__ = ["positive_int", "non_negative_int", "positive_gib", "tensor_sizes", "model_name"]
 
 
-# Option types: argparse turns their ArgumentTypeError into "argument --x: <message>".
 def _int_option(minimum: int, what: str):
     def parse(text: str) -> int:
         try:

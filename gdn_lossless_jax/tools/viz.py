@@ -1,5 +1,5 @@
 """Analyses and plots behind the notebooks, for reuse: where the rounding forms differ, how far
-a replay drifts, what the speculative scratch costs, what the H200 measured.
+a replay drifts, what the speculative scratch costs, the benchmark results.
 
 The analyses need only JAX and NumPy; the ``plot_*`` functions import matplotlib when they are
 called (``pip install 'gdn_lossless_jax[notebooks]'``), draw into the ``ax`` / ``axes`` they are
