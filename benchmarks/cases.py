@@ -14,7 +14,7 @@ import math
 
 import jax.numpy as jnp
 
-from gdn_lossless_jax import cases as lib_cases
+from gdn_lossless_jax.testing import cases as lib_cases
 from gdn_lossless_jax.config import Geometry, get_geometry
 
 __all__ = [
@@ -155,7 +155,7 @@ def pool_slots(requests: int) -> int:
 
 def commit_index_sets(config: Config, reps: int, *, seed: int = 0) -> list[lib_cases.CommitIndices]:
     """``reps`` index sets for commit (different slots, steps and track crossings per set),
-    from :func:`gdn_lossless_jax.cases.commit_indices` with ``track_fraction=0.25``."""
+    from :func:`gdn_lossless_jax.testing.cases.commit_indices` with ``track_fraction=0.25``."""
     S = pool_slots(config.requests)
     return [
         lib_cases.commit_indices(

@@ -105,9 +105,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import gdn_lossless_jax as gl
-from gdn_lossless_jax import cases, sharding
+from gdn_lossless_jax import sharding
+from gdn_lossless_jax.testing import cases
 from gdn_lossless_jax import pool as gpool
-from gdn_lossless_jax.cases import Shape
+from gdn_lossless_jax.testing.cases import Shape
 from gdn_lossless_jax.sync import synchronize
 
 from . import cases as bc
@@ -788,7 +789,7 @@ def _plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from gdn_lossless_jax import viz
+    from gdn_lossless_jax.tools import viz
 
     fig = viz.plot_step(result)
     fig.savefig(path, dpi=120)

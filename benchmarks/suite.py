@@ -9,7 +9,7 @@ donated (``donate_argnums=0``) so every commit updates it in place; the index se
 per call. The compiled commit is checked for the alias and for copies of the pool.
 
 Inputs are random, never zeros. Per-layer verify inputs are NumPy normals with the scales of
-:func:`gdn_lossless_jax.cases.verify_inputs` (``kind="normal"``); the large commit arrays
+:func:`gdn_lossless_jax.testing.cases.verify_inputs` (``kind="normal"``); the large commit arrays
 (pool, tapes) are drawn on the device by one compiled function (a counter-based hash:
 uniform values of unit variance; the tape's k l2-normalised, g in [-2, -0.01)). Timing does not
 need a tape that verify produced; the tests check the semantics.
@@ -29,7 +29,7 @@ import numpy as np
 from jax import lax
 
 import gdn_lossless_jax as gdn
-from gdn_lossless_jax.cases import CommitIndices, Shape
+from gdn_lossless_jax.testing.cases import CommitIndices, Shape
 
 from . import cases as bc
 from . import traffic as tr

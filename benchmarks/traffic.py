@@ -25,7 +25,7 @@ import dataclasses
 
 import numpy as np
 
-from gdn_lossless_jax.cases import CommitIndices, Shape
+from gdn_lossless_jax.testing.cases import CommitIndices, Shape
 
 __all__ = ["Traffic", "verify_traffic", "commit_traffic", "copy_traffic", "net_traffic"]
 

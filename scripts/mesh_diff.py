@@ -21,7 +21,7 @@ import numpy as np
 
 from gdn_lossless_jax.model import SpecStep, allocate_state, get_config, init_params
 from gdn_lossless_jax.model.decode import decode_steps, place_on_mesh, pool_from_mesh
-from gdn_lossless_jax.model.demo import mesh_plan
+from gdn_lossless_jax.tools.demo import mesh_plan
 from gdn_lossless_jax.testing import compare_bitwise
 
 _SEEN: set = set()

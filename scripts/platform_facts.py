@@ -1,6 +1,6 @@
 """Record what a platform does with the rule's arithmetic, for the rounding notebook.
 
-Writes ``platform.json`` (``gdn_lossless_jax.viz.probe_platform``: ``S*alpha + k*u`` written
+Writes ``platform.json`` (``gdn_lossless_jax.tools.viz.probe_platform``: ``S*alpha + k*u`` written
 plainly, eagerly, under jit, in a scan body and in a Pallas kernel, matched against the pinned
 forms; whether subnormals survive) and ``exp.npz`` (the bits of ``exp`` on
 ``viz.exp_grid(16384)``, ``uint32``: the library's ``exp`` under the default backend's name, XLA's
@@ -20,7 +20,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from gdn_lossless_jax import viz
+from gdn_lossless_jax.tools import viz
 
 EXP_POINTS = 16384
 
@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     ref = np.exp(g.astype(np.float64)).astype(np.float32).view(np.uint32)
     facts["exp"] = {
         "points": EXP_POINTS,
-        "grid": f"gdn_lossless_jax.viz.exp_grid({EXP_POINTS})",
+        "grid": f"gdn_lossless_jax.tools.viz.exp_grid({EXP_POINTS})",
         "differ_from_float64_rounded": {k: float(np.mean(v != ref)) for k, v in platforms.items()},
     }
     if {"gpu", "cpu"} <= platforms.keys():

@@ -165,7 +165,7 @@ def make_inputs(spec: CaseSpec, seed: int, work: Path):
     import jax
     import jax.numpy as jnp
 
-    from gdn_lossless_jax.cases import Shape, commit_indices, verify_inputs
+    from gdn_lossless_jax.testing.cases import Shape, commit_indices, verify_inputs
 
     shape = Shape(N=spec.N, D=spec.D, H=spec.H, HV=spec.HV, K=spec.K, V=spec.V)
     dt = jnp.dtype(spec.dtype)

@@ -21,9 +21,8 @@ from gdn_lossless_jax.testing import backend_verify
 pytestmark = requires_gpu
 
 SHAPE = Shape(N=5, D=8, H=16, HV=32, K=128, V=128)
-# The portable form is integer arithmetic and compiles slowly: an unrolled D = 8 took Triton 5 min
-# per kernel, and the chunked state tile (8 chunks at K = 128, the steps as a loop) 3 min
-# (scripts/sass_stats.py ...:portable). At D = 2, K = V = 32 (2 chunks) the kernel runs the same code.
+# The portable form is integer arithmetic and compiles slowly (minutes a kernel at D = 8, K = 128);
+# at D = 2, K = V = 32 (2 chunks) the kernel runs the same code.
 FORMS_SHAPE = Shape(N=5, D=2, H=16, HV=32, K=32, V=32)
 KERNEL_BACKENDS = ["pallas"] + (["triton"] if importlib.util.find_spec("jax_triton") else [])
 

@@ -46,7 +46,7 @@ CONFIGS = {
     "gram-bv16-w1-kc128": VerifyConfig(block_v=16, num_warps=1, k_chunk=128, algorithm="gram"),
     "gram-bv16-w1-mma": VerifyConfig(block_v=16, algorithm="gram", products="mma"),  # TF32x3 on a GPU
 }
-# The launches the GPU sweep (scripts/gpu_tune.py) tries, at K = V = 128: on a GPU the launch,
+# The launches a GPU sweep tries, at K = V = 128: on a GPU the launch,
 # not only the algorithm, sets the low bits (on the CPU they would repeat the cases above).
 GPU_CONFIGS = {f"gram-bv{bv}-w{w}-kc{kc}": VerifyConfig(block_v=bv, num_warps=w, k_chunk=kc, algorithm="gram")
                for bv, w, kc in [(8, 1, 16), (16, 1, 16), (4, 1, 16), (16, 2, 32), (32, 4, 16)]}  # fmt: skip

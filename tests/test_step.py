@@ -676,7 +676,7 @@ def benchmark_fused_step_copies(label: str, backend: str, record: str, mode: str
 def test_benchmark_sized_fused_step_has_no_copy(backend, record):
     """The fused step at 25x4 and 30 layers (the benchmark's), compiled from shapes: no pool-, tape-
     or outputs-sized copy. The small case above did not show the two pool copies XLA made there for
-    the ``mosaic`` backend's pending snapshot commit (``benchmarks/NOTES.md``, twenty-fourth session)."""
+    the ``mosaic`` backend's pending snapshot commit (docs/design.md)."""
     bad, *_ = benchmark_fused_step_copies("25x4", backend, record)
     assert not bad, "the compiled 25x4 fused step copies the pool, a tape or the outputs:\n" + "\n".join(bad)
 

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import api, backends, reference, rounding
+from .. import api, backends, reference
 from . import controls
 from . import expect
 from .cases import CommitIndices, Shape, commit_indices, verify_inputs

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import api, reference, rounding
+from .. import api, reference
 from ..testing import controls
 from ..testing import asserts as testing
 from ..testing.cases import Shape, commit_indices, verify_inputs

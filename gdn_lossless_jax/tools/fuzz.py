@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import api, backends, reference, rounding
+from .. import api, backends, reference
 from ..testing import controls
 from ..testing.cases import KINDS, CommitIndices, Shape, verify_inputs_numpy
 from ..tape import Snapshots, Tuples
