@@ -248,7 +248,8 @@ def verify_form(call, *, verify_fn: Callable = verify, commit_fn: Callable | Non
         one = jax.tree.map(lambda x: x[p.layer][None], p.tape)
         committed = commit_fn(pool[layer][None], one, call.slots, p.steps, p.track_slots, p.track_steps, p.rows)
         pool = lax.dynamic_update_index_in_dim(pool, committed[0], layer, 0)
-    state = read_slots(pool, layer, call.slots)
+    # a plain state0 (a one-layer pool whose slot n is request n) is read as it is: no gather to partition
+    state = read_slots(pool, layer, call.slots) if call.pool_form else pool[0]
     outputs, new = verify_fn(state, q, k, v, a, b, A_log, dt_bias, record=call.record, scale=call.scale,
                              out_dtype=call.out_dtype)  # fmt: skip
     if call.tape is not None:

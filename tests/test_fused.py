@@ -25,7 +25,7 @@ from conftest import FULL_TESTS, ON_GPU, full_only
 from gdn_lossless_jax import api
 from gdn_lossless_jax.backends.pallas.verify import PENDING_REPLAYS, VerifyConfig
 from gdn_lossless_jax.testing.cases import Shape, verify_inputs
-from gdn_lossless_jax.testing import assert_bitwise_differs, assert_bitwise_equal
+from gdn_lossless_jax.testing import assert_bitwise_differs, assert_bitwise_equal, backend_verify
 from gdn_lossless_jax import backends, checks
 from gdn_lossless_jax.backends.contract import PendingCommit, run_verify
 
@@ -402,15 +402,15 @@ def test_mosaic_gram_verify_keeps_the_tape_exact(seed):
     the chain's (the option is taken), its outputs are the same bits with either record mode and
     within fp32 rounding of the reference's, and the replay of its tuples gives its snapshots at
     every step, bit for bit. Control: the naive update form's snapshots differ from that replay."""
+    from gdn_lossless_jax.backends import mosaic
     from gdn_lossless_jax.backends.mosaic import VerifyConfig as MosaicConfig
-    from gdn_lossless_jax.backends.mosaic import verify as mosaic_verify
 
     shape = Shape(N=2, D=3, H=2, HV=4, K=K_, V=K_)
     x = verify_inputs(seed, shape, kind="normal")
     kw = dict(scale=shape.K**-0.5, out_dtype=jnp.float32)
     gram = MosaicConfig(verify="gram")
-    (o_t, tup), (o_s, snp) = (mosaic_verify(**x, record=r, config=gram, **kw) for r in ("tuples", "snapshots"))
-    _, chain = mosaic_verify(**x, record="tuples", config=MosaicConfig(), **kw)
+    (o_t, tup), (o_s, snp) = (backend_verify(mosaic, **x, record=r, config=gram, **kw) for r in ("tuples", "snapshots"))
+    _, chain = backend_verify(mosaic, **x, record="tuples", config=MosaicConfig(), **kw)
     assert_bitwise_differs(chain.u, tup.u, "u of the chain and of the Gram form")
     assert_bitwise_equal(o_t, o_s, "outputs with tuples and with snapshots")
     ref = np.asarray(gl.verify(**x, backend="reference", out_dtype=jnp.float32)[0])
@@ -418,7 +418,7 @@ def test_mosaic_gram_verify_keeps_the_tape_exact(seed):
     replays = jnp.stack([gl.replay(x["state0"], tup, jnp.full((shape.N,), t, jnp.int32), backend="reference")
                          for t in range(shape.D)], axis=1)  # fmt: skip
     assert_bitwise_equal(snp.states, replays, "the snapshots against the replay of the tuples")
-    _, naive = mosaic_verify(**x, record="snapshots", config=MosaicConfig(verify="gram", form="naive"), **kw)
+    _, naive = backend_verify(mosaic, **x, record="snapshots", config=MosaicConfig(verify="gram", form="naive"), **kw)
     assert_bitwise_differs(naive.states, replays, "the naive form's snapshots")
 
 
