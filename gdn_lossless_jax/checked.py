@@ -13,6 +13,8 @@ that is not raises an error that names it:
   message, since it is what an accepted *length* looks like where the 0-based *step* is
   expected (a fully accepted request of D drafts has step D - 1);
 * ``-1 <= track_steps[i] < D``, and ``0 <= track_slots[i] < S`` where ``track_steps[i] >= 0``;
+* ``track_steps[i] <= steps[i]`` where ``track_steps[i] >= 0``: a track state is never after the accepted
+  step (it would hold a rejected token);
 * distinct destinations: no two requests share a slot, no two track copies share a
   track slot, and no track copy goes to a request's own slot.
 
@@ -24,8 +26,9 @@ The checks are :mod:`jax.experimental.checkify` checks. Called eagerly they rais
     err, pool = checkify.checkify(jax.jit(step_fn))(pool, ...)
     err.throw()
 
-(without it, JAX refuses to trace the check: "Cannot abstractly evaluate a
-checkify.check which was not functionalized").
+(without it, JAX refuses to lower the check: "Cannot abstractly evaluate a checkify.check which
+was not functionalized". JAX raises that when it lowers the caller's jit, outside this library,
+so the message cannot name this fix.)
 """
 
 from __future__ import annotations
@@ -97,6 +100,14 @@ def check_commit(fn: str, S: int, R: int, D: int, slots, steps, track_slots, tra
     check_steps(fn, "track_steps", track_steps, D)
     tracks = track_steps >= 0
     _check_range(fn, "track_slots", track_slots, S, "the pool's slots", where=tracks)
+    late = tracks & (track_steps > steps)
+    i = _first(late)
+    checkify.check(
+        ~late.any(),
+        f"{fn} (checked): request {{i}}: track_steps[{{i}}] = {{t}} is after the accepted step steps[{{i}}] = {{a}}: "
+        "the track state would hold a rejected token",
+        i=i, t=track_steps[i], a=steps[i],
+    )  # fmt: skip
     ar = jnp.arange(N)
     later = ar[:, None] < ar[None, :]
     _check_distinct(

@@ -212,6 +212,21 @@ def check_not_transposed(fn: str, q, k, v, a) -> None:
         )
 
 
+def check_state_layout(fn: str, state0, q, v) -> None:
+    """A state (or pool) whose last two axes read as ``[K, V]`` instead of ``[V, K]`` (K from q, V
+    from v) is named as transposed, instead of the mismatch being blamed on q. (When V == K the
+    shapes cannot tell.)"""
+    st, qs, vs = shape_of(state0), shape_of(q), shape_of(v)
+    if len(st) < 2 or len(qs) < 1 or len(vs) < 1:
+        return
+    K, V = qs[-1], vs[-1]
+    if K != V and st[-2:] == (K, V):
+        raise ValueError(
+            f"{fn}: argument 'state0' has shape {fmt_shape(st)}, whose last axes read as [K, V] = [{K}, {V}] (K from q, "
+            f"V from v); the state layout is [..., V, K] (SGLang's): pass jnp.swapaxes(state0, -1, -2)"
+        )
+
+
 def check_heads(fn: str, H: int, HV: int):
     if H <= 0 or HV % H:
         raise ValueError(
@@ -354,6 +369,7 @@ def verify_args(fn, state0, q, k, v, a, b, A_log, dt_bias, *, record=None, scale
     check_rank(fn, "q", q, 4, "[N, D, H, K]")
     check_not_transposed(fn, q, k, v, a)
     N, D, H = shape_of(q)[:3]
+    check_state_layout(fn, state0, q, v)
     if slots is None:
         check_rank(fn, "state0", state0, 4, "[N, HV, V, K]")
         check_state_dtype(fn, "state0", state0)

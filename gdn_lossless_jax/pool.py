@@ -23,6 +23,7 @@ GPU the updates happen in place; keep using the returned pool, not the argument.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import math
@@ -204,6 +205,11 @@ class StatePool:
     def rows(self) -> int:
         """Scratch rows allocated (R+1 for R requests)."""
         return self.tape.num_rows
+
+    @property
+    def requests(self) -> int:
+        """R, the most requests a step may carry (the last scratch row is the discard row)."""
+        return self.rows - 1
 
     @property
     def drafts(self) -> int:
@@ -388,6 +394,20 @@ def _check_arrays(fn: str, pool: StatePool) -> None:
                                  f"got {type(pool.deferred.tape).__name__} {fmt_shape(shape_of(got))}")  # fmt: skip
 
 
+#: False inside a mesh's per-shard call: a shard's scratch rows are a block of the global rows (the
+#: discard row is the last shard's), and the global call was checked before it was split.
+CHECK_REQUESTS = contextvars.ContextVar("gdn_lossless_jax_check_requests", default=True)
+
+
+def _check_requests(fn: str, pool: StatePool, N: int, name: str) -> None:
+    """A step of N requests fits the pool's scratch (shapes are static: this costs nothing at run time)."""
+    if N > pool.requests and CHECK_REQUESTS.get():
+        raise ValueError(
+            f"{fn}: argument {name!r} carries N={N} requests, but the pool was allocated for requests={pool.requests} "
+            f"(its scratch rows; the last is the discard row): allocate it with requests >= {N}"
+        )
+
+
 def _check_rows(fn: str, rows, N: int):
     if rows is None:
         return np.arange(N, dtype=np.int32)
@@ -410,6 +430,7 @@ def store_layer(pool: StatePool, layer, tape: Tape, windows: jax.Array, rows=Non
     if type(tape) is not type(pool.tape):
         raise TypeError(f"{fn}: the pool records {pool.record}, got a {type(tape).__name__} tape")
     N, D = tape.num_rows, tape.num_steps
+    _check_requests(fn, pool, N, "tape")
     if D > pool.drafts:
         raise ValueError(
             f"{fn}: the tape has D={D} draft steps, but the pool's scratch was sized for at most drafts={pool.drafts}"
@@ -493,6 +514,7 @@ def verify_layer(
     one = mixed_qkv if len(shape_of(mixed_qkv)) != 4 else jax.ShapeDtypeStruct(shape_of(mixed_qkv)[1:], mixed_qkv.dtype)
     check_rank(fn, "mixed_qkv", one, 3, "[N, D, conv_dim] or [L, N, D, conv_dim]")
     N, D, _ = shape_of(one)
+    _check_requests(fn, pool, N, "mixed_qkv")
     if D > pool.drafts:
         raise ValueError(
             f"{fn}: argument 'mixed_qkv' has D={D} draft steps, but the pool's scratch was sized for "
@@ -502,6 +524,15 @@ def verify_layer(
     check_linear_chain(fn, parents, topk, D)
     check_index(fn, "slots", slots, N)
     rows = _check_rows(fn, rows, N)
+    checks.check_float(fn, "mixed_qkv", mixed_qkv)
+    C, Kc = g.conv_dim, g.conv_kernel
+    for name, x, want, dims in (("conv_weight", conv_weight, (C, Kc), "[conv_dim, Kc]"),
+                                ("conv_bias", conv_bias, (C,), "[conv_dim]")):  # fmt: skip
+        if x is not None:
+            x = checks.as_array(fn, name, x)
+            full = (L, *want) if len(shape_of(x)) == len(want) + 1 else want
+            check_shape(fn, name, x, full, dims if full == want else f"[L, {dims[1:]}", f"conv_dim, Kc of {g.name}")
+            checks.check_float(fn, name, x)
     HV = g.num_v_heads
     for name, x, want, dims in (("a", a, (N, D, HV), "[N, D, HV]"), ("b", b, (N, D, HV), "[N, D, HV]"),
                                 ("A_log", A_log, (HV,), "[HV]"), ("dt_bias", dt_bias, (HV,), "[HV]")):  # fmt: skip
@@ -581,6 +612,7 @@ def commit(
     if not isinstance(pool, StatePool):
         raise TypeError(f"commit: argument 'pool' must be a StatePool, got {type(pool).__name__}")
     _check_arrays("commit", pool)
+    _check_requests("commit", pool, int(np.shape(slots)[0]) if np.ndim(slots) == 1 else 0, "slots")
     if checked:
         ints = checks.commit_index_args("pool.commit", slots, steps, track_slots, track_steps, rows)
         checked_mode.check_commit("pool.commit", pool.ssm.shape[1], pool.rows, pool.drafts, *ints)
@@ -601,9 +633,7 @@ def _commit(pool, slots, steps, track_slots, track_steps, rows, *, backend):
     # The previous step's entries no verify of this step applied (requests that left) go in now;
     # this step's SSM commit waits for the next verify, which writes the other scratch tape.
     pool = _flush(pool, backend)
-    P, N = pool.rows, slots.shape[0]
-    if N > P:
-        raise ValueError(f"commit: a pool that defers its commit holds {P} requests' commits (its scratch rows), got {N}")
+    P, N = pool.rows, slots.shape[0]  # (N <= the pool's requests: checked by commit)
     pad = lambda x: jnp.full((P,), -1, jnp.int32).at[:N].set(jnp.asarray(x, jnp.int32))  # noqa: E731
     if track_slots is None:
         track_slots = track_steps = np.full((N,), -1, np.int32)

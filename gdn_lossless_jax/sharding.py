@@ -691,7 +691,11 @@ def _run(plan: MeshPlan, name: str, call: _Static, fill_rows, names: tuple, dona
                 x[k] = jnp.arange(n, dtype=jnp.int32)
         if geometry is not None:  # the shard's pool is a pool of H/tp heads
             x["pool"] = dataclasses.replace(x["pool"], geometry=local_geometry(geometry, plan.tp))
-        out = call.fn({**dict.fromkeys(names), **x})
+        token = pool_mod.CHECK_REQUESTS.set(False)  # checked on the global shapes (eval_shape above)
+        try:
+            out = call.fn({**dict.fromkeys(names), **x})
+        finally:
+            pool_mod.CHECK_REQUESTS.reset(token)
         is_pool = lambda o: isinstance(o, pool_mod.StatePool)  # noqa: E731
         return jax.tree.map(lambda o: dataclasses.replace(o, geometry=geometry) if is_pool(o) else o, out,
                             is_leaf=is_pool)  # fmt: skip

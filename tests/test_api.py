@@ -232,3 +232,13 @@ def test_weakly_typed_index_arrays_become_plain_int32():
         return checks.as_index(s)
 
     assert not jax.jit(traced)(weak).weak_type
+
+
+def test_a_transposed_state_is_named(seed):
+    """A state in [N, HV, K, V] (K != V) is named as transposed, not blamed on q; control: the
+    right layout runs."""
+    x = verify_inputs(seed, Shape(N=2, D=2, H=1, HV=2, K=16, V=8))
+    with pytest.raises(ValueError, match=r"verify: argument 'state0' has shape \[2, 2, 16, 8\], whose last axes read "
+                                         r"as \[K, V\] = \[16, 8\] .* pass jnp.swapaxes\(state0, -1, -2\)"):  # fmt: skip
+        gl.verify(**{**x, "state0": jnp.swapaxes(x["state0"], -1, -2)})
+    gl.verify(**x)

@@ -67,8 +67,15 @@ VIOLATIONS = [
         _put(track_steps=(2, 0), track_slots=(2, "slots[3]")),
         r"request 2 copies its track state to slot \d+, which is request 3's own slot",
     ),
+    (
+        _put(steps=(2, 0), track_steps=(2, 1)),
+        r"request 2: track_steps\[2\] = 1 is after the accepted step steps\[2\] = 0: the track state would hold a "
+        r"rejected token",
+    ),
+    (_put(steps=(2, -1), track_steps=(2, 0)), r"request 2: track_steps\[2\] = 0 is after the accepted step steps\[2\] = -1"),
 ]
-IDS = ["step=D", "step<-1", "track_step=D", "slot>=S", "slot<0", "row>=R", "track_slot", "dup slots", "dup tracks", "on a slot"]
+IDS = ["step=D", "step<-1", "track_step=D", "slot>=S", "slot<0", "row>=R", "track_slot", "dup slots", "dup tracks", "on a slot",
+       "track after accepted", "track without accepted"]
 
 
 @pytest.mark.parametrize("change,message", VIOLATIONS, ids=IDS)

@@ -205,3 +205,49 @@ def test_store_layer_writes_rows_and_drops_out_of_range(seed):
     testing.assert_bitwise_equal(before.conv_windows[:, keep], np.asarray(pl.conv_windows)[:, keep])
     with pytest.raises(TypeError, match=r"store_layer: the pool records tuples, got a Snapshots tape"):
         P.store_layer(pl, 0, gdn.Snapshots(jnp.ones((N, D, 4, 16, 16))), win)
+
+
+@pytest.mark.parametrize("mode", ["tuples", "snapshots", "deferred"])
+def test_a_step_beyond_the_pools_requests_is_an_error(mode, seed):
+    """A pool allocated for 2 requests takes no step of 3 (request 2 would go through the discard
+    row, later ones would be dropped): verify_layer, store_layer and commit raise, in every mode,
+    before anything is donated. Control: the same calls with 2 requests run."""
+    rng = np.random.default_rng(seed)
+    pl = P.allocate(SMALL, slots=8, requests=2, drafts=2, record="snapshots" if mode == "snapshots" else "tuples",
+                    defer_commit=mode == "deferred")  # fmt: skip
+    big, fits = _layer_inputs(rng, SMALL, 3, 2), _layer_inputs(rng, SMALL, 2, 2)
+    with pytest.raises(ValueError, match=r"verify_layer: argument 'mixed_qkv' carries N=3 requests, but the pool was "
+                                         r"allocated for requests=2 .* allocate it with requests >= 3"):  # fmt: skip
+        P.verify_layer(pl, 0, **big, slots=jnp.arange(3, dtype=jnp.int32))
+    steps = jnp.zeros(3, jnp.int32)
+    with pytest.raises(ValueError, match=r"commit: argument 'slots' carries N=3 requests, but the pool was allocated "
+                                         r"for requests=2"):  # fmt: skip
+        P.commit(pl, jnp.arange(3, dtype=jnp.int32), steps)
+    tape = jax.tree.map(lambda x: jnp.zeros((3, *x.shape[2:]), x.dtype), pl.tape)
+    windows = jnp.zeros((3, SMALL.conv_dim, 2 + SMALL.conv_kernel - 2), pl.conv.dtype)
+    with pytest.raises(ValueError, match=r"store_layer: argument 'tape' carries N=3 requests"):
+        P.store_layer(pl, 0, tape, windows)
+    assert not pl.ssm.is_deleted(), "a rejected call donates nothing"
+    for layer in range(SMALL.gdn_layers):
+        _, pl = P.verify_layer(pl, layer, **fits, slots=jnp.arange(2, dtype=jnp.int32))
+    P.flush(P.commit(pl, jnp.arange(2, dtype=jnp.int32), steps[:2]))
+
+
+def test_verify_layer_names_its_own_arguments(seed):
+    """Errors name verify_layer's arguments (not the conv's or verify's internal names)."""
+    rng = np.random.default_rng(seed)
+    pl = P.allocate(SMALL, slots=4, requests=2, drafts=2)
+    x, slots = _layer_inputs(rng, SMALL, 2, 2), jnp.arange(2, dtype=jnp.int32)
+    C, Kc = SMALL.conv_dim, SMALL.conv_kernel
+    cases = [
+        ({"conv_weight": x["conv_weight"][:, :2]}, rf"verify_layer: argument 'conv_weight' must have shape \[conv_dim, Kc\] = \[{C}, {Kc}\]"),
+        ({"conv_bias": jnp.zeros(C + 1)}, r"verify_layer: argument 'conv_bias' must have shape \[conv_dim\]"),
+        ({"mixed_qkv": np.asarray(x["mixed_qkv"], np.float64)}, r"verify_layer: argument 'mixed_qkv' must be at most 32-bit"),
+        ({"a": x["a"][..., :2]}, r"verify_layer: argument 'a' must have shape \[N, D, HV\]"),
+    ]  # fmt: skip
+    for change, message in cases:
+        with pytest.raises((ValueError, TypeError), match=message):
+            P.verify_layer(pl, 0, **{**x, **change}, slots=slots)
+    with pytest.raises(TypeError, match=r"verify_layer: argument 'scale' must be a real number or None, got str 'x'"):
+        P.verify_layer(pl, 0, **x, slots=slots, scale="x")
+    _, pl = P.verify_layer(pl, 0, **x, slots=slots)  # control: the same arguments, unchanged, run
