@@ -17,7 +17,7 @@ from __future__ import annotations
 from ...tape import Snapshots, Tuples
 from ..contract import VerifyCall
 from .. import BackendUnavailable, platform
-from ._lang import IMPORT_ERROR
+from ._lang import IMPORT_ERROR, import_jax_triton
 from .commit import COMPILER_FORMS, CONTROL_FORMS, FORMS, CommitConfig, commit_snapshots, commit_tuples
 from .commit import replay as _replay
 from .verify import VerifyConfig
@@ -43,7 +43,7 @@ def check_available(op: str) -> None:
             f"({IMPORT_ERROR}). Install it with: {_INSTALL}. {_ALTERNATIVES}"
         ) from IMPORT_ERROR
     try:
-        import jax_triton  # noqa: F401
+        import_jax_triton()  # restores os.environ (jax-triton sets TRITON_CACHE_DIR; _lang.py)
     except ImportError as e:
         raise BackendUnavailable(
             f"{op}: backend 'triton' needs 'jax-triton', which cannot be imported on platform {p!r} ({e}). "

@@ -24,9 +24,21 @@ roundings and converts float32 to bfloat16 by truncation; with ``INTERPRET=True`
 helpers use NumPy's ``exp``/``log``, an exactly rounded fma (float64 round-to-odd) and
 bit-level bfloat16 conversions instead, so the kernels' logic can be checked on a CPU
 (``scripts/triton_interpret_check.py``). The compiled kernels always use ``INTERPRET=False``.
+
+``jax_triton`` is imported only through :func:`import_jax_triton`, which leaves ``os.environ`` as
+it found it: jax-triton 0.3.1 sets ``TRITON_CACHE_DIR=""`` when imported, and Triton >= 3.4 then
+refuses any kernel compiled or launched through Triton's own runtime (PyTorch's, say) in the same
+process with "Could not create or locate cache dir". jax-triton itself never reads the variable
+again: it compiles in place (``ast_to_ttir`` and the backend's ``make_*`` stages) and keeps its
+own in-memory cache; Triton's on-disk cache (``triton.compile``, its launcher's C module, the
+autotuner's results) is reached only through Triton's runtime.
 """
 
 from __future__ import annotations
+
+import importlib
+import os
+import threading
 
 try:
     import triton
@@ -43,7 +55,39 @@ except ImportError as e:  # the package still imports; check_available reports t
         constexpr = None
 
 
-__all__ = ["triton", "tl", "libdevice", "IMPORT_ERROR", "jit", "next_power_of_2"]
+__all__ = ["triton", "tl", "libdevice", "IMPORT_ERROR", "jit", "next_power_of_2", "import_jax_triton"]
+
+_JAX_TRITON = None
+_JAX_TRITON_LOCK = threading.Lock()
+
+
+def import_jax_triton():
+    """``jax_triton``, imported once, with ``os.environ`` afterwards exactly as before the import.
+
+    Keys the import added are removed and keys it changed or removed get their old values back,
+    also where the import fails (jax-triton sets the variable before it checks for a GPU jaxlib).
+    Raises the import's ``ImportError``; a failed import is tried again on the next call. Where
+    something imported ``jax_triton`` earlier, the import is a no-op and nothing is restored.
+    """
+    global _JAX_TRITON
+    if _JAX_TRITON is None:
+        with _JAX_TRITON_LOCK:
+            if _JAX_TRITON is None:
+                before = dict(os.environ)
+                try:
+                    _JAX_TRITON = importlib.import_module("jax_triton")
+                finally:
+                    _restore_environ(before)
+    return _JAX_TRITON
+
+
+def _restore_environ(before: dict[str, str]) -> None:
+    """Make ``os.environ`` (and so the C environment under it) equal to ``before`` again."""
+    for key in [key for key in os.environ if key not in before]:
+        del os.environ[key]
+    for key, value in before.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
 
 
 def jit(fn):

@@ -34,7 +34,7 @@ from ..launch import LaunchConfig
 from ._lang import exp as _exp
 from ._lang import fma as _fma
 from ._lang import from_f32 as _from_f32
-from ._lang import jit, next_power_of_2, tl
+from ._lang import import_jax_triton, jit, next_power_of_2, tl
 from ._lang import to_f32 as _to_f32
 
 __all__ = [
@@ -257,7 +257,8 @@ def _replay(state0, u, k, g, steps, *, config, form):
 
 def _commit_tuples(pool, u, k, g, slots, steps, track_slots, track_steps, rows, *, config, form):
     import jax
-    import jax_triton as jt
+
+    jt = import_jax_triton()
 
     R, D = u.shape[1], u.shape[2]
     sizes, grid = tuple_launch(pool.shape, k.shape, R, D, slots.shape[0], config)
@@ -280,7 +281,8 @@ def _commit_tuples(pool, u, k, g, slots, steps, track_slots, track_steps, rows, 
 
 def _commit_snapshots(pool, states, slots, steps, track_slots, track_steps, rows, *, config):
     import jax
-    import jax_triton as jt
+
+    jt = import_jax_triton()
 
     R, D = states.shape[1], states.shape[2]
     sizes, grid = snapshot_launch(pool.shape, R, D, slots.shape[0], config)

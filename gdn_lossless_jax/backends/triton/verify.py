@@ -40,7 +40,7 @@ from ..launch import VerifyLaunch
 from ._lang import exp as _exp
 from ._lang import fma as _fma
 from ._lang import from_f32 as _from_f32
-from ._lang import jit, next_power_of_2, tl
+from ._lang import import_jax_triton, jit, next_power_of_2, tl
 from ._lang import log as _log
 from ._lang import to_f32 as _to_f32
 
@@ -747,7 +747,8 @@ def verify(call, *, config: VerifyConfig = VerifyConfig()):
 def _verify(call, *, config):
     import jax
     import jax.numpy as jnp
-    import jax_triton as jt
+
+    jt = import_jax_triton()
 
     i32, f32 = jnp.int32, jnp.float32
     state, slots, layer, pending = call.pool, call.slots, call.layer, call.pending
