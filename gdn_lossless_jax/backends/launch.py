@@ -16,7 +16,7 @@ def _power_of_two(config, *names: str, zero: bool = False) -> None:
     for name in names:
         n = getattr(config, name)
         if not isinstance(n, int) or n < (0 if zero else 1) or n & (n - 1):
-            what = "0 or a power of 2" if zero else "a power of 2"
+            what = "a power of 2 (or 0)" if zero else "a power of 2"
             raise ValueError(f"{type(config).__name__}: {name} must be {what}, got {n!r}")
 
 

@@ -90,6 +90,8 @@ class VerifyConfig(VerifyLaunch):
     unroll: bool | None = None
 
     def __post_init__(self):
+        if isinstance(self.prep_heads, int) and (self.prep_heads < 1 or self.prep_heads & (self.prep_heads - 1)):
+            raise ValueError(f"VerifyConfig: prep_heads must be a power of 2, got {self.prep_heads}")
         super().__post_init__()
         if self.chain not in (None, *CHAINS):
             raise ValueError(f"VerifyConfig: chain must be None or one of {CHAINS}, got {self.chain!r}")
@@ -100,8 +102,6 @@ class VerifyConfig(VerifyLaunch):
                              f"got {self.pending_replay!r}")
         if self.evict not in ("", "evict_first", "evict_last"):
             raise ValueError(f"VerifyConfig: evict must be '', 'evict_first' or 'evict_last', got {self.evict!r}")
-        if self.prep_heads < 1:
-            raise ValueError(f"VerifyConfig: prep_heads must be a power of 2, got {self.prep_heads}")
 
 
 @jit
