@@ -149,6 +149,7 @@ def test_ksum_fixed_order_gives_each_shard_shape_the_same_bits(seed):
         return
     plain = jax.jit(lambda a, b: jnp.sum(a * b, axis=-1))
     whole = plain(x, y)
-    assert_bitwise_differs([whole[sl] for sl in SHARD_SLICES.values()], [plain(x[sl], y[sl]) for sl in SHARD_SLICES.values()],
-                           "control: jnp.sum on a shard's rows vs the whole's: if this no longer differs, XLA:CPU now "
-                           "sums these shapes in one order and the test above no longer exercises the case")  # fmt: skip
+    slices = list(SHARD_SLICES.values())
+    assert_bitwise_differs([whole[sl] for sl in slices], [plain(x[sl], y[sl]) for sl in slices],
+                           "control: jnp.sum on a shard's rows vs the whole's: if this no longer differs, XLA:CPU "
+                           "now sums these shapes in one order and the test above no longer exercises the case")

@@ -532,8 +532,8 @@ def test_model_spec_step_on_a_mesh_gives_identical_tokens(tp, dp, backend, seed,
     """The demo model's speculative step (draft, verify of every layer through the pool, accept,
     commit with prefix-cache track copies) on a 2 x 2 mesh (GDN heads over the tensor axis, batch
     rows, slots and scratch rows over the data axis; on GPUs also 2 x 1 and 1 x 2) == one device:
-    the same tokens and accept counts, and bit-identical final states (SSM, conv, KV); on the CPU
-    the top-2 gaps too. The attention's softmax fixes its order (``model.softmax``); the control,
+    the same tokens and accept counts (no near-tie excuse), and bit-identical final states (SSM, conv,
+    KV); on the CPU the top-2 gaps too. The attention's softmax fixes its order (``model.softmax``); the control,
     ``jax.nn.softmax`` there, must differ: XLA:CPU handed one device's max (with the ``exp``
     behind it) and sum over the 64 positions to YNNPACK, and the mesh's, on half the rows per
     device, to its own ``reduce-window`` and ``reduce`` and a loop fusion."""
@@ -627,8 +627,9 @@ def test_model_spec_step_on_an_8_way_mesh_at_head_size_128_is_identical(seed, mo
                 4, place=lambda x: place_on_mesh(plan, control, params, new(), x)[2])  # fmt: skip
         finally:
             jax.clear_caches()
-    assert_bitwise_differs((want_state.pool.ssm, [o.gaps for o in want_out]), (ctrl_state.pool.ssm, [o.gaps for o in ctrl_out]),
-                           "control: the reference's K sums by jnp.sum on the 8-way mesh")  # fmt: skip
+    assert_bitwise_differs((want_state.pool.ssm, [o.gaps for o in want_out]),
+                           (ctrl_state.pool.ssm, [o.gaps for o in ctrl_out]),
+                           "control: the reference's K sums by jnp.sum on the 8-way mesh")
 
 
 @needs_devices(2)
