@@ -585,8 +585,8 @@ def test_model_spec_step_on_a_mesh_gives_identical_tokens(tp, dp, backend, seed,
 def test_model_spec_step_on_an_8_way_mesh_at_head_size_128_is_identical(seed, monkeypatch):
     """The demo model's step with K = V = 128 heads over an 8-way tensor axis (one q/k head and its
     two v-heads per device, as the gpu size's 16 heads on 8 devices: issue 49) and D = 8: the step
-    outputs (top-2 gaps included) and the final states (SSM, conv, KV) are one device's bit for bit,
-    tokens with no near-tie excuse. The reference's K sums (verify, and the draft's step) and the
+    outputs (on the CPU the top-2 gaps too) and the final states (SSM, conv, KV) are one device's bit
+    for bit, tokens with no near-tie excuse. The reference's K sums (verify, and the draft's step) and the
     model's norms are fixed pairwise trees. Control (CPU): the reference's K sums left to XLA
     (``jnp.sum``) in the mesh's run only must differ from one device's. A small float32 model."""
     from gdn_lossless_jax.model import SpecStep, allocate_state, init_params
@@ -608,7 +608,9 @@ def test_model_spec_step_on_an_8_way_mesh_at_head_size_128_is_identical(seed, mo
     (want, want_out, want_state), (got, got_out, got_state) = _decode_on_one_and_mesh(
         single, plan, params, new, prompts, slots, rows, track_slots, 4)  # fmt: skip
     assert got == want, _first_flip(want_out, got_out)
-    assert_bitwise_equal(want_out, got_out, "step outputs (inputs, predictions, gaps, accepted, track steps)")
+    # (the gaps on the CPU: XLA:GPU chooses its own orders outside the GDN layers, as in the 2 x 2 test above)
+    for f in ("inputs", "predictions", "accepted", "track_steps", *(() if ON_GPU else ("gaps",))):
+        assert_bitwise_equal([getattr(o, f) for o in want_out], [getattr(o, f) for o in got_out], f"step outputs: {f}")
     assert_bitwise_equal(want_state.pool, pool_from_mesh(got_state.pool, config.geometry, tp), "the pool after 4 steps")
     assert_bitwise_equal(want_state.kv, got_state.kv, "the KV cache after 4 steps")
     assert sum(int(o.track_steps.max() >= 0) for o in want_out) >= 1, "the run must exercise a track copy"
