@@ -20,7 +20,10 @@ on the fp32 state ``S [V, K]`` (the numbers are the ones other modules cite as "
 The state update (steps 3 and 5) goes through :func:`gdn_lossless_jax.rounding.apply_rule`,
 pinned, so a tuple replay ``S_t = fma(k_t, u_t, rn(S_{t-1} * exp(g_t)))`` reproduces the
 snapshots bit for bit on every platform. Everything else (gates, norms, the ``Sd @ k`` and
-``S' @ q`` reductions) is plain fp32 XLA: it feeds the tape, so replay never recomputes it.
+``S' @ q`` reductions) is plain fp32 XLA: it feeds the tape, so replay never recomputes it. Its
+sums over K (the norms', ``Sd @ k`` and ``S' @ q``) are a fixed pairwise tree (:func:`ksum`) on
+every platform, so that every program (each record mode, each shard of a mesh of any shape)
+gives one device's bits.
 """
 
 from __future__ import annotations
@@ -74,17 +77,22 @@ def gates(a, b, A_log, dt_bias):
 
 
 def ksum(x):
-    """Sum over the last axis; on a GPU as a fixed pairwise tree of elementwise adds.
+    """Sum over the last axis in a fixed order, on every platform: the terms behind an
+    optimization barrier, then :func:`pairwise_sum`.
 
-    Not ``jnp.sum`` on a GPU: XLA:GPU picks a reduction strategy per compiled program, so the
-    two record modes' programs could sum in different orders and their outputs differ bitwise.
-    Elementwise adds leave the compiler no order to choose. XLA:CPU's ``jnp.sum`` gives the
-    same bits in both modes, and the tree makes some CPU compiles very slow, so the CPU keeps
-    ``jnp.sum``. (These sums feed the tape; the replay rule never recomputes them.)
+    Not ``jnp.sum``: XLA picks the order of a ``reduce`` per compiled program, from its
+    operand's shape and layout. On a GPU the two record modes' programs summed in different
+    orders; on XLA:CPU one device's program and each shard's of a mesh did (the K terms handed
+    to YNNPACK whole for one shape, split into a 32-wide ``reduce-window`` and a second
+    ``reduce`` for another: other bits in the outputs and the tape on an 8-way tensor axis).
+    Elementwise adds leave the compiler no order to choose. The barrier materialises the terms
+    (``x`` is a product: ``q * q``, ``Sd * k``, ``S' * q``), so that no program contracts one of
+    them into the first add (XLA:CPU makes an FMA where a multiply and an add land in one
+    fusion; XLA:GPU never contracts, so there the barrier changes no bit) and XLA does not fuse
+    the pinned state update that produces ``Sd`` and ``S'`` into every level of the tree. (These
+    sums feed the tape; the replay rule never recomputes them.)
     """
-    if jax.default_backend() == "cpu":
-        return jnp.sum(x, axis=-1)
-    return pairwise_sum(x)
+    return pairwise_sum(lax.optimization_barrier(x))
 
 
 def pairwise_sum(x):

@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 import gdn_lossless_jax as gl
+from conftest import ON_GPU
+from gdn_lossless_jax import reference
 from gdn_lossless_jax.testing.cases import KINDS, Shape, commit_indices, verify_inputs
-from gdn_lossless_jax.testing import assert_bitwise_equal, replay_oracle
+from gdn_lossless_jax.testing import assert_bitwise_differs, assert_bitwise_equal, replay_oracle
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -110,3 +112,44 @@ class JitTest(chex.TestCase):
         for tape in (stack(tup), stack(snp)):
             want = gl.commit(pool, tape, *idx)
             assert_bitwise_equal(want, self.variant(gl.commit)(pool, tape, *idx))
+
+
+def _pairwise_numpy(x):
+    """A float32 NumPy pairwise tree over the last axis (halves added until one is left; a power of 2)."""
+    x = np.asarray(x, np.float32)
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = x[..., :h] + x[..., h:]
+    return x[..., 0]
+
+
+# A shard's rows of [N, D, H, K] = [2, 8, 8, 128]: one q/k head of 8 (an 8-way tensor axis), and
+# one request with two heads (a 4 x 2 mesh); XLA:CPU's jnp.sum summed both in other orders than the whole.
+SHARD_SLICES = {"one head of 8": np.s_[:, :, :1], "one request, two heads": np.s_[:1, :, :2]}
+
+
+def test_ksum_fixed_order_gives_each_shard_shape_the_same_bits(seed):
+    """``reference.ksum`` (the K sums of the norms, ``Sd @ k`` and ``S' @ q``) is one order for every
+    shape: a NumPy float32 pairwise tree of the rounded terms, bit for bit, on the whole ``[2, 8, 8, 128]``
+    and on the rows a shard of a mesh holds (so ``l2norm`` and ``prepare`` give a shard the whole's
+    bits too). Control (CPU): ``jnp.sum`` of the same terms gives some shard's rows other bits than the
+    whole's: XLA:CPU chose the order by shape (YNNPACK's one reduce for the whole, a 32-wide
+    reduce-window and a reduce for a slice), the fault of issue 49 on an 8-way mesh."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2, 8, 8, 128), dtype=np.float32)
+    y = rng.standard_normal((2, 8, 8, 128), dtype=np.float32)
+    fixed = jax.jit(lambda a, b: reference.ksum(a * b))
+    whole = fixed(x, y)
+    assert_bitwise_equal(_pairwise_numpy(x * y), whole, "ksum vs a NumPy pairwise tree")
+    norm = jax.jit(reference.l2norm)
+    for name, sl in SHARD_SLICES.items():
+        assert_bitwise_equal(whole[sl], fixed(x[sl], y[sl]), f"ksum on a shard's rows ({name})")
+        assert_bitwise_equal(norm(x)[sl], norm(x[sl]), f"l2norm on a shard's rows ({name})")
+    if ON_GPU:  # the control shows XLA:CPU's choice
+        return
+    plain = jax.jit(lambda a, b: jnp.sum(a * b, axis=-1))
+    whole = plain(x, y)
+    slices = list(SHARD_SLICES.values())
+    assert_bitwise_differs([whole[sl] for sl in slices], [plain(x[sl], y[sl]) for sl in slices],
+                           "control: jnp.sum on a shard's rows vs the whole's: if this no longer differs, XLA:CPU "
+                           "now sums these shapes in one order and the test above no longer exercises the case")

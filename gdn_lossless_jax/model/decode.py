@@ -251,13 +251,15 @@ def _draft_gdn(c: ModelConfig, S, conv_state, mixed, a, b, p, mesh=None):
     """One token through a GDN layer from a carried state, for the draft.
 
     Plain fp32 arithmetic (the reference's step with unpinned ``*`` and ``+``, an unpinned
-    conv): the draft only proposes, the target's verify decides, so its rounding does not
-    matter, and it keeps the draft cheap to compile. Returns ``(o [N, 1, HV, V], S' [N, HV,
+    conv): the draft only proposes, the target's verify decides, so its rounding form does not
+    matter, and it keeps the draft cheap to compile. But its proposals decide which tokens are
+    verified, so its sums are in a fixed order, as everywhere in the model: the conv's taps and
+    the K sums by :func:`gdn_lossless_jax.reference.ksum`. Returns ``(o [N, 1, HV, V], S' [N, HV,
     V, K] fp32, conv state [N, conv_dim, Kc-1])``.
     """
     x = mixed[:, 0].astype(conv_state.dtype)[..., None]  # [N, C, 1]
     window = jnp.concatenate([conv_state, x], axis=-1)  # [N, C, Kc]
-    y = jax.nn.silu(jnp.sum(window.astype(F32) * p.conv_weight.astype(F32), axis=-1))
+    y = jax.nn.silu(reference.ksum(window.astype(F32) * p.conv_weight.astype(F32)))
     if mesh is not None:  # the conv channels are in the mesh's tensor-parallel order
         y = sharding.from_tp_layout(y, c.geometry, mesh.tp)
     q, k, v = split_qkv(y[:, None], c)

@@ -20,9 +20,9 @@ are evicted least recently used when slots run out.
 On a device mesh (``Engine(..., mesh=plan)``, a :class:`~gdn_lossless_jax.sharding.MeshPlan`
 with a tensor axis only): the GDN heads with their q/k groups are split over the tensor axis,
 everything else is replicated. ``gdn-lossless demo --mesh 2x1`` compares the run with one
-device: the tokens and final states must be one device's bit for bit, which is why the gated
-norm after each GDN layer sums its squares in a fixed order (see ``docs/sharding.md``). Not
-yet checked on two GPUs.
+device: the tokens and final states must be one device's bit for bit, which is why the
+reference's K sums and the model's norms and softmax sum in a fixed order (see
+``docs/sharding.md``). Not yet checked on two GPUs.
 """
 
 from __future__ import annotations

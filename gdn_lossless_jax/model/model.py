@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import Geometry
-from ..reference import pairwise_sum
+from ..reference import ksum, pairwise_sum
 
 __all__ = [
     "ModelConfig",
@@ -332,10 +332,21 @@ def init_params(config: ModelConfig, seed: int = 0) -> Params:
 # ---------------------------------------------------------------------------------
 # Layer functions. Activations ``[N, T, ...]``: N rows, T tokens per row.
 # ---------------------------------------------------------------------------------
+def _mean_sq(x: jax.Array) -> jax.Array:
+    """``mean(x * x)`` over the last axis of an fp32 ``x``, keeping the axis: the squares summed in
+    a fixed order (:func:`gdn_lossless_jax.reference.ksum`: behind an optimization barrier, then a
+    pairwise tree), not ``jnp.mean``, whose order XLA chooses per program from the operand's shape
+    and layout (see :func:`gated_rmsnorm`): a mesh's program would get other bits than one
+    device's."""
+    return ksum(x * x)[..., None] / x.shape[-1]
+
+
 def rmsnorm(x: jax.Array, weight: jax.Array) -> jax.Array:
-    """``x / sqrt(mean(x^2) + eps) * weight`` over the last axis, in fp32; x's dtype out."""
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last axis, in fp32; x's dtype out.
+
+    The mean in a fixed order (:func:`_mean_sq`), as in :func:`gated_rmsnorm`."""
     xf = x.astype(F32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + RMS_EPS)
+    y = xf * jax.lax.rsqrt(_mean_sq(xf) + RMS_EPS)
     return (y * weight.astype(F32)).astype(x.dtype)
 
 
@@ -356,8 +367,7 @@ def gated_rmsnorm(o: jax.Array, z: jax.Array, weight: jax.Array, dtype) -> jax.A
     Args: o, z ``[N, T, HV, V]``; weight ``[V]``. Returns ``[N, T, HV * V]`` in ``dtype``.
     """
     of = o.astype(F32)
-    mean_sq = pairwise_sum(jax.lax.optimization_barrier(of * of))[..., None] / of.shape[-1]
-    y = of * jax.lax.rsqrt(mean_sq + RMS_EPS) * weight.astype(F32)
+    y = of * jax.lax.rsqrt(_mean_sq(of) + RMS_EPS) * weight.astype(F32)
     y = y * jax.nn.silu(z.astype(F32))
     return y.reshape(*y.shape[:-2], -1).astype(dtype)
 
