@@ -241,9 +241,9 @@ def run_pool_step(plan, seed, record, backend, *, steps: int = 1, defer: bool = 
     back from the tensor-parallel order) and the outputs."""
     g, N, D = GEOMETRY, 4, 3
     rng = np.random.default_rng(seed)
-    base = _filled_pool(rng, g, record, slots=11, requests=3, drafts=D, defer=defer)  # 12 slots, 4 rows
+    base = _filled_pool(rng, g, record, slots=11, requests=5, drafts=D, defer=defer)  # 12 slots, 6 rows
     params, xs = _pool_inputs(rng, g, N, D)
-    index_sets = [commit_indices(seed + t, N=N, D=D, slots_in_pool=12, rows_in_tape=4, invalid=True,
+    index_sets = [commit_indices(seed + t, N=N, D=D, slots_in_pool=12, rows_in_tape=6, invalid=True,
                                  permute_rows=True, shards=plan.dp).as_args() for t in range(steps)]  # fmt: skip
     one, outs_one = jax.tree.map(jnp.copy, base), []
     for slots, st, track_slots, track_steps, rows in index_sets:
