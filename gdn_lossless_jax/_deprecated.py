@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import sys
 import warnings
 
 
@@ -23,3 +24,11 @@ def alias(module: str, moved: dict[str, str]):
         return getattr(target, new) if new else target
 
     return __getattr__
+
+
+def moved_module(old: str, new: str) -> None:
+    """Make module ``old`` (an alias file, run on its import) the module ``new``, with a
+    DeprecationWarning naming it: ``import old`` then gives ``new`` itself."""
+    target = importlib.import_module(new)
+    warnings.warn(f"{old} moved to {new}; the old name is removed in the next release", DeprecationWarning, stacklevel=3)
+    sys.modules[old] = target

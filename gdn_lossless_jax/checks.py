@@ -417,14 +417,14 @@ def verify_args(fn, state0, q, k, v, a, b, A_log, dt_bias, *, record=None, scale
         out_dtype, layered = check_out_buffer(fn, out, out_dtype, N, D, HV, V, layer)
         obuf, out_layer = (out, layer) if layered else (out[None], 0)
     q, k, v, a, b, A_log, dt_bias = full.values()  # the backends take the stacks
-    static = dict(record=record or "tuples", scale=as_scale(fn, scale, K), out_dtype=jnp.dtype(out_dtype or q.dtype))
+    fields = dict(record=record or "tuples", scale=as_scale(fn, scale, K), out_dtype=jnp.dtype(out_dtype or q.dtype))
     if buf is not None:
-        static.update(tape=buf, tape_layer=as_index(tape_layer), rows=rows)
+        fields.update(tape=buf, tape_layer=as_index(tape_layer), rows=rows)
     if obuf is not None:
-        static.update(out=obuf, out_layer=as_index(out_layer))
+        fields.update(out=obuf, out_layer=as_index(out_layer))
     if slots is None:
-        return VerifyCall.of_state(state, q, k, v, a, b, A_log, dt_bias, **static)
-    return VerifyCall(state, as_index(slots), as_index(pool_layer), q, k, v, a, b, A_log, dt_bias, **static)
+        return VerifyCall.of_state(state, q, k, v, a, b, A_log, dt_bias, **fields)
+    return VerifyCall(state, as_index(slots), as_index(pool_layer), q, k, v, a, b, A_log, dt_bias, **fields)
 
 
 def check_tuples(

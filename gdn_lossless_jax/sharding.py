@@ -509,8 +509,7 @@ def _per_shard(fn: Callable, name: str, *, fill_rows: str | None = None, donate:
     check = inspect.Parameter("check", inspect.Parameter.KEYWORD_ONLY, default=True, annotation=bool)
     self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
     method.__signature__ = sig.replace(parameters=[self_param, *params, check])
-    method.__name__ = method.__qualname__ = name
-    method.__qualname__ = f"MeshPlan.{name}"
+    method.__name__, method.__qualname__ = name, f"MeshPlan.{name}"
     method.__doc__ = (f":func:`{fn.__module__}.{fn.__name__}` per shard: its arguments, shapes and results, global, "
                       f"split as :data:`ARG_KINDS` says.\n\n{doc}``check``: check that every request's slot and row "
                       "lives on its data shard when the indices are concrete (see the module docstring).")  # fmt: skip
