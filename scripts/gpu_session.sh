@@ -10,6 +10,8 @@
 #   step   python -m benchmarks.step STEP_ARGS (default: the step of record, Mosaic GPU and Pallas backends, four
 #          configurations); step/ and step.log
 #   demo   gdn-lossless demo DEMO_ARGS (default: the real head geometry on the Pallas backend); demo.log
+#   e2e    python -m benchmarks.e2e at the real depth (deep and deep-a3b at 25x4, K=8, every record mode; deep at
+#          the snapshot path's batch-64 budget), E2E_ARGS appended to each; e2e-*/ and e2e.log
 #   soak   gdn-lossless demo SOAK_ARGS (default: 10,000 tokens a request); soak.log
 #   fuzz   gdn-lossless fuzz --backend B FUZZ_ARGS for each B in FUZZ_BACKENDS (default "pallas triton"); fuzz-B.log
 # Other variables: TIMEOUT (seconds per phase, default 3000); SPINNERS=idle|nice|pause runs bench and step under
@@ -60,6 +62,13 @@ for phase in "$@"; do
       timeout "$T" python3 -m gdn_lossless_jax demo ${DEMO_ARGS:---size gpu --backend pallas --prompts 8 --batch 8 \
         --tokens 256 --turns 2} > "$OUT/demo.log" 2>&1
       tail -8 "$OUT/demo.log" ;;
+    e2e)
+      for run in "deep --batch 25" "deep-a3b --batch 25" "deep --budget-like snapshots:64"; do
+        name=e2e-$(echo "$run" | tr -c 'a-z0-9\n' '-' | tr -s '-' | sed 's/-$//')
+        timeout "$T" python3 -m benchmarks.e2e --out "$OUT/$name" --size $run --drafts 4 --steps-per-call 8 \
+          --tokens 256 ${E2E_ARGS:-} >> "$OUT/e2e.log" 2>&1
+      done
+      grep -E "^(e2e|tuples|snapshots|none|ratios|checks)" "$OUT/e2e.log" ;;
     soak)
       timeout "$T" python3 -m gdn_lossless_jax demo ${SOAK_ARGS:---size gpu --backend pallas --tokens 10000 --turns 2 \
         --prompts 4 --batch 4 --track-interval 256 --progress off} > "$OUT/soak.log" 2>&1
@@ -69,6 +78,6 @@ for phase in "$@"; do
         timeout "$T" python3 -m gdn_lossless_jax fuzz --backend "$b" ${FUZZ_ARGS:-} > "$OUT/fuzz-$b.log" 2>&1
         tail -12 "$OUT/fuzz-$b.log"
       done ;;
-    *) echo "unknown phase $phase (tests, bench, step, demo, soak, fuzz)"; exit 2 ;;
+    *) echo "unknown phase $phase (tests, bench, step, demo, e2e, soak, fuzz)"; exit 2 ;;
   esac
 done

@@ -44,9 +44,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import pool as pool_mod, reference, sharding
+from .. import api, pool as pool_mod, reference, sharding
 from ..pool import StatePool
-from .model import ModelConfig, Params, attention, gdn_mixer, logits, mlp, rmsnorm
+from .model import ModelConfig, Params, attention, gdn_mixer, logits, mlp, rmsnorm, softmax
 
 __all__ = [
     "KVCache",
@@ -54,6 +54,8 @@ __all__ = [
     "StepInputs",
     "StepOutputs",
     "CommitFn",
+    "accept",
+    "row_keys",
     "allocate_state",
     "copy_slot",
     "SpecStep",
@@ -106,6 +108,9 @@ class StepInputs:
       n_given: given inputs, in ``[1, D]``.
       track_slots: the slot the prefix-cache state goes to if this step crosses a multiple
         of the track interval; negative: no tracking.
+      key: ``[N]`` ``jax.random`` keys for a sampling step (``SpecStep(temperature > 0)``), one
+        per row (:func:`row_keys`: a request's draws then depend on the request and its position
+        only, not on its batch row, the step or K); None when greedy.
     """
 
     slots: jax.Array
@@ -114,6 +119,7 @@ class StepInputs:
     tokens: jax.Array
     n_given: jax.Array
     track_slots: jax.Array
+    key: jax.Array | None = None
 
 
 @_pytree
@@ -122,7 +128,8 @@ class StepOutputs:
 
     Attributes:
       inputs: ``[N, D]``, the verified inputs (given, then drafted).
-      predictions: ``[N, D]``, the target's greedy token after each input.
+      predictions: ``[N, D]``, the target's token after each input: greedy, or when sampling
+        the token emitted if decoding stops after that input (see :func:`accept`).
       gaps: ``[N, D]``, the target's top-2 logit gap at each input (near-ties show here).
       accepted: ``m`` in ``[n_given, D]``, inputs accepted (now in the state).
       track_steps: the step whose state went to the track slot, or -1.
@@ -144,6 +151,7 @@ def allocate_state(
     record: str,
     max_len: int,
     state_dtype=jnp.float32,
+    defer_commit: bool = False,
 ) -> DecodeState:
     """A zero state: the pool (:func:`gdn_lossless_jax.pool.allocate`) and the KV cache.
 
@@ -153,12 +161,14 @@ def allocate_state(
       record: ``"tuples"`` or ``"snapshots"``. max_len: Tmax, KV positions per slot.
       state_dtype: the SSM state dtype (float32 or bfloat16); the conv states and the KV
         cache take the model's dtype.
+      defer_commit: the pool applies each commit's SSM part in the next verify
+        (:func:`gdn_lossless_jax.pool.allocate`).
     """
     if not isinstance(max_len, int) or max_len < drafts:
         raise ValueError(f"allocate_state: argument 'max_len' must be an integer >= drafts={drafts}, got {max_len!r}")
     p = pool_mod.allocate(
         config.geometry, slots=slots, requests=requests, drafts=drafts, record=record,
-        state_dtype=state_dtype, conv_dtype=config.jnp_dtype,
+        state_dtype=state_dtype, conv_dtype=config.jnp_dtype, defer_commit=defer_commit,
     )  # fmt: skip
     shape = (config.attention_layers, slots + 1, max_len, config.kv_heads, config.attn_head_dim)
     return DecodeState(p, KVCache(jnp.zeros(shape, config.jnp_dtype), jnp.zeros(shape, config.jnp_dtype)))
@@ -270,6 +280,60 @@ def _draft_gdn(c: ModelConfig, S, conv_state, mixed, a, b, p, mesh=None):
     return o[:, None].astype(mixed.dtype), S_new, window[..., 1:]
 
 
+def accept(logits_: jax.Array, x: jax.Array, n_given: jax.Array, *, temperature: float = 0.0, key=None):
+    """Which inputs a step accepts, and the token each input predicts.
+
+    Inputs ``x[:, :n_given]`` are given and always accepted; a drafted ``x[:, j]`` (``j >=
+    n_given``) is accepted while every input before it was.
+
+    - Greedy (``temperature == 0``): ``x[:, j]`` is accepted when it equals the target's argmax
+      after ``x[:, j-1]``; ``predictions`` are the argmaxes.
+    - Sampling (``temperature > 0``), lossless speculative sampling for a draft that proposes
+      one token (a one-hot proposal): ``x[:, j]`` is accepted with probability ``p_{j-1}(x_j)``,
+      the target's probability of it at ``temperature`` after ``x[:, j-1]``; at the first
+      rejection the emitted token is drawn from ``p_{j-1}`` with ``x_j`` removed
+      (renormalised), and when every input is accepted from ``p_{D-1}``. So each emitted token
+      has exactly the target's distribution, whatever the draft proposed. ``predictions[:, j]``
+      is the token emitted if decoding stops after input j: a draw from ``p_j`` without
+      ``x_{j+1}`` (``j < D-1``), or from ``p_{D-1}``. The draws depend on ``key`` only, not on
+      the record mode: both modes give the same tokens.
+
+    Args:
+      logits_: ``[N, D, vocab]`` fp32, the target's logits after each input.
+      x: ``[N, D]`` int32, the inputs. n_given: ``[N]`` int32 in ``[1, D]``.
+      key: ``[N]`` keys when sampling (:func:`row_keys`).
+    Returns:
+      ``(predictions [N, D] int32, gaps [N, D] fp32 (top-2 logit gap), m [N] int32 (inputs
+      accepted, in [n_given, D]))``.
+    """
+    N, D, V = logits_.shape
+    top2 = jax.lax.top_k(logits_, 2)[0]
+    gaps = top2[..., 0] - top2[..., 1]
+    given = jnp.arange(1, D)[None, :] < n_given[:, None]  # [N, D-1]
+    if not temperature:
+        y = jnp.argmax(logits_, axis=-1).astype(I32)
+        ok = given | (x[:, 1:] == y[:, :-1])
+    else:
+        keys = jax.vmap(jax.random.split)(key)  # [N, 2]: acceptance, draws
+        scaled = logits_ / jnp.float32(temperature)
+        p = softmax(scaled)
+        p_draft = jnp.take_along_axis(p[:, :-1], x[:, 1:, None], axis=-1)[..., 0]  # p_{j-1}(x_j)
+        u = jax.vmap(lambda k: jax.random.uniform(k, (D - 1,), F32))(keys[:, 0])
+        ok = given | (u < p_draft)
+        removed = jnp.concatenate([x[:, 1:], jnp.full((N, 1), -1, I32)], axis=1)  # x_{j+1}; none after the last
+        residual = jnp.where(jnp.arange(V, dtype=I32) == removed[..., None], -jnp.inf, scaled)
+        y = jax.vmap(lambda k, r: jax.random.categorical(k, r, axis=-1))(keys[:, 1], residual).astype(I32)
+    m = 1 + jnp.sum(jnp.cumprod(ok.astype(I32), axis=1), axis=1).astype(I32)
+    return y, gaps, m
+
+
+def row_keys(key: jax.Array, ids: jax.Array, pos: jax.Array) -> jax.Array:
+    """``[N]`` sampling keys: ``fold_in(fold_in(key, ids[i]), pos[i])`` for a request id and the
+    row's position (tokens in its state): each request draws fresh numbers at every step, the
+    same whatever its batch row, the other requests or the steps per call."""
+    return jax.vmap(lambda i, p: jax.random.fold_in(jax.random.fold_in(key, i), p))(ids, pos)
+
+
 @dataclasses.dataclass(frozen=True)
 class SpecStep:
     """The jitted step ``step(params, state, inputs) -> (state, outputs)``; the state is donated.
@@ -291,6 +355,9 @@ class SpecStep:
         and state come from :func:`place_on_mesh`, and every other activation is split over
         the data axis only (the same arithmetic as on one device: the tokens and states are
         identical).
+      temperature: 0 (greedy: a draft is accepted when it equals the target's argmax), or the
+        temperature of speculative sampling (:func:`accept`; the step then needs
+        ``inputs.key``).
     """
 
     config: ModelConfig
@@ -299,8 +366,11 @@ class SpecStep:
     backend: str = "auto"
     commit: CommitFn | None = None
     mesh: sharding.MeshPlan | None = None
+    temperature: float = 0.0
 
     def __post_init__(self):
+        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
+            raise ValueError(f"SpecStep: argument 'temperature' must be a number >= 0, got {self.temperature!r}")
         if not isinstance(self.drafts, int) or self.drafts < 1:
             raise ValueError(f"SpecStep: argument 'drafts' must be a positive integer, got {self.drafts!r}")
         if not isinstance(self.track_interval, int) or self.track_interval < 0:
@@ -355,14 +425,17 @@ class SpecStep:
     # -- the traced step ------------------------------------------------------------
     def _step(self, params: Params, state: DecodeState, inputs: StepInputs):
         _TRACES[self] += 1
+        return self.body(params, state, inputs)
+
+    def body(self, params: Params, state: DecodeState, inputs: StepInputs) -> tuple[DecodeState, StepOutputs]:
+        """The step's traced body, not jitted (what :class:`~gdn_lossless_jax.model.loop.DecodeLoop`
+        runs K times inside one jitted function)."""
+        if self.temperature and inputs.key is None:
+            raise ValueError(f"SpecStep(temperature={self.temperature}): argument 'inputs.key' must be a "
+                             "jax.random key when sampling, got None")  # fmt: skip
         x = self._draft(params, state.pool, inputs)
         lg, pool, kv = self._verify(params, state, x, inputs)
-        y = jnp.argmax(lg, axis=-1).astype(I32)
-        top2 = jax.lax.top_k(lg, 2)[0]
-        gaps = top2[..., 0] - top2[..., 1]
-        j = jnp.arange(1, self.drafts)[None, :]
-        ok = (j < inputs.n_given[:, None]) | (x[:, 1:] == y[:, :-1])  # [N, D-1]
-        m = 1 + jnp.sum(jnp.cumprod(ok.astype(I32), axis=1), axis=1).astype(I32)
+        y, gaps, m = accept(lg, x, inputs.n_given, temperature=self.temperature, key=inputs.key)
         track_steps = self._track_steps(inputs, m)
         pool = self._commit(pool, inputs.slots, m - 1, inputs.track_slots, track_steps, inputs.rows)
         kv = self._track_kv(kv, inputs, track_steps)
@@ -400,7 +473,7 @@ class SpecStep:
             return tokens
         s = _in_range(inputs.slots, pool.ssm.shape[1])
         # The draft runs its states in fp32 whatever the pool's dtype (its chain only proposes tokens).
-        ssm0 = tuple(self._rows_only(pool.ssm.at[l, s].get(mode="fill", fill_value=0)).astype(jnp.float32)
+        ssm0 = tuple(self._rows_only(self._committed(pool, l, inputs.slots)).astype(jnp.float32)
                      for l in range(c.draft_layers))  # fmt: skip
         conv0 = tuple(self._rows_only(pool.conv.at[l, s].get(mode="fill", fill_value=0)) for l in range(c.draft_layers))
 
@@ -426,6 +499,26 @@ class SpecStep:
         xs = (jnp.arange(D - 1, dtype=I32), tokens[:, 1:].T)
         _, chain = jax.lax.scan(body, (ssm0, conv0, tokens[:, 0]), xs)
         return jnp.concatenate([tokens[:, :1], chain.T], axis=1)
+
+    def _committed(self, pool: StatePool, layer: int, slots):
+        """``[N, HV, V, K]``: the committed SSM states of ``slots`` at ``layer`` (zeros for a
+        negative slot). A pool that defers its commit (``allocate(..., defer_commit=True)``)
+        still holds the last step's states in its tape: they are replayed here for the batch's
+        rows (the commit's arithmetic on a gathered copy; the pool is not changed)."""
+        S = pool.ssm.shape[1]
+        states = pool.ssm.at[layer, _in_range(slots, S)].get(mode="fill", fill_value=0)
+        d = pool.deferred
+        if d is None:
+            return states
+        if self.mesh is not None:
+            raise ValueError("SpecStep: a pool that defers its commit (defer_commit=True) is not supported on a "
+                             "mesh by the model's draft; allocate the pool with defer_commit=False")  # fmt: skip
+        _, tape = d.buffers(pool.tape)
+        match = (d.slots[:, None] == slots[None, :]) & (slots[None, :] >= 0)  # [P, N]
+        target = jnp.where(jnp.any(match, axis=1), jnp.argmax(match, axis=1), slots.shape[0]).astype(I32)
+        steps = jnp.where(d.applied, -1, d.steps)
+        one = jax.tree.map(lambda t: t[layer : layer + 1], tape)
+        return api.commit(states[None], one, target, steps, rows=d.rows, backend=self.backend)[0]
 
     @staticmethod
     def _block(blk, h, mixer):

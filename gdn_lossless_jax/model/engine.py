@@ -36,11 +36,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import sharding
-from .decode import CommitFn, SpecStep, StepInputs, allocate_state, copy_slot, place_on_mesh
+from .. import pool as pool_mod, sharding
+from .decode import CommitFn, SpecStep, StepInputs, allocate_state, copy_slot, place_on_mesh, row_keys
+from .loop import DecodeLoop, LoopInputs
 from .model import ModelConfig, Params
 
 __all__ = ["Request", "Result", "PrefixCache", "Engine"]
+
+_row_keys = jax.jit(row_keys)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +108,8 @@ class _Active:
     row: int
     track_slot: int
     result: Result
+    id: int = 0  # the request's number in this engine (its sampling keys)
+    done: bool = False
 
 
 class PrefixCache:
@@ -173,6 +178,19 @@ class Engine:
         step's inputs are placed by row, and the step is ``SpecStep(..., mesh=mesh)``. The
         data axis must have size 1: slots and scratch rows are allocated from one free list,
         not per data shard, so a request's slot could live on another shard than its row.
+      steps_per_call: K, steps per call of the device (1: one :class:`SpecStep` per call,
+        the host deciding between steps; K > 1: a :class:`~gdn_lossless_jax.model.loop.DecodeLoop`
+        runs K steps, acceptance and next inputs on the device, and requests join and leave
+        every K steps). The tokens and states are the same for any K.
+      temperature: 0 for greedy decoding, else speculative sampling at this temperature
+        (:func:`~gdn_lossless_jax.model.decode.accept`), with keys from ``seed``: the i-th
+        request this engine admits draws at position p with ``fold_in(fold_in(key(seed), i), p)``
+        (:func:`~gdn_lossless_jax.model.decode.row_keys`), so its tokens do not depend on K or
+        on the other requests.
+      seed: the sampling key's seed.
+      defer_commit: allocate the pool with ``defer_commit=True``: each step's SSM commit goes
+        into the next step's verify (the fused commit-into-next-verify); ``steps_per_call``
+        must then be even, and :meth:`host_states` flushes the last commit first.
     """
 
     def __init__(
@@ -190,6 +208,10 @@ class Engine:
         commit: CommitFn | None = None,
         state_dtype=jnp.float32,
         mesh: sharding.MeshPlan | None = None,
+        steps_per_call: int = 1,
+        temperature: float = 0.0,
+        seed: int = 0,
+        defer_commit: bool = False,
     ):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"Engine: argument 'max_batch' must be a positive integer, got {max_batch!r}")
@@ -201,20 +223,30 @@ class Engine:
         self.params, self.config, self.mesh = params, config, mesh
         self.drafts, self.max_batch, self.max_len = drafts, max_batch, max_len
         self.cache_entries = 2 * max_batch if cache_entries is None else cache_entries
-        # Each active request holds its slot and a spare track slot; the cache holds the rest.
-        n_slots = 2 * max_batch + (self.cache_entries if track_interval else 0)
-        self.step_fn = SpecStep(config, drafts, track_interval, backend, commit, mesh)
+        # Each active request holds its slot (and, with a prefix cache, a spare track slot); the
+        # cache holds the rest.
+        n_slots = max_batch + (max_batch + self.cache_entries if track_interval else 0)
+        self.step_fn = SpecStep(config, drafts, track_interval, backend, commit, mesh, temperature)
+        self.loop = DecodeLoop(self.step_fn, steps_per_call) if steps_per_call != 1 else None
+        if defer_commit and steps_per_call % 2:
+            raise ValueError(f"Engine: argument 'steps_per_call' must be even with defer_commit=True (the pool's "
+                             f"two scratch tapes alternate), got {steps_per_call}")  # fmt: skip
+        self.steps_per_call = steps_per_call
+        self._key = jax.random.key(seed) if temperature else None
         self.state = allocate_state(
             config, slots=n_slots, requests=max_batch, drafts=drafts, record=record, max_len=max_len,
-            state_dtype=state_dtype,
+            state_dtype=state_dtype, defer_commit=defer_commit,
         )  # fmt: skip
         if mesh is not None:
             self.params, self.state = place_on_mesh(mesh, config, params, self.state)
         self.cache = PrefixCache(track_interval)
-        self._traces0 = self.step_fn.traces
+        self._traces0 = self._traces()
         self._free_slots = collections.deque(range(n_slots))
         self._free_rows = collections.deque(range(max_batch))
         self.steps = 0  # steps run by this engine, over all generate() calls
+        self._admitted = 0  # requests admitted, over all generate() calls (their ids)
+        # Wall-clock from each call's dispatch to its outputs on the host; the rest of generate()'s
+        # wall-clock the host works (inputs, acceptance bookkeeping) while the device has nothing queued.
         self.step_seconds = 0.0
 
     @property
@@ -225,12 +257,18 @@ class Engine:
     def compiles(self) -> int:
         """How often the step was traced since this engine was made: 1 after the first step,
         and still 1 after any number of steps (0 if an equal engine had compiled it)."""
-        return self.step_fn.traces - self._traces0
+        return self._traces() - self._traces0
+
+    def _traces(self) -> int:
+        return self.step_fn.traces if self.loop is None else self.loop.traces
 
     def host_states(self):
         """The pool's SSM and conv states and the KV cache, ``(ssm, conv, KVCache)``, as NumPy
         arrays on the host; on a mesh, the conv channels back in the usual ``[q | k | v]`` order
         (what one device holds after the same requests)."""
+        if self.state.pool.deferred is not None:  # the last step's SSM commit is still pending
+            self.state = dataclasses.replace(self.state, pool=pool_mod.flush(self.state.pool,
+                                                                             backend=self.step_fn.backend))
         ssm, conv, kv = jax.device_get((self.state.pool.ssm, self.state.pool.conv, self.state.kv))
         if self.mesh is not None:
             conv = np.asarray(sharding.from_tp_layout(conv, self.config.geometry, self.mesh.tp, -2))
@@ -271,6 +309,9 @@ class Engine:
         hit = self.cache.lookup(r.prompt)  # first: a hit becomes the most recently used entry
         resumed, src = hit if hit is not None else (0, None)
         slot, row = self._take_slot(), self._free_rows.popleft()
+        if self.state.pool.deferred is not None:  # a pending commit may write src or dst: apply it first
+            self.state = dataclasses.replace(self.state, pool=pool_mod.flush(self.state.pool,
+                                                                             backend=self.step_fn.backend))
         self.state = copy_slot(self.state, src, slot)
         track = self._take_slot() if self.cache.interval else -1
         n = len(r.prompt) + r.max_new_tokens + self.drafts  # accepted drafts may run past the end
@@ -278,7 +319,8 @@ class Engine:
             r, tokens=[], resumed=resumed, joined=now, left=-1, slot=slot, row=row, accepted=[], proposed=[],
             predictions=np.full(n, -1, np.int32), gaps=np.full(n, np.nan, np.float32), tracked=[],
         )  # fmt: skip
-        return _Active(r, list(r.prompt), resumed, slot, row, track, res)
+        self._admitted += 1
+        return _Active(r, list(r.prompt), resumed, slot, row, track, res, id=self._admitted - 1)
 
     def _retire(self, a: _Active, now: int) -> Result:
         self._free(a.slot)
@@ -296,24 +338,50 @@ class Engine:
         tokens = np.zeros((N, D), np.int32)
         n_given = np.ones(N, np.int32)
         track = np.full(N, -1, np.int32)
+        ids = np.zeros(N, np.int32)
         for i, a in enumerate(active):
             given = a.seq[a.pos : a.pos + D]
             slots[i], rows[i], pos[i], n_given[i], track[i] = a.slot, a.row, a.pos, len(given), a.track_slot
+            ids[i] = a.id
             tokens[i, : len(given)] = given
+        key = None if self._key is None else _row_keys(self._key, jnp.asarray(ids), jnp.asarray(pos))
         if self.mesh is None:
-            return StepInputs(*(jnp.asarray(x) for x in (slots, rows, pos, tokens, n_given, track)))
+            return StepInputs(*(jnp.asarray(x) for x in (slots, rows, pos, tokens, n_given, track)), key=key)
         by_row = jax.sharding.NamedSharding(self.mesh.mesh, jax.sharding.PartitionSpec(self.mesh.data))
-        return jax.device_put(StepInputs(slots, rows, pos, tokens, n_given, track), by_row)
+        return dataclasses.replace(jax.device_put(StepInputs(slots, rows, pos, tokens, n_given, track), by_row),
+                                   key=key)  # fmt: skip
 
-    def _absorb(self, a: _Active, out, i: int) -> None:
-        """Update a request from row i of the step's outputs (NumPy arrays)."""
+    def _loop_inputs(self, active: list[_Active]) -> LoopInputs:
+        N, W = self.max_batch, self.steps_per_call * self.drafts
+        slots = np.full(N, -1, np.int32)
+        rows = np.full(N, N, np.int32)  # the discard row
+        track = np.full(N, -1, np.int32)
+        pos, known, budget, ids = (np.zeros(N, np.int32) for _ in range(4))
+        tokens = np.zeros((N, W), np.int32)
+        for i, a in enumerate(active):
+            given = a.seq[a.pos : a.pos + W]
+            slots[i], rows[i], track[i], pos[i], ids[i] = a.slot, a.row, a.track_slot, a.pos, a.id
+            known[i], budget[i] = len(given), a.request.max_new_tokens - len(a.result.tokens)
+            tokens[i, : len(given)] = given
+        inputs = LoopInputs(slots, rows, track, pos, tokens, known, budget, ids)
+        if self.mesh is None:
+            inputs = jax.tree.map(jnp.asarray, inputs)
+        else:
+            by_row = jax.sharding.NamedSharding(self.mesh.mesh, jax.sharding.PartitionSpec(self.mesh.data))
+            inputs = jax.device_put(inputs, by_row)
+        return dataclasses.replace(inputs, key=self._key)
+
+    def _absorb(self, a: _Active, out, i: int, track: bool = True) -> None:
+        """Update a request from row i of the step's outputs (NumPy arrays); ``track``: whether
+        a track state this step reports is the one in the request's track slot (a later step of
+        the same device call may have replaced it)."""
         m, n_given = int(out.accepted[i]), min(self.drafts, len(a.seq) - a.pos)
         x, y, g = out.inputs[i], out.predictions[i], out.gaps[i]
         res = a.result
         res.predictions[a.pos : a.pos + m] = y[:m]
         res.gaps[a.pos : a.pos + m] = g[:m]
         ts = int(out.track_steps[i])
-        if ts >= 0:
+        if ts >= 0 and track:
             b = a.pos + ts + 1
             prefix = [*a.seq[: a.pos], *(int(t) for t in x[: b - a.pos])]
             # A request keeps its latest tracked state: the longer prefix supersedes its last one.
@@ -332,10 +400,16 @@ class Engine:
         a.pos += m
 
     def warmup(self) -> float:
-        """Compile the step on an empty batch (every row empty: nothing in the pool changes
-        but scratch). Returns the seconds it took."""
+        """Compile the step (or the device loop) on an empty batch (every row empty: nothing in
+        the pool changes but scratch) and the slot copy (zeros into a free slot). Returns the
+        seconds it took."""
         t0 = time.perf_counter()
-        self.state, out = self.step_fn(self.params, self.state, self._inputs([]))
+        if self._free_slots:  # compile the slot copy a request's admission makes (a free slot: zeros)
+            self.state = copy_slot(self.state, None, self._free_slots[0])
+        if self.loop is None:
+            self.state, out = self.step_fn(self.params, self.state, self._inputs([]))
+        else:
+            self.state, out = self.loop(self.params, self.state, self._loop_inputs([]))
         jax.block_until_ready(out)
         return time.perf_counter() - t0
 
@@ -359,22 +433,41 @@ class Engine:
                 clock = requests[waiting[0]].arrival
                 continue
             t0 = time.perf_counter()
-            self.state, out = self.step_fn(self.params, self.state, self._inputs([a for _, a in active]))
+            if self.loop is None:
+                self.state, out = self.step_fn(self.params, self.state, self._inputs([a for _, a in active]))
+            else:
+                self.state, out = self.loop(self.params, self.state, self._loop_inputs([a for _, a in active]))
             out = jax.device_get(out)
             self.step_seconds += time.perf_counter() - t0
-            self.steps += 1
-            clock += 1
+            if self.loop is None:
+                steps = [(out, None)]
+            else:
+                steps = [(jax.tree.map(lambda x, t=t: x[t], out.steps), out.active[t])
+                         for t in range(self.steps_per_call)]  # fmt: skip
+            # On the device a request's track slot takes every boundary crossed in the call: the
+            # last crossing is the state it holds.
+            last_track = {b: max((t for t, (o, _) in enumerate(steps) if o.track_steps[b] >= 0), default=-1)
+                          for b in range(len(active))}  # fmt: skip
             emitted = 0
-            still = []
-            for b, (i, a) in enumerate(active):
-                before = len(a.result.tokens)
-                self._absorb(a, out, b)
-                emitted += min(len(a.result.tokens), a.request.max_new_tokens) - min(before, a.request.max_new_tokens)
-                if len(a.result.tokens) >= a.request.max_new_tokens:
-                    results[i] = self._retire(a, clock)
-                else:
-                    still.append((i, a))
-            active = still
+            for t, (out, ran) in enumerate(steps):
+                self.steps += 1
+                clock += 1
+                still = []
+                for b, (i, a) in enumerate(active):
+                    if ran is not None and not ran[b]:
+                        still.append((i, a))
+                        continue
+                    before = len(a.result.tokens)
+                    self._absorb(a, out, b, track=t == last_track[b])
+                    emitted += min(len(a.result.tokens), a.request.max_new_tokens) - min(before, a.request.max_new_tokens)
+                    if len(a.result.tokens) >= a.request.max_new_tokens:
+                        results[i] = self._retire(a, clock)
+                        a.done = True
+                    else:
+                        still.append((i, a))
+                if ran is None:
+                    active = still
+            active = [(i, a) for i, a in active if not a.done]
             if on_step is not None:
                 on_step(emitted)
         return results

@@ -181,7 +181,12 @@ class ModelConfig:
 
 #: Named sizes. ``tiny`` decodes in seconds on a CPU; ``gpu`` has the real head geometry
 #: of Qwen3-Next / Qwen3.5 (H=16, HV=32, K=V=128; attention 16 q and 2 KV heads of 256) at
-#: four blocks.
+#: four blocks. ``deep`` has Qwen3.5/3.6-35B-A3B's depth too: 40 blocks, 30 GDN and 10
+#: gated attention, with a small dense MLP and vocabulary (it compiles and fits quickly: the
+#: GDN layers' share of a step is larger than in the real model). ``deep-a3b`` sizes the rest
+#: like that model's per-token work: a dense MLP of 9 x 512 (its 8 routed experts and the shared
+#: one, each 512 wide: the same weights read per token), its 248,320-token vocabulary and untied
+#: head; about 3.3 B parameters (6.6 GB in bf16).
 SIZES: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
         "tiny", vocab=512, d_model=64, layers=4, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16,
@@ -190,6 +195,14 @@ SIZES: dict[str, ModelConfig] = {
     "gpu": ModelConfig(
         "gpu", vocab=4096, d_model=2048, layers=4, num_k_heads=16, num_v_heads=32, head_k_dim=128,
         head_v_dim=128, attn_heads=16, kv_heads=2, attn_head_dim=256, mlp_dim=4096, dtype="bfloat16",
+    ),
+    "deep": ModelConfig(
+        "deep", vocab=8192, d_model=2048, layers=40, num_k_heads=16, num_v_heads=32, head_k_dim=128,
+        head_v_dim=128, attn_heads=16, kv_heads=2, attn_head_dim=256, mlp_dim=1024, dtype="bfloat16",
+    ),
+    "deep-a3b": ModelConfig(
+        "deep-a3b", vocab=248_320, d_model=2048, layers=40, num_k_heads=16, num_v_heads=32, head_k_dim=128,
+        head_v_dim=128, attn_heads=16, kv_heads=2, attn_head_dim=256, mlp_dim=9 * 512, dtype="bfloat16",
     ),
 }  # fmt: skip
 

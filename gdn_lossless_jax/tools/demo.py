@@ -22,6 +22,7 @@ import time
 __all__ = ["add_parser", "mesh_plan", "run"]
 
 MODES = ("tuples", "snapshots")
+NONE = "none"  # the run without speculation (D = 1): plain greedy decoding
 ONE_DEVICE = "1 device"  # the label of the one-device run beside a mesh
 
 
@@ -112,7 +113,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="prefix-cache track interval in tokens (0: off; default 64)")
     d.add_argument("--backend", choices=["auto", *BACKENDS], default="auto",
                    help="the library's backend (default auto: pallas on a GPU, else reference)")
-    d.add_argument("--record", choices=MODES, nargs="+", default=list(MODES), help="record modes to run (default both)")
+    d.add_argument("--record", choices=[*MODES, NONE], nargs="+", default=list(MODES),
+                   help="record modes to run (default both); 'none' adds a run without speculation (D = 1, plain "
+                        "greedy decoding: its tokens must be the same)")  # fmt: skip
+    d.add_argument("--steps-per-call", type=int, default=None, metavar="K",
+                   help="steps per call of the device: K > 1 runs drafting, verify, acceptance and the next inputs "
+                        "on the device K steps at a time (the device loop; requests join and leave every K steps); "
+                        "default 8 on a GPU, 1 (a step per call, the host deciding between steps) elsewhere")
+    d.add_argument("--defer", choices=["auto", "on", "off"], default="auto",
+                   help="commit into the next step's verify (the pool's defer_commit; with K > 1, K must be even); "
+                        "auto: on a GPU without --mesh")
     d.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompts (default 0)")
     d.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
                    help="progress bar on stderr (auto: when stderr is a terminal)")
@@ -142,13 +152,19 @@ def run(args: argparse.Namespace) -> int:
     from ..model.engine import Engine, Request
     from ..model.model import get_config, init_params
 
-    for name in ("drafts", "prompts", "prompt_len", "tokens", "turns", "batch"):
+    gpu = jax.default_backend() == "gpu"
+    if getattr(args, "steps_per_call", None) is None:
+        args.steps_per_call = 8 if gpu else 1
+    for name in ("drafts", "prompts", "prompt_len", "tokens", "turns", "batch", "steps_per_call"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
     if args.track_interval < 0:
         raise ValueError(f"--track-interval must be >= 0, got {args.track_interval}")
     config = get_config(args.size)
     plan = None if getattr(args, "mesh", None) is None else mesh_plan(*args.mesh, config)
+    defer = {"auto": gpu and plan is None, "on": True, "off": False}[getattr(args, "defer", "auto")]
+    if defer and args.steps_per_call > 1 and args.steps_per_call % 2:
+        raise ValueError(f"--steps-per-call must be even when the commit is deferred (--defer), got {args.steps_per_call}")
     params = init_params(config, args.seed)
     rng = np.random.default_rng(args.seed)
     # Turn 1 is a random prompt; each later turn appends the answer and a new random message.
@@ -159,7 +175,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"{args.prompts} conversations of {args.turns} turn(s): {args.prompt_len} new prompt tokens and "
         f"{args.tokens} generated tokens per turn; D={args.drafts}, batch {args.batch}, track interval "
-        f"{args.track_interval}, backend {args.backend} ({jax.default_backend()})",
+        f"{args.track_interval}, backend {args.backend} ({jax.default_backend()}), {args.steps_per_call} step"
+        f"{'s' if args.steps_per_call > 1 else ''} per call{', commit deferred into the next verify' if defer else ''}",
         flush=True,
     )
     if plan is not None:
@@ -176,12 +193,14 @@ def run(args: argparse.Namespace) -> int:
     if plan is not None:
         runs.append((ONE_DEVICE, "tuples", None))
     disable = {"auto": None, "on": False, "off": True}[args.progress]
-    outcome = {}
+    outcome, speeds = {}, {}
     for label, mode, mesh in runs:
+        drafts = 1 if mode == NONE else args.drafts
         engine = Engine(
-            params, config, record=mode, drafts=args.drafts, max_batch=args.batch,
+            params, config, record="tuples" if mode == NONE else mode, drafts=drafts, max_batch=args.batch,
             max_len=args.turns * (args.prompt_len + args.tokens) + args.drafts, track_interval=args.track_interval,
             cache_entries=args.prompts + args.batch, backend=args.backend, mesh=mesh,
+            steps_per_call=args.steps_per_call, defer_commit=defer,
         )  # fmt: skip
         compile_s = engine.warmup()
         history = [[] for _ in range(args.prompts)]
@@ -195,25 +214,32 @@ def run(args: argparse.Namespace) -> int:
                 results += done
             jax.block_until_ready(engine.state)
             wall = time.perf_counter() - t0
-        accepted = np.concatenate([r.accepted for r in results])
-        proposed = np.concatenate([r.proposed for r in results])
+        accepted = np.concatenate([r.accepted for r in results]) if drafts > 1 else np.zeros(1)
+        proposed = np.concatenate([r.proposed for r in results]) if drafts > 1 else np.zeros(1)
         pool = engine.state.pool
         windows = pool.conv_windows.nbytes
         resumed = [r.resumed for r in results if r.resumed]
         print(
             f"{label:<10} {total} tokens in {wall:.2f} s: {total / wall:,.1f} tokens/s (compile {compile_s:.1f} s, "
-            f"{engine.compiles} trace{'s' if engine.compiles != 1 else ''}); {engine.steps} steps, mean accepted "
-            f"length {accepted.mean():.2f} of {proposed.mean():.2f} drafted ({(accepted + 1).mean():.2f} tokens per "
-            f"step); scratch {_mib(pool.scratch_nbytes + windows)} (SSM tape {_mib(pool.scratch_nbytes)}, conv "
+            f"{engine.compiles} trace{'s' if engine.compiles != 1 else ''}); {engine.steps} steps of "
+            f"{wall / engine.steps * 1e3:.2f} ms, mean accepted length {accepted.mean():.2f} of {proposed.mean():.2f} "
+            f"drafted ({(accepted + 1).mean():.2f} tokens per step); host {max(0.0, 1 - engine.step_seconds / wall):.1%} "
+            f"of the wall-clock between calls; state {_mib(pool.ssm.nbytes + pool.conv.nbytes)}, "
+            f"scratch {_mib(pool.scratch_nbytes + windows)} (SSM tape {_mib(pool.scratch_nbytes)}, conv "
             f"windows {_mib(windows)}); prefix cache: {sum(len(r.tracked) for r in results)} states tracked, "
             f"{len(resumed)} of {args.prompts * (args.turns - 1)} later turns resumed "
             f"({sum(resumed):,} prompt tokens not recomputed)",
             flush=True,
         )
-        outcome[label] = ([r.tokens for r in results], engine.host_states())
+        outcome[label] = ([r.tokens for r in results], None if mode == NONE else engine.host_states())
+        speeds[label] = total / wall
     if len(outcome) < 2:
         print("verdict    one record mode run: nothing to compare")
         return 0
+    if len(speeds) > 1:
+        first = next(iter(speeds))
+        print("speed      tokens/s, " + ", ".join(f"{first} / {label}: {speeds[first] / v:.2f}x"
+                                                  for label, v in speeds.items() if label != first))  # fmt: skip
     (first_label, (ta, sa)), *others = outcome.items()
     equal = True
     for label, (tb, _) in others:
@@ -222,9 +248,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"tokens     {first_label} vs {label}: {same:,} of {total:,} tokens equal"
               + ("" if first is None else f"; prompt {first} differs first"))  # fmt: skip
         equal &= same == total
-    for label, (_, sb) in others:
-        report = compare_bitwise(sa, sb)
-        print(f"states     {first_label} vs {label}, final SSM, conv and KV states: "
+    with_states = [(label, sb) for label, (_, sb) in outcome.items() if sb is not None]
+    for label, sb in with_states[1:]:  # (none: no speculation, other positions in the state: not compared)
+        report = compare_bitwise(with_states[0][1], sb)
+        print(f"states     {with_states[0][0]} vs {label}, final SSM, conv and KV states: "
               + ("bit-identical" if report.equal else f"DIFFER\n  {report}"))  # fmt: skip
         equal &= report.equal
     if plan is None:

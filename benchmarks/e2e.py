@@ -1,0 +1,246 @@
+"""End to end: decoding tokens per second with the model, per record mode, as a user runs it.
+
+``python -m benchmarks.e2e`` decodes the same prompts with the hybrid model
+(:mod:`gdn_lossless_jax.model`) through :class:`~gdn_lossless_jax.model.Engine` with the
+device loop (K steps per call, :class:`~gdn_lossless_jax.model.loop.DecodeLoop`), once per
+record mode: ``tuples`` and ``snapshots`` (speculative, D inputs per step) and ``none``
+(D = 1: plain greedy decoding, no speculation). Each row (``kind: "e2e"``):
+
+  record, backend, batch, drafts, steps_per_call, size
+  tokens_per_s        tokens generated / wall-clock of the timed run (compilation excluded)
+  tokens_per_step     tokens a request gains per step (1 + accepted drafts): what acceptance
+                      buys; tokens/s at another acceptance scales with it at the same step_ms
+  mean_accepted       accepted drafts per step, of drafts - 1 proposed
+  step_ms             wall-clock per step (batch-wide)
+  host_fraction       share of the wall-clock the device had no work: on a GPU from a profiler
+                      trace of a second run (1 - the union of the kernels' intervals / its
+                      wall-clock), else None
+  host_clock_fraction 1 - (time from each call's dispatch to its outputs on the host) /
+                      wall-clock: the host's own work between calls, by the host's clock alone
+                      (any platform; the device has nothing queued then)
+  state_bytes, scratch_bytes   the pool's states (SSM + conv, its slots) and its scratch (tape
+                      + conv windows), as allocated
+  device_split_ms     on a GPU: device time per step by kernel family (``gdn``: the
+                      library's kernels; ``matmul``; ``other``)
+
+Fixed memory (``--budget-like snapshots:64``): the budget is what the snapshot path's state
+plus scratch takes at batch 64; each record mode then runs at the largest batch whose state
+plus scratch fits it (rows get ``budget_bytes``).
+
+Checks in the result: the tokens are the same in every record mode (``none`` is plain greedy
+decoding), and the final states of tuples and snapshots are bit-identical.
+
+  python -m benchmarks.e2e --out /tmp/e2e                                   # CPU: tiny size
+  python -m benchmarks.e2e --out $OUT/e2e --size deep --batch 25 --drafts 4 --steps-per-call 8
+  python -m benchmarks.e2e --out $OUT/e2e-mem --size deep --drafts 4 --budget-like snapshots:64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+RECORDS = ("tuples", "snapshots", "none")
+MATMUL_HINTS = ("gemm", "nvjet", "cutlass", "xmma", "dot", "matmul", "cublas")
+
+
+def _parse(argv=None) -> argparse.Namespace:
+    from gdn_lossless_jax.model.model import SIZES
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.e2e", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="folder for results.json")
+    p.add_argument("--size", choices=list(SIZES), default="tiny")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--drafts", type=int, default=4)
+    p.add_argument("--steps-per-call", type=int, default=8)
+    p.add_argument("--records", default=",".join(RECORDS))
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
+    p.add_argument("--defer", choices=("auto", "on", "off"), default="auto",
+                   help="the pool defers its commit into the next verify (auto: on a GPU)")
+    p.add_argument("--budget-like", default=None, metavar="RECORD:BATCH",
+                   help="fixed memory: the budget is RECORD's state + scratch at BATCH")
+    p.add_argument("--trace", choices=("auto", "on", "off"), default="auto",
+                   help="profile a second run for host_fraction and the device split (auto: on a GPU)")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def pool_bytes(config, batch: int, drafts: int, record: str, state_dtype="float32") -> tuple[int, int]:
+    """``(state bytes, scratch bytes)`` of the engine's pool for ``batch`` rows (one slot each,
+    no prefix cache), without allocating it."""
+    from gdn_lossless_jax import pool as gpool
+
+    g = config.geometry
+    rows = gpool.scratch_rows(batch)
+    state = sum(s.nbytes for s in gpool.state_specs(g, batch, state_dtype=state_dtype,
+                                                   conv_dtype=config.jnp_dtype).values())  # fmt: skip
+    tape = sum(s.nbytes for s in gpool.tape_specs(g, rows, drafts, record, state_dtype=state_dtype).values())
+    return state, tape + gpool.conv_window_spec(g, rows, drafts, conv_dtype=config.jnp_dtype).nbytes
+
+
+def _mode(record: str, drafts: int) -> tuple[str, int]:
+    """The pool's record mode and D of a benchmark record (``none``: D = 1, a tuple tape)."""
+    return ("tuples", 1) if record == "none" else (record, drafts)
+
+
+def fit_batch(config, budget: int, drafts: int, record: str) -> int:
+    """The largest batch whose state plus scratch fits ``budget`` bytes (0 if none)."""
+    mode, D = _mode(record, drafts)
+    lo = 0
+    hi = 1
+    while sum(pool_bytes(config, hi, D, mode)) <= budget:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if sum(pool_bytes(config, mid, D, mode)) <= budget else (lo, mid)
+    return lo
+
+
+def _split(kernels: dict[str, list[float]], steps: int) -> dict[str, float]:
+    from benchmarks.step import _ours
+
+    out = {"gdn": 0.0, "matmul": 0.0, "other": 0.0}
+    for name, durs in kernels.items():
+        fam = "gdn" if _ours(name) else "matmul" if any(h in name.lower() for h in MATMUL_HINTS) else "other"
+        out[fam] += sum(durs) / 1e3 / steps
+    return out
+
+
+def run_record(config, params, prompts, *, record, batch, drafts, steps_per_call, backend, tokens, defer, trace,
+               seed) -> tuple[dict, list, tuple]:  # fmt: skip
+    """One row: the timed run (and a traced one); returns ``(row, tokens, final states)``."""
+    import jax
+
+    from gdn_lossless_jax.model import Engine, Request
+
+    mode, D = _mode(record, drafts)
+    K = steps_per_call + (steps_per_call % 2 if defer else 0)
+    max_len = max(len(p) for p in prompts) + tokens + D
+
+    def engine():
+        e = Engine(params, config, record=mode, drafts=D, max_batch=batch, max_len=max_len, backend=backend,
+                   steps_per_call=K, defer_commit=defer)  # fmt: skip
+        return e, e.warmup()
+
+    reqs = [Request(p, tokens) for p in prompts]
+    e, compile_s = engine()
+    t0 = time.perf_counter()
+    results = e.generate(reqs)
+    jax.block_until_ready(e.state)
+    wall = time.perf_counter() - t0
+    accepted = np.concatenate([r.accepted for r in results]) if D > 1 else np.zeros(1)
+    gen = sum(len(r.tokens) for r in results)
+    pool = e.state.pool
+    row = {
+        "kind": "e2e", "size": config.name, "record": record, "backend": backend, "batch": batch, "drafts": D,
+        "steps_per_call": K, "defer_commit": defer, "requests": len(prompts), "tokens": gen, "wall_s": wall,
+        "compile_s": compile_s, "steps": e.steps, "tokens_per_s": gen / wall, "step_ms": wall / e.steps * 1e3,
+        "mean_accepted": float(accepted.mean()), "tokens_per_step": float(1 + accepted.mean()),
+        "host_clock_fraction": max(0.0, 1 - e.step_seconds / wall),
+        "state_bytes": int(pool.ssm.nbytes + pool.conv.nbytes),
+        "scratch_bytes": int(pool.scratch_nbytes + pool.conv_windows.nbytes),
+        "host_fraction": None, "device_split_ms": None,
+    }  # fmt: skip
+    states = e.host_states()
+    if trace:
+        from benchmarks.devtime import busy_us, trace_kernels
+
+        e2, _ = engine()
+        spans: list = []
+        box = {}
+
+        def run():
+            t = time.perf_counter()
+            e2.generate(reqs)
+            jax.block_until_ready(e2.state)
+            box["wall"] = time.perf_counter() - t
+
+        kernels = trace_kernels(run, 1, intervals=spans)
+        if kernels:
+            row["host_fraction"] = max(0.0, 1 - busy_us(spans) / 1e6 / box["wall"])
+            row["device_split_ms"] = _split(kernels, e2.steps)
+    return row, [r.tokens for r in results], states
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    import jax
+
+    from gdn_lossless_jax.model import get_config, init_params
+    from gdn_lossless_jax.testing import compare_bitwise
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = get_config(args.size)
+    gpu = jax.default_backend() == "gpu"
+    defer = {"auto": gpu, "on": True, "off": False}[args.defer]
+    trace = {"auto": gpu, "on": True, "off": False}[args.trace]
+    records = [r for r in args.records.split(",") if r]
+    bad = [r for r in records if r not in RECORDS]
+    if bad:
+        raise SystemExit(f"--records: each must be one of {RECORDS}, got {bad}")
+    batches = {r: args.batch for r in records}
+    budget = None
+    if args.budget_like:
+        rec, _, b = args.budget_like.partition(":")
+        mode, D = _mode(rec, args.drafts)
+        budget = sum(pool_bytes(config, int(b), D, mode))
+        batches = {r: fit_batch(config, budget, args.drafts, r) for r in records}
+    print(f"e2e: {config.describe()}; backend {args.backend} ({jax.default_backend()}), D={args.drafts}, "
+          f"K={args.steps_per_call}, defer commit {defer}; batches {batches}"
+          + (f"; budget {budget / 2**30:.2f} GiB ({args.budget_like})" if budget else ""), flush=True)  # fmt: skip
+    t = time.perf_counter()
+    params = init_params(config, args.seed)
+    jax.block_until_ready(params)
+    print(f"parameters in {time.perf_counter() - t:.1f} s", flush=True)
+    rng = np.random.default_rng(args.seed)
+    prompts = [rng.integers(0, config.vocab, args.prompt_len).tolist() for _ in range(max(batches.values()))]
+    rows, tokens, states = [], {}, {}
+    for rec in records:
+        row, toks, st = run_record(
+            config, params, prompts[: batches[rec]], record=rec, batch=batches[rec], drafts=args.drafts,
+            steps_per_call=args.steps_per_call, backend=args.backend, tokens=args.tokens, defer=defer, trace=trace,
+            seed=args.seed,
+        )  # fmt: skip
+        if budget:
+            row["budget_bytes"] = budget
+        rows.append(row)
+        tokens[rec], states[rec] = toks, st
+        print(f"{rec:<10} batch {row['batch']:>4}: {row['tokens_per_s']:>10,.1f} tokens/s, {row['step_ms']:.2f} ms/step, "
+              f"{row['tokens_per_step']:.2f} tokens/step, host {row['host_clock_fraction']:.1%} (clock)"
+              + ("" if row["host_fraction"] is None else f", GPU idle {row['host_fraction']:.1%} (trace)")
+              + f"; state {row['state_bytes'] / 2**20:,.1f} MiB, scratch {row['scratch_bytes'] / 2**20:,.2f} MiB",
+              flush=True)  # fmt: skip
+    checks = {}
+    first = records[0]
+    for rec in records[1:]:
+        if batches[rec] == batches[first]:  # (at other batches the rows' matmuls may round otherwise)
+            checks[f"tokens {first} == {rec}"] = tokens[first] == tokens[rec]
+    if "tuples" in states and "snapshots" in states and batches["tuples"] == batches["snapshots"]:
+        checks["final states tuples == snapshots"] = compare_bitwise(states["tuples"], states["snapshots"]).equal
+    by = {r["record"]: r for r in rows}
+    ratios = {}
+    for a, b in (("tuples", "snapshots"), ("tuples", "none"), ("snapshots", "none")):
+        if a in by and b in by:
+            ratios[f"{a}/{b}"] = by[a]["tokens_per_s"] / by[b]["tokens_per_s"]
+    result = {
+        "meta": {"device": f"{jax.devices()[0].device_kind} ({jax.default_backend()})", "jax": jax.__version__,
+                 "command": "python -m benchmarks.e2e " + " ".join(sys.argv[1:] if argv is None else argv),
+                 "size": config.describe()},
+        "rows": rows, "ratios": ratios, "checks": checks,
+    }  # fmt: skip
+    (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+    print("ratios " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    print("checks " + ", ".join(f"{k}: {'ok' if v else 'FAILED'}" for k, v in checks.items()))
+    return 0 if all(checks.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
