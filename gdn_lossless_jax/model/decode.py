@@ -564,7 +564,10 @@ class SpecStep:
 
 
 _TRACES: collections.Counter = collections.Counter()
-_jitted_step = jax.jit(SpecStep._step, static_argnums=0, donate_argnums=2)
+# Bound through the instance, so that a subclass's body (another model's draft, verify or state) is
+# the one traced.
+_jitted_step = jax.jit(lambda step, params, state, inputs: step._step(params, state, inputs), static_argnums=0,
+                       donate_argnums=2)  # fmt: skip
 
 
 def decode_steps(step: SpecStep, params: Params, state: DecodeState, prompts, slots, rows, track_slots,
