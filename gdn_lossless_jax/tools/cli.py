@@ -171,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_demo(sub)
 
+    from .generate import add_parser as add_generate
+
+    add_generate(sub)
+
     from .fuzz import add_command as add_fuzz
 
     add_fuzz(sub)
