@@ -278,3 +278,25 @@ def test_against_transformers_directly(tmp_path):
     got = np.asarray(load_pretrained(tmp_path).logits(ids))
     assert transformers.__version__.split(".")[0] >= "5"
     assert np.abs(got - want).max() <= FP32_TOL
+
+
+def test_cli_generate(capsys):
+    from gdn_lossless_jax.tools.cli import main
+
+    e = _expected("qwen3_next")
+    prompt = ",".join(str(int(t)) for t in e["prompts"][0])
+    assert main(["generate", "--checkpoint", str(FIXTURES / "qwen3_next"), "--prompt-ids", prompt,
+                 "--max-new-tokens", "8", "--record", "none"]) == 0  # fmt: skip
+    out = capsys.readouterr().out.splitlines()
+    T = e["prompts"].shape[1]
+    assert out[1] == ",".join(str(int(t)) for t in e["generated"][0, T : T + 8])
+    assert main(["generate", "--checkpoint", str(FIXTURES / "nope"), "--prompt-ids", "1"]) == 2
+
+
+@full_only
+def test_cli_demo_checkpoint(capsys):
+    from gdn_lossless_jax.tools.cli import main
+
+    assert main(["demo", "--checkpoint", str(FIXTURES / "qwen3_5_moe"), "--prompts", "2", "--prompt-len", "5",
+                 "--tokens", "12", "--drafts", "3"]) == 0  # fmt: skip
+    assert "verdict    identical" in capsys.readouterr().out
