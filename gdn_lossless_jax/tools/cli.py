@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, TypeError, KeyError, RuntimeError) as e:
+    except (ValueError, TypeError, KeyError, RuntimeError, OSError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"gdn-lossless {args.command}: error: {msg}", file=sys.stderr)
         return 2
