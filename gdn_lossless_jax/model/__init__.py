@@ -3,11 +3,13 @@
 - :mod:`~gdn_lossless_jax.model.model`: the model (sizes, parameters, layer functions).
 - :mod:`~gdn_lossless_jax.model.decode`: the jitted step (draft, verify, accept, commit).
 - :mod:`~gdn_lossless_jax.model.engine`: requests joining and leaving a batch, the prefix cache.
+- :mod:`~gdn_lossless_jax.model.hf`: Hugging Face checkpoints (:func:`load_pretrained`).
 - :mod:`gdn_lossless_jax.tools.demo`: ``gdn-lossless demo``.
 """
 
 from .decode import DecodeState, KVCache, SpecStep, StepInputs, StepOutputs, allocate_state, copy_slot
 from .engine import Engine, PrefixCache, Request, Result
+from .hf import PretrainedModel, load_pretrained
 from .model import SIZES, ModelConfig, Params, get_config, init_params
 
 __all__ = [
@@ -27,4 +29,6 @@ __all__ = [
     "PrefixCache",
     "Request",
     "Result",
+    "load_pretrained",
+    "PretrainedModel",
 ]

@@ -171,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_demo(sub)
 
+    from .generate import add_parser as add_generate
+
+    add_generate(sub)
+
     from .fuzz import add_command as add_fuzz
 
     add_fuzz(sub)
@@ -182,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, TypeError, KeyError, RuntimeError) as e:
+    except (ValueError, TypeError, KeyError, RuntimeError, OSError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"gdn-lossless {args.command}: error: {msg}", file=sys.stderr)
         return 2

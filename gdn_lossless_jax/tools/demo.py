@@ -134,6 +134,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "must be 1; plus one run on one device (tuples) that the verdict compares bit for bit "
                         "(default: one device). On a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N "
                         "simulates N devices")  # fmt: skip
+    from .generate import add_demo_options
+
+    add_demo_options(d)
     d.set_defaults(func=run)
     return d
 
@@ -144,6 +147,10 @@ def _mib(n: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo; returns the exit status (0: identical, 1: the runs differ)."""
+    if getattr(args, "checkpoint", None):
+        from .generate import demo_checkpoint
+
+        return demo_checkpoint(args)
     import jax
     import numpy as np
     from tqdm import tqdm

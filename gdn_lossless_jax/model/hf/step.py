@@ -1,0 +1,241 @@
+"""The speculative step for a checkpoint: :class:`~gdn_lossless_jax.model.decode.SpecStep` with the
+checkpoint's architecture.
+
+:class:`HFSpecStep` overrides only the model-specific parts, ``_draft`` (the layer-skipping
+self-draft: the first ``draft_layers`` GDN blocks, the final norm and the head) and ``_verify`` (the
+target through the state pool: every GDN layer by :func:`gdn_lossless_jax.pool.verify_layer`, every
+attention layer through the KV cache). The acceptance, the commit (:func:`gdn_lossless_jax.pool.commit`),
+the prefix-cache tracking and the jitted step are SpecStep's own.
+
+:class:`MTPSpecStep` drafts with the checkpoint's MTP block. The block needs the target's last
+hidden state (after the final norm) and has a KV cache of its own (one more layer of the state's KV
+cache), so its state is an :class:`MTPState` (a :class:`~gdn_lossless_jax.model.decode.DecodeState`
+with ``hidden [S+1, d]``) and it overrides ``_step``. The MTP entry at position q is built from the
+target's hidden state at q - 1 and the token at q (vLLM's convention): after each verify the step
+writes the entries of the accepted tokens and of the bonus token with the target's hidden states; the
+chain inside a draft feeds the block's own output forward, as vLLM and SGLang do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from .. import decode
+from ..decode import DecodeState, KVCache, SpecStep, StepInputs, StepOutputs, _in_range
+from . import arch
+from .arch import HFParams
+from .config import HFConfig
+
+__all__ = ["HFSpecStep", "MTPSpecStep", "MTPState"]
+
+I32 = jnp.int32
+F32 = jnp.float32
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MTPState(DecodeState):
+    """A :class:`DecodeState` plus each slot's last target hidden state ``hidden [S+1, d]`` (what the
+    MTP block drafts from)."""
+
+    hidden: jax.Array
+
+
+def _attend(p, c: HFConfig, xn, kv: KVCache, layer: int, s_kv, positions):
+    """Attention layer ``layer`` of the KV cache over ``xn``; writes this step's entries back."""
+    rows_k = kv.k.at[layer, s_kv].get(mode="fill", fill_value=0)
+    rows_v = kv.v.at[layer, s_kv].get(mode="fill", fill_value=0)
+    out, (rows_k, rows_v) = arch.attention(p, c, xn, rows_k, rows_v, positions)
+    new_k = jnp.take_along_axis(rows_k, positions[:, :, None, None], axis=1, mode="clip")
+    new_v = jnp.take_along_axis(rows_v, positions[:, :, None, None], axis=1, mode="clip")
+    idx = (layer, s_kv[:, None], positions)
+    return KVCache(kv.k.at[idx].set(new_k, mode="drop"), kv.v.at[idx].set(new_v, mode="drop")), out
+
+
+@dataclasses.dataclass(frozen=True)
+class HFSpecStep(SpecStep):
+    """:class:`~gdn_lossless_jax.model.decode.SpecStep` for a checkpoint's architecture
+    (``config`` an :class:`~gdn_lossless_jax.model.hf.config.HFConfig`), with the self-draft."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.config, HFConfig):
+            raise TypeError(f"{type(self).__name__}: argument 'config' must be an HFConfig, got "
+                            f"{type(self.config).__name__}")  # fmt: skip
+        if self.mesh is not None:
+            raise ValueError(f"{type(self).__name__}: argument 'mesh' is not supported for checkpoints, got {self.mesh!r}")
+
+    def _hidden(self, params: HFParams, state: DecodeState, x, inputs: StepInputs):
+        """The target's blocks over ``x [N, D]``: ``(h [N, D, d] before the final norm, pool, kv)``."""
+        c, D = self.config, x.shape[1]
+        pool, kv = state.pool, state.kv
+        positions = inputs.pos[:, None] + jnp.arange(D, dtype=I32)[None, :]
+        s_kv = _in_range(inputs.slots, kv.k.shape[1])
+        h = params.embed[x]
+        gdn_i = attn_i = 0
+        for blk, kind in zip(params.blocks, c.kinds):
+            if kind == "gdn":
+
+                def core(mixed, a, b, p, layer=gdn_i):
+                    nonlocal pool
+                    o, pool = self._verify_layer(pool, layer, mixed, a, b, p, inputs)
+                    return o
+
+                h = arch.block(blk, c, h, lambda xn, blk=blk, core=core: arch.gdn_mixer(blk.mixer, c, xn, core))
+                gdn_i += 1
+            else:
+
+                def mixer(xn, blk=blk, layer=attn_i):
+                    nonlocal kv
+                    kv, out = _attend(blk.mixer, c, xn, kv, layer, s_kv, positions)
+                    return out
+
+                h = arch.block(blk, c, h, mixer)
+                attn_i += 1
+        return h, pool, kv
+
+    def _verify(self, params: HFParams, state: DecodeState, x, inputs: StepInputs):
+        h, pool, kv = self._hidden(params, state, x, inputs)
+        return arch.head_logits(params, arch.final_hidden(params, self.config, h)), pool, kv
+
+    def _draft(self, params: HFParams, pool, inputs: StepInputs):
+        """``[N, D]`` inputs: the given ones, then the self-draft's greedy chain (its GDN states carried
+        in fp32 from the committed ones, nothing written back: as SpecStep's draft)."""
+        c, D = self.config, self.drafts
+        tokens, n_given = inputs.tokens.astype(I32), inputs.n_given
+        if D == 1:
+            return tokens
+        s = _in_range(inputs.slots, pool.ssm.shape[1])
+        ssm0 = tuple(pool.ssm.at[l, s].get(mode="fill", fill_value=0).astype(F32) for l in range(c.draft_layers))
+        conv0 = tuple(pool.conv.at[l, s].get(mode="fill", fill_value=0) for l in range(c.draft_layers))
+
+        def body(carry, xs):
+            ssm, convs, tok = carry
+            j, given_next = xs
+            h = params.embed[tok][:, None]
+            new_ssm, new_conv = [], []
+            for l in range(c.draft_layers):
+
+                def core(mixed, a, b, p, l=l):
+                    o, S, window = decode._draft_gdn(c, ssm[l], convs[l], mixed, a, b, p)
+                    new_ssm.append(S)
+                    new_conv.append(window)
+                    return o
+
+                blk = params.blocks[l]
+                h = arch.block(blk, c, h, lambda xn, blk=blk, core=core: arch.gdn_mixer(blk.mixer, c, xn, core))
+            lg = arch.head_logits(params, arch.final_hidden(params, c, h))
+            proposal = jnp.argmax(lg[:, 0], axis=-1).astype(I32)
+            nxt = jnp.where(j + 1 < n_given, given_next, proposal)
+            return (tuple(new_ssm), tuple(new_conv), nxt), nxt
+
+        xs = (jnp.arange(D - 1, dtype=I32), tokens[:, 1:].T)
+        _, chain = jax.lax.scan(body, (ssm0, conv0, tokens[:, 0]), xs)
+        return jnp.concatenate([tokens[:, :1], chain.T], axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPSpecStep(HFSpecStep):
+    """:class:`HFSpecStep` drafting with the checkpoint's MTP block; its state is an :class:`MTPState`."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.config.draft != "mtp":
+            raise ValueError(f"MTPSpecStep: argument 'config' must have draft='mtp', got {self.config.draft!r}")
+
+    def __call__(self, params: HFParams, state: MTPState, inputs: StepInputs):
+        if not isinstance(state, MTPState):
+            raise TypeError(f"MTPSpecStep: argument 'state' must be an MTPState, got {type(state).__name__}")
+        D = self.drafts
+        if inputs.tokens.shape[-1] != D:
+            raise ValueError(f"MTPSpecStep: argument 'inputs.tokens' must have D={D} columns, got shape "
+                             f"{inputs.tokens.shape}")  # fmt: skip
+        if state.pool.drafts < D:
+            raise ValueError(f"MTPSpecStep: the pool's scratch holds drafts={state.pool.drafts} steps, the step "
+                             f"verifies D={D}")  # fmt: skip
+        return _jitted_mtp_step(self, params, state, inputs)
+
+    @property
+    def _mtp_layer(self) -> int:
+        return self.config.attention_layers - 1
+
+    def _mtp(self, params: HFParams, tokens, hidden, rows_k, rows_v, positions):
+        """The MTP block over ``tokens [N, T]`` with hidden states ``[N, T, d]`` at ``positions``:
+        ``(normalised output [N, T, d], rows_k, rows_v)``."""
+        c, m = self.config, params.mtp
+        u = arch.mtp_input(params, c, tokens, hidden)
+        kv = {}
+
+        def mixer(xn):
+            out, kv["rows"] = arch.attention(m.block.mixer, c, xn, rows_k, rows_v, positions)
+            return out
+
+        u = arch.block(m.block, c, u, mixer)
+        return arch.rmsnorm(u, m.norm, c.rms_eps), *kv["rows"]
+
+    def _draft_mtp(self, params: HFParams, state: MTPState, inputs: StepInputs):
+        c, D = self.config, self.drafts
+        tokens, n_given = inputs.tokens.astype(I32), inputs.n_given
+        if D == 1:
+            return tokens
+        kv, L = state.kv, self._mtp_layer
+        s = _in_range(inputs.slots, kv.k.shape[1])
+        rows_k = kv.k.at[L, s].get(mode="fill", fill_value=0)
+        rows_v = kv.v.at[L, s].get(mode="fill", fill_value=0)
+        hid0 = state.hidden.at[s].get(mode="fill", fill_value=0)
+
+        def body(carry, xs):
+            rows_k, rows_v, tok, hid = carry
+            j, given_next = xs
+            pos = (inputs.pos + j)[:, None]
+            out, rows_k, rows_v = self._mtp(params, tok[:, None], hid[:, None], rows_k, rows_v, pos)
+            proposal = jnp.argmax(arch.head_logits(params, out)[:, 0], axis=-1).astype(I32)
+            nxt = jnp.where(j + 1 < n_given, given_next, proposal)
+            return (rows_k, rows_v, nxt, out[:, 0]), nxt
+
+        xs = (jnp.arange(D - 1, dtype=I32), tokens[:, 1:].T)
+        _, chain = jax.lax.scan(body, (rows_k, rows_v, tokens[:, 0], hid0), xs)
+        return jnp.concatenate([tokens[:, :1], chain.T], axis=1)
+
+    def _step(self, params: HFParams, state: MTPState, inputs: StepInputs):
+        decode._TRACES[self] += 1
+        c, D = self.config, self.drafts
+        x = self._draft_mtp(params, state, inputs)
+        h, pool, kv = self._hidden(params, state, x, inputs)
+        hn = arch.final_hidden(params, c, h)
+        lg = arch.head_logits(params, hn)
+        y = jnp.argmax(lg, axis=-1).astype(I32)
+        top2 = jax.lax.top_k(lg, 2)[0]
+        gaps = top2[..., 0] - top2[..., 1]
+        j = jnp.arange(1, D)[None, :]
+        ok = (j < inputs.n_given[:, None]) | (x[:, 1:] == y[:, :-1])
+        m = 1 + jnp.sum(jnp.cumprod(ok.astype(I32), axis=1), axis=1).astype(I32)
+        track_steps = self._track_steps(inputs, m)
+        pool = self._commit(pool, inputs.slots, m - 1, inputs.track_slots, track_steps, inputs.rows)
+        kv = self._track_kv(kv, inputs, track_steps)
+        # The MTP entries at positions pos .. pos + D: token x_0 with the slot's carried hidden state,
+        # then each next token (accepted input, or the bonus prediction) with the target's hidden
+        # state before it. Entries past the accepted length are masked later and rewritten.
+        S1 = kv.k.shape[1]
+        s = _in_range(inputs.slots, S1)
+        hid0 = state.hidden.at[s].get(mode="fill", fill_value=0)
+        nxt = jnp.where(j < m[:, None], x[:, 1:], y[:, :-1])  # the token after input i, i < D - 1
+        toks = jnp.concatenate([x[:, :1], nxt, y[:, -1:]], axis=1)  # [N, D + 1]
+        hids = jnp.concatenate([hid0[:, None], hn], axis=1)
+        positions = inputs.pos[:, None] + jnp.arange(D + 1, dtype=I32)[None, :]
+        L = self._mtp_layer
+        rows_k = kv.k.at[L, s].get(mode="fill", fill_value=0)
+        rows_v = kv.v.at[L, s].get(mode="fill", fill_value=0)
+        _, rows_k, rows_v = self._mtp(params, toks, hids, rows_k, rows_v, positions)
+        take = lambda r: jnp.take_along_axis(r, positions[:, :, None, None], axis=1, mode="clip")  # noqa: E731
+        idx = (L, s[:, None], positions)
+        kv = KVCache(kv.k.at[idx].set(take(rows_k), mode="drop"), kv.v.at[idx].set(take(rows_v), mode="drop"))
+        last = jnp.take_along_axis(hn, (m - 1)[:, None, None], axis=1)[:, 0]
+        hidden = state.hidden.at[s].set(last.astype(state.hidden.dtype), mode="drop")
+        return MTPState(pool, kv, hidden), StepOutputs(x, y, gaps, m, track_steps)
+
+
+_jitted_mtp_step = jax.jit(MTPSpecStep._step, static_argnums=0, donate_argnums=2)
