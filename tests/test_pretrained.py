@@ -129,7 +129,8 @@ def test_greedy_matches_transformers(mt):
 @pytest.mark.parametrize("mt", _ci("qwen3_5_moe"))
 def test_speculative_matches_transformers(mt, draft):
     """Speculation in both record modes: transformers' greedy tokens, and the record modes' final SSM,
-    conv, KV (and MTP hidden) states bit-identical. Control: a commit with the naive update rule."""
+    conv, KV (and MTP hidden) states bit-identical; the device loop (``steps_per_call=4``) gives the
+    same tokens and states. Control: a commit with the naive update rule."""
     from test_model import NAIVE
 
     e = _expected(mt)
@@ -146,6 +147,10 @@ def test_speculative_matches_transformers(mt, draft):
         runs[record] = (ids, info.states())
     assert np.array_equal(runs["tuples"][0], runs["snapshots"][0])
     assert_bitwise_equal(runs["tuples"][1], runs["snapshots"][1], f"{mt} {draft}: final states, tuples vs snapshots")
+    # The device loop (4 steps a call): the same tokens and final states as a step a call.
+    ids4, info4 = m.generate(e["prompts"], NEW, drafts=4, record="tuples", steps_per_call=4, return_info=True)
+    assert np.array_equal(ids4, runs["tuples"][0])
+    assert_bitwise_equal(runs["tuples"][1], info4.states(), f"{mt} {draft}: final states, device loop vs per step")
     _, naive = m.generate(e["prompts"], NEW, drafts=4, record="tuples", return_info=True, commit=NAIVE)
     assert_bitwise_differs(runs["snapshots"][1]["ssm"], naive.states()["ssm"], "control: the naive commit")
 
@@ -236,8 +241,8 @@ def test_load_errors(tmp_path):
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match="has no mtp"):
         load_pretrained(d, draft="mtp")
-    with pytest.raises(ValueError, match="argument 'steps_per_call'"):
-        _model("qwen3_5").generate(np.ones((1, 3), np.int32), 4, steps_per_call=2)
+    with pytest.raises(ValueError, match="argument 'steps_per_call' must be a positive integer, got 0"):
+        _model("qwen3_5").generate(np.ones((1, 3), np.int32), 4, steps_per_call=0)
     with pytest.raises(ValueError, match=r"argument 'ids' must be token ids in \[0, 256\)"):
         _model("qwen3_5").logits(np.full((1, 3), 256))
 

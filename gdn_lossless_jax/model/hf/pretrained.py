@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..decode import DecodeState, StepInputs, allocate_state
+from ..loop import DecodeLoop, LoopInputs
 from .arch import HFParams
 from .config import HFConfig, config_from_dict, read_config
 from .step import HFSpecStep, MTPSpecStep, MTPState
@@ -112,8 +113,9 @@ class PretrainedModel:
         step). The tokens are the target's greedy ones whatever the draft proposes.
 
         Args:
-          steps_per_call: steps per jitted call; only 1 here (the device loop is
-            :mod:`gdn_lossless_jax.model.loop`'s).
+          steps_per_call: steps per jitted call: K > 1 runs the device loop
+            (:class:`~gdn_lossless_jax.model.loop.DecodeLoop`: acceptance and the next inputs on the
+            device, tokens back every K steps); the tokens are the same for any K.
           return_info: also return a :class:`GenerateInfo`.
           commit: the step's commit (tests inject wrong ones); None: :func:`gdn_lossless_jax.pool.commit`.
         """
@@ -125,8 +127,8 @@ class PretrainedModel:
             raise ValueError(f"{fn}: argument 'record' must be 'tuples', 'snapshots' or None, got {record!r}")
         if not isinstance(drafts, int) or drafts < 1:
             raise ValueError(f"{fn}: argument 'drafts' must be a positive integer, got {drafts!r}")
-        if steps_per_call != 1:
-            raise ValueError(f"{fn}: argument 'steps_per_call' must be 1 (one step a jitted call), got {steps_per_call!r}")
+        if not isinstance(steps_per_call, int) or steps_per_call < 1:
+            raise ValueError(f"{fn}: argument 'steps_per_call' must be a positive integer, got {steps_per_call!r}")
         D = drafts if record is not None else 1
         step = self.step(D, commit=commit)
         B, T = ids.shape
@@ -136,25 +138,41 @@ class PretrainedModel:
         gaps = [[] for _ in range(B)]
         rows = np.arange(B, dtype=np.int32)
         steps = accepted = drafted = 0
+        K = steps_per_call
+        loop = DecodeLoop(step, K) if K > 1 else None
+        W = K * D  # the known tokens a call may consume
         while any(len(s) < total for s in seqs):
             done = np.array([len(s) >= total for s in seqs])
             known = [s[p:] for s, p in zip(seqs, pos)]
-            n_given = np.array([min(D, len(k)) for k in known], np.int32)
-            tokens = np.array([(k[:D] + [0] * D)[:D] for k in known], np.int32)
-            inputs = StepInputs(slots=np.where(done, -1, rows).astype(np.int32), rows=rows, pos=pos.copy(),
-                                tokens=tokens, n_given=n_given, track_slots=np.full(B, -1, np.int32))  # fmt: skip
-            state, out = step(self.params, state, jax.tree.map(jnp.asarray, inputs))
-            out = jax.device_get(out)
-            steps += 1
-            for i in np.flatnonzero(~done):
-                m = int(out.accepted[i])
-                accepted += m
-                drafted += D - int(n_given[i])
-                seqs[i] += [int(t) for t in out.inputs[i, n_given[i] : m]]  # accepted drafts
-                pos[i] += m
-                if pos[i] == len(seqs[i]):  # every known token is in the state: the bonus token
-                    seqs[i].append(int(out.predictions[i, m - 1]))
-                    gaps[i] += [float(out.gaps[i, j]) for j in range(int(n_given[i]) - 1, m)]
+            slots = np.where(done, -1, rows).astype(np.int32)
+            if loop is None:
+                n_given = np.array([min(D, len(k)) for k in known], np.int32)
+                tokens = np.array([(k[:D] + [0] * D)[:D] for k in known], np.int32)
+                inputs = StepInputs(slots=slots, rows=rows, pos=pos.copy(), tokens=tokens, n_given=n_given,
+                                    track_slots=np.full(B, -1, np.int32))  # fmt: skip
+                state, out = step(self.params, state, jax.tree.map(jnp.asarray, inputs))
+                outs = [(jax.device_get(out), ~done)]
+            else:
+                inputs = LoopInputs(
+                    slots=slots, rows=rows, track_slots=np.full(B, -1, np.int32), pos=pos.copy(),
+                    tokens=np.array([(k[:W] + [0] * W)[:W] for k in known], np.int32),
+                    known=np.array([min(W, len(k)) for k in known], np.int32),
+                    budget=np.array([total - len(s) for s in seqs], np.int32), ids=rows,
+                )  # fmt: skip
+                state, out = loop(self.params, state, jax.tree.map(jnp.asarray, inputs))
+                out = jax.device_get(out)
+                outs = [(jax.tree.map(lambda x, t=t: x[t], out.steps), out.active[t]) for t in range(K)]
+            for out, ran in outs:  # each step's outputs, for the rows it ran
+                steps += int(ran.any())
+                for i in np.flatnonzero(ran):
+                    n_given, m = min(D, len(seqs[i]) - int(pos[i])), int(out.accepted[i])
+                    accepted += m
+                    drafted += D - n_given
+                    seqs[i] += [int(t) for t in out.inputs[i, n_given:m]]  # accepted drafts
+                    pos[i] += m
+                    if pos[i] == len(seqs[i]):  # every known token is in the state: the bonus token
+                        seqs[i].append(int(out.predictions[i, m - 1]))
+                        gaps[i] += [float(out.gaps[i, j]) for j in range(n_given - 1, m)]
         result = np.array([s[:total] for s in seqs], np.int32)
         if not return_info:
             return result

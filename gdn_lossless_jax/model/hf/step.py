@@ -149,14 +149,7 @@ class MTPSpecStep(HFSpecStep):
     def __call__(self, params: HFParams, state: MTPState, inputs: StepInputs):
         if not isinstance(state, MTPState):
             raise TypeError(f"MTPSpecStep: argument 'state' must be an MTPState, got {type(state).__name__}")
-        D = self.drafts
-        if inputs.tokens.shape[-1] != D:
-            raise ValueError(f"MTPSpecStep: argument 'inputs.tokens' must have D={D} columns, got shape "
-                             f"{inputs.tokens.shape}")  # fmt: skip
-        if state.pool.drafts < D:
-            raise ValueError(f"MTPSpecStep: the pool's scratch holds drafts={state.pool.drafts} steps, the step "
-                             f"verifies D={D}")  # fmt: skip
-        return _jitted_mtp_step(self, params, state, inputs)
+        return super().__call__(params, state, inputs)
 
     @property
     def _mtp_layer(self) -> int:
@@ -200,19 +193,15 @@ class MTPSpecStep(HFSpecStep):
         _, chain = jax.lax.scan(body, (rows_k, rows_v, tokens[:, 0], hid0), xs)
         return jnp.concatenate([tokens[:, :1], chain.T], axis=1)
 
-    def _step(self, params: HFParams, state: MTPState, inputs: StepInputs):
-        decode._TRACES[self] += 1
+    def body(self, params: HFParams, state: MTPState, inputs: StepInputs):
+        """The step's traced body with the MTP draft: the state carries each slot's last hidden state."""
         c, D = self.config, self.drafts
         x = self._draft_mtp(params, state, inputs)
         h, pool, kv = self._hidden(params, state, x, inputs)
         hn = arch.final_hidden(params, c, h)
         lg = arch.head_logits(params, hn)
-        y = jnp.argmax(lg, axis=-1).astype(I32)
-        top2 = jax.lax.top_k(lg, 2)[0]
-        gaps = top2[..., 0] - top2[..., 1]
+        y, gaps, m = decode.accept(lg, x, inputs.n_given, temperature=self.temperature, key=inputs.key)
         j = jnp.arange(1, D)[None, :]
-        ok = (j < inputs.n_given[:, None]) | (x[:, 1:] == y[:, :-1])
-        m = 1 + jnp.sum(jnp.cumprod(ok.astype(I32), axis=1), axis=1).astype(I32)
         track_steps = self._track_steps(inputs, m)
         pool = self._commit(pool, inputs.slots, m - 1, inputs.track_slots, track_steps, inputs.rows)
         kv = self._track_kv(kv, inputs, track_steps)
@@ -237,5 +226,3 @@ class MTPSpecStep(HFSpecStep):
         hidden = state.hidden.at[s].set(last.astype(state.hidden.dtype), mode="drop")
         return MTPState(pool, kv, hidden), StepOutputs(x, y, gaps, m, track_steps)
 
-
-_jitted_mtp_step = jax.jit(MTPSpecStep._step, static_argnums=0, donate_argnums=2)
