@@ -478,7 +478,7 @@ def report(arch: str) -> str:
     for chain in ("rows", "chunks"):
         section(f"triton verify (verify_kernel, tuples, chain {chain})", compile_triton("verify", arch, chain=chain),
                 verify_update_lines(), "the chain's decay and update (the K sums are left out); muls_read_state "
-                "is False only because the first step's decay reads the loaded state")  # fmt: skip
+                "can be False: the unrolled chain's first decay reads the loaded state")  # fmt: skip
     for form, note in (("amdgcn", "the ROCm form: v_mul_f32 and v_fma_f32 as inline asm"),
                        ("portable", "the integer form (rounding.mul_rn, fma_rn): no float instruction"),
                        ("naive", "control: S * alpha + k * u as jax writes it")):  # fmt: skip
