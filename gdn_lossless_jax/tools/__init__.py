@@ -5,7 +5,7 @@
 
 import importlib
 
-_TOOLS = ("check", "cli", "demo", "fuzz", "memory", "options", "viz")
+_TOOLS = ("amdgcn", "check", "cli", "demo", "fuzz", "memory", "options", "viz")
 
 
 def __getattr__(name: str):

@@ -66,8 +66,9 @@ def _form(form: str | None, allowed=FORMS) -> str:
     form = form or default_form(interpret)
     if form not in allowed:
         raise ValueError(f"pallas: rounding form must be one of {allowed}, got {form!r}")
-    if interpret and form == "ptx":
-        raise BackendUnavailable("pallas: the 'ptx' rounding form needs a CUDA GPU; interpret mode uses 'portable'")
+    if interpret and form in ("ptx", "amdgcn"):
+        raise BackendUnavailable(f"pallas: the {form!r} rounding form needs a GPU ({'CUDA' if form == 'ptx' else 'ROCm'}); "
+                                 "interpret mode uses 'portable'")
     return form
 
 

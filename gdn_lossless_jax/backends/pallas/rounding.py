@@ -1,11 +1,16 @@
-"""The rule's two primitives inside a Pallas kernel: PTX on CUDA, or the portable form.
+"""The rule's two primitives inside a Pallas kernel: PTX on CUDA, AMDGCN on ROCm, or the portable form.
 
 ``"ptx"`` pins them with ``elementwise_inline_asm`` (``mul.rn.f32``, ``fma.rn.f32``): one
-instruction each, which no compiler pass can contract or reorder. ``"portable"`` uses
-:func:`gdn_lossless_jax.rounding.mul_rn` / ``fma_rn`` (integer operations on the bit
-patterns): it lowers in Pallas Triton on any GPU (ROCm has no PTX; the AMDGPU backend
-rejects the ``f`` constraint) and in interpret mode on a CPU. Both are exact, so they
-give the same bits (checked on a GPU).
+instruction each, which no compiler pass can contract or reorder. ``"amdgcn"`` does the same
+on ROCm with ``v_mul_f32`` and ``v_fma_f32`` (``"v"`` registers): both round once to nearest
+even, and the kernel keeps float32 denormals (its descriptor's ``float_denorm_mode_32`` is 3);
+the compiled assembly for gfx942 and gfx950 shows the two instructions and nothing else
+rounding the update (``tools/amdgcn.py``, ``tests/test_rocm_isa.py``). Never run: no AMD GPU was
+available, and on ROCm XLA's own Triton compiles the kernel, not the one that assembly came from.
+``"portable"`` uses :func:`gdn_lossless_jax.rounding.mul_rn` / ``fma_rn`` (integer operations
+on the bit patterns, ~290 instructions a step on gfx942): it lowers in Pallas Triton on any GPU
+and in interpret mode on a CPU, and stays the fallback on ROCm (``form="portable"``). All are
+exact, so they give the same bits (PTX against portable checked on a GPU).
 """
 
 from __future__ import annotations
@@ -25,17 +30,17 @@ class Ops(NamedTuple):
     fma: Callable  # rn(a * b + c)
 
 
-def _asm(instr: str, n_args: int) -> Callable:
+def _asm(instr: str, n_args: int, reg: str = "f", end: str = ";") -> Callable:
     from jax.experimental.pallas import triton as plgpu
 
     operands = ", ".join(f"${i}" for i in range(n_args + 1))
-    constraints = ",".join(["=f"] + ["f"] * n_args)
+    constraints = ",".join([f"={reg}"] + [reg] * n_args)
 
     def op(*args):
         shape = jnp.broadcast_shapes(*(jnp.shape(x) for x in args))
         args = [jnp.broadcast_to(jnp.asarray(x, jnp.float32), shape) for x in args]
         (out,) = plgpu.elementwise_inline_asm(
-            f"{instr} {operands};",
+            f"{instr} {operands}{end}",
             args=args,
             constraints=constraints,
             pack=1,
@@ -50,13 +55,18 @@ def _ptx() -> Ops:
     return Ops(mul=_asm("mul.rn.f32", 2), fma=_asm("fma.rn.f32", 3))
 
 
+def _amdgcn() -> Ops:
+    # AMDGPU assembly: "v" is a 32-bit vector register; ";" would start a comment.
+    return Ops(mul=_asm("v_mul_f32", 2, "v", ""), fma=_asm("v_fma_f32", 3, "v", ""))
+
+
 def _portable() -> Ops:
     # The primal functions, without the public ones' custom_jvp: a kernel is never
     # differentiated, and Pallas Triton's lowering of a custom_jvp call rejects closed-over constants.
     return Ops(mul=rounding._mul_rn, fma=rounding._fma_rn)
 
 
-FORMS = ("ptx", "portable")
+FORMS = ("ptx", "amdgcn", "portable")
 #: Forms that break the rule on purpose, for tests: ``naive`` writes the replay update as
 #: one expression, ``S * alpha + k * u``, and lets the compiler round it (Pallas Triton
 #: rounds twice; interpret mode on XLA:CPU contracts the other product).
@@ -66,6 +76,8 @@ CONTROL_FORMS = ("naive",)
 def ops(form: str) -> Ops:
     if form == "ptx":
         return _ptx()
+    if form == "amdgcn":
+        return _amdgcn()
     if form == "portable":
         return _portable()
     raise ValueError(f"pallas rounding form must be one of {FORMS}, got {form!r}")
@@ -80,9 +92,9 @@ def replay_update(form: str) -> Callable:
 
 
 def default_form(interpret: bool) -> str:
-    """PTX on CUDA; the portable form on ROCm and in interpret mode."""
+    """PTX on CUDA, AMDGCN on ROCm; the portable form in interpret mode."""
     if interpret:
         return "portable"
     from .. import is_rocm
 
-    return "portable" if is_rocm() else "ptx"
+    return "amdgcn" if is_rocm() else "ptx"
