@@ -11,6 +11,8 @@ record mode: ``tuples`` and ``snapshots`` (speculative, D inputs per step) and `
   tokens_per_step     tokens a request gains per step (1 + accepted drafts): what acceptance
                       buys; tokens/s at another acceptance scales with it at the same step_ms
   mean_accepted       accepted drafts per step, of drafts - 1 proposed
+  tokens_per_s_all_accepted    what the same steps would give if every draft were accepted
+                      (batch x D tokens a step at step_ms): the bound a better draft approaches
   step_ms             wall-clock per step (batch-wide)
   host_fraction       share of the wall-clock the device had no work: on a GPU from a profiler
                       trace of a second run (1 - the union of the kernels' intervals / its
@@ -143,6 +145,7 @@ def run_record(config, params, prompts, *, record, batch, drafts, steps_per_call
         "steps_per_call": K, "defer_commit": defer, "requests": len(prompts), "tokens": gen, "wall_s": wall,
         "compile_s": compile_s, "steps": e.steps, "tokens_per_s": gen / wall, "step_ms": wall / e.steps * 1e3,
         "mean_accepted": float(accepted.mean()), "tokens_per_step": float(1 + accepted.mean()),
+        "tokens_per_s_all_accepted": batch * D / (wall / e.steps),
         "host_clock_fraction": max(0.0, 1 - e.step_seconds / wall),
         "state_bytes": int(pool.ssm.nbytes + pool.conv.nbytes),
         "scratch_bytes": int(pool.scratch_nbytes + pool.conv_windows.nbytes),

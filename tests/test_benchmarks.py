@@ -291,3 +291,34 @@ def test_fused_call_alternates_executables_and_swaps_the_tapes():
         _, ssm, tape, prev = call(ssm, tape, prev, None, None, None, "obuf")
     assert [s[:3] for s in seen] == [("even", "A", "B"), ("odd", "B", "A"), ("even", "A", "B")]
     assert ssm == 3 and seen[0][3] == ("obuf",)
+
+
+def test_e2e_benchmark_runs_on_the_cpu(tmp_path):
+    """``python -m benchmarks.e2e`` at the tiny size: a row per record mode with the fields the docs
+    name, the checks passing (tuples and no speculation give the same tokens)."""
+    from benchmarks import e2e
+
+    assert e2e.main(["--out", str(tmp_path), "--records", "tuples,none", "--batch", "2", "--tokens", "6",
+                     "--steps-per-call", "2", "--prompt-len", "5"]) == 0  # fmt: skip
+    result = json.loads((tmp_path / "results.json").read_text())
+    rows = {r["record"]: r for r in result["rows"]}
+    assert set(rows) == {"tuples", "none"} and rows["none"]["drafts"] == 1
+    for r in rows.values():
+        assert r["kind"] == "e2e" and r["tokens"] == 12 and r["tokens_per_s"] > 0 and r["steps_per_call"] == 2
+        assert r["state_bytes"] > 0 and r["scratch_bytes"] > 0 and 0 <= r["host_clock_fraction"] <= 1
+    assert result["checks"] == {"tokens tuples == none": True} and "tuples/none" in result["ratios"]
+
+
+def test_e2e_fixed_memory_batches():
+    """The fixed-memory mode: each record mode's batch is the largest whose state plus scratch fits
+    the budget (one more row does not), and tuples fit more rows than snapshots."""
+    from benchmarks import e2e
+    from gdn_lossless_jax.model import get_config
+
+    config = get_config("deep")
+    budget = sum(e2e.pool_bytes(config, 64, 4, "snapshots"))
+    fits = {r: e2e.fit_batch(config, budget, 4, r) for r in e2e.RECORDS}
+    assert fits["snapshots"] == 64 and fits["tuples"] > 2 * fits["snapshots"] and fits["none"] >= fits["tuples"]
+    for r, n in fits.items():
+        mode, D = e2e._mode(r, 4)
+        assert sum(e2e.pool_bytes(config, n, D, mode)) <= budget < sum(e2e.pool_bytes(config, n + 1, D, mode))
