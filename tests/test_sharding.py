@@ -581,6 +581,39 @@ def test_model_spec_step_on_a_mesh_gives_identical_tokens(tp, dp, backend, seed,
                            "both programs' softmax one order and the test above no longer exercises the case")  # fmt: skip
 
 
+@needs_devices(2)
+def test_model_spec_loop_on_a_2x1_mesh_equals_one_device(seed):
+    """The device decode loop (``Engine(steps_per_call=4)``) on a 2 x 1 mesh: the tokens and final
+    states of the per-step engine on one device, bit for bit. Without the row-only layout of the
+    GDN mixer's gated-norm output (``gdn_mixer(rows=...)``) XLA split the out-projection's sum over
+    the tensor axis inside the loop's while body (an all-reduce: other bits); the control removes it."""
+    from gdn_lossless_jax.model import Engine, Request, get_config, init_params
+
+    config = get_config("tiny")
+    params = init_params(config, seed % 2**31)
+    rng = np.random.default_rng(seed)
+    reqs = [Request([int(t) for t in rng.integers(0, config.vocab, n)], 18) for n in (6, 11)]
+
+    def run(mesh, K, config=config):
+        eng = Engine(params, config, max_batch=2, max_len=64, steps_per_call=K, mesh=mesh)
+        return [r.tokens for r in eng.generate(reqs)], eng.host_states()
+
+    want = run(None, 1)
+    got = run(make_plan(2, 1), 4)
+    assert got[0] == want[0]
+    assert_bitwise_equal(want[1], got[1], "final states, the device loop on a 2x1 mesh vs one device")
+    # Control: the out-projection's operand left to XLA's layout.
+    import gdn_lossless_jax.model.decode as decode_mod
+
+    original = decode_mod.gdn_mixer
+    try:
+        decode_mod.gdn_mixer = lambda p, c, x, core, rows=None: original(p, c, x, core)
+        bad = run(make_plan(2, 1), 4, dataclasses.replace(config, name="tiny-control"))  # its own compile
+    finally:
+        decode_mod.gdn_mixer = original
+    assert_bitwise_differs(want[1], bad[1], "control: the loop on the mesh without the row-only layout")
+
+
 @needs_mesh
 def test_model_spec_step_on_an_8_way_mesh_at_head_size_128_is_identical(seed, monkeypatch):
     """The demo model's step with K = V = 128 heads over an 8-way tensor axis (one q/k head and its

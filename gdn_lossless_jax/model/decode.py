@@ -491,7 +491,7 @@ class SpecStep:
                     return o
 
                 blk = params.blocks[l]
-                h = self._block(blk, h, functools.partial(gdn_mixer, blk.mixer, c, core=core))
+                h = self._block(blk, h, functools.partial(gdn_mixer, blk.mixer, c, core=core, rows=self._rows_only))
             proposal = jnp.argmax(logits(params, h)[:, 0], axis=-1).astype(I32)
             nxt = jnp.where(j + 1 < n_given, given_next, proposal)
             return (tuple(new_ssm), tuple(new_conv), nxt), nxt
@@ -520,10 +520,12 @@ class SpecStep:
         one = jax.tree.map(lambda t: t[layer : layer + 1], tape)
         return api.commit(states[None], one, target, steps, rows=d.rows, backend=self.backend)[0]
 
-    @staticmethod
-    def _block(blk, h, mixer):
-        h = h + mixer(rmsnorm(h, blk.norm1))
-        return h + mlp(blk.mlp, rmsnorm(h, blk.norm2))
+    def _block(self, blk, h, mixer):
+        # On a mesh every activation outside the GDN layers is split by row only (inside the device
+        # loop's while body XLA otherwise split a matmul's contraction over the tensor axis: other bits).
+        r = self._rows_only
+        h = r(h + r(mixer(r(rmsnorm(h, blk.norm1)))))
+        return r(h + r(mlp(blk.mlp, r(rmsnorm(h, blk.norm2)))))
 
     def _verify(self, params: Params, state: DecodeState, x, inputs: StepInputs):
         """The target over ``x [N, D]``: logits ``[N, D, vocab]``, the pool with this step's
@@ -542,7 +544,7 @@ class SpecStep:
                     o, pool = self._verify_layer(pool, layer, mixed, a, b, p, inputs)
                     return o
 
-                h = self._block(blk, h, functools.partial(gdn_mixer, blk.mixer, c, core=core))
+                h = self._block(blk, h, functools.partial(gdn_mixer, blk.mixer, c, core=core, rows=self._rows_only))
                 gdn_i += 1
             else:
 

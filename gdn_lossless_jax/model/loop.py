@@ -141,6 +141,17 @@ class DecodeLoop:
         return _jitted_loop(self, params, state, inputs)
 
     # -- traced --------------------------------------------------------------------------
+    def _placed(self, state: DecodeState) -> DecodeState:
+        """On a mesh, the loop's carried state constrained to the layout
+        :func:`~gdn_lossless_jax.model.decode.place_on_mesh` gives it (the pool as ``MeshPlan.put``
+        splits it, the KV cache's slots over the data axis): left to itself, XLA chose other
+        layouts for the carry inside the loop and split the non-GDN work otherwise, in other bits."""
+        plan = self.step.mesh
+        named = lambda spec: jax.sharding.NamedSharding(plan.mesh, spec)  # noqa: E731
+        pool = jax.lax.with_sharding_constraint(state.pool, plan.shardings("pool", state.pool))
+        kv = jax.lax.with_sharding_constraint(state.kv, named(jax.sharding.PartitionSpec(None, plan.data)))
+        return dataclasses.replace(state, pool=pool, kv=kv)
+
     def _run(self, params: Params, state: DecodeState, inputs: LoopInputs):
         _TRACES[self] += 1
         K, D, step = self.steps_per_call, self.step.drafts, self.step
@@ -163,6 +174,8 @@ class DecodeLoop:
                 track_slots=jnp.where(active, inputs.track_slots, -1),
                 key=key,
             )
+            if step.mesh is not None:  # laid out as the per-step engine places them (see _placed)
+                step_in, state = step._rows_only(step_in), self._placed(state)
             state, out = step.body(params, state, step_in)
             m = jnp.where(active, out.accepted, 0)
             out = dataclasses.replace(out, accepted=m, track_steps=jnp.where(active, out.track_steps, -1))

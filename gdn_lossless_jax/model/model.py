@@ -412,7 +412,7 @@ def mlp(p: MLPParams, x: jax.Array) -> jax.Array:
     return (jax.nn.silu(x @ p.w_gate) * (x @ p.w_up)) @ p.w_down
 
 
-def gdn_mixer(p: GDNParams, config: ModelConfig, x: jax.Array, core) -> jax.Array:
+def gdn_mixer(p: GDNParams, config: ModelConfig, x: jax.Array, core, rows=None) -> jax.Array:
     """A GDN mixer over T tokens per row.
 
     Args:
@@ -420,6 +420,9 @@ def gdn_mixer(p: GDNParams, config: ModelConfig, x: jax.Array, core) -> jax.Arra
       core: ``core(mixed_qkv [N, T, conv_dim], a [N, T, HV], b [N, T, HV], p) -> o
         [N, T, HV, V]``: the causal conv and the recurrence (the state pool's verify for the
         target, a carried-state step for the draft).
+      rows: applied to the gated norm's output before the out-projection (on a mesh: split by
+        row only, so that XLA does not split the projection's sum over the tensor axis); None:
+        nothing.
     Returns:
       ``[N, T, d]``, the mixer's contribution to the residual stream.
     """
@@ -427,7 +430,8 @@ def gdn_mixer(p: GDNParams, config: ModelConfig, x: jax.Array, core) -> jax.Arra
     N, T, _ = x.shape
     o = core(x @ p.w_qkv, x @ p.w_a, x @ p.w_b, p)
     z = (x @ p.w_z).reshape(N, T, c.num_v_heads, c.head_v_dim)
-    return gated_rmsnorm(o, z, p.norm, x.dtype) @ p.w_out
+    y = gated_rmsnorm(o, z, p.norm, x.dtype)
+    return (y if rows is None else rows(y)) @ p.w_out
 
 
 def _rope(x: jax.Array, positions: jax.Array) -> jax.Array:
