@@ -11,7 +11,8 @@ compiles (``warmup_s``), the second is timed (``wall_s``, ``tokens_per_s``: new 
 wall-clock; ``generate`` returns host arrays, so the time includes the device work). ``--repeats n``
 times n runs and reports the fastest (all of them in ``wall_s_all``).
 
-Checks (exit status 1 if one fails): the tokens are the same in every mode, and the final states
+Checks (exit status 1 if one fails): each mode's timed runs give its warm-up's tokens (the device
+work is deterministic), the tokens are the same in every mode, and the final states
 (SSM, conv, KV, the MTP block's hidden states) of tuples and snapshots are bit-identical
 (``gdn_lossless_jax.testing.compare_bitwise``). Where tokens differ the result names, per row, the
 first differing position and the target's top-2 logit gap there in each mode, and ``gap_quantiles``
@@ -102,7 +103,7 @@ def main(argv=None) -> int:
           f"{args.prompts} prompts x {args.prompt_len} tokens, {args.tokens} new, D={args.drafts}, K={K}", flush=True)
     rng = np.random.default_rng(args.seed)
     prompts = rng.integers(0, c.vocab, (args.prompts, args.prompt_len)).astype(np.int32)
-    rows, tokens, states, gaps = [], {}, {}, {}
+    rows, tokens, states, gaps, repeatable = [], {}, {}, {}, {}
     for rec in args.records:
         record = None if rec == "none" else rec
         D = args.drafts if record else 1
@@ -114,13 +115,15 @@ def main(argv=None) -> int:
             jax.block_until_ready(out[1].state)
             return out, time.perf_counter() - t
 
-        (_, _), warm = run()
-        walls, result = [], None
+        (first_ids, _), warm = run()
+        walls, result, repeats = [], None, True
         for _ in range(args.repeats):
             out, wall = run()
             walls.append(wall)
             result = out
+            repeats &= bool(np.array_equal(out[0], first_ids))
         ids, info = result
+        repeatable[rec] = repeats
         wall = min(walls)
         new = args.prompts * args.tokens
         row = {
@@ -134,7 +137,9 @@ def main(argv=None) -> int:
         print(f"  {rec:<10} {row['tokens_per_s']:>10,.1f} tokens/s ({new:,} in {wall:.3f} s, warm-up {warm:.1f} s); "
               f"{info.steps} steps, {row['step_ms']:.2f} ms/step, mean accepted {row['mean_accepted']:.2f} of "
               f"D={D}", flush=True)  # fmt: skip
-    checks, mismatches = {}, {}
+    checks, mismatches = {"each mode repeats its tokens (warm-up == timed runs)": all(repeatable.values())}, {}
+    if not all(repeatable.values()):
+        mismatches["each mode repeats its tokens (warm-up == timed runs)"] = repeatable
     first = args.records[0]
     for rec in args.records[1:]:
         key = f"tokens {first} == {rec}"

@@ -75,7 +75,8 @@ def test_tiny_checkpoint_loads_and_the_run_agrees(tmp_path):
                      "--drafts", "2", "--steps-per-call", "1"])  # fmt: skip
     result = json.loads(out.read_text())
     assert code == 0, result["mismatches"]
-    assert result["checks"] == {"tokens tuples == snapshots": True, "tokens tuples == none": True,
+    assert result["checks"] == {"each mode repeats its tokens (warm-up == timed runs)": True,
+                                "tokens tuples == snapshots": True, "tokens tuples == none": True,
                                 "final states tuples == snapshots": True}  # fmt: skip
     assert [r["record"] for r in result["rows"]] == ["tuples", "snapshots", "none"]
     assert all(r["tokens_per_s"] > 0 and r["new_tokens"] == 12 for r in result["rows"])
@@ -110,7 +111,8 @@ def test_run_fails_on_a_disagreement(tmp_path, monkeypatch):
     out = tmp_path / "run.json"
     assert _script("checkpoint_run").main([str(ckpt), "--out", str(out), "--prompts", "2", "--tokens", "5"]) == 1
     result = json.loads(out.read_text())
-    assert result["checks"] == {"tokens tuples == snapshots": True, "tokens tuples == none": False,
+    assert result["checks"] == {"each mode repeats its tokens (warm-up == timed runs)": True,
+                                "tokens tuples == snapshots": True, "tokens tuples == none": False,
                                 "final states tuples == snapshots": False}  # fmt: skip
     assert result["mismatches"]["tokens tuples == none"] == [
         {"row": 1, "position": 2, "tokens": [2, 3], "gaps": [0.5, 0.5]}]  # fmt: skip
