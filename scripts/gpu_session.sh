@@ -14,6 +14,10 @@
 #          the snapshot path's batch-64 budget), E2E_ARGS appended to each; e2e-*/ and e2e.log
 #   soak   gdn-lossless demo SOAK_ARGS (default: 10,000 tokens a request); soak.log
 #   fuzz   gdn-lossless fuzz --backend B FUZZ_ARGS for each B in FUZZ_BACKENDS (default "pallas triton"); fuzz-B.log
+#   checkpoint  a random Hugging Face checkpoint at Qwen3.6-35B-A3B's head geometry (scripts/random_checkpoint.py
+#          CKPT_ARGS, default 8 blocks and 16 experts, 3.6 GB, into CKPT_DIR, default /tmp/ckpt-a3b), then
+#          scripts/checkpoint_run.py on it (CKPT_RUN_ARGS; tokens/s per record mode and the checks);
+#          checkpoint.json and checkpoint.log
 # Other variables: TIMEOUT (seconds per phase, default 3000); SPINNERS=idle|nice|pause runs bench and step under
 # scripts/idle_spinners.py (no CPU halts while they wait on the GPU); PACK=1 packs $OUT into $OUT/results.tgz.
 # Wheels in .whl/ (e.g. jax-triton) are installed into /tmp/site first. $OUT/env.txt records the GPU, the versions and
@@ -78,6 +82,13 @@ for phase in "$@"; do
         timeout "$T" python3 -m gdn_lossless_jax fuzz --backend "$b" ${FUZZ_ARGS:-} > "$OUT/fuzz-$b.log" 2>&1
         tail -12 "$OUT/fuzz-$b.log"
       done ;;
-    *) echo "unknown phase $phase (tests, bench, step, demo, e2e, soak, fuzz)"; exit 2 ;;
+    checkpoint)
+      ckpt=${CKPT_DIR:-/tmp/ckpt-a3b}
+      { timeout "$T" python3 scripts/random_checkpoint.py --out "$ckpt" ${CKPT_ARGS:-} &&
+        timeout "$T" python3 scripts/checkpoint_run.py "$ckpt" --out "$OUT/checkpoint.json" ${CKPT_RUN_ARGS:---prompts 8 \
+          --prompt-len 32 --tokens 256 --drafts 4 --steps-per-call 8 --repeats 3}; } > "$OUT/checkpoint.log" 2>&1
+      echo "exit status $?" >> "$OUT/checkpoint.log"
+      tail -12 "$OUT/checkpoint.log" ;;
+    *) echo "unknown phase $phase (tests, bench, step, demo, e2e, soak, fuzz, checkpoint)"; exit 2 ;;
   esac
 done
