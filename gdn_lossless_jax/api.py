@@ -260,8 +260,11 @@ def commit(
     if checked:
         checked_mode.check_commit(fn, pool.shape[1], tape.num_rows, path.shape[1], *ints)
         tree.checkify_path(fn, path, steps, track_steps, D, parents)
-    tape, rows, steps, track_steps = reference.along_path(tape, rows, path, steps, track_steps)
+    tape, rows, steps, track_steps = _along_path(tape, rows, path, steps, track_steps)
     return autodiff.commit(impl, pool, tape, slots, steps, track_slots, track_steps, rows)
+
+
+_along_path = jax.jit(reference.along_path)  # (one dispatch, not one a jnp op, in an eager commit)
 
 
 def commit_and_verify(
