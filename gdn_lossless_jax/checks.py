@@ -235,6 +235,14 @@ def check_heads(fn: str, H: int, HV: int):
         )
 
 
+def check_topk(fn: str, topk) -> None:
+    """``topk``: a static positive integer, the most children a draft node may have."""
+    check_static(fn, "topk", topk)
+    if not isinstance(topk, (int, np.integer)) or isinstance(topk, bool) or topk < 1:
+        raise ValueError(f"{fn}: argument 'topk' must be a positive integer (the most children a draft node may "
+                         f"have), got {topk!r}")  # fmt: skip
+
+
 def check_tree(fn: str, parents, topk, N: int, D: int):
     """The draft tree of a verify: None for the linear chain (the fast path), else ``parents`` as
     int32 ``[N, D]`` (:mod:`gdn_lossless_jax.tree`).
@@ -246,10 +254,7 @@ def check_tree(fn: str, parents, topk, N: int, D: int):
     traced values take the tree's path, checked with ``checked=True``
     (:func:`gdn_lossless_jax.tree.checkify_parents`).
     """
-    check_static(fn, "topk", topk)
-    if not isinstance(topk, (int, np.integer)) or isinstance(topk, bool) or topk < 1:
-        raise ValueError(f"{fn}: argument 'topk' must be a positive integer (the most children a draft node may "
-                         f"have), got {topk!r}")  # fmt: skip
+    check_topk(fn, topk)
     if parents is None:
         if topk != 1:
             raise ValueError(

@@ -100,11 +100,8 @@ def check_supported(fn: str, geometry: Geometry, *, drafts: int = 1, topk: int =
             "only Gated DeltaNet ('gdn') layers are supported"
         )
     check_heads(fn, geometry.num_k_heads, geometry.num_v_heads)
-    if parents is None:
-        checks.check_tree(fn, None, 1, 1, drafts)  # (topk: its type and sign)
-        checks.check_static(fn, "topk", topk)
-        if not isinstance(topk, (int, np.integer)) or isinstance(topk, bool) or topk < 1:
-            raise ValueError(f"{fn}: argument 'topk' must be a positive integer, got {topk!r}")
+    if parents is None:  # (topk > 1: trees given per step; only its type and sign are checked)
+        checks.check_topk(fn, topk)
     else:
         shape = shape_of(parents)
         checks.check_tree(fn, parents, topk, shape[0] if len(shape) == 2 else 1, drafts)
