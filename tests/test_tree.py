@@ -67,32 +67,35 @@ def _padded(paths, width, fill=None):
     return np.asarray([p + [p[-1] if fill is None else fill] * (width - len(p)) for p in paths], np.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("record", "topk"))
-def _tree_verify(x, parents, record, topk):
+@functools.partial(jax.jit, static_argnames=("record", "topk", "backend"))
+def _tree_verify(x, parents, record, topk, backend="reference"):
     # parents traced: the tree's path even where the tree is a chain
-    return gl.verify(**x, parents=parents, topk=topk, record=record, backend="reference")
+    return gl.verify(**x, parents=parents, topk=topk, record=record, backend=backend)
 
 
-CASES = [  # topk, depth, state dtype, input kind, parents given as host values (checked at call time)
-    (1, 8, jnp.float32, "normal", False),
-    (2, 3, jnp.bfloat16, "mixed", True),
-    (3, 2, jnp.float32, "cancel", False),
-    (4, 4, jnp.bfloat16, "decay_extremes", False),
-    (2, 8, jnp.float32, "subnormal", True),
+CASES = [  # topk, depth, state dtype, input kind, parents given as host values (checked at call time), backend
+    (1, 8, jnp.float32, "normal", False, "reference"),
+    (2, 3, jnp.bfloat16, "mixed", True, "reference"),
+    (3, 2, jnp.float32, "cancel", False, "reference"),
+    (4, 4, jnp.bfloat16, "decay_extremes", False, "reference"),
+    (2, 8, jnp.float32, "subnormal", True, "reference"),
+    # the Pallas kernel's tree form (interpret mode here), each node's parent replayed on chip
+    (3, 3, jnp.bfloat16, "mixed", True, "pallas"),
+    (2, 5, jnp.float32, "cancel", False, "pallas"),
 ]
 
 
-@pytest.mark.parametrize("topk, depth, state_dtype, kind, host", CASES)
-def test_every_path_is_the_chain(seed, topk, depth, state_dtype, kind, host):
+@pytest.mark.parametrize("topk, depth, state_dtype, kind, host, backend", CASES)
+def test_every_path_is_the_chain(seed, topk, depth, state_dtype, kind, host, backend):
     rng = np.random.default_rng(seed)
     N = 2
     parents = random_parents(rng, N, topk, depth)
     D = parents.shape[1]
     x = verify_inputs(seed, Shape(N, D, 1, 2, 16, 16), kind=kind, state_dtype=state_dtype)
     if host:
-        verify = lambda record: gl.verify(**x, parents=parents, topk=topk, record=record, backend="reference")  # noqa: E731
+        verify = lambda record: gl.verify(**x, parents=parents, topk=topk, record=record, backend=backend)  # noqa: E731
     else:
-        verify = lambda record: _tree_verify(x, jnp.asarray(parents), record, topk)  # noqa: E731
+        verify = lambda record: _tree_verify(x, jnp.asarray(parents), record, topk, backend)  # noqa: E731
     out_t, tt = verify("tuples")
     out_s, ts = verify("snapshots")
     testing.assert_bitwise_equal(out_s, out_t, "outputs: snapshot vs tuple tree")
@@ -110,8 +113,8 @@ def test_every_path_is_the_chain(seed, topk, depth, state_dtype, kind, host):
     one = lambda t: jax.tree.map(lambda a: a[None], t)  # noqa: E731
     slots = np.arange(NB, dtype=np.int32)
     args = (slots, depth_of, track_slots, track, owner)
-    from_tuples = gl.commit(pool, one(tt), *args, path=path, parents=parents[owner], backend="reference")
-    from_snaps = gl.commit(pool, one(ts), *args, path=path, parents=parents[owner], backend="reference")
+    from_tuples = gl.commit(pool, one(tt), *args, path=path, parents=parents[owner], backend=backend)
+    from_snaps = gl.commit(pool, one(ts), *args, path=path, parents=parents[owner], backend=backend)
     testing.assert_bitwise_equal(from_snaps, from_tuples, "tree commit: tuples vs snapshots, every node")
     node = np.asarray([d for _, d in keys])
     testing.assert_bitwise_equal(ts.states[owner, node], from_tuples[0, :NB], "each node's snapshot")
@@ -123,11 +126,15 @@ def test_every_path_is_the_chain(seed, topk, depth, state_dtype, kind, host):
     cp = _padded([paths[k] for k in keys], W)
     xc = {k: (v[owner[:, None], cp] if k in STEP_INPUTS else v) for k, v in x.items()}
     xc["state0"] = x["state0"][owner]
-    out_c, tc = gl.verify(**xc, record="tuples", backend="reference")
-    chain = gl.commit(pool, one(tc), slots, depth_of, track_slots, track, slots, backend="reference")
+    out_c, tc = gl.verify(**xc, record="tuples", backend=backend)
+    chain = gl.commit(pool, one(tc), slots, depth_of, track_slots, track, slots, backend=backend)
     testing.assert_bitwise_equal(chain, from_tuples, "tree commit vs the chain of each path")
     testing.assert_bitwise_equal(out_c[slots, depth_of], out_t[owner, node], "outputs: tree vs chain")
     testing.assert_bitwise_equal(tc.u[slots, depth_of], tt.u[owner, node], "u: tree vs chain")
+    if backend != "reference":  # exact against its own u; u's low bits are the kernel's sums, so close to the reference
+        _, tr = gl.verify(**x, parents=parents, topk=topk, record="snapshots", backend="reference")
+        np.testing.assert_allclose(np.asarray(ts.states, np.float32), np.asarray(tr.states, np.float32), rtol=2e-2,
+                                   atol=2e-3)  # fmt: skip
 
     # controls: an off-path replay (a path without the node's parent) and a wrong parent
     deep = [i for i, s in enumerate(depth_of) if s >= 1]
@@ -137,15 +144,15 @@ def test_every_path_is_the_chain(seed, topk, depth, state_dtype, kind, host):
         off[i, : depth_of[i]] = np.concatenate([path[i, : depth_of[i] - 1], path[i, depth_of[i] : depth_of[i] + 1]])
         off[i, depth_of[i]] = -1
     steps_off = np.where(depth_of >= 1, depth_of - 1, depth_of)
-    wrong = gl.commit(pool, one(tt), slots, steps_off, rows=owner, path=off, backend="reference")
+    wrong = gl.commit(pool, one(tt), slots, steps_off, rows=owner, path=off, backend=backend)
     testing.assert_bitwise_differs(from_tuples[0, deep], wrong[0, deep], "an off-path replay")
     d = int(np.flatnonzero(parents[0] >= 0)[-1])
     bad = parents.copy()
     bad[0, d] = -1 if parents[0, d] != -1 else 0
     if host:  # (the same shapes: no new compile)
-        _, tb = gl.verify(**x, parents=bad, topk=D, record="snapshots", backend="reference")
+        _, tb = gl.verify(**x, parents=bad, topk=D, record="snapshots", backend=backend)
     else:
-        _, tb = _tree_verify(x, jnp.asarray(bad), "snapshots", topk)
+        _, tb = _tree_verify(x, jnp.asarray(bad), "snapshots", topk, backend)
     testing.assert_bitwise_differs(ts.states[0, d], tb.states[0, d], "a wrong parent")
 
 
@@ -252,11 +259,14 @@ def test_pool_tree_step(seed, state_dtype):
     testing.assert_bitwise_equal((o1, p1.ssm, p1.conv), (o2, p2.ssm, p2.conv), "fused vs separate after a tree")
 
 
-def test_commit_and_verify_with_a_tree_path(seed):
-    """commit_and_verify with Pending.path (a tree's accepted paths) equals commit, then verify."""
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+def test_commit_and_verify_with_a_tree_path(seed, backend):
+    """commit_and_verify with Pending.path (a tree's accepted paths) and a tree to verify next
+    equals commit, then verify (on Pallas: the fused kernel's chain replay, then the tree form)."""
     rng = np.random.default_rng(seed)
     N = 2
     parents = random_parents(rng, N, 2, 3, max_nodes=6)
+    nxt = random_parents(rng, N, 2, 3, max_nodes=6)
     D = parents.shape[1]
     path, steps = (np.asarray(a) for a in tree.path_to(parents, rng.integers(0, D, N)))
     sh = Shape(N, D, 1, 2, 16, 16)
@@ -264,14 +274,15 @@ def test_commit_and_verify_with_a_tree_path(seed):
     pool = jnp.concatenate([xa["state0"], xa["state0"]])[None]
     sl = np.array([1, 2], np.int32)
     _, prev = gl.verify(pool, *[xa[k] for k in list(xa)[1:]], slots=sl, layer=0, parents=parents, topk=2,
-                        backend="reference")  # fmt: skip
+                        backend=backend)  # fmt: skip
     prev = jax.tree.map(lambda a: a[None], prev)
     none = np.full(N, -1, np.int32)
     pending = gl.Pending(prev, np.arange(N, dtype=np.int32), steps, none, none, path=path)
     inputs = [xb[k] for k in list(xb)[1:]]
-    out_f, tape_f, pool_f = gl.commit_and_verify(pool, pending, *inputs, slots=sl, layer=0, backend="reference")
-    committed = gl.commit(pool, prev, sl, steps, path=path, backend="reference")
-    out_s, tape_s = gl.verify(committed, *inputs, slots=sl, layer=0, backend="reference")
+    out_f, tape_f, pool_f = gl.commit_and_verify(pool, pending, *inputs, slots=sl, layer=0, parents=nxt, topk=2,
+                                                 backend=backend)  # fmt: skip
+    committed = gl.commit(pool, prev, sl, steps, path=path, backend=backend)
+    out_s, tape_s = gl.verify(committed, *inputs, slots=sl, layer=0, parents=nxt, topk=2, backend=backend)
     testing.assert_bitwise_equal((out_s, tape_s, committed), (out_f, tape_f, pool_f))
 
 
