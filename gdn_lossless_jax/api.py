@@ -76,7 +76,8 @@ def verify(
         inputs with exactly the chain's rounding; outputs and tape are per node (``D`` is the node
         count). Host values are checked here (a parent out of range, the node itself or after
         it raise) and a chain given this way takes the chain's path; traced values are checked
-        with ``checked=True``. Trees run on ``backend="reference"``; the kernel backends refuse
+        with ``checked=True``. Trees verify on ``"reference"`` and ``"pallas"`` (each node's
+        parent replayed on chip, no state stored a node); ``"triton"`` and ``"mosaic"`` refuse
         them (a linear chain runs everywhere).
       topk: the most children a node may have (checked where the values are); ``topk > 1``
         needs ``parents``.
@@ -140,8 +141,9 @@ def check_tree_backend(fn: str, backend: Any):
         name = backends.resolve_name(backend)
         raise ValueError(
             f"{fn}: backend {name if isinstance(name, str) else getattr(name, '__name__', name)!r} does not verify "
-            "draft trees ('parents' describes a tree, not a linear chain): pass backend=\"reference\", which does; "
-            "the Pallas, Triton and Mosaic GPU kernels run linear chains only (parents None or [-1, 0, ..., D-2])"
+            "draft trees ('parents' describes a tree, not a linear chain): pass backend=\"reference\" or "
+            "backend=\"pallas\", which do; the Triton and Mosaic GPU kernels run linear chains only (parents None or "
+            "[-1, 0, ..., D-2])"
         )
     return impl
 
@@ -318,7 +320,7 @@ def commit_and_verify(
       q, k, v, a, b, A_log, dt_bias, slots, layer, tape, rows, record, scale, backend,
         out_dtype, out, parents, topk, checked: as in :func:`verify` (``slots`` required:
         request n's state is ``pool[layer, slots[n]]``; the inputs may be stacked over the
-        pool's layers). A tree verify (``parents``) runs on ``backend="reference"`` only.
+        pool's layers). A tree verify (``parents``) runs on ``"reference"`` and ``"pallas"``.
     Returns:
       ``(outputs [N, D, HV, V], tape, pool)``. Differentiable like :func:`verify` (with
       respect to the pool, the pending tape and the inputs).

@@ -514,7 +514,7 @@ def verify_layer(
       scale, backend, parents, topk, checked: as in :func:`gdn_lossless_jax.verify`. With a
         draft tree (``parents``) each node's conv window is along its root path
         (:func:`gdn_lossless_jax.conv.tree_columns`) and the tape holds one entry a node;
-        commit it with :func:`commit`'s ``path``. Trees run on ``backend="reference"``.
+        commit it with :func:`commit`'s ``path``. Trees verify on ``"reference"`` and ``"pallas"``.
     Returns:
       ``(outputs [N, D, HV, V] in mixed_qkv's dtype, the new pool)``.
     """

@@ -320,9 +320,9 @@ def test_bad_parents_elsewhere():
         P.allocate(G, slots=2, requests=2, drafts=3, topk=0)
     P.allocate(G, slots=2, requests=2, drafts=14, parents=tree.full_tree([2, 2, 2]), topk=2)
     P.allocate(G, slots=2, requests=2, drafts=4, topk=4)  # a pool for top-4 trees given per step
-    with pytest.raises(ValueError, match=r"verify: backend 'pallas' does not verify draft trees .* "
-                                         r"pass backend=\"reference\", which does"):  # fmt: skip
-        gl.verify(**_x(), parents=np.array([-1, 0, 0, 1]), topk=2, backend="pallas")
+    with pytest.raises(ValueError, match=r"verify: backend 'mosaic' does not verify draft trees .* "
+                                         r"pass backend=\"reference\" or backend=\"pallas\", which do"):  # fmt: skip
+        gl.verify(**_x(), parents=np.array([-1, 0, 0, 1]), topk=2, backend="mosaic")
     pl = P.allocate(G, slots=4, requests=2, drafts=4)
     x = _layer(np.random.default_rng(0), 2, 4)
     with pytest.raises(ValueError, match=r"verify_layer: backend 'mosaic' does not verify draft trees"):
