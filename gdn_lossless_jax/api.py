@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from . import _deprecated, autodiff, backends, checked as checked_mode, checks, reference, tree
 from .backends.contract import VerifyCall
@@ -156,7 +157,13 @@ def _strip(new, normal, given):
 
 
 def replay(
-    state0: jax.Array, tuples: Tuples, steps: jax.Array, *, backend: str = "auto", checked: bool = False
+    state0: jax.Array,
+    tuples: Tuples,
+    steps: jax.Array,
+    *,
+    path: jax.Array | None = None,
+    backend: str = "auto",
+    checked: bool = False,
 ) -> jax.Array:
     """Rebuild the state after draft step ``steps[i]`` from the pre-verify state.
 
@@ -168,8 +175,10 @@ def replay(
         (a request that accepted n drafts has step n - 1). A value outside ``[0, D)`` (a
         negative step) means no step: state0 is returned for that request, so a length
         passed by mistake returns one step too many, or state0 for a fully accepted chain.
+      path: for a draft tree's tape, ``[N, P]`` int, each request's root-to-node path (node
+        indices, -1 padded): ``steps`` are then positions along it, as in :func:`commit`.
       backend: as in :func:`verify`.
-      checked: raise instead: a step outside ``[-1, D)`` names its request
+      checked: raise instead: a step outside ``[-1, D)`` (``[-1, P)`` with a path) names its request
         (:mod:`gdn_lossless_jax.checked`; under ``jax.jit``, functionalize with
         ``jax.experimental.checkify.checkify``).
     Returns:
@@ -179,6 +188,15 @@ def replay(
     fn = "replay"
     state0, tuples, steps = checks.replay_args(fn, state0, tuples, steps)
     impl = backends.resolve(backend, "replay")
+    if path is not None:
+        N, D = state0.shape[0], tuples.num_steps
+        path = checks.check_path(fn, path, N)
+        if checked:
+            checked_mode.check_steps(fn, "steps", steps, path.shape[1])
+            tree.checkify_path(fn, path, steps, steps, D)
+        layered = jax.tree.map(lambda t: t[None], tuples)
+        chain, _, steps, _ = _along_path(layered, jnp.arange(N, dtype=jnp.int32), path, steps, steps)
+        return autodiff.replay(impl, state0, jax.tree.map(lambda t: t[0], chain), steps)
     if checked:
         checked_mode.check_steps(fn, "steps", steps, tuples.num_steps)
     return autodiff.replay(impl, state0, tuples, steps)

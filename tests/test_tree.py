@@ -121,6 +121,9 @@ def test_every_path_is_the_chain(seed, topk, depth, state_dtype, kind, host, bac
     has = track >= 0
     tnode = path[np.arange(NB), np.maximum(track, 0)]
     testing.assert_bitwise_equal(ts.states[owner, tnode][has], from_tuples[0, NB:][has], "track copies")
+    if backend == "reference":  # replay along a path: each node's snapshot
+        replayed = gl.replay(x["state0"][owner], jax.tree.map(lambda t: t[owner], tt), depth_of, path=path)
+        testing.assert_bitwise_equal(ts.states[owner, node], replayed, "replay along each path")
 
     # the chain of each path, verified and committed on its own
     cp = _padded([paths[k] for k in keys], W)
