@@ -5,7 +5,7 @@ replays the accepted chain from the untouched pool state with exactly the roundi
 used, so the committed state is bit-identical to the snapshot path.
 """
 
-from . import _deprecated, autodiff, checked, checks, conv, pool, reference, rounding, sharding, sync, testing
+from . import _deprecated, autodiff, checked, checks, conv, pool, reference, rounding, sharding, sync, testing, tree
 from .api import RECORD_MODES, commit, commit_and_verify, replay, verify
 from .backends import BACKENDS, BackendUnavailable
 from .config import MODELS, Geometry, get_geometry
@@ -39,6 +39,7 @@ __all__ = [
     "sharding",
     "sync",
     "testing",
+    "tree",
 ]
 
 # Modules that moved to the tools and testing subpackages: one release under their old name.

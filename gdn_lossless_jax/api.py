@@ -10,13 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
-from . import _deprecated, autodiff, backends, checked as checked_mode, checks
+from . import _deprecated, autodiff, backends, checked as checked_mode, checks, reference, tree
 from .backends.contract import VerifyCall
 from .checks import RECORD_MODES
 from .tape import Pending, Tape, Tuples
 
-__all__ = ["verify", "replay", "commit", "commit_and_verify", "run_verify", "RECORD_MODES"]
+__all__ = ["verify", "replay", "commit", "commit_and_verify", "run_verify", "check_tree_backend", "RECORD_MODES"]
 
 
 def verify(
@@ -40,6 +41,7 @@ def verify(
     parents: Any = None,
     topk: int = 1,
     out: jax.Array | None = None,
+    checked: bool = False,
 ) -> tuple[jax.Array, Tape]:
     """Run D draft tokens through one GDN layer without touching the state.
 
@@ -68,14 +70,26 @@ def verify(
         picks it). Request n's steps go to row ``rows[n]``, steps ``[0, D)``; every other
         element keeps its bits, and an out-of-range row writes nothing.
       rows: ``[N]`` int or None (default ``arange(N)``): the tape rows, with ``tape``.
-      parents, topk: tree metadata, accepted only if it describes a linear chain
-        (``parents`` ``[-1, 0, ..., D-2]`` per request, ``topk == 1``).
+      parents: None (the D drafts are a linear chain), or a draft tree of D nodes
+        (:mod:`gdn_lossless_jax.tree`): ``[N, D]`` int (or ``[D]`` for every request),
+        ``parents[n, d]`` node d's parent in ``[0, d)`` or -1 for a child of the committed state;
+        nodes in topological order. Node d's state is its parent's state stepped by node d's
+        inputs with exactly the chain's rounding; outputs and tape are per node (``D`` is the node
+        count). Host values are checked here (a parent out of range, the node itself or after
+        it raise) and a chain given this way takes the chain's path; traced values are checked
+        with ``checked=True``. Trees verify on ``"reference"`` and ``"pallas"`` (each node's
+        parent replayed on chip, no state stored a node); ``"triton"`` and ``"mosaic"`` refuse
+        them (a linear chain runs everywhere).
+      topk: the most children a node may have (checked where the values are); ``topk > 1``
+        needs ``parents``.
       out: a preallocated outputs buffer to write into, in place when it is donated:
         ``[L?, N, D, HV, V]`` in ``out_dtype`` (its dtype when ``out_dtype`` is None), the
         leading ``L`` optional (then ``layer`` picks it). The kernels store the outputs at
         ``[layer]`` of it; every other layer keeps its bits. A step that verifies every layer
         of a pool passes one ``[L, N, D, HV, V]`` buffer to all of them, so no copy stacks the
         layers' outputs (in a ``lax.scan``, carry it with the tape).
+      checked: check traced ``parents`` values too (:func:`gdn_lossless_jax.tree.checkify_parents`;
+        :mod:`gdn_lossless_jax.checked` says how under ``jax.jit``).
     Returns:
       ``(outputs [N, D, HV, V], tape)`` (with ``out``, the outputs buffer, updated); the tape
       is :class:`Tuples` (``u [N, D, HV, V]``, ``k [N, D, H, K]``, ``g [N, D, HV]``, fp32) or :class:`Snapshots`
@@ -105,15 +119,34 @@ def verify(
         "verify", state0, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, out_dtype=out_dtype,
         slots=slots, layer=layer, tape=tape, rows=rows, parents=parents, topk=topk, out=out,
     )  # fmt: skip
+    if checked and call.parents is not None:
+        tree.checkify_parents("verify", call.parents, topk)
     outputs, new = run_verify(call, backend)
     return _strip(outputs, call.out, out), _strip(new, call.tape, tape)
 
 
-def run_verify(call: VerifyCall, backend: Any = "auto"):
+def run_verify(call: VerifyCall, backend: Any = "auto", fn: str = "verify"):
     """The backend's verify of a checked :class:`~gdn_lossless_jax.backends.contract.VerifyCall`,
     with the derivatives of :mod:`~gdn_lossless_jax.autodiff`: for callers that checked their
-    arguments already (the pool). Returns what the backend returns."""
-    return autodiff.verify(backends.resolve(backend, "verify"), call)
+    arguments already (the pool). Returns what the backend returns. A draft tree
+    (``call.parents``) needs a backend with ``TREES`` (:mod:`gdn_lossless_jax.backends.contract`)."""
+    impl = check_tree_backend(fn, backend) if call.parents is not None else backends.resolve(backend, "verify")
+    return autodiff.verify(impl, call)
+
+
+def check_tree_backend(fn: str, backend: Any):
+    """The verify of ``backend`` if it verifies draft trees (``TREES``), else a ``ValueError``
+    naming it and the backend that does."""
+    impl = backends.resolve(backend, "verify")
+    if not getattr(impl, "TREES", False):
+        name = backends.resolve_name(backend)
+        raise ValueError(
+            f"{fn}: backend {name if isinstance(name, str) else getattr(name, '__name__', name)!r} does not verify "
+            "draft trees ('parents' describes a tree, not a linear chain): pass backend=\"reference\" or "
+            "backend=\"pallas\", which do; the Triton and Mosaic GPU kernels run linear chains only (parents None or "
+            "[-1, 0, ..., D-2])"
+        )
+    return impl
 
 
 def _strip(new, normal, given):
@@ -124,7 +157,13 @@ def _strip(new, normal, given):
 
 
 def replay(
-    state0: jax.Array, tuples: Tuples, steps: jax.Array, *, backend: str = "auto", checked: bool = False
+    state0: jax.Array,
+    tuples: Tuples,
+    steps: jax.Array,
+    *,
+    path: jax.Array | None = None,
+    backend: str = "auto",
+    checked: bool = False,
 ) -> jax.Array:
     """Rebuild the state after draft step ``steps[i]`` from the pre-verify state.
 
@@ -136,8 +175,10 @@ def replay(
         (a request that accepted n drafts has step n - 1). A value outside ``[0, D)`` (a
         negative step) means no step: state0 is returned for that request, so a length
         passed by mistake returns one step too many, or state0 for a fully accepted chain.
+      path: for a draft tree's tape, ``[N, P]`` int, each request's root-to-node path (node
+        indices, -1 padded): ``steps`` are then positions along it, as in :func:`commit`.
       backend: as in :func:`verify`.
-      checked: raise instead: a step outside ``[-1, D)`` names its request
+      checked: raise instead: a step outside ``[-1, D)`` (``[-1, P)`` with a path) names its request
         (:mod:`gdn_lossless_jax.checked`; under ``jax.jit``, functionalize with
         ``jax.experimental.checkify.checkify``).
     Returns:
@@ -147,6 +188,15 @@ def replay(
     fn = "replay"
     state0, tuples, steps = checks.replay_args(fn, state0, tuples, steps)
     impl = backends.resolve(backend, "replay")
+    if path is not None:
+        N, D = state0.shape[0], tuples.num_steps
+        path = checks.check_path(fn, path, N)
+        if checked:
+            checked_mode.check_steps(fn, "steps", steps, path.shape[1])
+            tree.checkify_path(fn, path, steps, steps, D)
+        layered = jax.tree.map(lambda t: t[None], tuples)
+        chain, _, steps, _ = _along_path(layered, jnp.arange(N, dtype=jnp.int32), path, steps, steps)
+        return autodiff.replay(impl, state0, jax.tree.map(lambda t: t[0], chain), steps)
     if checked:
         checked_mode.check_steps(fn, "steps", steps, tuples.num_steps)
     return autodiff.replay(impl, state0, tuples, steps)
@@ -161,6 +211,8 @@ def commit(
     track_steps: jax.Array | None = None,
     rows: jax.Array | None = None,
     *,
+    path: jax.Array | None = None,
+    parents: Any = None,
     backend: str = "auto",
     checked: bool = False,
 ) -> jax.Array:
@@ -180,12 +232,26 @@ def commit(
         the state after ``track_steps[i]`` (0-based, like steps) goes to
         ``track_slots[i]``; negative step: none.
       rows: ``[N]`` int or None, the tape row of request i (default ``i``).
-      backend: as in :func:`verify`.
+      path: for a tape of a draft tree (``verify(..., parents=)``), ``[N, P]`` int: request i's
+        accepted root-to-node path, node indices from the root's child down, padded with -1
+        (:func:`gdn_lossless_jax.tree.path_to` gives it from the accepted node). ``steps`` and
+        ``track_steps`` are then positions along the path (0-based, ``< P``), as a chain's
+        steps are positions along the chain (whose path is ``[0, 1, ..., D-1]``): the replay
+        applies the path's tuples in order from the pool state, exactly as a chain commit of
+        those steps. None: the tape is a chain. A request whose path does not reach its step
+        (an entry before it is not a node) writes nothing for it.
+      parents: the tree (``[N, D]`` or ``[D]``, as verify took it, aligned to this call's
+        requests), optional: used only to check that each path is a root-to-node path of it,
+        at call time for NumPy values and with ``checked=True`` for any.
+      backend: as in :func:`verify`. Every backend commits trees (the path's tuples are
+        gathered into a chain tape, :func:`gdn_lossless_jax.reference.along_path`).
       checked: raise instead of skipping: every index below must be valid, and the first
         request that is not is named in the error (:mod:`gdn_lossless_jax.checked`: slots,
-        rows, steps in ``[-1, D)``, track slots where a track step is given, and distinct
-        destination slots). Eager calls raise ``checkify.JaxRuntimeError`` at once; under
-        ``jax.jit``, functionalize with ``jax.experimental.checkify.checkify``.
+        rows, steps in ``[-1, D)`` (``[-1, P)`` with a path), track slots where a track step
+        is given, and distinct destination slots; with a path, its entries up to the steps
+        nodes of the tape, and with ``parents`` a root-to-node path). Eager calls raise
+        ``checkify.JaxRuntimeError`` at once; under ``jax.jit``, functionalize with
+        ``jax.experimental.checkify.checkify``.
     Returns:
       The new pool. The skipping rules (``checked=False``, SGLang's masking): request i is
       skipped entirely (track copy included) if ``slots[i]`` or ``rows[i]`` is out of
@@ -196,11 +262,29 @@ def commit(
       the pool and the tape (see :func:`verify`).
     """
     fn = "commit"
+    host = checks.is_host(path, parents, steps, track_steps)
     pool, tape, ints = checks.commit_args(fn, pool, tape, slots, steps, track_slots, track_steps, rows)
     impl = backends.resolve(backend, "commit")
+    if path is None:
+        if parents is not None:
+            raise ValueError(f"{fn}: parents= checks a tree's accepted paths: pass path= too")
+        if checked:
+            checked_mode.check_commit(fn, pool.shape[1], tape.num_rows, tape.num_steps, *ints)
+        return autodiff.commit(impl, pool, tape, *ints)
+    slots, steps, track_slots, track_steps, rows = ints
+    N, D = slots.shape[0], tape.num_steps
+    path = checks.check_path(fn, path, N)
+    parents = checks.check_commit_parents(fn, parents, N, D)
+    if host:
+        tree.check_path_values(fn, path, steps, track_steps, D, parents)
     if checked:
-        checked_mode.check_commit(fn, pool.shape[1], tape.num_rows, tape.num_steps, *ints)
-    return autodiff.commit(impl, pool, tape, *ints)
+        checked_mode.check_commit(fn, pool.shape[1], tape.num_rows, path.shape[1], *ints)
+        tree.checkify_path(fn, path, steps, track_steps, D, parents)
+    tape, rows, steps, track_steps = _along_path(tape, rows, path, steps, track_steps)
+    return autodiff.commit(impl, pool, tape, slots, steps, track_slots, track_steps, rows)
+
+
+_along_path = jax.jit(reference.along_path)  # (one dispatch, not one a jnp op, in an eager commit)
 
 
 def commit_and_verify(
@@ -223,6 +307,9 @@ def commit_and_verify(
     backend: str = "auto",
     out_dtype: Any = None,
     out: jax.Array | None = None,
+    parents: Any = None,
+    topk: int = 1,
+    checked: bool = False,
 ) -> tuple[jax.Array, Tape, jax.Array]:
     """Apply the previous step's commit and verify the next drafts, reading each state once.
 
@@ -245,9 +332,13 @@ def commit_and_verify(
         call's requests). The commit's masks apply (a request whose slot or row is out of range
         commits nothing; negative steps write nothing). Requests that left the batch are not
         here: commit them with :func:`commit` before their slots are read.
+        With ``pending.path`` (a draft tree's accepted paths) the steps are positions along
+        them, as in :func:`commit`: the path's tuples (this layer's) are gathered into a chain
+        tape first, so the fused kernel replays a chain.
       q, k, v, a, b, A_log, dt_bias, slots, layer, tape, rows, record, scale, backend,
-        out_dtype, out: as in :func:`verify` (``slots`` required: request n's state is
-        ``pool[layer, slots[n]]``; the inputs may be stacked over the pool's layers).
+        out_dtype, out, parents, topk, checked: as in :func:`verify` (``slots`` required:
+        request n's state is ``pool[layer, slots[n]]``; the inputs may be stacked over the
+        pool's layers). A tree verify (``parents``) runs on ``"reference"`` and ``"pallas"``.
     Returns:
       ``(outputs [N, D, HV, V], tape, pool)``. Differentiable like :func:`verify` (with
       respect to the pool, the pending tape and the inputs).
@@ -259,9 +350,11 @@ def commit_and_verify(
     """
     call = checks.commit_and_verify_args(
         "commit_and_verify", pool, pending, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale,
-        out_dtype=out_dtype, slots=slots, layer=layer, tape=tape, rows=rows, out=out,
+        out_dtype=out_dtype, slots=slots, layer=layer, tape=tape, rows=rows, out=out, parents=parents, topk=topk,
     )  # fmt: skip
-    outputs, new, new_pool = run_verify(call, backend)
+    if checked and call.parents is not None:
+        tree.checkify_parents("commit_and_verify", call.parents, topk)
+    outputs, new, new_pool = run_verify(call, backend, "commit_and_verify")
     if len(checks.shape_of(pool)) == 4:
         new_pool = new_pool[0]
     return _strip(outputs, call.out, out), _strip(new, call.tape, tape), new_pool

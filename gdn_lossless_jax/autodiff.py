@@ -92,6 +92,7 @@ def plain_verify(
     record: str = "tuples",
     scale: float | None = None,
     out_dtype: Any = None,
+    parents: Any = None,
 ) -> tuple[jax.Array, Tape]:
     """The plain-float formulation of :func:`gdn_lossless_jax.verify`, differentiable by JAX.
 
@@ -107,6 +108,9 @@ def plain_verify(
     qn = reference.l2norm(q.astype(dtype)) * jnp.asarray(scale, dtype)
     kn = reference.l2norm(k.astype(dtype))
     g, beta = _plain_gates(a, b, A_log, dt_bias, dtype)
+    if parents is not None:  # a draft tree (gdn_lossless_jax.tree)
+        return reference.tree_chain(state0, qn, kn, v, g, beta, parents, record=record, out_dtype=out_dtype or q.dtype,
+                                    step=_plain_step)  # fmt: skip
     return reference.chain(state0, qn, kn, v, g, beta, record=record, out_dtype=out_dtype or q.dtype, step=_plain_step)
 
 

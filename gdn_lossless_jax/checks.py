@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import reference
+from . import reference, tree
 from .backends.contract import PendingCommit, VerifyCall
 from .tape import Pending, Snapshots, Tuples
 
@@ -235,27 +235,49 @@ def check_heads(fn: str, H: int, HV: int):
         )
 
 
-def check_linear_chain(fn: str, parents, topk: int, D: int):
-    if topk != 1:
-        raise ValueError(
-            f"{fn}: topk={topk} is not supported: only linear draft chains (EAGLE/MTP top-k 1, "
-            "DFLASH, DSPARK) can be replayed; tree verify needs the snapshot path of another library"
-        )
+def check_topk(fn: str, topk) -> None:
+    """``topk``: a static positive integer, the most children a draft node may have."""
+    check_static(fn, "topk", topk)
+    if not isinstance(topk, (int, np.integer)) or isinstance(topk, bool) or topk < 1:
+        raise ValueError(f"{fn}: argument 'topk' must be a positive integer (the most children a draft node may "
+                         f"have), got {topk!r}")  # fmt: skip
+
+
+def check_tree(fn: str, parents, topk, N: int, D: int):
+    """The draft tree of a verify: None for the linear chain (the fast path), else ``parents`` as
+    int32 ``[N, D]`` (:mod:`gdn_lossless_jax.tree`).
+
+    ``topk`` (static, >= 1) is the most children a node may have; ``topk > 1`` needs ``parents``.
+    ``parents`` ``[D]`` (every request's) or ``[N, D]``, integers: host values (NumPy, lists, concrete
+    arrays) are checked here (each parent in ``[-1, d)``: no cycle, no parent after its child, none
+    out of range; at most ``topk`` children a node), and a chain in every row takes the chain's path;
+    traced values take the tree's path, checked with ``checked=True``
+    (:func:`gdn_lossless_jax.tree.checkify_parents`).
+    """
+    check_topk(fn, topk)
     if parents is None:
-        return
-    try:
-        p = np.asarray(parents)
-    except (TypeError, jax.errors.TracerArrayConversionError) as e:
+        if topk != 1:
+            raise ValueError(
+                f"{fn}: topk={topk} is not supported without parents: a draft tree is given by its parents "
+                f"([N, D] or [D], node d's parent in [-1, d)); with parents=None the drafts are a linear chain"
+            )
+        return None
+    parents = as_array(fn, "parents", parents)
+    if not is_int(parents):
+        raise TypeError(f"{fn}: argument 'parents' must be an integer array, got dtype {dtype_of(parents)}")
+    shape = shape_of(parents)
+    if shape not in ((D,), (N, D)):
         raise ValueError(
-            f"{fn}: tree/parent metadata ('parents') was given as a traced value; only linear chains "
-            "are supported: pass parents=None"
-        ) from e
-    chain = np.arange(-1, p.shape[-1] - 1) if p.ndim else None
-    if p.ndim == 0 or p.shape[-1] != D or not np.array_equal(p, np.broadcast_to(chain, p.shape)):
-        raise ValueError(
-            f"{fn}: tree/parent metadata ('parents') describes a tree, not a linear chain "
-            f"(expected [-1, 0, 1, ..., {D - 2}] per request); only linear chains are supported"
+            f"{fn}: argument 'parents' must have shape [D] = [{D}] or [N, D] = [{N}, {D}] (node d's parent in "
+            f"[-1, d), N and D from q), got {fmt_shape(shape)}"
         )
+    if not isinstance(parents, jax.core.Tracer):
+        host = np.broadcast_to(np.asarray(parents), (N, D))
+        tree.check_parents_values(fn, host, topk)
+        if tree.is_chain(host):
+            return None
+        return host.astype(np.int32)
+    return jnp.broadcast_to(as_index(parents), (N, D))
 
 
 def check_layer_index(fn: str, layer, L: int, what: str):
@@ -357,7 +379,6 @@ def verify_args(fn, state0, q, k, v, a, b, A_log, dt_bias, *, record=None, scale
     if record is not None and record not in RECORD_MODES:
         raise ValueError(f"{fn}: record must be one of {RECORD_MODES}, got {record!r}")
     check_static(fn, "scale", scale)
-    check_static(fn, "topk", topk)
     state0, q, k, v, a, b, A_log, dt_bias = as_arrays(
         fn, state0=state0, q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias
     )
@@ -400,7 +421,7 @@ def verify_args(fn, state0, q, k, v, a, b, A_log, dt_bias, *, record=None, scale
     if D < 1:
         raise ValueError(f"{fn}: need at least one draft step, got D={D} (q has shape {fmt_shape(shape_of(q))})")
     check_heads(fn, H, HV)
-    check_linear_chain(fn, parents, topk, D)
+    parents = check_tree(fn, parents, topk, N, D)
     buf = tape_layer = None
     if tape is not None:
         record, layered = check_tape_buffer(fn, tape, record, N, D, H, HV, V, K, state0.dtype, layer)
@@ -422,6 +443,8 @@ def verify_args(fn, state0, q, k, v, a, b, A_log, dt_bias, *, record=None, scale
         fields.update(tape=buf, tape_layer=as_index(tape_layer), rows=rows)
     if obuf is not None:
         fields.update(out=obuf, out_layer=as_index(out_layer))
+    if parents is not None:
+        fields.update(parents=parents)
     if slots is None:
         return VerifyCall.of_state(state, q, k, v, a, b, A_log, dt_bias, **fields)
     return VerifyCall(state, as_index(slots), as_index(pool_layer), q, k, v, a, b, A_log, dt_bias, **fields)
@@ -526,6 +549,43 @@ def replay_args(fn: str, state0, tuples, steps):
     return state0, tuples, as_index(steps)
 
 
+def check_path(fn: str, path, N: int):
+    """A tree commit's accepted paths: ``[N, P]`` integers, ``P >= 1``; returns them as int32."""
+    (path,) = as_arrays(fn, path=path)
+    if not is_int(path):
+        raise TypeError(f"{fn}: argument 'path' must be an integer array, got dtype {dtype_of(path)}")
+    shape = shape_of(path)
+    if len(shape) != 2 or shape[0] != N or shape[1] < 1:
+        raise ValueError(
+            f"{fn}: argument 'path' must have shape [N, P] with N={N} (one path per request, from slots) and "
+            f"P >= 1 (node indices from the root's child down, padded with -1), got {fmt_shape(shape)}"
+        )
+    return as_index(path)
+
+
+def check_commit_parents(fn: str, parents, N: int, D: int):
+    """The optional ``parents`` of a tree commit (used by its path checks): ``[D]`` or ``[N, D]``
+    integers (D from the tape), in ``[-1, d)`` where host values; returns int32 ``[N, D]`` or None."""
+    if parents is None:
+        return None
+    (parents,) = as_arrays(fn, parents=parents)
+    if not is_int(parents):
+        raise TypeError(f"{fn}: argument 'parents' must be an integer array, got dtype {dtype_of(parents)}")
+    if shape_of(parents) not in ((D,), (N, D)):
+        raise ValueError(f"{fn}: argument 'parents' must have shape [D] = [{D}] or [N, D] = [{N}, {D}] (D from the "
+                         f"tape, N from slots), got {fmt_shape(shape_of(parents))}")  # fmt: skip
+    if not isinstance(parents, jax.core.Tracer):
+        host = np.broadcast_to(np.asarray(parents), (N, D)).astype(np.int32)
+        tree.check_parents_values(fn, host)
+        return host
+    return jnp.broadcast_to(as_index(parents), (N, D))
+
+
+def is_host(*xs) -> bool:
+    """Whether every x is a host value (NumPy, a list, None): checked at call time without a device sync."""
+    return all(x is None or isinstance(x, (np.ndarray, np.generic, list, tuple, int)) for x in xs)
+
+
 def commit_args(fn: str, pool, tape, slots, steps, track_slots=None, track_steps=None, rows=None):
     """The checks of :func:`gdn_lossless_jax.commit`; returns ``(pool, tape, [slots, steps,
     track_slots, track_steps, rows] as int32)``."""
@@ -551,7 +611,8 @@ def commit_args(fn: str, pool, tape, slots, steps, track_slots=None, track_steps
 
 
 def commit_and_verify_args(fn: str, pool, pending, q, k, v, a, b, A_log, dt_bias, *, slots, layer=None, tape=None,
-                           rows=None, record=None, scale=None, out_dtype=None, out=None) -> VerifyCall:  # fmt: skip
+                           rows=None, record=None, scale=None, out_dtype=None, out=None, parents=None,
+                           topk=1) -> VerifyCall:  # fmt: skip
     """The checks of :func:`gdn_lossless_jax.commit_and_verify`: verify's (:func:`verify_args`) and the
     pending commit's (:func:`check_pending`); returns the :class:`VerifyCall` with its
     :class:`PendingCommit`."""
@@ -568,6 +629,15 @@ def commit_and_verify_args(fn: str, pool, pending, q, k, v, a, b, A_log, dt_bias
     L = shape_of(pool)[0] if len(shape_of(pool)) == 5 else None
     prev, layered = check_pending(fn, pending, N, H, HV, V, K, pool.dtype, L)
     call = verify_args(fn, pool, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, out_dtype=out_dtype,
-                       slots=slots, layer=layer, tape=tape, rows=rows, out=out)  # fmt: skip
+                       slots=slots, layer=layer, tape=tape, rows=rows, out=out, parents=parents, topk=topk)  # fmt: skip
     pend = [as_index(getattr(pending, n)) for n in ("rows", "steps", "track_slots", "track_steps")]
-    return call.replace(pending=PendingCommit(prev, as_index(layer if layered else 0), *pend))
+    player = as_index(layer if layered else 0)
+    if pending.path is not None:  # a tree's accepted path: the chain commit it is (reference.along_path)
+        path = check_path(fn, pending.path, N)
+        r, steps, track_slots, track_steps = pend
+        if isinstance(prev, Tuples):  # this layer's tuples along the path (a copy of P steps a request)
+            prev = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, jnp.reshape(player, ()), 0), prev)
+            player = np.int32(0)
+        prev, r, steps, track_steps = reference.along_path(prev, r, path, steps, track_steps)
+        pend = [r, steps, track_slots, track_steps]
+    return call.replace(pending=PendingCommit(prev, player, *pend))

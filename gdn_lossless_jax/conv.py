@@ -22,6 +22,14 @@ as ``acc = fma(w_j, x_j, acc)`` for ``j = 0 .. Kc-1``, pinned with
 with fp32 operands; XLA:CPU would otherwise contract and flush subnormals as it likes);
 SiLU is ``acc / (1 + exp(-acc))``. The deduplicated and the dense per-step-window forms
 below are bit-identical (tested).
+
+Draft trees (``parents``, :mod:`gdn_lossless_jax.tree`): a node's window is along its root path,
+the last ``Kc-1`` inputs among its ancestors and itself, reaching into the old state above the
+root. The buffer stays the chain's, ``[conv_dim, D+Kc-2]``, one column per node input (column
+``Kc-2+d`` holds node d's) after the ``Kc-2`` old columns: every input is stored once, and a
+node's taps read its ancestors' columns (:func:`tree_columns`), so a node on a path computes
+exactly what a chain of that path computes. Commit gathers the accepted window's columns by the
+accepted path (:func:`conv_commit` with ``path``).
 """
 
 from __future__ import annotations
@@ -36,7 +44,8 @@ from jax import lax
 from . import reference, rounding
 from .checks import as_index, check_float, check_index, check_rank, check_shape, fmt_shape, shape_of
 
-__all__ = ["causal_conv1d_verify", "causal_conv1d_verify_dense", "dense_windows", "conv_commit", "verify_from_pool"]
+__all__ = ["causal_conv1d_verify", "causal_conv1d_verify_dense", "dense_windows", "conv_commit", "verify_from_pool",
+           "tree_columns"]
 
 F32 = jnp.float32
 
@@ -80,7 +89,28 @@ def _silu(acc):
     return acc / (1.0 + rounding.exp(-acc))
 
 
-def causal_conv1d_verify(conv_state, x, weight, bias=None):
+def tree_columns(parents, kernel: int):
+    """Which input each tap of each node reads, for a draft tree: ``[N, D] -> [Kc, N, D]`` int32.
+
+    Columns index ``cols = [conv_state (Kc-1 columns) | x_0 .. x_{D-1}]``: tap ``j`` of node d
+    (weight column j) reads ``cols[idx[j, n, d]]``, the input ``Kc-1-j`` steps up node d's root path
+    (``idx[Kc-1] = Kc-1+d``, the node itself; past the root, the old state's columns, newest first).
+    Each step up is one gather of the column's parent: a node column's parent is its parent node's
+    column (``Kc-2``, the state's newest, for a child of the root), a state column's the one before
+    it. For the chain (``parents[d] = d-1``) ``idx[j] = d + j``: the chain's taps.
+    """
+    p = jnp.asarray(parents, jnp.int32)
+    N, D = p.shape
+    W = kernel - 1
+    hist = jnp.broadcast_to(jnp.maximum(jnp.arange(W, dtype=jnp.int32) - 1, 0), (N, W))  # state column i <- i-1
+    pcol = jnp.concatenate([hist, jnp.where(p >= 0, W + p, W - 1)], axis=1)  # [N, W+D]
+    idx = [jnp.broadcast_to(W + jnp.arange(D, dtype=jnp.int32), (N, D))]
+    for _ in range(W):
+        idx.insert(0, jnp.take_along_axis(pcol, idx[0], axis=1))
+    return jnp.stack(idx)
+
+
+def causal_conv1d_verify(conv_state, x, weight, bias=None, parents=None):
     """The conv of D draft tokens with deduplicated windows; ``conv_state`` is not modified.
 
     Args:
@@ -89,11 +119,18 @@ def causal_conv1d_verify(conv_state, x, weight, bias=None):
       x: ``[N, D, conv_dim]`` draft inputs (pre-activation ``[q | k | v]`` projections).
       weight: ``[conv_dim, Kc]``; ``weight[:, j]`` multiplies ``x_{t-Kc+1+j}``.
       bias: ``[conv_dim]`` or None.
+      parents: None (a chain), or a draft tree's ``[N, D]`` int32 parents (checked by the
+        caller, :func:`gdn_lossless_jax.checks.check_tree`): node d's taps read its root path
+        (:func:`tree_columns`).
     Returns:
       ``(out [N, D, conv_dim] in x's dtype, windows [N, conv_dim, D+Kc-2] in conv_state's
-      dtype)`` with ``windows[..., c] = x_{c-(Kc-2)}``: window t is ``windows[..., t:t+Kc-1]``.
+      dtype)`` with ``windows[..., c] = x_{c-(Kc-2)}``: window t is ``windows[..., t:t+Kc-1]``
+      for a chain; for a tree, column ``Kc-2+d`` is node d's input (the window of a node is
+      gathered along its path).
     """
     _check_verify_args("causal_conv1d_verify", conv_state, x, weight, bias)
+    if parents is not None:
+        return _verify_tree(conv_state, x, weight, bias, jnp.asarray(parents, jnp.int32))
     return _verify(conv_state, x, weight, bias)
 
 
@@ -107,6 +144,17 @@ def _verify(conv_state, x, weight, bias):
     xt = jnp.swapaxes(x, 1, 2).astype(conv_state.dtype)  # [N, C, D], rounded as the windows store it
     cols = jnp.concatenate([conv_state, xt], axis=-1)  # x_{-(Kc-1)} .. x_{D-1}
     taps = [cols[..., j : j + D].astype(F32) for j in range(weight.shape[1])]
+    out = _silu(_taps(taps, weight, bias))
+    return jnp.swapaxes(out, 1, 2).astype(x.dtype), cols[..., 1:]
+
+
+@jax.jit
+def _verify_tree(conv_state, x, weight, bias, parents):
+    conv_state, x, weight, bias = lax.optimization_barrier((conv_state, x, weight, bias))
+    xt = jnp.swapaxes(x, 1, 2).astype(conv_state.dtype)  # [N, C, D]
+    cols = jnp.concatenate([conv_state, xt], axis=-1)  # x_{-(Kc-1)} .. x_{D-1}, node d at Kc-1+d
+    idx = tree_columns(parents, weight.shape[1])  # [Kc, N, D]
+    taps = [jnp.take_along_axis(cols, i[:, None, :], axis=-1).astype(F32) for i in idx]
     out = _silu(_taps(taps, weight, bias))
     return jnp.swapaxes(out, 1, 2).astype(x.dtype), cols[..., 1:]
 
@@ -126,7 +174,7 @@ def _kernel_form(backend: str) -> str | None:
 
 
 def verify_from_pool(conv_pool, layer, slots, x, weight, bias=None, *, windows=None, rows=None, splits=None,
-                     backend: str = "auto"):  # fmt: skip
+                     backend: str = "auto", parents=None):  # fmt: skip
     """The conv of verify, reading each request's conv state from the pool by slot.
 
     Args:
@@ -142,10 +190,12 @@ def verify_from_pool(conv_pool, layer, slots, x, weight, bias=None, *, windows=N
       backend: with ``"pallas"`` or ``"triton"`` on CUDA (or ``"pallas"`` in interpret mode on
         a CPU), one Pallas kernel that reads the states by slot and writes the windows in
         place; otherwise XLA (gather, :func:`causal_conv1d_verify`, scatter). Same bits.
+      parents: None, or a draft tree's ``[N, D]`` int32 parents: the tree's conv, in XLA on every
+        backend (:func:`causal_conv1d_verify`).
     Returns:
       ``(outputs, windows)``: a list of ``[N, D, c]`` arrays (one per split), and the windows.
     """
-    form = _kernel_form(backend)
+    form = _kernel_form(backend) if parents is None else None
     if form is not None:
         from .backends.pallas import conv_verify
 
@@ -159,7 +209,7 @@ def verify_from_pool(conv_pool, layer, slots, x, weight, bias=None, *, windows=N
     bias = bias[layer] if bias is not None and bias.ndim == 2 else bias
     S = conv_pool.shape[1]
     idx = jnp.where((slots >= 0) & (slots < S), slots, S)
-    y, win = causal_conv1d_verify(conv_pool.at[layer, idx].get(mode="fill", fill_value=0), x, weight, bias)
+    y, win = causal_conv1d_verify(conv_pool.at[layer, idx].get(mode="fill", fill_value=0), x, weight, bias, parents)
     bounds = np.cumsum([0, *(splits or (x.shape[-1],))])
     outs = [y[..., lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
     if windows is None:
@@ -216,7 +266,8 @@ class _Extent:
     num_steps: int
 
 
-def conv_commit(conv_pool, windows, slots, steps, track_slots=None, track_steps=None, rows=None, *, backend="auto"):
+def conv_commit(conv_pool, windows, slots, steps, track_slots=None, track_steps=None, rows=None, *, backend="auto",
+                path=None):  # fmt: skip
     """Copy each request's accepted (and track) conv window into the conv state pool.
 
     Args:
@@ -229,6 +280,10 @@ def conv_commit(conv_pool, windows, slots, steps, track_slots=None, track_steps=
         ``track_slots[i]`` the window after ``track_steps[i]``.
       backend: as in :func:`verify_from_pool`: one Pallas kernel, in place on the pool, where
         the conv kernel runs; XLA elsewhere. Same bits.
+      path: for a draft tree's windows, ``[N, P]`` int, request i's accepted root-to-node path
+        (as in :func:`gdn_lossless_jax.commit`; steps are positions along it): the window after
+        position s is the old columns and the path's node columns up to s, last ``Kc-1`` of them,
+        gathered in XLA on every backend.
     Returns:
       The new conv pool. The same requests are skipped as in the SSM commit (out-of-range
       slot or row: the whole request; step outside ``[0, D)``: that write; out-of-range
@@ -260,6 +315,10 @@ def conv_commit(conv_pool, windows, slots, steps, track_slots=None, track_steps=
     for name, a in (("slots", slots), ("steps", steps), ("track_slots", track_slots), ("track_steps", track_steps), ("rows", rows)):
         check_index(fn, name, a, N)
     slots, steps, track_slots, track_steps, rows = (as_index(a) for a in (slots, steps, track_slots, track_steps, rows))
+    if path is not None:
+        check_rank(fn, "path", path, 2, "[N, P]")
+        check_shape(fn, "path", path, (N, shape_of(path)[1]), "[N, P]", "N from slots")
+        return _conv_commit_path(conv_pool, windows, slots, steps, track_slots, track_steps, rows, as_index(path))
     form = _kernel_form(backend)
     if form is not None:
         from .backends.pallas import conv_commit as kernel
@@ -283,3 +342,19 @@ def _conv_commit(conv_pool, windows, slots, steps, track_slots, track_steps, row
 
     conv_pool = reference._scatter(conv_pool, track_slots, track, pick(track_steps))
     return reference._scatter(conv_pool, slots, accept, pick(steps))
+
+
+@jax.jit
+def _conv_commit_path(conv_pool, windows, slots, steps, track_slots, track_steps, rows, path):
+    # The path's columns (the old ones, then the path's nodes in order) gathered into one chain's
+    # windows per request; then the chain's commit, with the steps as positions along the path.
+    Kc = conv_pool.shape[-1] + 1
+    D, R = windows.shape[-1] - (Kc - 2), windows.shape[1]
+    N = path.shape[0]
+    steps, track_steps = reference.path_steps(path, steps, D), reference.path_steps(path, track_steps, D)
+    ok = (rows >= 0) & (rows < R)
+    old = jnp.broadcast_to(jnp.arange(Kc - 2, dtype=jnp.int32), (N, Kc - 2))
+    cols = jnp.concatenate([old, Kc - 2 + jnp.clip(path, 0, D - 1)], axis=1)  # [N, P+Kc-2]
+    chain = jnp.take_along_axis(windows[:, jnp.where(ok, rows, 0)], cols[None, :, None, :], axis=-1)
+    rows = jnp.where(ok, jnp.arange(N, dtype=jnp.int32), N)
+    return _conv_commit(conv_pool, chain, slots, steps, track_slots, track_steps, rows)

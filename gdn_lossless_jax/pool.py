@@ -33,9 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import api, checked as checked_mode, checks, reference
+from . import api, checked as checked_mode, checks, reference, tree
 from .backends.contract import PendingCommit, VerifyCall
-from .checks import as_index, check_heads, check_index, check_linear_chain, check_rank, check_shape, fmt_shape, shape_of
+from .checks import as_index, check_heads, check_index, check_rank, check_shape, fmt_shape, shape_of
 from .config import Geometry
 from .conv import conv_commit, verify_from_pool
 from .tape import Snapshots, Tape, Tuples, replace_fields
@@ -87,8 +87,10 @@ def _positive(fn: str, **values: int) -> None:
 def check_supported(fn: str, geometry: Geometry, *, drafts: int = 1, topk: int = 1, parents: Any = None) -> None:
     """Reject what the pool cannot hold, before anything is allocated.
 
-    A non-GDN (KDA) layer type, heads that do not divide, top-k > 1 or tree metadata (only
-    linear draft chains can be replayed).
+    A non-GDN (KDA) layer type, heads that do not divide, or a draft tree that is not one
+    (``parents`` ``[drafts]`` or ``[R, drafts]``, each parent in ``[-1, d)``, at most ``topk``
+    children a node; :func:`gdn_lossless_jax.checks.check_tree`). ``topk > 1`` without
+    ``parents`` is a pool for trees given per step.
     """
     if not isinstance(geometry, Geometry):
         raise TypeError(f"{fn}: argument 'geometry' must be a Geometry, got {type(geometry).__name__}")
@@ -98,7 +100,11 @@ def check_supported(fn: str, geometry: Geometry, *, drafts: int = 1, topk: int =
             "only Gated DeltaNet ('gdn') layers are supported"
         )
     check_heads(fn, geometry.num_k_heads, geometry.num_v_heads)
-    check_linear_chain(fn, parents, topk, drafts)
+    if parents is None:  # (topk > 1: trees given per step; only its type and sign are checked)
+        checks.check_topk(fn, topk)
+    else:
+        shape = shape_of(parents)
+        checks.check_tree(fn, parents, topk, shape[0] if len(shape) == 2 else 1, drafts)
 
 
 def scratch_rows(requests: int) -> int:
@@ -251,9 +257,14 @@ def allocate(
     before reading ``ssm`` or writing a slot yourself (:class:`Deferred`).
 
     Everything is checked before any array is allocated: positive sizes, a GDN geometry whose
-    heads divide, a record mode the pool can hold, fp32 or bf16 state, a linear chain
-    (``topk == 1``, ``parents`` None or ``[-1, 0, ..., D-2]``), and that the pool fits: a
-    :class:`MemoryError` gives the bytes asked and the bytes free.
+    heads divide, a record mode the pool can hold, fp32 or bf16 state, a draft tree that is
+    one, and that the pool fits: a :class:`MemoryError` gives the bytes asked and the bytes free.
+
+    Draft trees (``topk``, ``parents``; :mod:`gdn_lossless_jax.tree`): the pool is the same for
+    a chain of D drafts and a tree of D nodes (``drafts`` counts nodes: ``[2, 2, 2]`` is 14),
+    one tape entry a node (tuples or snapshots) and the chain's conv window buffer (one column
+    a node's input), so ``topk`` and ``parents`` are only checked here; the tree of each step
+    goes to :func:`verify_layer` and its accepted path to :func:`commit`.
 
     Args:
       free_bytes: the bytes the pool may take; None: what the default device has free
@@ -476,6 +487,7 @@ def verify_layer(
     backend: str = "auto",
     parents: Any = None,
     topk: int = 1,
+    checked: bool = False,
 ) -> tuple[jax.Array, StatePool]:
     """Verify D draft tokens through one GDN layer, from the pool; record into scratch rows.
 
@@ -499,7 +511,10 @@ def verify_layer(
       slots: ``[N]`` int, each request's mamba slot; a slot outside ``[0, S]`` (padding)
         reads zero states, as in SGLang, and is skipped by commit.
       rows: ``[N]`` int or None, each request's scratch row (default i).
-      scale, backend, parents, topk: as in :func:`gdn_lossless_jax.verify`.
+      scale, backend, parents, topk, checked: as in :func:`gdn_lossless_jax.verify`. With a
+        draft tree (``parents``) each node's conv window is along its root path
+        (:func:`gdn_lossless_jax.conv.tree_columns`) and the tape holds one entry a node;
+        commit it with :func:`commit`'s ``path``. Trees verify on ``"reference"`` and ``"pallas"``.
     Returns:
       ``(outputs [N, D, HV, V] in mixed_qkv's dtype, the new pool)``.
     """
@@ -521,7 +536,11 @@ def verify_layer(
             f"at most drafts={pool.drafts}"
         )
     check_shape(fn, "mixed_qkv", one, (N, D, g.conv_dim), "[N, D, conv_dim]", f"conv_dim = 2*H*K + HV*V of {g.name}")
-    check_linear_chain(fn, parents, topk, D)
+    parents = checks.check_tree(fn, parents, topk, N, D)
+    if parents is not None:
+        api.check_tree_backend(fn, backend)
+        if checked:
+            tree.checkify_parents(fn, parents, topk)
     check_index(fn, "slots", slots, N)
     rows = _check_rows(fn, rows, N)
     checks.check_float(fn, "mixed_qkv", mixed_qkv)
@@ -543,13 +562,14 @@ def verify_layer(
     scale = checks.as_scale(fn, scale, g.head_k_dim)
     return _verify_layer(
         pool, _layer_arg(pool, layer), mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias,
-        as_index(slots), rows, scale=scale, backend=backend,
+        as_index(slots), rows, parents, scale=scale, backend=backend,
     )  # fmt: skip
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames=("scale", "backend"))
 @checks.unstaged  # verify_layer staged its index arguments where its caller traces
-def _verify_layer(pool, layer, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, slots, rows, *, scale, backend):
+def _verify_layer(pool, layer, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, slots, rows, parents=None, *,
+                  scale, backend):  # fmt: skip
     # The kernels read each request's conv and SSM states from the pool by slot and write the
     # windows and the tape into the scratch rows in place (verify_from_pool, verify's slots=/
     # tape= form): no gathered states, no copies of the tape or of [q | k | v] slices.
@@ -558,7 +578,7 @@ def _verify_layer(pool, layer, mixed_qkv, a, b, conv_weight, conv_bias, A_log, d
     HK = g.num_k_heads * g.head_k_dim
     (q, k, v), windows = verify_from_pool(
         pool.conv, layer, slots, mixed_qkv, conv_weight, conv_bias, windows=pool.conv_windows, rows=rows,
-        splits=(HK, HK, g.num_v_heads * g.head_v_dim), backend=backend,
+        splits=(HK, HK, g.num_v_heads * g.head_v_dim), backend=backend, parents=parents,
     )  # fmt: skip
     q = q.reshape(N, D, g.num_k_heads, g.head_k_dim)
     k = k.reshape(N, D, g.num_k_heads, g.head_k_dim)
@@ -566,7 +586,7 @@ def _verify_layer(pool, layer, mixed_qkv, a, b, conv_weight, conv_bias, A_log, d
     d = pool.deferred
     # verify_layer checked every argument: the backend's call directly (api.verify would check again)
     call = VerifyCall(pool.ssm, slots, layer, q, k, v, a, b, A_log, dt_bias, rows=rows, tape_layer=layer, scale=scale,
-                      record=pool.record, out_dtype=jnp.dtype(q.dtype))  # fmt: skip
+                      record=pool.record, out_dtype=jnp.dtype(q.dtype), parents=parents)  # fmt: skip
     if d is None:
         outputs, tape = api.run_verify(call.replace(tape=pool.tape), backend)
         return outputs, dataclasses.replace(pool, tape=tape, conv_windows=windows)
@@ -592,6 +612,8 @@ def commit(
     track_steps: jax.Array | None = None,
     rows: jax.Array | None = None,
     *,
+    path: jax.Array | None = None,
+    parents: Any = None,
     backend: str = "auto",
     checked: bool = False,
 ) -> StatePool:
@@ -608,31 +630,57 @@ def commit(
     the pool is donated, so the pool is still usable after the error. The bounds are the
     allocated ones: slots ``[0, S+1)`` and rows ``[0, R+1)`` (the padding slot and row
     count), so padding requests that share the padding slot fail as duplicate slots.
+
+    ``path``, ``parents``: a draft tree's accepted paths (``[N, P]``, ``P <= drafts``; steps are
+    positions along them) and, optionally, its parents to check them against, as in
+    :func:`gdn_lossless_jax.commit`; the conv windows are gathered along the path
+    (:func:`gdn_lossless_jax.conv.conv_commit`). With ``defer_commit=True`` a tuple pool first
+    reorders each committed row of this step's scratch tape along its path (its first P entries
+    become the path's), so that the next verify's fused commit replays a chain.
     """
     if not isinstance(pool, StatePool):
         raise TypeError(f"commit: argument 'pool' must be a StatePool, got {type(pool).__name__}")
     _check_arrays("commit", pool)
-    _check_requests("commit", pool, int(np.shape(slots)[0]) if np.ndim(slots) == 1 else 0, "slots")
-    if checked:
+    N = int(np.shape(slots)[0]) if np.ndim(slots) == 1 else 0
+    _check_requests("commit", pool, N, "slots")
+    host = checks.is_host(path, parents, steps, track_steps)
+    if path is not None:
+        path = checks.check_path("pool.commit", path, N)
+        if path.shape[1] > pool.drafts:
+            raise ValueError(f"pool.commit: argument 'path' has P={path.shape[1]} entries a request, more than the "
+                             f"pool's drafts={pool.drafts} (its tape's nodes)")  # fmt: skip
+        parents = checks.check_commit_parents("pool.commit", parents, N, pool.drafts)
+    elif parents is not None:
+        raise ValueError("pool.commit: parents= checks a tree's accepted paths: pass path= too")
+    if checked or (path is not None and host):
         ints = checks.commit_index_args("pool.commit", slots, steps, track_slots, track_steps, rows)
-        checked_mode.check_commit("pool.commit", pool.ssm.shape[1], pool.rows, pool.drafts, *ints)
+        if path is not None and host:
+            tree.check_path_values("pool.commit", path, ints[1], ints[3], pool.drafts, parents)
+        if checked:
+            D = pool.drafts if path is None else path.shape[1]
+            checked_mode.check_commit("pool.commit", pool.ssm.shape[1], pool.rows, D, *ints)
+            if path is not None:
+                tree.checkify_path("pool.commit", path, ints[1], ints[3], pool.drafts, parents)
     # Defaults (None) are filled, and every argument checked, by the two commits it calls; the
     # index arrays are staged here, where the caller traces (checks.as_index).
     ix = [as_index(x) if isinstance(x, jax.Array) and x.dtype == jnp.int32 else x
           for x in (slots, steps, track_slots, track_steps, rows)]  # fmt: skip
-    return _commit(pool, *ix, backend=backend)
+    return _commit(pool, *ix, path, backend=backend)
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames=("backend",))
 @checks.unstaged  # commit staged its index arguments where its caller traces
-def _commit(pool, slots, steps, track_slots, track_steps, rows, *, backend):
-    conv = conv_commit(pool.conv, pool.conv_windows, slots, steps, track_slots, track_steps, rows, backend=backend)
+def _commit(pool, slots, steps, track_slots, track_steps, rows, path=None, *, backend):
+    conv = conv_commit(pool.conv, pool.conv_windows, slots, steps, track_slots, track_steps, rows, backend=backend,
+                       path=path)  # fmt: skip
     if pool.deferred is None:
-        ssm = api.commit(pool.ssm, pool.tape, slots, steps, track_slots, track_steps, rows, backend=backend)
+        ssm = api.commit(pool.ssm, pool.tape, slots, steps, track_slots, track_steps, rows, path=path, backend=backend)
         return dataclasses.replace(pool, ssm=ssm, conv=conv)
     # The previous step's entries no verify of this step applied (requests that left) go in now;
     # this step's SSM commit waits for the next verify, which writes the other scratch tape.
     pool = _flush(pool, backend)
+    if path is not None:  # the tree's commit as the chain commit it is, in the tape this step wrote
+        pool, steps, track_steps = _along_path(pool, rows, path, steps, track_steps)
     P, N = pool.rows, slots.shape[0]  # (N <= the pool's requests: checked by commit)
     pad = lambda x: jnp.full((P,), -1, jnp.int32).at[:N].set(jnp.asarray(x, jnp.int32))  # noqa: E731
     if track_slots is None:
@@ -642,6 +690,26 @@ def _commit(pool, slots, steps, track_slots, track_steps, rows, *, backend):
     d = Deferred(pool.deferred.tape, pad(slots), pad(steps), pad(track_slots), pad(track_steps), pad(rows),
                  jnp.zeros((P,), bool), parity=not pool.deferred.parity)  # fmt: skip
     return dataclasses.replace(pool, conv=conv, deferred=d)
+
+
+def _along_path(pool: StatePool, rows, path, steps, track_steps):
+    """A deferred tree commit made a chain's: snapshots map each position to its node; tuples
+    write each row's path entries to its first P steps (in this step's tape, in place). Returns
+    ``(pool, steps, track_steps)``."""
+    N = path.shape[0]
+    if rows is None:
+        rows = np.arange(N, dtype=np.int32)
+    if track_steps is None:
+        track_steps = np.full((N,), -1, np.int32)
+    d = pool.deferred
+    written = d.tape if d.parity else pool.tape  # the tape this step's verify wrote
+    new, _, steps, track_steps = reference.along_path(written, jnp.asarray(rows, jnp.int32), path, steps, track_steps)
+    if isinstance(written, Tuples):
+        r, P = _in_range(jnp.asarray(rows, jnp.int32), written.num_rows), path.shape[1]
+        written = jax.tree.map(lambda t, x: t.at[:, r, :P].set(x, mode="drop"), written, new)
+        pool = (dataclasses.replace(pool, deferred=dataclasses.replace(d, tape=written)) if d.parity
+                else dataclasses.replace(pool, tape=written))  # fmt: skip
+    return pool, steps, track_steps
 
 
 def _flush(pool: StatePool, backend: str) -> StatePool:

@@ -45,9 +45,12 @@ __all__ = [
     "prepare",
     "gdn_step",
     "verify",
+    "tree_chain",
     "replay",
     "replay_two",
     "commit",
+    "path_steps",
+    "along_path",
     "read_slots",
     "write_rows",
     "verify_form",
@@ -165,14 +168,19 @@ def gdn_step(S, x, *, mul: Callable = rounding.mul_rn, fma: Callable = rounding.
     return S_new, (o, u)
 
 
-def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record: str = "tuples", scale: float, out_dtype=None):
+def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record: str = "tuples", scale: float, out_dtype=None,
+           parents=None):  # fmt: skip
     """Run the D draft steps as a ``lax.scan`` of :func:`gdn_step`; ``state0`` is not modified.
 
     Returns ``(outputs [N, D, HV, V], tape)``: a :class:`Tuples` tape (``u``, ``k`` per
     q/k head, ``g``; fp32) or a :class:`Snapshots` tape (the state after every step,
-    rounded to ``state0.dtype``). The outputs do not depend on ``record``.
+    rounded to ``state0.dtype``). The outputs do not depend on ``record``. With ``parents``
+    (``[N, D]`` int32, :mod:`gdn_lossless_jax.tree`) the D drafts are the nodes of a tree
+    (:func:`tree_chain`); None is the linear chain.
     """
     qn, kn, g, beta = prepare(q, k, a, b, A_log, dt_bias, scale)
+    if parents is not None:
+        return tree_chain(state0, qn, kn, v, g, beta, parents, record=record, out_dtype=out_dtype or q.dtype)
     return chain(state0, qn, kn, v, g, beta, record=record, out_dtype=out_dtype or q.dtype)
 
 
@@ -199,6 +207,43 @@ def chain(state0, qn, kn, v, g, beta, *, record: str, out_dtype, step: Callable 
     # The reference thus materialises the snapshots in tuples mode too: it is the
     # specification, not the memory-lean path.
     _, ys = lax.scan(body, state0.astype(dtype), xs)
+    o, u, states = (jnp.moveaxis(y, 0, 1) for y in lax.optimization_barrier(ys))
+    states = states.astype(state0.dtype)
+    outputs = o.astype(out_dtype)
+    tape = Snapshots(states) if record == "snapshots" else Tuples(u=u, k=kn, g=g)
+    return outputs, tape
+
+
+def tree_chain(state0, qn, kn, v, g, beta, parents, *, record: str, out_dtype, step: Callable = gdn_step):
+    """:func:`chain` for a draft tree: node d's state is ``step`` of its parent's state (``state0`` for
+    a parent of -1) and node d's inputs.
+
+    ``parents`` ``[N, D]`` int32, each ``parents[n, d]`` in ``[-1, d)`` (topological order;
+    :mod:`gdn_lossless_jax.tree`; a value outside is clipped into ``[-1, d)``, so an unchecked bad
+    parent gives some other node's state, never garbage memory). The scan walks the nodes in order,
+    carrying every node's fp32 state (``[N, D+1, HV, V, K]``, slot 0 the root): the state a node
+    reads is the very fp32 value its parent's step produced, and each step is :func:`gdn_step`, so
+    the states along a root-to-node path are bit for bit those of :func:`chain` run on that path's
+    inputs. The tape and the outputs are per node, as :func:`chain`'s are per step.
+    """
+    dtype = qn.dtype
+    N, D = v.shape[:2]
+    HV = v.shape[2]
+    xs = (_expand_heads(qn, HV), _expand_heads(kn, HV), v.astype(dtype), g, beta)
+    xs = jax.tree.map(lambda t: jnp.moveaxis(t, 1, 0), xs)
+    par = jnp.moveaxis(jnp.asarray(parents, jnp.int32), 1, 0)  # [D, N]
+    d_idx = jnp.arange(D, dtype=jnp.int32)
+    buf = jnp.zeros((N, D + 1, *state0.shape[1:]), dtype).at[:, 0].set(state0.astype(dtype))
+    rows = jnp.arange(N)
+
+    def body(buf, x):
+        x, p, d = x
+        S = buf[rows, jnp.clip(p + 1, 0, d)]  # the parent's state (slot 0: the root)
+        S_new, (o, u) = step(S, x)
+        return lax.dynamic_update_index_in_dim(buf, S_new, d + 1, 1), (o, u, S_new)
+
+    # As in chain: one program for both record modes, the states rounded after the loop.
+    _, ys = lax.scan(body, buf, (xs, par, d_idx))
     o, u, states = (jnp.moveaxis(y, 0, 1) for y in lax.optimization_barrier(ys))
     states = states.astype(state0.dtype)
     outputs = o.astype(out_dtype)
@@ -258,8 +303,9 @@ def verify_form(call, *, verify_fn: Callable = verify, commit_fn: Callable | Non
         pool = lax.dynamic_update_index_in_dim(pool, committed[0], layer, 0)
     # a plain state0 (a one-layer pool whose slot n is request n) is read as it is: no gather to partition
     state = read_slots(pool, layer, call.slots) if call.pool_form else pool[0]
+    tree = {} if getattr(call, "parents", None) is None else {"parents": call.parents}
     outputs, new = verify_fn(state, q, k, v, a, b, A_log, dt_bias, record=call.record, scale=call.scale,
-                             out_dtype=call.out_dtype)  # fmt: skip
+                             out_dtype=call.out_dtype, **tree)  # fmt: skip
     if call.tape is not None:
         new = write_rows(call.tape, call.tape_layer, call.rows, new)
     if call.out is not None:
@@ -330,6 +376,41 @@ def _scatter(pool, dst, ok, states):
     """``pool[:, dst[i]] = states[:, i]`` where ``ok[i]``; other slots keep their bits."""
     idx = jnp.where(ok, dst, pool.shape[1])  # out of range: dropped (negative would wrap)
     return pool.at[:, idx].set(states.astype(pool.dtype), mode="drop")
+
+
+def path_steps(path, steps, D: int):
+    """``steps`` (positions along ``path [N, P]``) where ``path[i, :steps[i]+1]`` are all nodes in
+    ``[0, D)``, else -1 (nothing written: a path that does not reach its step is skipped, as a step
+    out of range is)."""
+    P = path.shape[1]
+    steps = jnp.asarray(steps, jnp.int32)
+    node = (path >= 0) & (path < D)
+    reach = jnp.cumprod(node.astype(jnp.int32), axis=1).sum(1)  # the leading entries that are nodes
+    return jnp.where((steps >= 0) & (steps < P) & (steps < reach), steps, -1)
+
+
+def along_path(tape, rows, path, steps, track_steps):
+    """A tree commit as the chain commit it is: the arguments of :func:`commit` for ``tape``'s nodes
+    ``path [N, P]`` (node indices from the root's child down, -1 padded; ``steps`` and
+    ``track_steps`` positions along it). Returns ``(tape, rows, steps, track_steps)``.
+
+    Snapshots: the same tape, and each position mapped to its node (the snapshot of node
+    ``path[i, s]``). Tuples: the path's tuples gathered into a chain tape ``[L, N, P, ...]`` (row i
+    request i's path; an out-of-range row becomes row N, skipped), so that a chain replay of it
+    applies exactly the path's steps, in order. Positions whose path does not reach them are -1
+    (:func:`path_steps`). Any backend's chain commit then commits the tree.
+    """
+    R, D = tape.num_rows, tape.num_steps
+    path = jnp.asarray(path, jnp.int32)
+    N, P = path.shape
+    steps, track_steps = path_steps(path, steps, D), path_steps(path, track_steps, D)
+    if isinstance(tape, Snapshots):
+        at = lambda s: jnp.where(s >= 0, jnp.take_along_axis(path, jnp.clip(s, 0, P - 1)[:, None], 1)[:, 0], -1)  # noqa: E731
+        return tape, rows, at(steps), at(track_steps)
+    ok = (rows >= 0) & (rows < R)
+    r, nodes = jnp.where(ok, rows, 0), jnp.clip(path, 0, D - 1)
+    tape = jax.tree.map(lambda t: t[:, r[:, None], nodes], tape)
+    return tape, jnp.where(ok, jnp.arange(N, dtype=jnp.int32), N), steps, track_steps
 
 
 def commit(pool, tape, slots, steps, track_slots, track_steps, rows, *, rule: Callable = rounding.apply_rule):

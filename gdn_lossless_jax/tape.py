@@ -97,6 +97,9 @@ class Pending:
       steps: ``[N]`` int, the accepted step (0-based); negative: nothing pending (a request
         that just joined reads its state as it is).
       track_slots, track_steps: ``[N]`` int, the track copy (negative step: none).
+      path: ``[N, P]`` int or None: for a draft tree, each request's accepted root-to-node path
+        (node indices, -1 padded); ``steps`` and ``track_steps`` are then positions along it, as
+        in :func:`gdn_lossless_jax.commit`.
 
     ``Pending.none(tape, N)`` is a pending commit that commits nothing.
     """
@@ -106,6 +109,7 @@ class Pending:
     steps: jax.Array
     track_slots: jax.Array
     track_steps: jax.Array
+    path: jax.Array | None = None
 
     @classmethod
     def none(cls, tape: "Tuples | Snapshots", n: int) -> "Pending":

@@ -171,3 +171,41 @@ def test_tp_sizes():
     for bad in ("0", "a", "1,,2", "-2"):
         with pytest.raises(ValueError, match="tensor sizes must be"):
             memory.tp_sizes(bad)
+
+
+def test_draft_trees():
+    """A tree of n nodes: one scratch entry a node in both modes, the chain's conv buffer of n
+    columns; the [2,2,2] and top-4 depth-4 trees at the seed geometry (25 requests)."""
+    from gdn_lossless_jax import tree
+
+    assert memory.tree_nodes([2, 2, 2]) == 14 == len(tree.full_tree([2, 2, 2]))
+    assert memory.tree_nodes(topk=4, depth=4) == 16 == len(tree.beam_tree(4, 4))
+    assert memory.tree_nodes([4, 4, 4, 4]) == 340
+    g = get_geometry("qwen3.6-35b-a3b")
+    (r,) = memory.tree_table([g], nodes=14, requests=25)
+    assert r.snapshots == 26 * 14 * 60 * memory.MIB  # a state a node: 21.33 GiB
+    assert r.tuples == memory.scratch_bytes(g, 14, "tuples", requests=25)
+    assert (memory.gib(r.snapshots), memory.gib(r.tuples), memory.gib(r.conv_windows)) == ("21.33", "0.25", "0.19")
+    (r,) = memory.tree_table([g], nodes=16, requests=25)
+    assert (memory.gib(r.snapshots), memory.gib(r.tuples), memory.gib(r.conv_windows)) == ("24.38", "0.29", "0.21")
+    # the pool a tree allocates is what is counted
+    small = g.reduced(gdn_layers=2, heads_divisor=8, head_dim=16)
+    pl = P.allocate(small, slots=2, requests=3, drafts=14, parents=tree.full_tree([2, 2, 2]), topk=2)
+    (r,) = memory.tree_table([small], nodes=14, requests=3)
+    assert pl.scratch_nbytes == r.tuples and pl.conv_windows.nbytes == r.conv_windows
+    with pytest.raises(ValueError, match="not both"):
+        memory.tree_nodes([2], topk=2, depth=2)
+
+
+def test_memory_command_takes_a_tree(capsys):
+    from gdn_lossless_jax.tools import cli
+
+    assert cli.main(["memory", "--tree", "2,2,2"]) == 0
+    out = capsys.readouterr().out
+    assert "draft tree [2,2,2] (branching per depth): 14 nodes, 25 requests" in out
+    assert "Qwen3.5/3.6-35B-A3B       21.33      0.25         84.9x" in out and "Qwen3.5/3.8-27B" in out
+    assert cli.main(["memory", "--topk", "4", "--depth", "4", "--model", "qwen3.6-35b-a3b"]) == 0
+    out = capsys.readouterr().out
+    assert "top-4 depth-4 (4 nodes a depth, EAGLE-style): 16 nodes" in out and "D=16 draft tokens" in out
+    assert cli.main(["memory", "--topk", "4"]) == 2
+    assert "--topk and --depth go together" in capsys.readouterr().err

@@ -48,8 +48,8 @@ HUGE = dict(slots=10**6, requests=10**6, drafts=16)
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(topk=2), r"allocate: topk=2 is not supported: only linear draft chains"),
-        (dict(parents=np.array([-1, 0, 0] + list(range(2, 15)))), r"allocate: tree/parent metadata .* describes a tree"),
+        (dict(topk=0), r"allocate: argument 'topk' must be a positive integer .*got 0"),
+        (dict(parents=np.array([-1, 0, 0] + list(range(2, 15)))), r"allocate: argument 'parents' gives node 0 .* more than topk=1"),
         (dict(record="seed_ring"), r"allocate: record must be one of \('tuples', 'snapshots'\), got 'seed_ring'"),
         (dict(state_dtype=jnp.float16), r"allocate: state_dtype must be float32 or bfloat16, got float16"),
         (dict(drafts=0), r"allocate: argument 'drafts' must be a positive integer, got 0"),
@@ -175,7 +175,7 @@ def test_verify_layer_rejects(seed):
     x = _layer_inputs(rng, SMALL, 2, 2)
     with pytest.raises(ValueError, match=r"verify_layer: topk=4 is not supported"):
         P.verify_layer(pl, 0, **x, slots=slots, topk=4)
-    with pytest.raises(ValueError, match=r"verify_layer: tree/parent metadata"):
+    with pytest.raises(ValueError, match=r"verify_layer: argument 'parents' gives the root of request 0 2 children"):
         P.verify_layer(pl, 0, **x, slots=slots, parents=np.array([[-1, -1], [-1, 0]]))
     with pytest.raises(ValueError, match=r"verify_layer: argument 'layer' must be in \[0, 2\), got 2"):
         P.verify_layer(pl, 2, **x, slots=slots)

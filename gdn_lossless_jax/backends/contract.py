@@ -11,6 +11,11 @@ and optionally ``check_available(op: str) -> None``, which raises
 backend's own keywords (a launch config, a rounding form); the API passes none. Semantics are
 the reference's (:mod:`gdn_lossless_jax.reference`), bit for bit where the reference pins them.
 
+Draft trees: a backend whose verify takes a call with ``parents`` (``VerifyCall.parents``, node d's
+parent per request) sets a module attribute ``TREES = True``; the API refuses a tree for any
+other backend before it calls it. Commit needs nothing: the API turns a tree's accepted path into
+the chain commit it is (:func:`gdn_lossless_jax.reference.along_path`).
+
 :class:`VerifyCall` is verify in its one normal form: the state always a pool
 ``[L, S, HV, V, K]`` read at ``[layer, slots[n]]`` (a plain ``[N, HV, V, K]`` state0 arrives as
 a one-layer pool whose slot n is request n), the tape and outputs buffers with a layer axis,
@@ -89,6 +94,7 @@ class VerifyCall:
     out: jax.Array | None = None
     out_layer: jax.Array | None = None
     pending: PendingCommit | None = None
+    parents: jax.Array | None = None
     record: str = dataclasses.field(default="tuples", metadata=dict(static=True))
     scale: float = dataclasses.field(default=1.0, metadata=dict(static=True))
     out_dtype: Any = dataclasses.field(default=jnp.dtype(jnp.float32), metadata=dict(static=True))

@@ -7,7 +7,10 @@ import jax
 from .. import reference as ref
 from .contract import VerifyCall
 
-__all__ = ["verify", "replay", "commit"]
+__all__ = ["verify", "replay", "commit", "TREES"]
+
+#: The reference verifies draft trees (``VerifyCall.parents``): :func:`gdn_lossless_jax.reference.tree_chain`.
+TREES = True
 
 
 @jax.jit

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .options import model_name, non_negative_int, positive_gib, positive_int, tensor_sizes
+from .options import model_name, non_negative_int, positive_gib, positive_int, tensor_sizes, tree_branching
 
 __all__ = ["main", "build_parser", "positive_int", "non_negative_int", "positive_gib", "model_name", "tensor_sizes",
            "version_string"]
@@ -82,6 +82,8 @@ def _memory(args) -> int:
     from ..config import get_geometry
     from .memory import GIB, format_report, format_seed_table, format_tp_table, memory_report, tp_table
 
+    if args.tree is not None or args.topk is not None or args.depth is not None:
+        return _memory_tree(args)
     if args.tp is not None:
         slots = 2 * args.requests if args.slots is None else args.slots
         kw = dict(drafts=args.drafts, requests=args.requests, slots=slots, state_dtype=jnp.dtype(args.state_dtype),
@@ -104,6 +106,30 @@ def _memory(args) -> int:
     if args.seed_table:
         print()
         print(format_seed_table())
+    return 0
+
+
+def _memory_tree(args) -> int:
+    import jax.numpy as jnp
+
+    from .memory import format_report, format_tree_table, memory_report, tree_nodes, tree_table
+    from ..config import get_geometry
+
+    if args.tree is not None and (args.topk is not None or args.depth is not None):
+        raise ValueError("give --tree, or --topk and --depth, not both")
+    if args.tree is None and (args.topk is None or args.depth is None):
+        raise ValueError("--topk and --depth go together (an EAGLE-style tree of topk nodes a depth)")
+    if args.tree is not None:
+        nodes, label = tree_nodes(args.tree), "[" + ",".join(map(str, args.tree)) + "] (branching per depth)"
+    else:
+        nodes = tree_nodes(topk=args.topk, depth=args.depth)
+        label = f"top-{args.topk} depth-{args.depth} ({args.topk} nodes a depth, EAGLE-style)"
+    kw = dict(state_dtype=jnp.dtype(args.state_dtype), conv_dtype=jnp.dtype(args.conv_dtype))
+    models = None if args.model is None else [args.model]
+    print(format_tree_table(tree_table(models, nodes=nodes, requests=args.requests, **kw), label))
+    if args.model is not None:
+        print()
+        print(format_report(memory_report(get_geometry(args.model), drafts=nodes, requests=args.requests, **kw)))
     return 0
 
 
@@ -162,6 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "--model or every named model")
     m.add_argument("--slots", type=positive_int, default=None,
                    help="mamba slots of the pool, for --tp (default 2 x requests: each request's own and a track slot)")
+    m.add_argument("--tree", type=tree_branching, default=None, metavar="B1,B2,...",
+                   help="a draft tree by its branching per depth (2,2,2: 2 + 4 + 8 = 14 nodes): print both modes' "
+                        "scratch for it, one entry a node, for the seed's models (or --model)")
+    m.add_argument("--topk", type=positive_int, default=None,
+                   help="with --depth: an EAGLE-style tree of topk nodes at each depth (topk * depth nodes)")
+    m.add_argument("--depth", type=positive_int, default=None, help="with --topk: the tree's depth")
     m.add_argument("--seed-table", action="store_true",
                    help="also print the seed's table (the three setups of SGLang's lossless-verify pull request) "
                         "recomputed from our shapes, the GiB it printed beside ours")

@@ -19,6 +19,12 @@ SGLang reserves ``requests + 1`` scratch rows (the padding row). The freed bytes
 cache at ``full_attention_layers * 2 * kv_heads * kv_head_dim * itemsize(kv)`` per token.
 Sizes are printed in GiB (2**30 bytes): the seed's table says "GB" but its numbers are GiB
 (in 10**9 bytes they would not match).
+
+Draft trees (:mod:`gdn_lossless_jax.tree`): the scratch holds one entry a node in both modes (a
+tuple, or a state: what SGLang's tree verify keeps), and the conv windows stay the chain's
+buffer with one column a node, so a tree of n nodes costs what a chain of D = n drafts does
+(:func:`tree_nodes`, :func:`tree_table`). SGLang's own tree path keeps a dense window a node
+(``conv_dim * (Kc-1)``), counted beside ours.
 """
 
 from __future__ import annotations
@@ -49,6 +55,11 @@ __all__ = [
     "tp_sizes",
     "tp_table",
     "format_tp_table",
+    "tree_nodes",
+    "tree_shape",
+    "TreeRow",
+    "tree_table",
+    "format_tree_table",
 ]
 
 GIB = 2**30
@@ -387,4 +398,95 @@ def format_tp_table(rows: list[TPRow], *, drafts: int, requests: int, slots: int
                      + "".join(f"{v / MIB:>13,.1f}" for v in vals))  # fmt: skip
     lines.append("total: the pool (ssm + conv) + that record mode's scratch + the conv windows; the data axis, if "
                  "any, divides the slots and the rows further")  # fmt: skip
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------
+# Draft trees: the scratch of a tree of n nodes (one tape entry and one conv column a node).
+# ---------------------------------------------------------------------------------
+def tree_nodes(branching=None, *, topk: int | None = None, depth: int | None = None) -> int:
+    """The nodes of a draft tree: the full tree of ``branching`` (``[2, 2, 2]``: 2 + 4 + 8 = 14), or
+    an EAGLE-style top-k tree of ``depth`` levels with ``topk`` nodes each (the top-k of the previous
+    level's expansions: ``topk * depth``).
+
+    >>> tree_nodes([2, 2, 2]), tree_nodes(topk=4, depth=4), tree_nodes([4, 4, 4, 4])
+    (14, 16, 340)
+    """
+    if branching is not None:
+        if topk is not None or depth is not None:
+            raise ValueError("tree_nodes: give the branching per depth, or topk and depth, not both")
+        n, level = 0, 1
+        for k in branching:
+            _positive("tree_nodes", branching=int(k))
+            level *= int(k)
+            n += level
+        return n
+    if topk is None or depth is None:
+        raise ValueError("tree_nodes: give the branching per depth, or both topk and depth")
+    _positive("tree_nodes", topk=topk, depth=depth)
+    return topk * depth
+
+
+def tree_shape(text: str) -> tuple[int, ...]:
+    """Branching per depth from ``"2,2,2"``.
+
+    >>> tree_shape("2,2,2")
+    (2, 2, 2)
+    """
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"a tree is its branching per depth, positive integers like 2,2,2, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"a tree's branching per depth must be positive integers, got {text!r}")
+    return values
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeRow:
+    """One model's scratch for a tree of ``nodes`` nodes and ``requests`` requests (``requests + 1`` rows)."""
+
+    geometry: Geometry
+    nodes: int
+    requests: int
+    snapshots: int  # one state a node (SGLang's tree verify)
+    tuples: int  # one (u, k, g) a node (ours)
+    conv_windows: int  # ours: the chain's deduplicated buffer, one column a node
+    conv_dense: int  # SGLang's tree layout: a full window a node
+
+
+def tree_table(models=None, *, nodes: int, requests: int, state_dtype=jnp.float32, conv_dtype=jnp.bfloat16) -> list[TreeRow]:
+    """Both modes' scratch for a tree of ``nodes`` nodes, per model (default: the seed's models).
+
+    >>> r = tree_table(["qwen3.6-35b-a3b"], nodes=14, requests=25)[0]
+    >>> gib(r.snapshots), gib(r.tuples), r.snapshots // r.tuples
+    ('21.33', '0.25', 84)
+    """
+    names = models or tuple(dict.fromkeys(s.model for s in SEED_SETUPS))
+    rows = []
+    for m in names:
+        g = MODELS[m] if isinstance(m, str) else m
+        kw = dict(requests=requests, state_dtype=state_dtype)
+        itemsize = jnp.dtype(conv_dtype).itemsize
+        dense = g.gdn_layers * scratch_rows(requests) * nodes * g.conv_dim * (g.conv_kernel - 1) * itemsize
+        rows.append(TreeRow(g, nodes, requests, scratch_bytes(g, nodes, "snapshots", **kw),
+                            scratch_bytes(g, nodes, "tuples", **kw),
+                            conv_window_bytes(g, nodes, requests=requests, conv_dtype=conv_dtype), dense))  # fmt: skip
+    return rows
+
+
+def format_tree_table(rows: list[TreeRow], label: str) -> str:
+    """The table of :func:`tree_table` (GiB), one line a model."""
+    r0 = rows[0]
+    w = max(len(r.geometry.name) for r in rows)
+    lines = [
+        f"draft tree {label}: {r0.nodes} nodes, {r0.requests} requests ({scratch_rows(r0.requests)} scratch rows); "
+        "GiB; one scratch entry a node in each mode",
+        f"{'model':<{w}}  {'snapshots':>10}  {'tuples':>8}  {'vs snapshots':>12}  {'conv win':>8}  {'dense conv win':>14}",
+    ]
+    for r in rows:
+        lines.append(f"{r.geometry.name:<{w}}  {gib(r.snapshots):>10}  {gib(r.tuples):>8}  {r.snapshots / r.tuples:>11.1f}x"
+                     f"  {gib(r.conv_windows):>8}  {gib(r.conv_dense):>14}")  # fmt: skip
+    lines.append("snapshots: a state a node (SGLang's tree verify); tuples: (u, k, g) a node (ours); conv win: ours, "
+                 "the chain's buffer, a column a node; dense conv win: a full window a node (SGLang's tree layout)")  # fmt: skip
     return "\n".join(lines)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 
-__all__ = ["positive_int", "non_negative_int", "positive_gib", "tensor_sizes", "model_name"]
+__all__ = ["positive_int", "non_negative_int", "positive_gib", "tensor_sizes", "tree_branching", "model_name"]
 
 
 def _int_option(minimum: int, what: str):
@@ -46,6 +46,16 @@ def tensor_sizes(text: str) -> tuple[int, ...]:
 
     try:
         return tp_sizes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def tree_branching(text: str) -> tuple[int, ...]:
+    """A draft tree's branching per depth, ``2,2,2``."""
+    from .memory import tree_shape
+
+    try:
+        return tree_shape(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

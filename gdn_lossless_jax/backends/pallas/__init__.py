@@ -24,7 +24,11 @@ from .verify import VerifyConfig
 from .verify import verify as _verify
 
 __all__ = ["verify", "replay", "commit", "check_available", "VerifyConfig", "CommitConfig", "FORMS", "conv_verify",
-           "conv_commit", "kernel_form"]
+           "conv_commit", "kernel_form", "TREES"]
+
+#: The verify kernel takes draft trees (``VerifyCall.parents``): each node's parent state replayed from
+#: the program's own tuples, no state stored a node (``verify._tree_loop``).
+TREES = True
 
 
 def _interpret() -> bool:

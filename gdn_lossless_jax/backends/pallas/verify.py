@@ -36,7 +36,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from ...reference import INPUT_RANKS
 from ...reference import stacked as is_stacked
-from ... import rounding
+from ... import rounding, tree as tree_mod
 from ..contract import VerifyCall
 from ..launch import VerifyLaunch
 from ._refs import grid, program_ids, store
@@ -322,13 +322,14 @@ def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bo
             k_chunk: int, loop: bool, evict: str | None, prefetch_q: bool, tiles_first: bool, dot_fma: str,
             pending: str | None = None, control: str | None = None, stacked: bool = False,
             out_into: bool = False, pending_replay: str = "split", barrier: bool = True,
-            interpret: bool = False):  # fmt: skip
-    # inputs: state, slots, layer, tape_layer, qn, kn, v, g, beta[, rows, tape buffer (aliased)][, pending inputs]
-    # [, out_layer, outputs buffer (aliased)]; outputs: o, tape[, pool (aliased with state)]. With ``stacked``, v is
-    # [L, N, D, HV, V], read at the pool's layer.
+            interpret: bool = False, tree: bool = False):  # fmt: skip
+    # inputs: state, slots, layer, tape_layer, qn, kn, v, g, beta[, anc, depth (tree)][, rows, tape buffer
+    # (aliased)][, pending inputs][, out_layer, outputs buffer (aliased)]; outputs: o, tape[, pool (aliased with
+    # state)]. With ``stacked``, v is [L, N, D, HV, V], read at the pool's layer.
     n_out = 3 if pending else 2
-    (q_ref, k_ref, v_ref, g_ref, beta_ref), o_ref, tape_ref, state_ref, w = _program(refs, 9, into, r, BV, tiles_first,
-                                                                                     n_out, out_into)  # fmt: skip
+    n_in = 11 if tree else 9
+    (q_ref, k_ref, v_ref, g_ref, beta_ref, *tree_refs), o_ref, tape_ref, state_ref, w = _program(
+        refs, n_in, into, r, BV, tiles_first, n_out, out_into)  # fmt: skip
     n, hv, h, vs = w.n, w.hv, w.h, w.vs
     mul, fma = rounding_ops(form)
     cols = _chunks(k_ref.shape[-1], k_chunk)
@@ -365,9 +366,9 @@ def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bo
             _store_state(tape_ref, w, t, cols, jax.lax.optimization_barrier(S) if interpret else S, evict)
         else:
             _store_row(tape_ref, w, (*w.lead, t, hv, vs), u)
-        return S
+        return (S, u) if tree else S
 
-    start = 9 + (2 if into else 0)
+    start = n_in + (2 if into else 0)
     end = len(refs) - n_out - (2 if out_into else 0)
     if pending == "tuples" and pending_replay == "rows":
         # The commit replayed on the whole [BV, K] tile (one chunk: Triton lays it out with the lanes
@@ -386,6 +387,9 @@ def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bo
         if pending:
             S = _apply_pending(refs[start:end], pending, state_ref, refs[-1], w, cols, S, form, control,
                                pending_replay)  # fmt: skip
+    if tree:  # a draft tree: node t from its parent's state, replayed from the program's own tuples
+        _tree_loop(tree_refs, S, inputs, step, vec, k_ref, g_ref, w, cols, D, mul, fma)
+        return
     if not loop:  # unrolled, every step's inputs loaded first
         xs = [inputs(t) for t in range(D)]
         for t in range(D):
@@ -398,6 +402,50 @@ def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bo
         return step(t, S, x), nxt
 
     jax.lax.fori_loop(0, D, body, (S, inputs(0)))
+
+
+def _tree_loop(tree_refs, S0, inputs, step, vec, k_ref, g_ref, w: _Where, cols, D: int, mul, fma):
+    """The nodes of a draft tree in order, without a state a node: node t's parent state is
+    replayed from the program's pre-verify tile ``S0`` along t's ancestors (``anc[n, t, :depth[n, t]]``,
+    root first) with the rule ``fma(k_a, u_a, rn(S * exp(g_a)))``: the ops of the step's own update,
+    on the same fp32 values, so the replayed state is the parent's bit for bit. ``u_a`` is the
+    program's own earlier result, kept as bit patterns in a ``[Dp, BV]`` register tile (Dp, the
+    next power of two of D; picked by an integer sum that has one nonzero term, exact for ``-0.0``
+    too). Costs ``depth`` elementwise steps a node, no reduction.
+    """
+    anc_ref, depth_ref = tree_refs
+    n, hv = w.n, w.hv
+    Dp = 1 << max(D - 1, 0).bit_length()
+    iota = jax.lax.broadcasted_iota(jnp.int32, (Dp, w.vs.size), 0)
+
+    def pick(Ub, a):
+        return jax.lax.bitcast_convert_type(jnp.sum(jnp.where(iota == a, Ub, 0), axis=0), F32)
+
+    def body(t, carry):
+        Ub, x = carry
+        nxt = inputs(jnp.minimum(t + 1, D - 1))
+
+        def replay(j, S):
+            a = anc_ref[n, t, j]
+            alpha = rounding.exp(g_ref[n, a, hv])
+            ua = pick(Ub, a)
+            return [fma(vec(k_ref, a, c), ua[:, None], mul(s, alpha)) for c, s in zip(cols, S)]
+
+        S = jax.lax.fori_loop(0, depth_ref[n, t], replay, list(S0))
+        _, u = step(t, S, x)
+        return jnp.where(iota == t, jax.lax.bitcast_convert_type(u, jnp.int32)[None, :], Ub), nxt
+
+    jax.lax.fori_loop(0, D, body, (jnp.zeros((Dp, w.vs.size), jnp.int32), inputs(0)))
+
+
+def tree_tables(parents):
+    """The kernel's tables of a draft tree ``parents [N, D]``: ``anc [N, D, D]`` (node t's ancestors,
+    root first, padded with 0) and ``depth [N, D]`` (how many), int32."""
+    p = jnp.asarray(parents, jnp.int32)
+    N, D = p.shape
+    rep = jnp.repeat(p, D, axis=0)  # [N*D, D]: request n's tree once for each of its nodes
+    path, depth = tree_mod.path_to(rep, jnp.tile(jnp.arange(D, dtype=jnp.int32), N))
+    return jnp.maximum(path, 0).reshape(N, D, D), depth.reshape(N, D)
 
 
 def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bool, k_chunk: int,
@@ -530,6 +578,9 @@ def verify(call: VerifyCall, *, config=None, form, interpret, pending_control=No
     _, _, HV, V, K = state.shape
     layer, tape_layer = scalar(layer), scalar(tape_layer)
     cfg = (tuned_config(N, D, state.dtype) if config is None else config).fit(V)
+    tree = call.parents is not None
+    if tree:  # a draft tree: the chain algorithm's loop, each node from its replayed parent (_tree_loop)
+        cfg = dataclasses.replace(cfg, algorithm="chain", products="fma", one_pass=False, unroll=0)
     if stacked and cfg.algorithm == "gram":  # the Gram prologue reads one layer: slice it out (a copy)
         q, k, v, a, b, A_log, dt_bias = one_layer(layer[0], **dict(zip(INPUT_RANKS, (q, k, v, a, b, A_log, dt_bias))))
         stacked = False
@@ -569,6 +620,8 @@ def verify(call: VerifyCall, *, config=None, form, interpret, pending_control=No
         if bufs:
             kbuf, gbuf = bufs
         inputs = [state, slots, layer, tape_layer, qn, kn, v, g, beta]
+        if tree:
+            inputs += list(tree_tables(call.parents))
     out_shape = [jax.ShapeDtypeStruct((N, D, HV, V), out_dtype)]
     aliases = {}
     if into:
@@ -606,7 +659,7 @@ def verify(call: VerifyCall, *, config=None, form, interpret, pending_control=No
             row_vectors=cfg.row_vectors, one_pass=cfg.one_pass, k_chunk=cfg.k_chunk,
             loop=D > cfg.unroll, evict=cfg.evict, prefetch_q=cfg.prefetch_q, tiles_first=tiles_first,
             dot_fma=cfg.dot_fma, pending=pending_mode, control=pending_control, stacked=v.ndim == 5, out_into=out_into,
-            pending_replay=cfg.pending_replay, barrier=not interpret, interpret=interpret,
+            pending_replay=cfg.pending_replay, barrier=not interpret, interpret=interpret, tree=tree,
         )  # fmt: skip
     outputs, rec, *pool = pl.pallas_call(
         kernel,
