@@ -39,6 +39,7 @@ import numpy as np
 from .. import pool as pool_mod, sharding
 from .decode import CommitFn, SpecStep, StepInputs, allocate_state, copy_slot, place_on_mesh, row_keys
 from .loop import DecodeLoop, LoopInputs
+from .treestep import TreeStep, tree_nodes
 from .model import ModelConfig, Params
 
 __all__ = ["Request", "Result", "PrefixCache", "Engine"]
@@ -191,6 +192,9 @@ class Engine:
       defer_commit: allocate the pool with ``defer_commit=True``: each step's SSM commit goes
         into the next step's verify (the fused commit-into-next-verify); ``steps_per_call``
         must then be even, and :meth:`host_states` flushes the last commit first.
+      tree: draft a tree instead of a chain: branching per depth, e.g. ``(2, 2, 2)``
+        (:class:`~gdn_lossless_jax.model.treestep.TreeStep`); ``drafts`` is then the tree's
+        node count plus the root, whatever was passed.
     """
 
     def __init__(
@@ -212,6 +216,7 @@ class Engine:
         temperature: float = 0.0,
         seed: int = 0,
         defer_commit: bool = False,
+        tree: tuple[int, ...] | None = None,
     ):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"Engine: argument 'max_batch' must be a positive integer, got {max_batch!r}")
@@ -221,12 +226,18 @@ class Engine:
                 f"engine does not allocate slots and rows per data shard), got data axis {mesh.data!r} of size {mesh.dp}"
             )
         self.params, self.config, self.mesh = params, config, mesh
-        self.drafts, self.max_batch, self.max_len = drafts, max_batch, max_len
+        self.drafts = tree_nodes(tuple(tree)) if tree is not None else drafts
+        self.max_batch, self.max_len = max_batch, max_len
         self.cache_entries = 2 * max_batch if cache_entries is None else cache_entries
         # Each active request holds its slot (and, with a prefix cache, a spare track slot); the
         # cache holds the rest.
         n_slots = max_batch + (max_batch + self.cache_entries if track_interval else 0)
-        self.step_fn = SpecStep(config, drafts, track_interval, backend, commit, mesh, temperature)
+        if tree is not None:
+            tree = tuple(tree)
+            drafts = tree_nodes(tree)
+            self.step_fn = TreeStep(config, drafts, track_interval, backend, commit, mesh, temperature, tree=tree)
+        else:
+            self.step_fn = SpecStep(config, drafts, track_interval, backend, commit, mesh, temperature)
         self.loop = DecodeLoop(self.step_fn, steps_per_call) if steps_per_call != 1 else None
         if defer_commit and steps_per_call % 2:
             raise ValueError(f"Engine: argument 'steps_per_call' must be even with defer_commit=True (the pool's "

@@ -53,6 +53,7 @@ __all__ = [
     "mlp",
     "gdn_mixer",
     "attention",
+    "tree_attention",
     "logits",
 ]
 
@@ -485,6 +486,49 @@ def attention(
     out = jnp.einsum("ngrts,nsgh->ntgrh", probs.astype(cache_v.dtype), cache_v, preferred_element_type=F32)
     out = out.reshape(N, T, nq * hd) * jax.nn.sigmoid((x @ p.w_gate).astype(F32))
     return out.astype(x.dtype) @ p.w_o, (cache_k, cache_v)
+
+
+def tree_attention(
+    p: AttentionParams,
+    config: ModelConfig,
+    x: jax.Array,
+    cache_k: jax.Array,
+    cache_v: jax.Array,
+    pos: jax.Array,
+    positions: jax.Array,
+    ancestors: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Gated attention of a draft tree's T nodes over the row's committed cache and their ancestors.
+
+    Node i attends to the cache's positions before ``pos`` (the committed prefix) and to the nodes
+    ``ancestors[:, i]`` marks (its root path, itself included); its rotary position is
+    ``positions[:, i]`` (``pos`` plus its depth). Nothing is written: the new keys and values come
+    back, and the caller writes the accepted path's.
+
+    Args:
+      x: ``[N, T, d]``; cache_k, cache_v: ``[N, Tmax, nkv, hd]``; pos: ``[N]``; positions:
+        ``[N, T]``; ancestors: ``[N, T, T]`` bool, ``[n, i, j]``: node j is on node i's root path.
+    Returns:
+      ``(out [N, T, d], k [N, T, nkv, hd], v [N, T, nkv, hd])``, k and v in the cache's dtype.
+    """
+    c = config
+    N, T, _ = x.shape
+    nq, nkv, hd = c.attn_heads, c.kv_heads, c.attn_head_dim
+    q = rmsnorm((x @ p.w_q).reshape(N, T, nq, hd), p.q_norm)
+    k = rmsnorm((x @ p.w_k).reshape(N, T, nkv, hd), p.k_norm)
+    v = (x @ p.w_v).reshape(N, T, nkv, hd)
+    q, k = _rope(q, positions), _rope(k, positions)
+    k, v = k.astype(cache_k.dtype), v.astype(cache_v.dtype)
+    keys, vals = jnp.concatenate([cache_k, k], axis=1), jnp.concatenate([cache_v, v], axis=1)
+    Tmax = cache_k.shape[1]
+    qg = q.reshape(N, T, nkv, nq // nkv, hd)
+    scores = jnp.einsum("ntgrh,nsgh->ngrts", qg, keys, preferred_element_type=F32) / math.sqrt(hd)
+    prefix = jnp.broadcast_to(jnp.arange(Tmax)[None, None, :] < pos[:, None, None], (N, T, Tmax))
+    mask = jnp.concatenate([prefix, ancestors], axis=-1)  # [N, T, Tmax + T]
+    probs = softmax(jnp.where(mask[:, None, None], scores, -jnp.inf))
+    out = jnp.einsum("ngrts,nsgh->ntgrh", probs.astype(vals.dtype), vals, preferred_element_type=F32)
+    out = out.reshape(N, T, nq * hd) * jax.nn.sigmoid((x @ p.w_gate).astype(F32))
+    return out.astype(x.dtype) @ p.w_o, k, v
 
 
 def logits(params: Params, h: jax.Array) -> jax.Array:

@@ -81,6 +81,16 @@ def mesh_plan(tp: int, dp: int, config, devices=None):
     return sharding.MeshPlan(mesh, tensor="tensor", data="data")
 
 
+def _branching(text: str) -> tuple[int, ...]:
+    try:
+        tree = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be children per depth, e.g. 2,2,2, got {text!r}") from None
+    if not tree or min(tree) < 1:
+        raise argparse.ArgumentTypeError(f"the children per depth must be positive integers, got {text!r}")
+    return tree
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``demo`` subcommand to an ``argparse`` subparsers object."""
     from ..backends import BACKENDS
@@ -120,6 +130,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="steps per call of the device: K > 1 runs drafting, verify, acceptance and the next inputs "
                         "on the device K steps at a time (the device loop; requests join and leave every K steps); "
                         "default 8 on a GPU, 1 (a step per call, the host deciding between steps) elsewhere")
+    d.add_argument("--tree", type=_branching, default=None, metavar="K1,K2,...",
+                   help="draft a tree instead of a chain: the draft's top K1 tokens after the given one, its top K2 "
+                        "after each of those, ... (e.g. 2,2,2: 14 drafted nodes, D = 15); the longest root path the "
+                        "target agrees with is committed. Greedy, one device; --drafts is then the node count")
     d.add_argument("--defer", choices=["auto", "on", "off"], default="auto",
                    help="commit into the next step's verify (the pool's defer_commit; with K > 1, K must be even); "
                         "auto: on a GPU without --mesh")
@@ -168,6 +182,11 @@ def run(args: argparse.Namespace) -> int:
     if args.track_interval < 0:
         raise ValueError(f"--track-interval must be >= 0, got {args.track_interval}")
     config = get_config(args.size)
+    tree = getattr(args, "tree", None)
+    if tree is not None:
+        from ..model.treestep import tree_nodes
+
+        args.drafts = tree_nodes(tree)
     plan = None if getattr(args, "mesh", None) is None else mesh_plan(*args.mesh, config)
     defer = {"auto": gpu and plan is None, "on": True, "off": False}[getattr(args, "defer", "auto")]
     if defer and args.steps_per_call > 1 and args.steps_per_call % 2:
@@ -181,7 +200,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"gdn-lossless demo: {config.describe()}")
     print(
         f"{args.prompts} conversations of {args.turns} turn(s): {args.prompt_len} new prompt tokens and "
-        f"{args.tokens} generated tokens per turn; D={args.drafts}, batch {args.batch}, track interval "
+        f"{args.tokens} generated tokens per turn; D={args.drafts}"
+        + (f" (a tree {','.join(map(str, tree))}: the root and {args.drafts - 1} drafted nodes)" if tree else "")
+        + f", batch {args.batch}, track interval "
         f"{args.track_interval}, backend {args.backend} ({jax.default_backend()}), {args.steps_per_call} step"
         f"{'s' if args.steps_per_call > 1 else ''} per call{', commit deferred into the next verify' if defer else ''}",
         flush=True,
@@ -207,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
             params, config, record="tuples" if mode == NONE else mode, drafts=drafts, max_batch=args.batch,
             max_len=args.turns * (args.prompt_len + args.tokens) + args.drafts, track_interval=args.track_interval,
             cache_entries=args.prompts + args.batch, backend=args.backend, mesh=mesh,
-            steps_per_call=args.steps_per_call, defer_commit=defer,
+            steps_per_call=args.steps_per_call, defer_commit=defer, tree=None if mode == NONE else tree,
         )  # fmt: skip
         compile_s = engine.warmup()
         history = [[] for _ in range(args.prompts)]
