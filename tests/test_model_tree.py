@@ -3,7 +3,7 @@
 A tree step (the draft's top-k at each depth, every node verified at once through the pool with
 the tree's parents, the longest matching root path committed) must give plain greedy decoding's
 tokens, the same final states in both record modes bit for bit, and the same with the device
-loop. Control: committing a path one node short of the accepted one changes the states.
+loop (GDN_FULL_TESTS=1). Control: committing a path one node short of the accepted one changes the states.
 """
 
 import dataclasses
@@ -11,6 +11,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from conftest import FULL_TESTS
 from gdn_lossless_jax.model import Engine, Request, get_config, init_params
 from gdn_lossless_jax.model import treestep
 from gdn_lossless_jax.model.treestep import TreeStep, tree_nodes
@@ -37,10 +38,12 @@ def test_tree_drafting_is_lossless(seed):
     greedy = _run(params, reqs, drafts=1)[0]
     t_tok, t_states, t_acc = _run(params, reqs, tree=TREE, record="tuples")
     s_tok, s_states, _ = _run(params, reqs, tree=TREE, record="snapshots")
-    l_tok, l_states, _ = _run(params, reqs, tree=TREE, steps_per_call=4)
-    assert t_tok == greedy and s_tok == greedy and l_tok == greedy
+    assert t_tok == greedy and s_tok == greedy
     assert_bitwise_equal(s_states, t_states, "tree: final states, tuples vs snapshots")
-    assert_bitwise_equal(t_states, l_states, "tree: final states, per step vs the device loop")
+    if FULL_TESTS:  # the device loop runs the same body (test_loop.py checks it for chains)
+        l_tok, l_states, _ = _run(params, reqs, tree=TREE, steps_per_call=4)
+        assert l_tok == greedy
+        assert_bitwise_equal(t_states, l_states, "tree: final states, per step vs the device loop")
     assert t_acc.max() >= 2, "some step must accept a path of two drafted nodes"
     print(f"\ntree {TREE}: mean accepted {t_acc.mean():.2f} of depth {len(TREE)}")
 
