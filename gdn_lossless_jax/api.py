@@ -13,10 +13,10 @@ import jax
 
 from . import _deprecated, autodiff, backends, checked as checked_mode, checks
 from .backends.contract import VerifyCall
-from .checks import RECORD_MODES
+from .checks import MATH_MODES, RECORD_MODES
 from .tape import Pending, Tape, Tuples
 
-__all__ = ["verify", "replay", "commit", "commit_and_verify", "run_verify", "RECORD_MODES"]
+__all__ = ["verify", "replay", "commit", "commit_and_verify", "run_verify", "RECORD_MODES", "MATH_MODES"]
 
 
 def verify(
@@ -40,6 +40,7 @@ def verify(
     parents: Any = None,
     topk: int = 1,
     out: jax.Array | None = None,
+    math: str = "platform",
 ) -> tuple[jax.Array, Tape]:
     """Run D draft tokens through one GDN layer without touching the state.
 
@@ -76,6 +77,14 @@ def verify(
         ``[layer]`` of it; every other layer keeps its bits. A step that verifies every layer
         of a pool passes one ``[L, N, D, HV, V]`` buffer to all of them, so no copy stacks the
         layers' outputs (in a ``lax.scan``, carry it with the tape).
+      math: ``"platform"`` (the default, the fastest form): the platform's ``exp`` and ``log``
+        (:func:`gdn_lossless_jax.rounding.exp`) and its arithmetic outside the pinned rule, so the
+        outputs and the tape are the same bits on the platform that computed them.
+        ``"portable"``: the gates, norms and decay by :mod:`gdn_lossless_jax.portable`, the sums
+        over K by the fixed tree, every operation correctly rounded: the same bits on every
+        platform (docs/rounding.md). Commit and replay a portable tape with ``math="portable"``
+        too (the decay's ``exp`` must be verify's). Backends: ``"reference"``; the others raise
+        :class:`~gdn_lossless_jax.backends.BackendUnavailable` for ``"portable"``.
     Returns:
       ``(outputs [N, D, HV, V], tape)`` (with ``out``, the outputs buffer, updated); the tape
       is :class:`Tuples` (``u [N, D, HV, V]``, ``k [N, D, H, K]``, ``g [N, D, HV]``, fp32) or :class:`Snapshots`
@@ -93,7 +102,7 @@ def verify(
     and would round it silently (cast with ``.astype(jnp.float32)``).
 
     Under ``jax.jit``, the non-array arguments must be static:
-    ``jax.jit(gl.verify, static_argnames=("record", "backend", "scale", "out_dtype"))``
+    ``jax.jit(gl.verify, static_argnames=("record", "backend", "scale", "out_dtype", "math"))``
     (JAX rejects a string it would trace), or bind them with ``functools.partial``.
 
     Differentiable with respect to every floating input (``jax.grad``, ``jax.vjp``,
@@ -103,7 +112,7 @@ def verify(
     """
     call = checks.verify_args(
         "verify", state0, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, out_dtype=out_dtype,
-        slots=slots, layer=layer, tape=tape, rows=rows, parents=parents, topk=topk, out=out,
+        slots=slots, layer=layer, tape=tape, rows=rows, parents=parents, topk=topk, out=out, math=math,
     )  # fmt: skip
     outputs, new = run_verify(call, backend)
     return _strip(outputs, call.out, out), _strip(new, call.tape, tape)
@@ -113,7 +122,9 @@ def run_verify(call: VerifyCall, backend: Any = "auto"):
     """The backend's verify of a checked :class:`~gdn_lossless_jax.backends.contract.VerifyCall`,
     with the derivatives of :mod:`~gdn_lossless_jax.autodiff`: for callers that checked their
     arguments already (the pool). Returns what the backend returns."""
-    return autodiff.verify(backends.resolve(backend, "verify"), call)
+    impl = backends.resolve(backend, "verify")
+    backends.check_math(impl, "verify", call.math)
+    return autodiff.verify(impl, call)
 
 
 def _strip(new, normal, given):
@@ -124,7 +135,8 @@ def _strip(new, normal, given):
 
 
 def replay(
-    state0: jax.Array, tuples: Tuples, steps: jax.Array, *, backend: str = "auto", checked: bool = False
+    state0: jax.Array, tuples: Tuples, steps: jax.Array, *, backend: str = "auto", checked: bool = False,
+    math: str = "platform",
 ) -> jax.Array:
     """Rebuild the state after draft step ``steps[i]`` from the pre-verify state.
 
@@ -140,16 +152,19 @@ def replay(
       checked: raise instead: a step outside ``[-1, D)`` names its request
         (:mod:`gdn_lossless_jax.checked`; under ``jax.jit``, functionalize with
         ``jax.experimental.checkify.checkify``).
+      math: the ``math=`` of the verify that recorded the tape (its decay's ``exp``).
     Returns:
       ``[N, HV, V, K]`` in state0's dtype, bit-identical to verify's snapshot of that step.
       Differentiable with respect to state0 and the tape (see :func:`verify`).
     """
     fn = "replay"
     state0, tuples, steps = checks.replay_args(fn, state0, tuples, steps)
+    checks.check_math(fn, math)
     impl = backends.resolve(backend, "replay")
+    backends.check_math(impl, fn, math)
     if checked:
         checked_mode.check_steps(fn, "steps", steps, tuples.num_steps)
-    return autodiff.replay(impl, state0, tuples, steps)
+    return autodiff.replay(impl, state0, tuples, steps, math)
 
 
 def commit(
@@ -163,6 +178,7 @@ def commit(
     *,
     backend: str = "auto",
     checked: bool = False,
+    math: str = "platform",
 ) -> jax.Array:
     """Write each request's accepted state (and its track state) into the state pool.
 
@@ -186,6 +202,8 @@ def commit(
         rows, steps in ``[-1, D)``, track slots where a track step is given, and distinct
         destination slots). Eager calls raise ``checkify.JaxRuntimeError`` at once; under
         ``jax.jit``, functionalize with ``jax.experimental.checkify.checkify``.
+      math: the ``math=`` of the verify that recorded a tuple tape: the replay's decay is that
+        mode's ``exp`` (a snapshot tape is copied, whatever the mode).
     Returns:
       The new pool. The skipping rules (``checked=False``, SGLang's masking): request i is
       skipped entirely (track copy included) if ``slots[i]`` or ``rows[i]`` is out of
@@ -197,10 +215,15 @@ def commit(
     """
     fn = "commit"
     pool, tape, ints = checks.commit_args(fn, pool, tape, slots, steps, track_slots, track_steps, rows)
+    checks.check_math(fn, math)
     impl = backends.resolve(backend, "commit")
+    if isinstance(tape, Tuples):  # a snapshot commit copies states: no math in it
+        backends.check_math(impl, fn, math)
+    else:
+        math = "platform"
     if checked:
         checked_mode.check_commit(fn, pool.shape[1], tape.num_rows, tape.num_steps, *ints)
-    return autodiff.commit(impl, pool, tape, *ints)
+    return autodiff.commit(impl, pool, tape, *ints, math=math)
 
 
 def commit_and_verify(
@@ -223,6 +246,7 @@ def commit_and_verify(
     backend: str = "auto",
     out_dtype: Any = None,
     out: jax.Array | None = None,
+    math: str = "platform",
 ) -> tuple[jax.Array, Tape, jax.Array]:
     """Apply the previous step's commit and verify the next drafts, reading each state once.
 
@@ -246,7 +270,7 @@ def commit_and_verify(
         commits nothing; negative steps write nothing). Requests that left the batch are not
         here: commit them with :func:`commit` before their slots are read.
       q, k, v, a, b, A_log, dt_bias, slots, layer, tape, rows, record, scale, backend,
-        out_dtype, out: as in :func:`verify` (``slots`` required: request n's state is
+        out_dtype, out, math: as in :func:`verify` (``slots`` required: request n's state is
         ``pool[layer, slots[n]]``; the inputs may be stacked over the pool's layers).
     Returns:
       ``(outputs [N, D, HV, V], tape, pool)``. Differentiable like :func:`verify` (with
@@ -259,7 +283,7 @@ def commit_and_verify(
     """
     call = checks.commit_and_verify_args(
         "commit_and_verify", pool, pending, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale,
-        out_dtype=out_dtype, slots=slots, layer=layer, tape=tape, rows=rows, out=out,
+        out_dtype=out_dtype, slots=slots, layer=layer, tape=tape, rows=rows, out=out, math=math,
     )  # fmt: skip
     outputs, new, new_pool = run_verify(call, backend)
     if len(checks.shape_of(pool)) == 4:
