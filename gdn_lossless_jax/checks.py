@@ -360,7 +360,8 @@ def check_math(fn: str, math) -> str:
 
 
 def verify_args(fn, state0, q, k, v, a, b, A_log, dt_bias, *, record=None, scale=None, out_dtype=None, slots=None,
-                layer=None, tape=None, rows=None, parents=None, topk=1, out=None, math="platform") -> VerifyCall:  # fmt: skip
+                layer=None, tape=None, rows=None, parents=None, topk=1, out=None,
+                math="platform") -> VerifyCall:  # fmt: skip
     """Every check of :func:`gdn_lossless_jax.verify`; returns the backend's :class:`VerifyCall`."""
     if record is not None and record not in RECORD_MODES:
         raise ValueError(f"{fn}: record must be one of {RECORD_MODES}, got {record!r}")
