@@ -267,13 +267,18 @@ class _Program:
         shape = inputs[0].shape
         base = {"in": 0, "k": ni, "r": ni + nk}
         idx = lambda r: base[r[0]] + r[1]  # noqa: E731
-        code = np.array([(op, idx(a), idx(b), idx(c)) for op, a, b, c in self.code], np.int32)
+        assert ni + nk + len(self.code) < 256
+        # Each instruction packed in one int, looked up by a chain of selects on the step: no
+        # array constant (a Pallas kernel may not capture one).
+        packed = [op | idx(a) << 8 | idx(b) << 16 | idx(c) << 24 for op, a, b, c in self.code]
         consts = [jnp.full(shape, c, F32) for c in self.consts]
         regs = jnp.stack([*inputs, *consts, *([jnp.zeros(shape, F32)] * len(self.code))])
-        code = jnp.asarray(code)
 
         def body(i, regs):
-            op, ia, ib, ic = code[i, 0], code[i, 1], code[i, 2], code[i, 3]
+            word = jnp.int32(0)
+            for j, w in enumerate(packed):
+                word = jnp.where(i == j, jnp.int32(w), word)
+            op, ia, ib, ic = (lax.shift_right_logical(word, jnp.int32(8 * f)) & 0xFF for f in range(4))
             get = lambda j: lax.dynamic_index_in_dim(regs, j, 0, keepdims=False)  # noqa: E731
             a, b, c = get(ia), get(ib), get(ic)
             ab, bb = _bits(a), _bits(b)

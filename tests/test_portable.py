@@ -273,10 +273,13 @@ def test_pool_math_attribute():
 
 
 def test_other_backends_refuse_the_mode():
+    """triton and mosaic refuse math="portable" by name (where they run at all); pallas refuses it
+    on a GPU (it runs it in interpret mode); an unknown mode is a ValueError."""
     args = _inputs()
     with pytest.raises(ValueError, match="math must be one of"):
         gl.verify(*args, math="fast")
-    for name in ("pallas", "triton", "mosaic"):
+    refusing = ["triton", "mosaic"] + ([] if backends.platform() == "cpu" else ["pallas"])
+    for name in refusing:
         with pytest.raises(backends.BackendUnavailable) as e:
             gl.verify(*args, math="portable", backend=name)
         try:
@@ -284,10 +287,25 @@ def test_other_backends_refuse_the_mode():
         except backends.BackendUnavailable:
             continue  # not available here at all: that error came first
         assert f"backend {name!r}" in str(e.value) and "math='portable'" in str(e.value)
-    _, tape = gl.verify(*args, math="portable")
-    one = jax.tree.map(lambda t: t[None], tape)
-    with pytest.raises(backends.BackendUnavailable, match="math='portable'"):
-        gl.commit(args[0][None], one, jnp.arange(N), jnp.zeros(N, jnp.int32), math="portable", backend="pallas")
+        _, tape = gl.verify(*args, math="portable")
+        one = jax.tree.map(lambda t: t[None], tape)
+        with pytest.raises(backends.BackendUnavailable, match="math='portable'"):
+            gl.commit(args[0][None], one, jnp.arange(N), jnp.zeros(N, jnp.int32), math="portable", backend=name)
+
+
+@pytest.mark.skipif(backends.platform() != "cpu", reason="the pallas backend runs math='portable' in interpret mode only")
+def test_pallas_interpret_portable_equals_reference():
+    """The Pallas kernels in interpret mode (prologue: the portable gates and norms; chain: the
+    portable exp and the K tree over its chunks; the replay kernel: the portable exp) give the
+    reference's portable bits: outputs, tape and replayed states."""
+    args = _inputs()
+    want = gl.verify(*args, math="portable")
+    got = gl.verify(*args, math="portable", backend="pallas")
+    assert_bitwise_equal(want, got)
+    steps = jnp.array([3, 1, -1], jnp.int32)
+    tape = want[1]
+    assert_bitwise_equal(gl.replay(args[0], tape, steps, math="portable"),
+                         gl.replay(args[0], tape, steps, math="portable", backend="pallas"))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------
