@@ -83,7 +83,8 @@ def verify(
         ``"portable"``: the gates, norms and decay by :mod:`gdn_lossless_jax.portable`, the sums
         over K by the fixed tree, every operation correctly rounded: the same bits on every
         platform (docs/rounding.md). Commit and replay a portable tape with ``math="portable"``
-        too (the decay's ``exp`` must be verify's). Backends: ``"reference"``; the others raise
+        too (the decay's ``exp`` must be verify's). Backends: ``"reference"``, and ``"pallas"``
+        in interpret mode (the CPU); the others raise
         :class:`~gdn_lossless_jax.backends.BackendUnavailable` for ``"portable"``.
     Returns:
       ``(outputs [N, D, HV, V], tape)`` (with ``out``, the outputs buffer, updated); the tape
