@@ -75,8 +75,10 @@ def run(inp: dict, *, math: str, backend: str = "reference", device=None,
 
     ``device``: where to compute (the inputs are put there); None: JAX's default device.
     """
-    put = (lambda x: jax.device_put(jnp.asarray(x), device)) if device is not None else jnp.asarray  # noqa: E731
-    x = {name: put(value) for name, value in inp.items()}
+    if device is not None:  # every array the calls make lands there too
+        with jax.default_device(device):
+            return run(inp, math=math, backend=backend, records=records)
+    x = {name: jnp.asarray(value) for name, value in inp.items()}
     pool, slots = x["pool"], x["slots"]
     results = {}
     for record in records:
