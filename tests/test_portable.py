@@ -49,7 +49,7 @@ def _floats(rng, n, lo, hi):
 # Accuracy and special values.
 # ---------------------------------------------------------------------------------
 def test_exp_accuracy():
-    """Within 0.52 ULP of float64 where the result is normal (1 ULP where it is subnormal), and
+    """Within 0.52 ULP of float64 where the result is normal (0.8 where it is subnormal), and
     correctly rounded in all but a small fraction: every 4th float32 of [-1, -0.5) (a decay
     binade), every 256th of [-104, -2**-25] and [2**-25, 88.72], random inputs of the subnormal
     results. (scripts/portable_accuracy.py sweeps every float32 of a range.)"""
@@ -70,7 +70,7 @@ def test_exp_accuracy():
     assert wrong / len(x) < 0.005, wrong
     sub = _floats(np.random.default_rng(1), 200_000, -103.9, -87.34)
     e = ulp_error(np.asarray(exp(sub)), np.exp(sub.astype(np.float64)))
-    assert e.max() <= 1.0, e.max()
+    assert e.max() < 0.8, e.max()
 
 
 def test_log_accuracy():
