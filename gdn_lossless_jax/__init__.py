@@ -5,8 +5,9 @@ replays the accepted chain from the untouched pool state with exactly the roundi
 used, so the committed state is bit-identical to the snapshot path.
 """
 
-from . import _deprecated, autodiff, checked, checks, conv, pool, reference, rounding, sharding, sync, testing, tree
-from .api import RECORD_MODES, commit, commit_and_verify, replay, verify
+from . import _deprecated, autodiff, checked, checks, conv, pool, portable, reference, rounding, sharding, sync, testing
+from . import tree
+from .api import MATH_MODES, RECORD_MODES, commit, commit_and_verify, replay, verify
 from .backends import BACKENDS, BackendUnavailable
 from .config import MODELS, Geometry, get_geometry
 from .tape import Pending, Snapshots, Tape, Tuples, stack_tapes
@@ -24,6 +25,7 @@ __all__ = [
     "Tape",
     "stack_tapes",
     "RECORD_MODES",
+    "MATH_MODES",
     "BACKENDS",
     "BackendUnavailable",
     "Geometry",
@@ -34,6 +36,7 @@ __all__ = [
     "checks",
     "conv",
     "pool",
+    "portable",
     "reference",
     "rounding",
     "sharding",

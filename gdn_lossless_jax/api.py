@@ -14,10 +14,11 @@ import jax.numpy as jnp
 
 from . import _deprecated, autodiff, backends, checked as checked_mode, checks, reference, tree
 from .backends.contract import VerifyCall
-from .checks import RECORD_MODES
+from .checks import MATH_MODES, RECORD_MODES
 from .tape import Pending, Tape, Tuples
 
-__all__ = ["verify", "replay", "commit", "commit_and_verify", "run_verify", "check_tree_backend", "RECORD_MODES"]
+__all__ = ["verify", "replay", "commit", "commit_and_verify", "run_verify", "check_tree_backend", "RECORD_MODES",
+           "MATH_MODES"]
 
 
 def verify(
@@ -42,6 +43,7 @@ def verify(
     topk: int = 1,
     out: jax.Array | None = None,
     checked: bool = False,
+    math: str = "platform",
 ) -> tuple[jax.Array, Tape]:
     """Run D draft tokens through one GDN layer without touching the state.
 
@@ -90,6 +92,15 @@ def verify(
         layers' outputs (in a ``lax.scan``, carry it with the tape).
       checked: check traced ``parents`` values too (:func:`gdn_lossless_jax.tree.checkify_parents`;
         :mod:`gdn_lossless_jax.checked` says how under ``jax.jit``).
+      math: ``"platform"`` (the default, the fastest form): the platform's ``exp`` and ``log``
+        (:func:`gdn_lossless_jax.rounding.exp`) and its arithmetic outside the pinned rule, so the
+        outputs and the tape are the same bits on the platform that computed them.
+        ``"portable"``: the gates, norms and decay by :mod:`gdn_lossless_jax.portable`, the sums
+        over K by the fixed tree, every operation correctly rounded: the same bits on every
+        platform (docs/rounding.md). Commit and replay a portable tape with ``math="portable"``
+        too (the decay's ``exp`` must be verify's). Backends: ``"reference"``, and ``"pallas"``
+        in interpret mode (the CPU); the others raise
+        :class:`~gdn_lossless_jax.backends.BackendUnavailable` for ``"portable"``.
     Returns:
       ``(outputs [N, D, HV, V], tape)`` (with ``out``, the outputs buffer, updated); the tape
       is :class:`Tuples` (``u [N, D, HV, V]``, ``k [N, D, H, K]``, ``g [N, D, HV]``, fp32) or :class:`Snapshots`
@@ -107,7 +118,7 @@ def verify(
     and would round it silently (cast with ``.astype(jnp.float32)``).
 
     Under ``jax.jit``, the non-array arguments must be static:
-    ``jax.jit(gl.verify, static_argnames=("record", "backend", "scale", "out_dtype"))``
+    ``jax.jit(gl.verify, static_argnames=("record", "backend", "scale", "out_dtype", "math"))``
     (JAX rejects a string it would trace), or bind them with ``functools.partial``.
 
     Differentiable with respect to every floating input (``jax.grad``, ``jax.vjp``,
@@ -117,7 +128,7 @@ def verify(
     """
     call = checks.verify_args(
         "verify", state0, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, out_dtype=out_dtype,
-        slots=slots, layer=layer, tape=tape, rows=rows, parents=parents, topk=topk, out=out,
+        slots=slots, layer=layer, tape=tape, rows=rows, parents=parents, topk=topk, out=out, math=math,
     )  # fmt: skip
     if checked and call.parents is not None:
         tree.checkify_parents("verify", call.parents, topk)
@@ -131,6 +142,7 @@ def run_verify(call: VerifyCall, backend: Any = "auto", fn: str = "verify"):
     arguments already (the pool). Returns what the backend returns. A draft tree
     (``call.parents``) needs a backend with ``TREES`` (:mod:`gdn_lossless_jax.backends.contract`)."""
     impl = check_tree_backend(fn, backend) if call.parents is not None else backends.resolve(backend, "verify")
+    backends.check_math(impl, "verify", call.math)
     return autodiff.verify(impl, call)
 
 
@@ -164,6 +176,7 @@ def replay(
     path: jax.Array | None = None,
     backend: str = "auto",
     checked: bool = False,
+    math: str = "platform",
 ) -> jax.Array:
     """Rebuild the state after draft step ``steps[i]`` from the pre-verify state.
 
@@ -181,13 +194,16 @@ def replay(
       checked: raise instead: a step outside ``[-1, D)`` (``[-1, P)`` with a path) names its request
         (:mod:`gdn_lossless_jax.checked`; under ``jax.jit``, functionalize with
         ``jax.experimental.checkify.checkify``).
+      math: the ``math=`` of the verify that recorded the tape (its decay's ``exp``).
     Returns:
       ``[N, HV, V, K]`` in state0's dtype, bit-identical to verify's snapshot of that step.
       Differentiable with respect to state0 and the tape (see :func:`verify`).
     """
     fn = "replay"
     state0, tuples, steps = checks.replay_args(fn, state0, tuples, steps)
+    checks.check_math(fn, math)
     impl = backends.resolve(backend, "replay")
+    backends.check_math(impl, fn, math)
     if path is not None:
         N, D = state0.shape[0], tuples.num_steps
         path = checks.check_path(fn, path, N)
@@ -196,10 +212,10 @@ def replay(
             tree.checkify_path(fn, path, steps, steps, D)
         layered = jax.tree.map(lambda t: t[None], tuples)
         chain, _, steps, _ = _along_path(layered, jnp.arange(N, dtype=jnp.int32), path, steps, steps)
-        return autodiff.replay(impl, state0, jax.tree.map(lambda t: t[0], chain), steps)
+        return autodiff.replay(impl, state0, jax.tree.map(lambda t: t[0], chain), steps, math=math)
     if checked:
         checked_mode.check_steps(fn, "steps", steps, tuples.num_steps)
-    return autodiff.replay(impl, state0, tuples, steps)
+    return autodiff.replay(impl, state0, tuples, steps, math)
 
 
 def commit(
@@ -215,6 +231,7 @@ def commit(
     parents: Any = None,
     backend: str = "auto",
     checked: bool = False,
+    math: str = "platform",
 ) -> jax.Array:
     """Write each request's accepted state (and its track state) into the state pool.
 
@@ -252,6 +269,8 @@ def commit(
         nodes of the tape, and with ``parents`` a root-to-node path). Eager calls raise
         ``checkify.JaxRuntimeError`` at once; under ``jax.jit``, functionalize with
         ``jax.experimental.checkify.checkify``.
+      math: the ``math=`` of the verify that recorded a tuple tape: the replay's decay is that
+        mode's ``exp`` (a snapshot tape is copied, whatever the mode).
     Returns:
       The new pool. The skipping rules (``checked=False``, SGLang's masking): request i is
       skipped entirely (track copy included) if ``slots[i]`` or ``rows[i]`` is out of
@@ -264,13 +283,18 @@ def commit(
     fn = "commit"
     host = checks.is_host(path, parents, steps, track_steps)
     pool, tape, ints = checks.commit_args(fn, pool, tape, slots, steps, track_slots, track_steps, rows)
+    checks.check_math(fn, math)
     impl = backends.resolve(backend, "commit")
+    if isinstance(tape, Tuples):  # a snapshot commit copies states: no math in it
+        backends.check_math(impl, fn, math)
+    else:
+        math = "platform"
     if path is None:
         if parents is not None:
             raise ValueError(f"{fn}: parents= checks a tree's accepted paths: pass path= too")
         if checked:
             checked_mode.check_commit(fn, pool.shape[1], tape.num_rows, tape.num_steps, *ints)
-        return autodiff.commit(impl, pool, tape, *ints)
+        return autodiff.commit(impl, pool, tape, *ints, math=math)
     slots, steps, track_slots, track_steps, rows = ints
     N, D = slots.shape[0], tape.num_steps
     path = checks.check_path(fn, path, N)
@@ -281,7 +305,7 @@ def commit(
         checked_mode.check_commit(fn, pool.shape[1], tape.num_rows, path.shape[1], *ints)
         tree.checkify_path(fn, path, steps, track_steps, D, parents)
     tape, rows, steps, track_steps = _along_path(tape, rows, path, steps, track_steps)
-    return autodiff.commit(impl, pool, tape, slots, steps, track_slots, track_steps, rows)
+    return autodiff.commit(impl, pool, tape, slots, steps, track_slots, track_steps, rows, math=math)
 
 
 _along_path = jax.jit(reference.along_path)  # (one dispatch, not one a jnp op, in an eager commit)
@@ -310,6 +334,7 @@ def commit_and_verify(
     parents: Any = None,
     topk: int = 1,
     checked: bool = False,
+    math: str = "platform",
 ) -> tuple[jax.Array, Tape, jax.Array]:
     """Apply the previous step's commit and verify the next drafts, reading each state once.
 
@@ -336,7 +361,7 @@ def commit_and_verify(
         them, as in :func:`commit`: the path's tuples (this layer's) are gathered into a chain
         tape first, so the fused kernel replays a chain.
       q, k, v, a, b, A_log, dt_bias, slots, layer, tape, rows, record, scale, backend,
-        out_dtype, out, parents, topk, checked: as in :func:`verify` (``slots`` required:
+        out_dtype, out, parents, topk, checked, math: as in :func:`verify` (``slots`` required:
         request n's state is ``pool[layer, slots[n]]``; the inputs may be stacked over the
         pool's layers). A tree verify (``parents``) runs on ``"reference"`` and ``"pallas"``.
     Returns:
@@ -351,6 +376,7 @@ def commit_and_verify(
     call = checks.commit_and_verify_args(
         "commit_and_verify", pool, pending, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale,
         out_dtype=out_dtype, slots=slots, layer=layer, tape=tape, rows=rows, out=out, parents=parents, topk=topk,
+        math=math,
     )  # fmt: skip
     if checked and call.parents is not None:
         tree.checkify_parents("commit_and_verify", call.parents, topk)

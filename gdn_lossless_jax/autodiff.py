@@ -30,6 +30,7 @@ Integer inputs (steps, slots, rows, layer) have no derivative (their tangents ar
 
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Any, Callable
 
@@ -93,8 +94,11 @@ def plain_verify(
     scale: float | None = None,
     out_dtype: Any = None,
     parents: Any = None,
+    math: str = "platform",
 ) -> tuple[jax.Array, Tape]:
     """The plain-float formulation of :func:`gdn_lossless_jax.verify`, differentiable by JAX.
+
+    ``math`` is accepted and has no effect: the derivative of both modes is this formulation's.
 
     Same arguments, shapes and output dtypes (outputs in ``out_dtype`` or q's dtype,
     snapshots in state0's dtype). It computes in float32, or in float64 where an input is
@@ -114,7 +118,7 @@ def plain_verify(
     return reference.chain(state0, qn, kn, v, g, beta, record=record, out_dtype=out_dtype or q.dtype, step=_plain_step)
 
 
-def plain_replay(state0: jax.Array, tuples: Tuples, steps: jax.Array) -> jax.Array:
+def plain_replay(state0: jax.Array, tuples: Tuples, steps: jax.Array, math: str = "platform") -> jax.Array:
     """The plain-float formulation of :func:`gdn_lossless_jax.replay` (shapes as there).
 
     ``S_t = S_{t-1} * exp(g_t) + k_t u_t``, in the tape's precision (float32, or float64
@@ -123,7 +127,7 @@ def plain_replay(state0: jax.Array, tuples: Tuples, steps: jax.Array) -> jax.Arr
     return reference.replay(state0, tuples, steps, rule=_plain_rule)
 
 
-def plain_commit(pool, tape: Tape, slots, steps, track_slots, track_steps, rows) -> jax.Array:
+def plain_commit(pool, tape: Tape, slots, steps, track_slots, track_steps, rows, math: str = "platform") -> jax.Array:
     """The plain-float formulation of :func:`gdn_lossless_jax.commit` (all ``[N]`` int indices given).
 
     The snapshot commit is a gather and a scatter, already differentiable; the tuple
@@ -172,12 +176,18 @@ def verify(impl, call: VerifyCall):
     return _with_plain_derivative(exact, plain)(call)
 
 
-def replay(impl, state0, tuples: Tuples, steps) -> jax.Array:
+def _with_math(fn: Callable, math: str) -> Callable:
+    """``fn`` with ``math=`` bound where it is not the default (a backend of your own need not take it)."""
+    return fn if math == "platform" else functools.partial(fn, math=math)
+
+
+def replay(impl, state0, tuples: Tuples, steps, math: str = "platform") -> jax.Array:
     """``impl.replay`` with the derivatives of :func:`plain_replay`."""
-    return _with_plain_derivative(impl.replay, plain_replay)(state0, tuples, steps)
+    return _with_plain_derivative(_with_math(impl.replay, math), plain_replay)(state0, tuples, steps)
 
 
-def commit(impl, pool, tape: Tape, slots, steps, track_slots, track_steps, rows) -> jax.Array:
+def commit(impl, pool, tape: Tape, slots, steps, track_slots, track_steps, rows, math: str = "platform") -> jax.Array:
     """``impl.commit`` with the derivatives of :func:`plain_commit`."""
-    return _with_plain_derivative(impl.commit, plain_commit)(pool, tape, slots, steps, track_slots, track_steps, rows)
+    return _with_plain_derivative(_with_math(impl.commit, math), plain_commit)(
+        pool, tape, slots, steps, track_slots, track_steps, rows)
 

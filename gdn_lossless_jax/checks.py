@@ -23,6 +23,7 @@ from .backends.contract import PendingCommit, VerifyCall
 from .tape import Pending, Snapshots, Tuples
 
 RECORD_MODES = ("tuples", "snapshots")
+MATH_MODES = reference.MATH_MODES
 
 
 STATE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -373,11 +374,20 @@ def check_out_buffer(fn: str, out, out_dtype, N: int, D: int, HV: int, V: int, l
     return jnp.dtype(out.dtype), layered
 
 
+def check_math(fn: str, math) -> str:
+    """``math`` is one of :data:`MATH_MODES` (a static string: a traced value cannot pick the math)."""
+    if not isinstance(math, str) or math not in MATH_MODES:
+        raise ValueError(f"{fn}: math must be one of {MATH_MODES}, got {math!r}")
+    return math
+
+
 def verify_args(fn, state0, q, k, v, a, b, A_log, dt_bias, *, record=None, scale=None, out_dtype=None, slots=None,
-                layer=None, tape=None, rows=None, parents=None, topk=1, out=None) -> VerifyCall:  # fmt: skip
+                layer=None, tape=None, rows=None, parents=None, topk=1, out=None,
+                math="platform") -> VerifyCall:  # fmt: skip
     """Every check of :func:`gdn_lossless_jax.verify`; returns the backend's :class:`VerifyCall`."""
     if record is not None and record not in RECORD_MODES:
         raise ValueError(f"{fn}: record must be one of {RECORD_MODES}, got {record!r}")
+    check_math(fn, math)
     check_static(fn, "scale", scale)
     state0, q, k, v, a, b, A_log, dt_bias = as_arrays(
         fn, state0=state0, q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias
@@ -438,7 +448,8 @@ def verify_args(fn, state0, q, k, v, a, b, A_log, dt_bias, *, record=None, scale
         out_dtype, layered = check_out_buffer(fn, out, out_dtype, N, D, HV, V, layer)
         obuf, out_layer = (out, layer) if layered else (out[None], 0)
     q, k, v, a, b, A_log, dt_bias = full.values()  # the backends take the stacks
-    fields = dict(record=record or "tuples", scale=as_scale(fn, scale, K), out_dtype=jnp.dtype(out_dtype or q.dtype))
+    fields = dict(record=record or "tuples", scale=as_scale(fn, scale, K), out_dtype=jnp.dtype(out_dtype or q.dtype),
+                  math=math)
     if buf is not None:
         fields.update(tape=buf, tape_layer=as_index(tape_layer), rows=rows)
     if obuf is not None:
@@ -612,7 +623,7 @@ def commit_args(fn: str, pool, tape, slots, steps, track_slots=None, track_steps
 
 def commit_and_verify_args(fn: str, pool, pending, q, k, v, a, b, A_log, dt_bias, *, slots, layer=None, tape=None,
                            rows=None, record=None, scale=None, out_dtype=None, out=None, parents=None,
-                           topk=1) -> VerifyCall:  # fmt: skip
+                           topk=1, math="platform") -> VerifyCall:  # fmt: skip
     """The checks of :func:`gdn_lossless_jax.commit_and_verify`: verify's (:func:`verify_args`) and the
     pending commit's (:func:`check_pending`); returns the :class:`VerifyCall` with its
     :class:`PendingCommit`."""
@@ -629,7 +640,8 @@ def commit_and_verify_args(fn: str, pool, pending, q, k, v, a, b, A_log, dt_bias
     L = shape_of(pool)[0] if len(shape_of(pool)) == 5 else None
     prev, layered = check_pending(fn, pending, N, H, HV, V, K, pool.dtype, L)
     call = verify_args(fn, pool, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, out_dtype=out_dtype,
-                       slots=slots, layer=layer, tape=tape, rows=rows, out=out, parents=parents, topk=topk)  # fmt: skip
+                       slots=slots, layer=layer, tape=tape, rows=rows, out=out, parents=parents, topk=topk,
+                       math=math)  # fmt: skip
     pend = [as_index(getattr(pending, n)) for n in ("rows", "steps", "track_slots", "track_steps")]
     player = as_index(layer if layered else 0)
     if pending.path is not None:  # a tree's accepted path: the chain commit it is (reference.along_path)

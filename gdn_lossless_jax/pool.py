@@ -197,6 +197,7 @@ class StatePool:
     conv_windows: jax.Array
     geometry: Geometry = dataclasses.field(metadata=dict(static=True))
     deferred: Deferred | None = None
+    math: str = dataclasses.field(default="platform", metadata=dict(static=True))
 
     @property
     def record(self) -> str:
@@ -249,6 +250,7 @@ def allocate(
     parents: Any = None,
     defer_commit: bool = False,
     free_bytes: int | None = None,
+    math: str = "platform",
 ) -> StatePool:
     """A zero-filled pool for ``slots`` mamba slots, ``requests`` running requests and D drafts.
 
@@ -267,11 +269,15 @@ def allocate(
     goes to :func:`verify_layer` and its accepted path to :func:`commit`.
 
     Args:
+      math: the ``math=`` of every verify and commit of the pool's SSM states
+        (:func:`gdn_lossless_jax.verify`): ``"portable"`` records tapes with the same bits on
+        every platform (the conv before the SSM verify keeps the platform's SiLU).
       free_bytes: the bytes the pool may take; None: what the default device has free
         (:func:`device_free_bytes`; no check where the device does not say).
     """
     fn = "allocate"
     _positive(fn, slots=slots, requests=requests, drafts=drafts)
+    checks.check_math(fn, math)
     check_supported(fn, geometry, drafts=drafts, topk=topk, parents=parents)
     if record not in POOL_RECORD_MODES:
         raise ValueError(
@@ -302,7 +308,7 @@ def allocate(
         off = [jnp.full((rows,), -1, jnp.int32) for _ in range(5)]  # separate buffers: the pool is donated
         deferred = Deferred(jax.tree.map(jnp.zeros_like, tape), *off, jnp.zeros((rows,), bool))
     return StatePool(ssm=states["ssm"], conv=states["conv"], tape=tape, conv_windows=windows, geometry=geometry,
-                     deferred=deferred)  # fmt: skip
+                     deferred=deferred, math=math)  # fmt: skip
 
 
 def device_free_bytes(device: jax.Device | None = None) -> tuple[int | None, str]:
@@ -586,7 +592,7 @@ def _verify_layer(pool, layer, mixed_qkv, a, b, conv_weight, conv_bias, A_log, d
     d = pool.deferred
     # verify_layer checked every argument: the backend's call directly (api.verify would check again)
     call = VerifyCall(pool.ssm, slots, layer, q, k, v, a, b, A_log, dt_bias, rows=rows, tape_layer=layer, scale=scale,
-                      record=pool.record, out_dtype=jnp.dtype(q.dtype), parents=parents)  # fmt: skip
+                      record=pool.record, out_dtype=jnp.dtype(q.dtype), parents=parents, math=pool.math)  # fmt: skip
     if d is None:
         outputs, tape = api.run_verify(call.replace(tape=pool.tape), backend)
         return outputs, dataclasses.replace(pool, tape=tape, conv_windows=windows)
@@ -674,7 +680,8 @@ def _commit(pool, slots, steps, track_slots, track_steps, rows, path=None, *, ba
     conv = conv_commit(pool.conv, pool.conv_windows, slots, steps, track_slots, track_steps, rows, backend=backend,
                        path=path)  # fmt: skip
     if pool.deferred is None:
-        ssm = api.commit(pool.ssm, pool.tape, slots, steps, track_slots, track_steps, rows, path=path, backend=backend)
+        ssm = api.commit(pool.ssm, pool.tape, slots, steps, track_slots, track_steps, rows, path=path, backend=backend,
+                         math=pool.math)
         return dataclasses.replace(pool, ssm=ssm, conv=conv)
     # The previous step's entries no verify of this step applied (requests that left) go in now;
     # this step's SSM commit waits for the next verify, which writes the other scratch tape.
@@ -717,7 +724,8 @@ def _flush(pool: StatePool, backend: str) -> StatePool:
     d = pool.deferred
     off = lambda x: jnp.where(d.applied, -1, x)  # noqa: E731
     _, tape = d.buffers(pool.tape)
-    ssm = api.commit(pool.ssm, tape, d.slots, off(d.steps), d.track_slots, off(d.track_steps), d.rows, backend=backend)
+    ssm = api.commit(pool.ssm, tape, d.slots, off(d.steps), d.track_slots, off(d.track_steps), d.rows, backend=backend,
+                     math=pool.math)
     return dataclasses.replace(pool, ssm=ssm, deferred=dataclasses.replace(d, applied=jnp.ones_like(d.applied)))
 
 

@@ -28,13 +28,14 @@ gives one device's bits.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _deprecated, rounding
+from . import _deprecated, portable, rounding
 from .tape import Snapshots, Tuples
 
 __all__ = [
@@ -59,9 +60,18 @@ __all__ = [
 F32 = jnp.float32
 SOFTPLUS_THRESHOLD = 20.0
 L2NORM_EPS = 1e-6
+#: The ``math=`` modes: ``"platform"`` (the platform's exp and log, XLA's arithmetic outside the
+#: pinned rule: bit-exact on the platform that recorded) and ``"portable"``
+#: (:mod:`gdn_lossless_jax.portable`: the same bits on every platform).
+MATH_MODES = ("platform", "portable")
 
 
-def gates(a, b, A_log, dt_bias):
+def exp_fn(math: str = "platform") -> Callable:
+    """The decay's ``exp`` of a ``math=`` mode: verify and replay call the same one."""
+    return portable.exp if math == "portable" else rounding.exp
+
+
+def gates(a, b, A_log, dt_bias, *, math: str = "platform"):
     """Decay and write gates, in fp32 (step 1 of the module docstring).
 
     ``g = -exp(A_log) * softplus(a + dt_bias)`` with softplus ``log(1 + exp(x))`` up to
@@ -72,6 +82,8 @@ def gates(a, b, A_log, dt_bias):
     Returns:
       ``(g, beta)``, both ``[..., HV]`` float32.
     """
+    if math == "portable":
+        return portable.gates(a, b, A_log, dt_bias)
     x = a.astype(F32) + dt_bias.astype(F32)
     sp = jnp.where(x > SOFTPLUS_THRESHOLD, x, rounding.log(1.0 + rounding.exp(x)))
     g = -rounding.exp(A_log.astype(F32)) * sp
@@ -122,20 +134,27 @@ def pairwise_sum(x):
     return x[..., 0]
 
 
-def l2norm(x):
+def l2norm(x, *, math: str = "platform"):
     """``x / sqrt(sum(x * x) + 1e-6)`` over the last axis, in fp32 (step 2).
 
     (In float64 for a float64 ``x``: the plain formulation of gdn_lossless_jax.autodiff.)
     """
+    if math == "portable":
+        return portable.l2norm(x, L2NORM_EPS)
     x = x.astype(jnp.promote_types(F32, x.dtype))
     return x / jnp.sqrt(ksum(x * x)[..., None] + L2NORM_EPS)
 
 
-def prepare(q, k, a, b, A_log, dt_bias, scale):
+def prepare(q, k, a, b, A_log, dt_bias, scale, *, math: str = "platform"):
     """Everything outside the state chain: normalised q (scaled), k, and the gates.
 
     Returns ``(qn [N, D, H, K], kn [N, D, H, K], g [N, D, HV], beta [N, D, HV])``, fp32.
     """
+    if math == "portable":  # q and k normed as one array: one compiled norm
+        qn, kn = l2norm(jnp.stack([portable.to_float32(q), portable.to_float32(k)]), math=math)
+        qn = rounding.mul_rn(qn, jnp.asarray(scale, F32))
+        g, beta = gates(a, b, A_log, dt_bias, math=math)
+        return qn, kn, g, beta
     qn = l2norm(q) * jnp.asarray(scale, F32)
     kn = l2norm(k)
     g, beta = gates(a, b, A_log, dt_bias)
@@ -147,7 +166,7 @@ def _expand_heads(x, hv: int):
     return jnp.repeat(x, hv // x.shape[-2], axis=-2)
 
 
-def gdn_step(S, x, *, mul: Callable = rounding.mul_rn, fma: Callable = rounding.fma_rn):
+def gdn_step(S, x, *, mul: Callable = rounding.mul_rn, fma: Callable = rounding.fma_rn, math: str = "platform"):
     """One GDN step as a state transition ``S -> S'`` (steps 3-6), per request and v-head.
 
     Args:
@@ -155,11 +174,16 @@ def gdn_step(S, x, *, mul: Callable = rounding.mul_rn, fma: Callable = rounding.
       x: ``(q, k, v, g, beta)`` with q, k ``[..., HV, K]`` (normalised, q scaled),
         v ``[..., HV, V]``, g and beta ``[..., HV]``, all float32.
       mul, fma: the rounding primitives (the portable, pinned ones by default).
+      math: ``"portable"``: the decay by :func:`gdn_lossless_jax.portable.exp`, every other
+        operation correctly rounded too (``mul_rn``, ``add_rn``, the sums by
+        :func:`gdn_lossless_jax.portable.pairwise_sum`, :func:`ksum`'s tree).
     Returns:
       ``(S', (o, u))``: the new state and the step's output ``o = S' @ q`` and
       ``u = beta * (v - Sd @ k)``, both ``[..., HV, V]``.
     """
     q, k, v, g, beta = x
+    if math == "portable":
+        return _portable_step(S, x)
     alpha = rounding.exp(g)
     Sd = rounding.decay(S, alpha[..., None, None], mul=mul)
     u = beta[..., None] * (v - ksum(Sd * k[..., None, :]))
@@ -168,20 +192,31 @@ def gdn_step(S, x, *, mul: Callable = rounding.mul_rn, fma: Callable = rounding.
     return S_new, (o, u)
 
 
+def _portable_step(S, x):
+    """:func:`gdn_step` with ``math="portable"``: the same bits on every platform."""
+    q, k, v, g, beta = x
+    Sd = rounding.decay(S, portable.exp(g)[..., None, None])
+    u = rounding.mul_rn(beta[..., None], rounding.add_rn(v, portable.neg(portable.dot(Sd, k))))
+    S_new = rounding.update(Sd, k, u)
+    return S_new, (portable.dot(S_new, q), u)
+
+
 def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record: str = "tuples", scale: float, out_dtype=None,
-           parents=None):  # fmt: skip
+           parents=None, math: str = "platform"):  # fmt: skip
     """Run the D draft steps as a ``lax.scan`` of :func:`gdn_step`; ``state0`` is not modified.
 
     Returns ``(outputs [N, D, HV, V], tape)``: a :class:`Tuples` tape (``u``, ``k`` per
     q/k head, ``g``; fp32) or a :class:`Snapshots` tape (the state after every step,
     rounded to ``state0.dtype``). The outputs do not depend on ``record``. With ``parents``
     (``[N, D]`` int32, :mod:`gdn_lossless_jax.tree`) the D drafts are the nodes of a tree
-    (:func:`tree_chain`); None is the linear chain.
+    (:func:`tree_chain`); None is the linear chain. ``math``: one of :data:`MATH_MODES`
+    (:func:`gdn_lossless_jax.verify`).
     """
-    qn, kn, g, beta = prepare(q, k, a, b, A_log, dt_bias, scale)
+    qn, kn, g, beta = prepare(q, k, a, b, A_log, dt_bias, scale, math=math)
+    step = gdn_step if math == "platform" else functools.partial(gdn_step, math=math)
     if parents is not None:
-        return tree_chain(state0, qn, kn, v, g, beta, parents, record=record, out_dtype=out_dtype or q.dtype)
-    return chain(state0, qn, kn, v, g, beta, record=record, out_dtype=out_dtype or q.dtype)
+        return tree_chain(state0, qn, kn, v, g, beta, parents, record=record, out_dtype=out_dtype or q.dtype, step=step)
+    return chain(state0, qn, kn, v, g, beta, record=record, out_dtype=out_dtype or q.dtype, step=step)
 
 
 def chain(state0, qn, kn, v, g, beta, *, record: str, out_dtype, step: Callable = gdn_step):
@@ -299,13 +334,14 @@ def verify_form(call, *, verify_fn: Callable = verify, commit_fn: Callable | Non
     p = call.pending
     if p is not None:  # the previous step's commit of this layer, then the verify from the pool it leaves
         one = jax.tree.map(lambda x: x[p.layer][None], p.tape)
-        committed = commit_fn(pool[layer][None], one, call.slots, p.steps, p.track_slots, p.track_steps, p.rows)
+        committed = commit_fn(pool[layer][None], one, call.slots, p.steps, p.track_slots, p.track_steps, p.rows,
+                              **_math_kw(call))
         pool = lax.dynamic_update_index_in_dim(pool, committed[0], layer, 0)
     # a plain state0 (a one-layer pool whose slot n is request n) is read as it is: no gather to partition
     state = read_slots(pool, layer, call.slots) if call.pool_form else pool[0]
     tree = {} if getattr(call, "parents", None) is None else {"parents": call.parents}
     outputs, new = verify_fn(state, q, k, v, a, b, A_log, dt_bias, record=call.record, scale=call.scale,
-                             out_dtype=call.out_dtype, **tree)  # fmt: skip
+                             out_dtype=call.out_dtype, **tree, **_math_kw(call))  # fmt: skip
     if call.tape is not None:
         new = write_rows(call.tape, call.tape_layer, call.rows, new)
     if call.out is not None:
@@ -314,7 +350,14 @@ def verify_form(call, *, verify_fn: Callable = verify, commit_fn: Callable | Non
     return (outputs, new) if p is None else (outputs, new, pool)
 
 
-def replay_two(state0, tuples: Tuples, steps, track_steps, *, rule: Callable = rounding.apply_rule):
+def _math_kw(call) -> dict:
+    """``math=`` for the functions :func:`verify_form` calls, given only where it is not the default."""
+    math = getattr(call, "math", "platform")
+    return {} if math == "platform" else {"math": math}
+
+
+def replay_two(state0, tuples: Tuples, steps, track_steps, *, rule: Callable = rounding.apply_rule,
+               math: str = "platform"):
     """One pass over the chain that yields the states after ``steps`` and ``track_steps``.
 
     Args:
@@ -322,6 +365,7 @@ def replay_two(state0, tuples: Tuples, steps, track_steps, *, rule: Callable = r
       tuples: ``u [N, D, HV, V]``, ``k [N, D, H, K]``, ``g [N, D, HV]``.
       steps, track_steps: ``[N]`` int; a value outside ``[0, D)`` means no step (state0).
       rule: the update form (the library's rule; tests pass the naive controls).
+      math: the decay's ``exp`` (:func:`exp_fn`): the verify's that recorded the tape.
     Returns:
       ``(state after steps, state after track_steps)``, both ``[N, HV, V, K]`` in
       state0's dtype.
@@ -345,20 +389,20 @@ def replay_two(state0, tuples: Tuples, steps, track_steps, *, rule: Callable = r
         u, k, g, t = x
         # The barrier keeps XLA from fusing the integer fma graph into its three consumers:
         # at D = 1 the scan is inlined and XLA:CPU's compile of a bf16 replay never ends.
-        S = lax.optimization_barrier(rule(S, rounding.exp(g), k, u))
+        S = lax.optimization_barrier(rule(S, exp_fn(math)(g), k, u))
         return (S, jnp.where(sel(t, steps), S, final), jnp.where(sel(t, track_steps), S, track)), None
 
     (_, final, track), _ = lax.scan(body, (S0, S0, S0), xs)
     return final.astype(state0.dtype), track.astype(state0.dtype)
 
 
-def replay(state0, tuples: Tuples, steps, *, rule: Callable = rounding.apply_rule):
+def replay(state0, tuples: Tuples, steps, *, rule: Callable = rounding.apply_rule, math: str = "platform"):
     """The state after draft step ``steps[i]`` (0-based) for each request, from ``state0``.
 
     A step outside ``[0, D)`` (a negative step: nothing accepted) leaves state0 unchanged.
     Shapes as in :func:`replay_two`.
     """
-    final, _ = replay_two(state0, tuples, steps, jnp.full_like(jnp.asarray(steps), -1), rule=rule)
+    final, _ = replay_two(state0, tuples, steps, jnp.full_like(jnp.asarray(steps), -1), rule=rule, math=math)
     return final
 
 
@@ -413,7 +457,8 @@ def along_path(tape, rows, path, steps, track_steps):
     return tape, jnp.where(ok, jnp.arange(N, dtype=jnp.int32), N), steps, track_steps
 
 
-def commit(pool, tape, slots, steps, track_slots, track_steps, rows, *, rule: Callable = rounding.apply_rule):
+def commit(pool, tape, slots, steps, track_slots, track_steps, rows, *, rule: Callable = rounding.apply_rule,
+           math: str = "platform"):
     """Write the accepted (and track) states into the pool; every other bit is kept.
 
     Args:
@@ -438,7 +483,7 @@ def commit(pool, tape, slots, steps, track_slots, track_steps, rows, *, rule: Ca
         state0 = pool[:, slot_i].reshape(L * N, *pool.shape[2:])
         tuples = jax.tree.map(lambda t: t[:, row_i].reshape(L * N, *t.shape[2:]), tape)
         tile = lambda s: jnp.tile(s, L)  # noqa: E731
-        final, tracked = replay_two(state0, tuples, tile(steps), tile(track_steps), rule=rule)
+        final, tracked = replay_two(state0, tuples, tile(steps), tile(track_steps), rule=rule, math=math)
         final, tracked = (x.reshape(L, N, *pool.shape[2:]) for x in (final, tracked))
     # Both states were computed from the pre-verify pool above, before either write.
     pool = _scatter(pool, track_slots, track, tracked)

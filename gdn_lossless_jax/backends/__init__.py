@@ -30,7 +30,7 @@ import importlib
 
 import jax
 
-__all__ = ["BACKENDS", "resolve", "resolve_name", "platform", "is_rocm", "BackendUnavailable"]
+__all__ = ["BACKENDS", "resolve", "resolve_name", "platform", "is_rocm", "check_math", "BackendUnavailable"]
 
 BACKENDS = ("reference", "pallas", "triton", "mosaic")
 
@@ -62,6 +62,23 @@ def resolve_name(name) -> str:
     """The backend ``name`` stands for (``"auto"`` picks one); the name is not checked (a
     backend object of your own is returned as it is)."""
     return _auto() if isinstance(name, str) and name == "auto" else name
+
+
+def check_math(backend, op: str, math: str) -> None:
+    """Raise :class:`BackendUnavailable` unless ``backend`` (a resolved backend) implements the
+    ``math=`` mode ``math`` here. ``"platform"`` is every backend's; another mode is one a backend
+    lists in its ``MATH_MODES`` and, where it has one, its ``check_math(op, math)`` accepts."""
+    if math == "platform":
+        return
+    name = getattr(backend, "__name__", repr(backend)).rsplit(".", 1)[-1]
+    if math not in getattr(backend, "MATH_MODES", ("platform",)):
+        raise BackendUnavailable(
+            f"{op}: backend {name!r} does not implement math={math!r} (its kernels use the platform's exp, "
+            f"division and order of sums). Alternatives: backend='reference' (any platform), or math='platform'."
+        )
+    check = getattr(backend, "check_math", None)
+    if check is not None:
+        check(op, math)
 
 
 def resolve(name, op: str):

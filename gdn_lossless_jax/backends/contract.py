@@ -76,6 +76,9 @@ class VerifyCall:
       out, out_layer: an outputs buffer ``[L', N, D, HV, V]`` written at ``out_layer``, or None.
       pending: the fused step's previous commit, or None.
       pool_form: static: whether the caller passed a pool (with ``slots``) rather than state0.
+      math: static: ``"platform"`` or ``"portable"`` (:func:`gdn_lossless_jax.verify`); a backend
+        that does not implement a mode is refused before it is called
+        (:func:`gdn_lossless_jax.backends.check_math`).
     """
 
     pool: jax.Array
@@ -99,6 +102,7 @@ class VerifyCall:
     scale: float = dataclasses.field(default=1.0, metadata=dict(static=True))
     out_dtype: Any = dataclasses.field(default=jnp.dtype(jnp.float32), metadata=dict(static=True))
     pool_form: bool = dataclasses.field(default=True, metadata=dict(static=True))
+    math: str = dataclasses.field(default="platform", metadata=dict(static=True))
 
     @property
     def inputs(self) -> tuple[jax.Array, ...]:

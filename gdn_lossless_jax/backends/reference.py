@@ -7,10 +7,11 @@ import jax
 from .. import reference as ref
 from .contract import VerifyCall
 
-__all__ = ["verify", "replay", "commit", "TREES"]
+__all__ = ["verify", "replay", "commit", "TREES", "MATH_MODES"]
 
 #: The reference verifies draft trees (``VerifyCall.parents``): :func:`gdn_lossless_jax.reference.tree_chain`.
 TREES = True
+MATH_MODES = ref.MATH_MODES  # both: the portable mode's specification is this backend
 
 
 @jax.jit
@@ -26,5 +27,5 @@ def verify(call: VerifyCall):
     return ref.verify_form(call.replace(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias))
 
 
-replay = jax.jit(ref.replay)
-commit = jax.jit(ref.commit)
+replay = jax.jit(ref.replay, static_argnames=("math",))
+commit = jax.jit(ref.commit, static_argnames=("math",))

@@ -23,8 +23,8 @@ from .rounding import CONTROL_FORMS, FORMS, default_form
 from .verify import VerifyConfig
 from .verify import verify as _verify
 
-__all__ = ["verify", "replay", "commit", "check_available", "VerifyConfig", "CommitConfig", "FORMS", "conv_verify",
-           "conv_commit", "kernel_form", "TREES"]
+__all__ = ["verify", "replay", "commit", "check_available", "check_math", "MATH_MODES", "VerifyConfig", "CommitConfig",
+           "FORMS", "conv_verify", "conv_commit", "kernel_form", "TREES"]
 
 #: The verify kernel takes draft trees (``VerifyCall.parents``): each node's parent state replayed from
 #: the program's own tuples, no state stored a node (``verify._tree_loop``).
@@ -51,6 +51,19 @@ def check_available(op: str) -> None:
         ) from e
 
 
+
+
+#: ``math="portable"`` runs in interpret mode (the CPU) only: on a GPU, the kernels' prologue and
+#: chain would need the portable functions lowered by Pallas Triton (not done; check_math refuses).
+MATH_MODES = ("platform", "portable")
+
+
+def check_math(op: str, math: str) -> None:
+    if math == "portable" and not _interpret():
+        raise BackendUnavailable(
+            f"{op}: backend 'pallas' implements math='portable' in interpret mode (on the CPU) only, not on a GPU "
+            "yet. Alternatives: backend='reference' (any platform), or math='platform'."
+        )
 
 
 def kernel_form() -> str | None:
@@ -84,20 +97,22 @@ def verify(call: VerifyCall, *, form=None, config=None, pending_control=None):
         return _verify(call, config=config, form=_form(form), interpret=_interpret(), pending_control=pending_control)
 
 
-def commit(pool, tape, slots, steps, track_slots, track_steps, rows, *, form=None, config=CommitConfig()):
+def commit(pool, tape, slots, steps, track_slots, track_steps, rows, *, form=None, config=CommitConfig(),
+           math="platform"):
     idx = (slots, steps, track_slots, track_steps, rows)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
         if isinstance(tape, Snapshots):
             return commit_snapshots(pool, tape.states, *idx, config=config, interpret=_interpret())
         form = _form(form, FORMS + CONTROL_FORMS)  # the control forms are for tests
-        return commit_tuples(pool, tape.u, tape.k, tape.g, *idx, config=config, form=form, interpret=_interpret())
+        return commit_tuples(pool, tape.u, tape.k, tape.g, *idx, config=config, form=form, interpret=_interpret(),
+                             math=math)
 
 
-def replay(state0, tuples, steps, *, form=None, config=CommitConfig()):
+def replay(state0, tuples, steps, *, form=None, config=CommitConfig(), math="platform"):
     """The commit kernel on a one-layer pool made of state0 (slot i = request i)."""
     N = state0.shape[0]
     ar = jnp.arange(N, dtype=jnp.int32)
     none = jnp.full((N,), -1, jnp.int32)
     tape = jax.tree.map(lambda t: t[None], tuples)
-    return commit(state0[None], tape, ar, steps, none, none, ar, form=form, config=config)[0]
+    return commit(state0[None], tape, ar, steps, none, none, ar, form=form, config=config, math=math)[0]

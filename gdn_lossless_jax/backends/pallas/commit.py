@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from ..launch import LaunchConfig
 from ._refs import grid, program_ids, store
 from ... import rounding
+from ...reference import exp_fn
 from .rounding import replay_update
 
 __all__ = ["CommitConfig", "commit_tuples", "commit_snapshots"]
@@ -78,7 +79,7 @@ def _request(idx_refs, n, S: int, R: int, D: int):
     return slot, step, tslot, tstep, row, accept, track
 
 
-def _tuples_kernel(*refs, HV: int, r: int, BV: int, form: str, evict: str | None, order: str):
+def _tuples_kernel(*refs, HV: int, r: int, BV: int, form: str, evict: str | None, order: str, math: str = "platform"):
     from jax.experimental.pallas import triton as plgpu
 
     idx_refs = refs[:5]
@@ -93,7 +94,7 @@ def _tuples_kernel(*refs, HV: int, r: int, BV: int, form: str, evict: str | None
     update = replay_update(form)
 
     def inputs(t):  # step t's tape: k (a [1, K] row of the tile's layout), u, the decay
-        return k_ref[l, row, t, pl.ds(h, 1), :], u_ref[l, row, t, hv, vs], rounding.exp(g_ref[l, row, t, hv])
+        return k_ref[l, row, t, pl.ds(h, 1), :], u_ref[l, row, t, hv, vs], exp_fn(math)(g_ref[l, row, t, hv])
 
     def store_state(at, S):
         store(pool_out, (l, at, hv, vs, slice(None)), S.astype(pool_out.dtype), evict)
@@ -159,12 +160,13 @@ def _launch(kernel, pool, tape_leaves, idx, cfg: CommitConfig, interpret: bool, 
     )(*inputs)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "form", "interpret"), donate_argnums=())
-def commit_tuples(pool, u, k, g, slots, steps, track_slots, track_steps, rows, *, config=CommitConfig(), form, interpret):
+@functools.partial(jax.jit, static_argnames=("config", "form", "interpret", "math"), donate_argnums=())
+def commit_tuples(pool, u, k, g, slots, steps, track_slots, track_steps, rows, *, config=CommitConfig(), form, interpret,
+                  math="platform"):
     HV, V = pool.shape[2], pool.shape[3]
     cfg = config.fit(V)
     kernel = functools.partial(_tuples_kernel, HV=HV, r=HV // k.shape[3], BV=cfg.block_v, form=form, evict=cfg.evict,
-                               order=cfg.order)  # fmt: skip
+                               order=cfg.order, math=math)  # fmt: skip
     idx = (slots, steps, track_slots, track_steps, rows)
     return _launch(kernel, pool, (u, k, g), idx, cfg, interpret, "gdn_commit_replay")
 

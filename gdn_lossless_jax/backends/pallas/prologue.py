@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ... import rounding
+from ... import portable, rounding
 from ...reference import L2NORM_EPS, gates
 from ...reference import stacked as is_stacked
 
@@ -34,7 +34,8 @@ def gram_steps(D: int, products: str = "fma") -> int:
     return max(MMA_MIN if products == "mma" else 2, pl.next_power_of_2(D))
 
 
-def _prep_kernel(*refs, H: int, HV: int, hb: int, scale: float, into: bool, stacked: tuple = (False,) * 6):
+def _prep_kernel(*refs, H: int, HV: int, hb: int, scale: float, into: bool, stacked: tuple = (False,) * 6,
+                 math: str = "platform"):
     """Per (request, step, group of ``hb`` q/k heads): the q/k l2 norms of those heads and the
     gates of their v-heads.
 
@@ -63,8 +64,12 @@ def _prep_kernel(*refs, H: int, HV: int, hb: int, scale: float, into: bool, stac
     hs = pl.ds(j * hb, hb)
     for src, at, dst, mult in ((q_ref, at_q, qn_ref, scale), (k_ref, at_k, kn_ref, None)):
         xt = plgpu.load(src.at[(*at, n, t, hs, slice(None))], mask=heads, other=0.0).astype(F32)  # [hb, K]
-        y = _unit_rows(xt)
-        y = y if mult is None else y * jnp.asarray(mult, F32)
+        if math == "portable":  # (interpret mode only: the pallas backend's check_math)
+            y = portable.l2norm(xt, L2NORM_EPS)
+            y = y if mult is None else rounding.mul_rn(y, jnp.asarray(mult, F32))
+        else:
+            y = _unit_rows(xt)
+            y = y if mult is None else y * jnp.asarray(mult, F32)
         plgpu.store(dst.at[n, t, hs, :], y, mask=heads)
         if into and mult is None:
             plgpu.store(kbuf_ref.at[tape_layer, row, t, hs, :], y, mask=heads & row_ok)
@@ -76,14 +81,16 @@ def _prep_kernel(*refs, H: int, HV: int, hb: int, scale: float, into: bool, stac
     def load(ref, *idx):
         return plgpu.load(ref.at[(*idx, hvs)], mask=vheads, other=0.0)
 
-    g, beta = gates(load(a_ref, *at_a, n, t), load(b_ref, *at_b, n, t), load(A_log_ref, *at_A), load(dt_bias_ref, *at_dt))
+    g, beta = gates(load(a_ref, *at_a, n, t), load(b_ref, *at_b, n, t), load(A_log_ref, *at_A), load(dt_bias_ref, *at_dt),
+                    math=math)
     plgpu.store(g_ref.at[n, t, hvs], g, mask=vheads)
     plgpu.store(beta_ref.at[n, t, hvs], beta, mask=vheads)
     if into:
         plgpu.store(gbuf_ref.at[tape_layer, row, t, hvs], g, mask=vheads & row_ok)
 
 
-def prep(q, k, a, b, A_log, dt_bias, *, scale, interpret: bool, heads: int = 0, into=None, xlayer=None):
+def prep(q, k, a, b, A_log, dt_bias, *, scale, interpret: bool, heads: int = 0, into=None, xlayer=None,
+         math: str = "platform"):
     """``(qn, kn, g, beta)`` as ``reference.prepare`` computes them, in one launch: grid
     ``(N, D, H / heads)``, ``heads`` q/k heads per program (0: all of them). ``into``:
     ``(rows, tape_layer, k buffer, g buffer)``; then the updated buffers are returned too.
@@ -100,7 +107,8 @@ def prep(q, k, a, b, A_log, dt_bias, *, scale, interpret: bool, heads: int = 0, 
         out_shape += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in into[2:]]
         aliases = {len(inputs) - 2: 4, len(inputs) - 1: 5}
     return pl.pallas_call(
-        functools.partial(_prep_kernel, H=H, HV=HV, hb=hb, scale=scale, into=into is not None, stacked=stacked),
+        functools.partial(_prep_kernel, H=H, HV=HV, hb=hb, scale=scale, into=into is not None, stacked=stacked,
+                          math=math),
         out_shape=out_shape,
         grid=(N, D, pl.cdiv(H, hb)),
         input_output_aliases=aliases,

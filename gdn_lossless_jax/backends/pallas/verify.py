@@ -34,9 +34,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ...reference import INPUT_RANKS
+from ...reference import INPUT_RANKS, exp_fn
 from ...reference import stacked as is_stacked
-from ... import rounding, tree as tree_mod
+from ... import portable, rounding, tree as tree_mod
 from ..contract import VerifyCall
 from ..launch import VerifyLaunch
 from ._refs import grid, program_ids, store
@@ -207,6 +207,18 @@ def _chunk_dot(xs, ys, fma=None):
     return jnp.sum(acc, axis=1)
 
 
+def _tree_dot(xs, ys):
+    """``math="portable"``: :func:`_chunk_dot` in the reference's tree order, every operation
+    correctly rounded. The tree over K pairs element j with j + K/2, ...: chunk c with chunk
+    c + n/2 while the halves are whole chunks, then the tree within the last chunk
+    (:func:`gdn_lossless_jax.portable.pairwise_sum`). K and the chunk are powers of 2."""
+    ps = [rounding.mul_rn(x, y) for x, y in zip(xs, ys)]
+    while len(ps) > 1:
+        half = len(ps) // 2
+        ps = [rounding.add_rn(ps[i], ps[i + half]) for i in range(half)]
+    return portable.pairwise_sum(ps[0])
+
+
 def _state_tile(state_ref, w: _Where, c, evict):
     """One ``[BV, C]`` chunk of the program's pre-verify state, fp32 (zeros for a padding slot)."""
     shape = (w.vs.size, c.size)
@@ -227,7 +239,7 @@ def _store_state(tape_ref, w: _Where, t, cols, S, evict):
 
 
 def _apply_pending(refs, pending: str, state_ref, pool_ref, w: _Where, cols, S0, form: str, control: str | None = None,
-                   replay_mode: str = "split"):
+                   replay_mode: str = "split", math: str = "platform"):
     """The previous step's commit of this program's tile, before its verify: the state after the
     accepted step (and the track state, to its slot), both from the pre-verify state ``S0`` with
     the commit's rule (``fma(k, u, rn(S * exp(g)))``, the replay kernel's arithmetic element for
@@ -282,7 +294,7 @@ def _apply_pending(refs, pending: str, state_ref, pool_ref, w: _Where, cols, S0,
             def body(t, carry):
                 Sc, *acc = carry
                 ks = [k_ref[pl_, prow, t, pl.ds(h, 1), c] for c in cols]
-                u, alpha = u_ref[pl_, prow, t, hv, vs], rounding.exp(g_ref[pl_, prow, t, hv])
+                u, alpha = u_ref[pl_, prow, t, hv, vs], exp_fn(math)(g_ref[pl_, prow, t, hv])
                 Sc = [update(c, alpha, kc, u) for kc, c in zip(ks, Sc)]
                 on_step(t, Sc)
                 return (Sc, *([[jnp.where(t == keep, a, b) for a, b in zip(Sc, acc[0])]] if acc else []))
@@ -322,7 +334,8 @@ def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bo
             k_chunk: int, loop: bool, evict: str | None, prefetch_q: bool, tiles_first: bool, dot_fma: str,
             pending: str | None = None, control: str | None = None, stacked: bool = False,
             out_into: bool = False, pending_replay: str = "split", barrier: bool = True,
-            interpret: bool = False, tree: bool = False):  # fmt: skip
+            interpret: bool = False, tree: bool = False,
+            math: str = "platform"):  # fmt: skip
     # inputs: state, slots, layer, tape_layer, qn, kn, v, g, beta[, anc, depth (tree)][, rows, tape buffer
     # (aliased)][, pending inputs][, out_layer, outputs buffer (aliased)]; outputs: o, tape[, pool (aliased with
     # state)]. With ``stacked``, v is [L, N, D, HV, V], read at the pool's layer.
@@ -347,18 +360,24 @@ def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bo
         ks = [vec(k_ref, t, c) for c in cols]
         kq = _chunk_dot(ks, qs) if one_pass else None  # [1]
         vt = v_ref[w.layer, n, t, hv, vs] if stacked else v_ref[n, t, hv, vs]
-        return qs, ks, vt.astype(F32), rounding.exp(g_ref[n, t, hv]), beta_ref[n, t, hv], kq
+        return qs, ks, vt.astype(F32), exp_fn(math)(g_ref[n, t, hv]), beta_ref[n, t, hv], kq
 
     def step(t, S, x):
         qs, ks, v, alpha, beta, kq = x
         if late_q:
             qs = [vec(q_ref, t, c) for c in cols]
         Sd = [mul(c, alpha) for c in S]
-        if one_pass:
-            sq = _chunk_dot(Sd, qs, fuse_o)
-        u = beta * (v - _chunk_dot(Sd, ks, fuse_u))
+        if math == "portable":  # (one_pass off: verify's config for the mode)
+            u = rounding.mul_rn(beta, rounding.add_rn(v, portable.neg(_tree_dot(Sd, ks))))
+        else:
+            if one_pass:
+                sq = _chunk_dot(Sd, qs, fuse_o)
+            u = beta * (v - _chunk_dot(Sd, ks, fuse_u))
         S = [fma(kc, u[:, None], c) for kc, c in zip(ks, Sd)]
-        o = sq + u * kq if one_pass else _chunk_dot(S, qs, fuse_o)
+        if math == "portable":
+            o = _tree_dot(S, qs)
+        else:
+            o = sq + u * kq if one_pass else _chunk_dot(S, qs, fuse_o)
         o_ref[(*w.olead, n, t, hv, vs)] = o.astype(o_ref.dtype)
         if snapshots:
             # (interpret mode: the barrier changes no value; without it XLA:CPU compiles the in-place
@@ -378,7 +397,7 @@ def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bo
         whole = _chunks(k_ref.shape[-1], k_ref.shape[-1])
         pool_ref = refs[-1]
         _apply_pending(refs[start:end], pending, pool_ref, pool_ref, w, whole, _load_state(pool_ref, w, whole, evict),
-                       form, control, "split")  # fmt: skip
+                       form, control, "split", math)  # fmt: skip
         if barrier:
             plgpu.debug_barrier()
         S = _load_state(pool_ref, w, cols, evict)
@@ -386,7 +405,7 @@ def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bo
         S = _load_state(state_ref, w, cols, evict)
         if pending:
             S = _apply_pending(refs[start:end], pending, state_ref, refs[-1], w, cols, S, form, control,
-                               pending_replay)  # fmt: skip
+                               pending_replay, math)  # fmt: skip
     if tree:  # a draft tree: node t from its parent's state, replayed from the program's own tuples
         _tree_loop(tree_refs, S, inputs, step, vec, k_ref, g_ref, w, cols, D, mul, fma)
         return
@@ -579,8 +598,16 @@ def verify(call: VerifyCall, *, config=None, form, interpret, pending_control=No
     layer, tape_layer = scalar(layer), scalar(tape_layer)
     cfg = (tuned_config(N, D, state.dtype) if config is None else config).fit(V)
     tree = call.parents is not None
+    math = call.math
+    if tree and math == "portable":
+        raise ValueError("pallas verify: a draft tree (parents) with math='portable' is not supported; pass "
+                         "backend='reference'")
     if tree:  # a draft tree: the chain algorithm's loop, each node from its replayed parent (_tree_loop)
         cfg = dataclasses.replace(cfg, algorithm="chain", products="fma", one_pass=False, unroll=0)
+    if math == "portable":  # the chain with the reference's K tree: one_pass and the Gram form sum otherwise
+        if K & (K - 1):
+            raise ValueError(f"pallas verify: math='portable' needs K a power of 2, got K={K}")
+        cfg = dataclasses.replace(cfg, algorithm="chain", one_pass=False, products="fma")
     if stacked and cfg.algorithm == "gram":  # the Gram prologue reads one layer: slice it out (a copy)
         q, k, v, a, b, A_log, dt_bias = one_layer(layer[0], **dict(zip(INPUT_RANKS, (q, k, v, a, b, A_log, dt_bias))))
         stacked = False
@@ -616,7 +643,8 @@ def verify(call: VerifyCall, *, config=None, form, interpret, pending_control=No
     else:
         pre = (rows, tape_layer, tape.k, tape.g) if into and not snapshots else None
         qn, kn, g, beta, *bufs = prep(q, k, a, b, A_log, dt_bias, scale=scale, interpret=interpret,
-                                       heads=cfg.prep_heads, into=pre, xlayer=layer if stacked else None)  # fmt: skip
+                                       heads=cfg.prep_heads, into=pre, xlayer=layer if stacked else None,
+                                       math=math)  # fmt: skip
         if bufs:
             kbuf, gbuf = bufs
         inputs = [state, slots, layer, tape_layer, qn, kn, v, g, beta]
@@ -659,7 +687,7 @@ def verify(call: VerifyCall, *, config=None, form, interpret, pending_control=No
             row_vectors=cfg.row_vectors, one_pass=cfg.one_pass, k_chunk=cfg.k_chunk,
             loop=D > cfg.unroll, evict=cfg.evict, prefetch_q=cfg.prefetch_q, tiles_first=tiles_first,
             dot_fma=cfg.dot_fma, pending=pending_mode, control=pending_control, stacked=v.ndim == 5, out_into=out_into,
-            pending_replay=cfg.pending_replay, barrier=not interpret, interpret=interpret, tree=tree,
+            pending_replay=cfg.pending_replay, barrier=not interpret, interpret=interpret, tree=tree, math=math,
         )  # fmt: skip
     outputs, rec, *pool = pl.pallas_call(
         kernel,
