@@ -18,6 +18,9 @@
 #          CKPT_ARGS, default 8 blocks and 16 experts, 3.6 GB, into CKPT_DIR, default /tmp/ckpt-a3b), then
 #          scripts/checkpoint_run.py on it (CKPT_RUN_ARGS; tokens/s per record mode and the checks);
 #          checkpoint.json and checkpoint.log
+#   portable  the portable mode on the GPU: tests/test_portable.py (its GPU test compares each GPU backend's bits with
+#          the CPU's), then scripts/portable_fixtures.py records the GPU's fixture into $OUT/gpu-reference.npz (commit it
+#          under tests/fixtures/portable/: CI reproduces it on the CPU); portable.log
 # Other variables: TIMEOUT (seconds per phase, default 3000); SPINNERS=idle|nice|pause runs bench and step under
 # scripts/idle_spinners.py (no CPU halts while they wait on the GPU); PACK=1 packs $OUT into $OUT/results.tgz.
 # Wheels in .whl/ (e.g. jax-triton) are installed into /tmp/site first. $OUT/env.txt records the GPU, the versions and
@@ -73,6 +76,10 @@ for phase in "$@"; do
           --tokens 256 ${E2E_ARGS:-} >> "$OUT/e2e.log" 2>&1
       done
       grep -E "^(e2e|tuples|snapshots|none|ratios|checks)" "$OUT/e2e.log" ;;
+    portable)
+      timeout "$T" python3 -m pytest -q -rfs -p no:cacheprovider tests/test_portable.py > "$OUT/portable.log" 2>&1
+      timeout "$T" python3 scripts/portable_fixtures.py --out "$OUT/gpu-reference.npz" >> "$OUT/portable.log" 2>&1
+      tail -12 "$OUT/portable.log" ;;
     soak)
       timeout "$T" python3 -m gdn_lossless_jax demo ${SOAK_ARGS:---size gpu --backend pallas --tokens 10000 --turns 2 \
         --prompts 4 --batch 4 --track-interval 256 --progress off} > "$OUT/soak.log" 2>&1
@@ -89,6 +96,6 @@ for phase in "$@"; do
           --prompt-len 32 --tokens 256 --drafts 4 --steps-per-call 8 --repeats 3}; } > "$OUT/checkpoint.log" 2>&1
       echo "exit status $?" >> "$OUT/checkpoint.log"
       tail -12 "$OUT/checkpoint.log" ;;
-    *) echo "unknown phase $phase (tests, bench, step, demo, e2e, soak, fuzz, checkpoint)"; exit 2 ;;
+    *) echo "unknown phase $phase (tests, bench, step, demo, e2e, checkpoint, portable, soak, fuzz)"; exit 2 ;;
   esac
 done
