@@ -144,8 +144,9 @@ class DecodeLoop:
     def _placed(self, state: DecodeState) -> DecodeState:
         """On a mesh, the loop's carried state constrained to the layout
         :func:`~gdn_lossless_jax.model.decode.place_on_mesh` gives it (the pool as ``MeshPlan.put``
-        splits it, the KV cache's slots over the data axis): left to itself, XLA chose other
-        layouts for the carry inside the loop and split the non-GDN work otherwise, in other bits."""
+        splits it, the KV cache's slots over the data axis), as the per-step engine's step receives
+        it. A precaution: what made the loop's bits differ from one device's was the GDN mixer's
+        out-projection (see :func:`~gdn_lossless_jax.model.model.gdn_mixer`'s ``rows``)."""
         plan = self.step.mesh
         named = lambda spec: jax.sharding.NamedSharding(plan.mesh, spec)  # noqa: E731
         pool = jax.lax.with_sharding_constraint(state.pool, plan.shardings("pool", state.pool))
