@@ -20,7 +20,7 @@ if str(ROOT) not in sys.path:  # `benchmarks` lives at the repository root, besi
 from benchmarks import cases as bc  # noqa: E402
 from benchmarks import peer_sglang, traffic  # noqa: E402
 from benchmarks.run import main  # noqa: E402
-from conftest import ON_GPU  # noqa: E402
+from conftest import FULL_TESTS, ON_GPU  # noqa: E402
 from gdn_lossless_jax.testing.cases import CommitIndices, Shape  # noqa: E402
 
 RECORDS = ("tuples", "snapshots")
@@ -295,18 +295,21 @@ def test_fused_call_alternates_executables_and_swaps_the_tapes():
 
 def test_e2e_benchmark_runs_on_the_cpu(tmp_path):
     """``python -m benchmarks.e2e`` at the tiny size: a row per record mode with the fields the docs
-    name, the checks passing (tuples and no speculation give the same tokens)."""
+    name, the checks passing (tuples and no speculation give the same tokens; with
+    GDN_FULL_TESTS=1 snapshots too, and their final states bit-identical)."""
     from benchmarks import e2e
 
-    assert e2e.main(["--out", str(tmp_path), "--records", "tuples,none", "--batch", "2", "--tokens", "6",
+    records = ["tuples", "none", *(["snapshots"] if FULL_TESTS else [])]
+    assert e2e.main(["--out", str(tmp_path), "--records", ",".join(records), "--batch", "2", "--tokens", "6",
                      "--steps-per-call", "2", "--prompt-len", "5"]) == 0  # fmt: skip
     result = json.loads((tmp_path / "results.json").read_text())
     rows = {r["record"]: r for r in result["rows"]}
-    assert set(rows) == {"tuples", "none"} and rows["none"]["drafts"] == 1
+    assert set(rows) == set(records) and rows["none"]["drafts"] == 1
     for r in rows.values():
         assert r["kind"] == "e2e" and r["tokens"] == 12 and r["tokens_per_s"] > 0 and r["steps_per_call"] == 2
         assert r["state_bytes"] > 0 and r["scratch_bytes"] > 0 and 0 <= r["host_clock_fraction"] <= 1
-    assert result["checks"] == {"tokens tuples == none": True} and "tuples/none" in result["ratios"]
+    assert result["checks"]["tokens tuples == none"] and all(result["checks"].values())
+    assert "tuples/none" in result["ratios"]
 
 
 def test_e2e_fixed_memory_batches():
