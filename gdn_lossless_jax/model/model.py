@@ -187,7 +187,7 @@ class ModelConfig:
 #: GDN layers' share of a step is larger than in the real model). ``deep-a3b`` sizes the rest
 #: like that model's per-token work: a dense MLP of 9 x 512 (its 8 routed experts and the shared
 #: one, each 512 wide: the same weights read per token), its 248,320-token vocabulary and untied
-#: head; about 3.3 B parameters (6.6 GB in bf16).
+#: head; about 3.4 B parameters (6.9 GB in bf16).
 SIZES: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
         "tiny", vocab=512, d_model=64, layers=4, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16,
