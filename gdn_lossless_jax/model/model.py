@@ -446,6 +446,15 @@ def _rope(x: jax.Array, positions: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def _qkv(p: AttentionParams, c: ModelConfig, x: jax.Array, positions: jax.Array):
+    """The attention's queries, keys (normalised, rotated to ``positions``) and values of ``x [N, T, d]``."""
+    N, T, _ = x.shape
+    q = rmsnorm((x @ p.w_q).reshape(N, T, c.attn_heads, c.attn_head_dim), p.q_norm)
+    k = rmsnorm((x @ p.w_k).reshape(N, T, c.kv_heads, c.attn_head_dim), p.k_norm)
+    v = (x @ p.w_v).reshape(N, T, c.kv_heads, c.attn_head_dim)
+    return _rope(q, positions), _rope(k, positions), v
+
+
 def attention(
     p: AttentionParams,
     config: ModelConfig,
@@ -470,10 +479,7 @@ def attention(
     c = config
     N, T, _ = x.shape
     nq, nkv, hd = c.attn_heads, c.kv_heads, c.attn_head_dim
-    q = rmsnorm((x @ p.w_q).reshape(N, T, nq, hd), p.q_norm)
-    k = rmsnorm((x @ p.w_k).reshape(N, T, nkv, hd), p.k_norm)
-    v = (x @ p.w_v).reshape(N, T, nkv, hd)
-    q, k = _rope(q, positions), _rope(k, positions)
+    q, k, v = _qkv(p, c, x, positions)
     n_idx = jnp.arange(N)[:, None]
     cache_k = cache_k.at[n_idx, positions].set(k.astype(cache_k.dtype), mode="drop")
     cache_v = cache_v.at[n_idx, positions].set(v.astype(cache_v.dtype), mode="drop")
@@ -514,10 +520,7 @@ def tree_attention(
     c = config
     N, T, _ = x.shape
     nq, nkv, hd = c.attn_heads, c.kv_heads, c.attn_head_dim
-    q = rmsnorm((x @ p.w_q).reshape(N, T, nq, hd), p.q_norm)
-    k = rmsnorm((x @ p.w_k).reshape(N, T, nkv, hd), p.k_norm)
-    v = (x @ p.w_v).reshape(N, T, nkv, hd)
-    q, k = _rope(q, positions), _rope(k, positions)
+    q, k, v = _qkv(p, c, x, positions)
     k, v = k.astype(cache_k.dtype), v.astype(cache_v.dtype)
     keys, vals = jnp.concatenate([cache_k, k], axis=1), jnp.concatenate([cache_v, v], axis=1)
     Tmax = cache_k.shape[1]
