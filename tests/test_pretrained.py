@@ -31,7 +31,7 @@ import struct
 import numpy as np
 import pytest
 
-from conftest import FULL_TESTS, full_only
+from conftest import FULL_TESTS, full_only, requires_gpu
 from gdn_lossless_jax.model import PretrainedModel, load_pretrained
 from gdn_lossless_jax.model.hf.weights import Checkpoint
 from gdn_lossless_jax.testing import assert_bitwise_differs, assert_bitwise_equal
@@ -104,6 +104,87 @@ def test_logits_fp32(mt):
         assert off > 100 * FP32_TOL, f"control: the norms without '1 +' moved the logits only {off:.2e}"
 
 
+def _dot_precisions(lowered_text: str) -> list[str]:
+    """The ``precision = [...]`` of every dot in a lowered program's text (``"none"`` where it has none)."""
+    import re
+
+    found = []
+    for line in lowered_text.splitlines():
+        if "dot_general" in line:
+            m = re.search(r"precision = \[([^\]]*)\]", line)
+            found.append(m.group(1) if m else "none")
+    return found
+
+
+def _step_text(model, drafts: int = 3) -> str:
+    """The lowered text of the checkpoint's jitted speculative step (draft, verify, accept, commit)."""
+    import jax.numpy as jnp
+
+    from gdn_lossless_jax.model.decode import StepInputs, _jitted_step
+
+    step = model.step(drafts)
+    state = model.allocate(step, batch=2, record="tuples", max_len=16)
+    i32 = lambda *v: jnp.asarray(np.array(v, np.int32))  # noqa: E731
+    inputs = StepInputs(slots=i32(0, 1), rows=i32(0, 1), pos=i32(0, 0), tokens=jnp.ones((2, drafts), jnp.int32),
+                        n_given=i32(1, 1), track_slots=i32(-1, -1))  # fmt: skip
+    return _jitted_step.lower(step, model.params, state, inputs).as_text()
+
+
+def test_fp32_dots_are_highest_precision():
+    """A float32 checkpoint multiplies in float32 on every platform: every dot of the logits' program and of
+    the speculative step (the MTP draft, the MoE, the attention, the head) asks for ``HIGHEST`` (JAX's
+    default lets a GPU use TF32: logits 3.85 off transformers' on an H200). Control: a bf16 model's dots
+    keep the default. The demo model's float32 step likewise."""
+    import jax.numpy as jnp
+
+    from gdn_lossless_jax.model import get_config, init_params
+    from gdn_lossless_jax.model.decode import SpecStep, StepInputs, _jitted_step, allocate_state
+    from gdn_lossless_jax.model.hf.pretrained import _forward
+
+    def logits_text(m):
+        ids = jnp.ones((1, 3), jnp.int32)
+        step = m.step(3, draft="self") if m.config.draft == "mtp" else m.step(3)
+        return _forward.lower(step, m.params, m.allocate(step, batch=1, record="tuples", max_len=3), ids).as_text()
+
+    for dtype in ("float32", "bfloat16"):
+        m = _model("qwen3_5_moe", dtype)
+        assert m.config.draft == "mtp" and m.config.num_experts
+        for what, text in (("logits", logits_text(m)), ("step", _step_text(m))):
+            got = _dot_precisions(text)
+            assert len(got) > 20, f"{dtype} {what}: expected the model's dots in the program, found {len(got)}"
+            if dtype == "float32":
+                bad = sorted(set(got) - {"HIGHEST, HIGHEST"})
+                assert not bad, f"float32 {what}: {len(got)} dots, precisions other than HIGHEST: {bad}"
+            else:  # control: bf16 keeps the default precision
+                assert all("HIGHEST" not in g for g in got), f"bfloat16 {what}: dots forced to HIGHEST: {set(got)}"
+    config = get_config("tiny")
+    assert config.dtype == "float32"
+    step = SpecStep(config, drafts=3)
+    state = allocate_state(config, slots=2, requests=2, drafts=3, record="tuples", max_len=16)
+    i32 = lambda *v: jnp.asarray(np.array(v, np.int32))  # noqa: E731
+    inputs = StepInputs(slots=i32(0, 1), rows=i32(0, 1), pos=i32(0, 0), tokens=jnp.ones((2, 3), jnp.int32),
+                        n_given=i32(1, 1), track_slots=i32(-1, -1))  # fmt: skip
+    got = _dot_precisions(_jitted_step.lower(step, init_params(config, 0), state, inputs).as_text())
+    assert got and set(got) == {"HIGHEST, HIGHEST"}, f"the demo model's float32 step: {set(got)}"
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("mt", TYPES)
+def test_logits_fp32_on_gpu_without_precision_flags(mt):
+    """On a GPU, float32 logits within 1e-4 of transformers' (relative to the largest logit) with JAX's
+    default matmul precision (TF32 allowed) in force, as a user runs it: no JAX_DEFAULT_MATMUL_PRECISION."""
+    import jax
+
+    e = _expected(mt)
+    m = _model(mt)
+    with jax.default_matmul_precision("tensorfloat32"):  # what the GPU does when nothing is set
+        lg = np.asarray(m.logits(e["prompts"]))
+    rel = np.abs(lg - e["logits_fp32"]).max() / np.abs(e["logits_fp32"]).max()
+    print(f"{mt} fp32 on {jax.devices()[0].device_kind}: max abs logit diff / max logit {rel:.2e}")
+    assert rel <= 1e-4, f"{mt}: float32 logits {rel:.3e} (relative to the largest logit) from transformers' > 1e-4"
+
+
 @pytest.mark.parametrize("mt", _ci("qwen3_5"))
 def test_logits_bf16(mt):
     e = _expected(mt)
@@ -130,8 +211,8 @@ def test_greedy_matches_transformers(mt):
 def test_speculative_matches_transformers(mt, draft):
     """Speculation in both record modes: transformers' greedy tokens, and the record modes' final SSM,
     conv, KV (and MTP hidden) states bit-identical; the device loop (``steps_per_call=4``) gives the
-    same tokens and states. Control: a commit with the naive update rule."""
-    from test_model import NAIVE
+    same tokens and states. Control: a commit with a wrong (twice-rounded) update rule."""
+    from test_model import WRONG_FORM
 
     e = _expected(mt)
     m = _model(mt, draft=draft)
@@ -151,8 +232,8 @@ def test_speculative_matches_transformers(mt, draft):
     ids4, info4 = m.generate(e["prompts"], NEW, drafts=4, record="tuples", steps_per_call=4, return_info=True)
     assert np.array_equal(ids4, runs["tuples"][0])
     assert_bitwise_equal(runs["tuples"][1], info4.states(), f"{mt} {draft}: final states, device loop vs per step")
-    _, naive = m.generate(e["prompts"], NEW, drafts=4, record="tuples", return_info=True, commit=NAIVE)
-    assert_bitwise_differs(runs["snapshots"][1]["ssm"], naive.states()["ssm"], "control: the naive commit")
+    _, wrong = m.generate(e["prompts"], NEW, drafts=4, record="tuples", return_info=True, commit=WRONG_FORM)
+    assert_bitwise_differs(runs["snapshots"][1]["ssm"], wrong.states()["ssm"], "control: the twice-rounded commit")
 
 
 # ---------------------------------------------------------------------------------------

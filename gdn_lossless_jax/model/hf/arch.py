@@ -4,7 +4,9 @@ Parameters are frozen dataclasses registered with JAX (as :mod:`gdn_lossless_jax
 weight is stored ``[in, out]`` (``x @ w``). Where transformers rounds to the model's dtype between
 operations, these functions do too, so bf16 stays close; norms, gates, routing and softmax run in fp32
 as there. Sums the compiler would otherwise order per program (the norms' means, the softmax) go in a
-fixed order (:func:`gdn_lossless_jax.reference.ksum`), as in the demo model.
+fixed order (:func:`gdn_lossless_jax.reference.ksum`), as in the demo model. Every matmul goes through
+:func:`gdn_lossless_jax.model.model.matmul` / ``einsum``: float32 operands multiply in float32
+(``Precision.HIGHEST``; JAX's default would let a GPU use TF32), bf16 ones at the default.
 
 - zero-centred RMSNorm: ``x / rms(x) * (1 + weight)`` (the decoder norms, q/k norms, final norm, the MTP
   norms); the GDN layer's gated norm keeps a plain ``weight``: ``weight * x / rms(x) * silu(z)``.
@@ -24,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...reference import ksum, pairwise_sum
-from ..model import GDNParams, MLPParams, softmax
+from ..model import GDNParams, MLPParams, einsum, matmul, softmax
 from .config import HFConfig
 
 __all__ = [
@@ -122,7 +124,7 @@ def gated_rmsnorm(o, z, weight, eps):
 
 
 def mlp(p: MLPParams, x):
-    return (jax.nn.silu(x @ p.w_gate) * (x @ p.w_up)) @ p.w_down
+    return matmul(jax.nn.silu(matmul(x, p.w_gate)) * matmul(x, p.w_up), p.w_down)
 
 
 def moe(p: MoEParams, c: HFConfig, x):
@@ -130,16 +132,16 @@ def moe(p: MoEParams, c: HFConfig, x):
     weighted (no token dispatch: simple, and exact for any k; costs E/k times the routed work)."""
     shape = x.shape
     xf = x.reshape(-1, shape[-1])
-    probs = softmax((xf @ p.router).astype(F32))  # [T, E]
+    probs = softmax(matmul(xf, p.router).astype(F32))  # [T, E]
     top_v, top_i = jax.lax.top_k(probs, c.top_k)
     if c.norm_topk_prob:
         top_v = top_v / pairwise_sum(top_v)[..., None]
     top_v = top_v.astype(x.dtype)
     weights = jnp.zeros(probs.shape, x.dtype).at[jnp.arange(xf.shape[0])[:, None], top_i].set(top_v)
-    h = jax.nn.silu(jnp.einsum("td,edi->tei", xf, p.w_gate)) * jnp.einsum("td,edi->tei", xf, p.w_up)
-    out = jnp.einsum("tei,eid->ted", h, p.w_down)  # [T, E, d] in x's dtype
+    h = jax.nn.silu(einsum("td,edi->tei", xf, p.w_gate)) * einsum("td,edi->tei", xf, p.w_up)
+    out = einsum("tei,eid->ted", h, p.w_down)  # [T, E, d] in x's dtype
     routed = (out * weights[..., None]).astype(F32).sum(axis=1).astype(x.dtype)
-    shared = mlp(p.shared, xf) * jax.nn.sigmoid(xf @ p.shared_gate)
+    shared = mlp(p.shared, xf) * jax.nn.sigmoid(matmul(xf, p.shared_gate))
     return (routed + shared).reshape(shape)
 
 
@@ -166,30 +168,30 @@ def attention(p: AttentionParams, c: HFConfig, x, cache_k, cache_v, positions):
     then each query attends up to its own position). Returns ``(out [N, T, d], (cache_k, cache_v))``."""
     N, T, _ = x.shape
     nq, nkv, hd = c.attn_heads, c.kv_heads, c.attn_head_dim
-    q = rmsnorm((x @ p.w_q).reshape(N, T, nq, hd), p.q_norm, c.rms_eps)
-    k = rmsnorm((x @ p.w_k).reshape(N, T, nkv, hd), p.k_norm, c.rms_eps)
-    v = (x @ p.w_v).reshape(N, T, nkv, hd)
+    q = rmsnorm(matmul(x, p.w_q).reshape(N, T, nq, hd), p.q_norm, c.rms_eps)
+    k = rmsnorm(matmul(x, p.w_k).reshape(N, T, nkv, hd), p.k_norm, c.rms_eps)
+    v = matmul(x, p.w_v).reshape(N, T, nkv, hd)
     q, k = _rope(q, positions, c), _rope(k, positions, c)
     n_idx = jnp.arange(N)[:, None]
     cache_k = cache_k.at[n_idx, positions].set(k.astype(cache_k.dtype), mode="drop")
     cache_v = cache_v.at[n_idx, positions].set(v.astype(cache_v.dtype), mode="drop")
     Tmax = cache_k.shape[1]
     qg = q.reshape(N, T, nkv, nq // nkv, hd)
-    scores = jnp.einsum("ntgrh,nsgh->ngrts", qg, cache_k, preferred_element_type=F32) * (hd**-0.5)
+    scores = einsum("ntgrh,nsgh->ngrts", qg, cache_k, preferred_element_type=F32) * (hd**-0.5)
     mask = jnp.arange(Tmax)[None, None, :] <= positions[:, :, None]
     probs = softmax(jnp.where(mask[:, None, None], scores, -jnp.inf)).astype(x.dtype)
-    out = jnp.einsum("ngrts,nsgh->ntgrh", probs, cache_v.astype(x.dtype), preferred_element_type=F32)
-    out = out.astype(x.dtype).reshape(N, T, nq * hd) * jax.nn.sigmoid(x @ p.w_gate)
-    return out @ p.w_o, (cache_k, cache_v)
+    out = einsum("ngrts,nsgh->ntgrh", probs, cache_v.astype(x.dtype), preferred_element_type=F32)
+    out = out.astype(x.dtype).reshape(N, T, nq * hd) * jax.nn.sigmoid(matmul(x, p.w_gate))
+    return matmul(out, p.w_o), (cache_k, cache_v)
 
 
 def gdn_mixer(p: GDNParams, c: HFConfig, x, core):
     """A GDN layer; ``core(mixed_qkv [N, T, conv_dim], a, b [N, T, HV], p) -> o [N, T, HV, V]`` runs the
     conv and the recurrence."""
     N, T, _ = x.shape
-    o = core(x @ p.w_qkv, x @ p.w_a, x @ p.w_b, p)
-    z = (x @ p.w_z).reshape(N, T, c.num_v_heads, c.head_v_dim)
-    return gated_rmsnorm(o.astype(x.dtype), z, p.norm, c.rms_eps) @ p.w_out
+    o = core(matmul(x, p.w_qkv), matmul(x, p.w_a), matmul(x, p.w_b), p)
+    z = matmul(x, p.w_z).reshape(N, T, c.num_v_heads, c.head_v_dim)
+    return matmul(gated_rmsnorm(o.astype(x.dtype), z, p.norm, c.rms_eps), p.w_out)
 
 
 def block(blk: Block, c: HFConfig, h, mixer):
@@ -206,7 +208,7 @@ def final_hidden(params: HFParams, c: HFConfig, h):
 def head_logits(params: HFParams, hn):
     """fp32 logits of normalised hidden states (the LM head, or the embedding when tied)."""
     w = params.embed.T if params.head is None else params.head
-    return jnp.matmul(hn, w, preferred_element_type=F32)
+    return matmul(hn, w, preferred_element_type=F32)
 
 
 def mtp_input(params: HFParams, c: HFConfig, tokens, hidden):
@@ -214,5 +216,5 @@ def mtp_input(params: HFParams, c: HFConfig, tokens, hidden):
     m = params.mtp
     e = rmsnorm(params.embed[tokens], m.norm_embedding, c.rms_eps)
     h = rmsnorm(hidden.astype(e.dtype), m.norm_hidden, c.rms_eps)
-    return jnp.concatenate([e, h], axis=-1) @ m.fc
+    return matmul(jnp.concatenate([e, h], axis=-1), m.fc)
 
