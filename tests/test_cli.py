@@ -70,6 +70,28 @@ def test_memory_seed_table(capsys):
         (["check", "--backend", "cuda"], "gdn-lossless check: error: argument --backend: invalid choice: 'cuda'"),
         (["check", "--backend", "triton", "--layers", "1"], "gdn-lossless check: error: verify: backend 'triton' runs Triton kernels"),
         ([], "gdn-lossless: error: the following arguments are required: command"),
+        (["demo", "--checkpoint", "ckpt", "--turns", "2"],
+         "gdn-lossless demo: error: demo --checkpoint: argument --turns must be 1 (each prompt is decoded once: "
+         "PretrainedModel.generate has no conversation and no prefix cache), got 2"),
+        (["demo", "--checkpoint", "ckpt", "--tree", "2,2"],
+         "gdn-lossless demo: error: demo --checkpoint: argument --tree must be left out (PretrainedModel.generate "
+         "drafts a chain of --drafts inputs), got 2,2"),
+        (["demo", "--checkpoint", "ckpt", "--mesh", "2x1"],
+         "gdn-lossless demo: error: demo --checkpoint: argument --mesh must be left out (a checkpoint decodes on one "
+         "device), got 2x1"),
+        (["demo", "--checkpoint", "ckpt", "--size", "gpu"],
+         "gdn-lossless demo: error: demo --checkpoint: argument --size must be left out (the checkpoint's config.json "
+         "gives the size), got gpu"),
+        (["demo", "--checkpoint", "ckpt", "--track-interval", "64"],
+         "gdn-lossless demo: error: demo --checkpoint: argument --track-interval must be 0 or left out"),
+        (["demo", "--checkpoint", "ckpt", "--defer", "on"],
+         "gdn-lossless demo: error: demo --checkpoint: argument --defer must be auto or off"),
+        (["demo", "--checkpoint", "ckpt", "--batch", "0"],
+         "gdn-lossless demo: error: demo --checkpoint: argument --batch must be a positive integer, got 0"),
+        (["demo", "--checkpoint", "ckpt", "--steps-per-call", "0"],
+         "gdn-lossless demo: error: demo --checkpoint: argument --steps-per-call must be a positive integer, got 0"),
+        (["generate", "--checkpoint", "ckpt", "--prompt-ids", "1", "--steps-per-call", "0"],
+         "gdn-lossless generate: error: argument --steps-per-call: must be a positive integer, got 0"),
     ],
 )
 def test_errors_are_one_line(capsys, argv, message):
@@ -207,3 +229,91 @@ def test_memory_tp_table(capsys):
         main(["memory", "--tp", "0"])
     assert exit_.value.code == 2
     assert "argument --tp: tensor sizes must be positive integers, got '0'" in capsys.readouterr().err
+
+
+class _FakeCheckpoint:
+    """A stand-in for a loaded checkpoint (``demo --checkpoint`` and ``generate`` without a compile): each
+    call is recorded; ``flip``: (record, row, position) of a generated id changed by one; ``state_of``:
+    the ssm value a record mode's final state holds."""
+
+    def __init__(self, flip=None, state_of=None):
+        import types
+
+        self.calls, self.flip, self.state_of = [], flip, state_of or {}
+        self.config = types.SimpleNamespace(vocab=50, describe=lambda: "fake checkpoint")
+
+    def generate(self, ids, new, *, drafts=4, record="tuples", steps_per_call=1, return_info=False):
+        import types
+
+        import numpy as np
+
+        assert record in ("tuples", "snapshots", None), record
+        self.calls.append({"batch": len(ids), "new": new, "record": record, "steps_per_call": steps_per_call})
+        out = np.concatenate([ids, (ids[:, -1:] + np.arange(1, new + 1)) % 50], axis=1).astype(np.int32)
+        if self.flip is not None and self.flip[0] == record and len(ids) > self.flip[1] and new > self.flip[2]:
+            out[self.flip[1], ids.shape[1] + self.flip[2]] += 1
+        gaps = np.tile(np.linspace(1.0, 2.0, new, dtype=np.float32), (len(ids), 1))
+        state = {"ssm": np.full(2, self.state_of.get(record, 0.0), np.float32)}
+        info = types.SimpleNamespace(steps=new, accepted=new * len(ids), drafted=0, gaps=gaps, states=lambda: state)
+        return (out, info) if return_info else out
+
+
+def _demo_checkpoint(monkeypatch, fake, *argv):
+    import gdn_lossless_jax.model as gm
+
+    monkeypatch.setattr(gm, "load_pretrained", lambda *a, **k: fake)
+    return main(["demo", "--checkpoint", "ckpt", "--prompts", "3", "--prompt-len", "2", "--tokens", "5", *argv])
+
+
+def test_demo_checkpoint_options_and_none(monkeypatch, capsys):
+    """``demo --checkpoint``: 'none' decodes without speculation (record=None), --steps-per-call reaches
+    generate, --batch splits the prompts, and the counts are of generated ids only."""
+    fake = _FakeCheckpoint()
+    assert _demo_checkpoint(monkeypatch, fake, "--record", "tuples", "none", "--steps-per-call", "3",
+                            "--batch", "2") == 0  # fmt: skip
+    out = capsys.readouterr().out
+    timed = [c for c in fake.calls if c["new"] == 5]
+    assert [(c["record"], c["batch"]) for c in timed] == [("tuples", 2), ("tuples", 1), (None, 2), (None, 1)]
+    assert {c["steps_per_call"] for c in fake.calls} == {3}
+    assert "3 prompts of 2 tokens, 5 generated each, 2 at a time; D=4, 3 steps per call" in out
+    assert ("tokens     tuples vs none: 15 of 15 generated ids equal (speculative vs plain greedy decoding: "
+            "measured, not checked)") in out  # fmt: skip
+    assert "verdict    tuples and snapshots not both run: nothing checked" in out
+    fake = _FakeCheckpoint()
+    assert _demo_checkpoint(monkeypatch, fake, "--record", "tuples") == 0
+    assert {(c["batch"], c["steps_per_call"]) for c in fake.calls if c["new"] == 5} == {(3, 1)}  # defaults
+
+
+def test_demo_checkpoint_divergence_is_measured_not_failed(monkeypatch, capsys):
+    """Plain greedy decoding differing from the speculative modes (forced here) is reported with its place and
+    top-2 gaps, exit status 0; tuples and snapshots differing (tokens, or final states) is exit status 1."""
+    fake = _FakeCheckpoint(flip=(None, 1, 3))
+    assert _demo_checkpoint(monkeypatch, fake, "--record", "none", "tuples", "snapshots") == 0
+    out = capsys.readouterr().out
+    assert ("tokens     tuples vs none: 14 of 15 generated ids equal (speculative vs plain greedy decoding: measured, "
+            "not checked); first divergence: prompt 1, generated token 3") in out  # fmt: skip
+    assert "top-2 logit gap there 1.75 (tuples) / 1.75 (none)" in out
+    assert "tokens     tuples vs snapshots: 15 of 15 generated ids equal\n" in out
+    assert "verdict    identical" in out
+    fake = _FakeCheckpoint(flip=("snapshots", 0, 0))
+    assert _demo_checkpoint(monkeypatch, fake, "--record", "tuples", "snapshots") == 1
+    out = capsys.readouterr().out
+    assert "tokens     tuples vs snapshots: 14 of 15 generated ids equal; first divergence: prompt 0" in out
+    assert "verdict    DIFFERENT" in out
+    fake = _FakeCheckpoint(state_of={"snapshots": 1.0})
+    assert _demo_checkpoint(monkeypatch, fake, "--record", "tuples", "snapshots") == 1
+    out = capsys.readouterr().out
+    assert "states     tuples vs snapshots, final SSM, conv and KV states: " in out and "bit-identical" not in out
+    assert "verdict    DIFFERENT" in out
+
+
+def test_generate_steps_per_call(monkeypatch, capsys):
+    import gdn_lossless_jax.model as gm
+
+    fake = _FakeCheckpoint()
+    monkeypatch.setattr(gm, "load_pretrained", lambda *a, **k: fake)
+    assert main(["generate", "--checkpoint", "ckpt", "--prompt-ids", "1,2", "--max-new-tokens", "3",
+                 "--steps-per-call", "4", "--record", "none"]) == 0  # fmt: skip
+    assert fake.calls == [{"batch": 1, "new": 3, "record": None, "steps_per_call": 4}]
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == "3,4,5" and "record none, 4 step(s) per call" in out[2]

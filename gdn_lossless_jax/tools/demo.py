@@ -108,24 +108,29 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         + ". With --mesh TPxDP the record modes run on a device mesh (GDN heads over the tensor axis) and once more "
         "on one device, and 'identical' also means the mesh gave one device's tokens and states.",
     )
-    d.add_argument("--size", choices=list(SIZES), default="tiny",
-                   help="model size (default tiny; 'gpu' has H=16, HV=32, K=V=128)")
+    d.add_argument("--size", choices=list(SIZES), default=None,
+                   help="model size (default tiny; 'gpu' has H=16, HV=32, K=V=128); not with --checkpoint")
     d.add_argument("--drafts", "-D", type=int, default=4,
                    help="D, inputs verified per step: 1 given + D-1 drafted (default 4)")
     d.add_argument("--prompts", type=int, default=4, help="number of prompts (conversations; default 4)")
     d.add_argument("--prompt-len", type=int, default=16, help="new prompt tokens per turn (default 16)")
     d.add_argument("--tokens", type=int, default=200,
                    help="generated tokens per turn (default 200; 10000 for the soak)")
-    d.add_argument("--turns", type=int, default=2,
-                   help="turns per conversation: turn t+1 resumes from the prefix cache (default 2)")
-    d.add_argument("--batch", type=int, default=2, help="batch rows: prompts join as others leave (default 2)")
-    d.add_argument("--track-interval", type=int, default=64,
-                   help="prefix-cache track interval in tokens (0: off; default 64)")
+    d.add_argument("--turns", type=int, default=None,
+                   help="turns per conversation: turn t+1 resumes from the prefix cache (default 2; with "
+                        "--checkpoint only 1)")
+    d.add_argument("--batch", type=int, default=None,
+                   help="batch rows: prompts join as others leave (default 2); with --checkpoint, the prompts are "
+                        "decoded --batch at a time (default: all in one batch)")
+    d.add_argument("--track-interval", type=int, default=None,
+                   help="prefix-cache track interval in tokens (0: off; default 64); not with --checkpoint")
     d.add_argument("--backend", choices=["auto", *BACKENDS], default="auto",
                    help="the library's backend (default auto: pallas on a GPU, else reference)")
     d.add_argument("--record", choices=[*MODES, NONE], nargs="+", default=list(MODES),
                    help="record modes to run (default both); 'none' adds a run without speculation (D = 1, plain "
-                        "greedy decoding: its tokens must be the same)")  # fmt: skip
+                        "greedy decoding): its tokens are compared with the speculative runs' and reported, not part "
+                        "of the verdict (at a near-tie the D-input verify and the 1-input decode may round to other "
+                        "tokens)")  # fmt: skip
     d.add_argument("--steps-per-call", type=int, default=None, metavar="K",
                    help="steps per call of the device: K > 1 runs drafting, verify, acceptance and the next inputs "
                         "on the device K steps at a time (the device loop; requests join and leave every K steps); "
@@ -165,6 +170,9 @@ def run(args: argparse.Namespace) -> int:
         from .generate import demo_checkpoint
 
         return demo_checkpoint(args)
+    for name, default in (("size", "tiny"), ("turns", 2), ("batch", 2), ("track_interval", 64)):
+        if getattr(args, name, None) is None:
+            setattr(args, name, default)
     import jax
     import numpy as np
     from tqdm import tqdm
@@ -268,20 +276,27 @@ def run(args: argparse.Namespace) -> int:
         first = next(iter(speeds))
         print("speed      tokens/s, " + ", ".join(f"{first} / {label}: {speeds[first] / v:.2f}x"
                                                   for label, v in speeds.items() if label != first))  # fmt: skip
-    (first_label, (ta, sa)), *others = outcome.items()
+    # Plain greedy decoding (none) last: its tokens against the first speculative run's are a measurement
+    # (near-ties may round otherwise at D inputs than at 1), not part of the verdict.
+    (first_label, (ta, sa)), *others = sorted(outcome.items(), key=lambda kv: kv[0] == NONE)
     equal = True
     for label, (tb, _) in others:
         same = sum(int(np.sum(np.asarray(x) == np.asarray(y))) for x, y in zip(ta, tb))
         first = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
+        measured = NONE in (label, first_label)
         print(f"tokens     {first_label} vs {label}: {same:,} of {total:,} tokens equal"
-              + ("" if first is None else f"; prompt {first} differs first"))  # fmt: skip
-        equal &= same == total
+              + ("" if first is None else f"; prompt {first} differs first")
+              + (" (speculative vs plain greedy decoding: measured, not checked)" if measured else ""))  # fmt: skip
+        equal &= measured or same == total
     with_states = [(label, sb) for label, (_, sb) in outcome.items() if sb is not None]
     for label, sb in with_states[1:]:  # (none: no speculation, other positions in the state: not compared)
         report = compare_bitwise(with_states[0][1], sb)
         print(f"states     {with_states[0][0]} vs {label}, final SSM, conv and KV states: "
               + ("bit-identical" if report.equal else f"DIFFER\n  {report}"))  # fmt: skip
         equal &= report.equal
+    if len(with_states) < 2:
+        print("verdict    one speculative run: nothing checked (plain greedy decoding is measured, not checked)")
+        return 0
     if plan is None:
         if equal:
             print("verdict    identical: both record modes gave the same tokens and the same final states")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from .options import positive_int
+
 __all__ = ["add_parser", "run", "demo_checkpoint"]
 
 
@@ -42,6 +44,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--drafts", "-D", type=int, default=4, help="D, inputs verified per step (default 4)")
     g.add_argument("--record", type=_record, default="tuples",
                    help="tuples (default), snapshots, or none (no speculation: one token a step)")
+    g.add_argument("--steps-per-call", type=positive_int, default=1, metavar="K",
+                   help="steps per jitted call: K > 1 runs the device loop (acceptance and the next inputs on the "
+                        "device, tokens back every K steps; the same tokens for any K); default 1")
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="compute dtype (default: the checkpoint's)")
     g.add_argument("--draft", choices=["auto", "mtp", "self"], default="auto",
@@ -67,58 +72,138 @@ def run(args: argparse.Namespace) -> int:
     print(f"gdn-lossless generate: {model.config.describe()}", flush=True)
     t0 = time.perf_counter()
     ids, info = model.generate(np.array(args.prompt_ids), args.max_new_tokens, drafts=args.drafts,
-                               record=args.record, return_info=True)  # fmt: skip
+                               record=args.record, steps_per_call=args.steps_per_call, return_info=True)  # fmt: skip
     dt = time.perf_counter() - t0
     T = len(args.prompt_ids[0])
     for row in ids:
         print(",".join(str(int(t)) for t in row[T:]))
     mean = info.accepted / max(info.steps * len(ids), 1)
     print(f"{info.steps} steps in {dt:.2f} s (compile included), mean accepted {mean:.2f} of D={args.drafts if args.record else 1}, "
-          f"record {args.record or 'none'}", flush=True)  # fmt: skip
+          f"record {args.record or 'none'}, {args.steps_per_call} step(s) per call", flush=True)  # fmt: skip
     return 0
 
 
 def add_demo_options(d: argparse.ArgumentParser) -> None:
     d.add_argument("--checkpoint", default=None,
                    help="decode a Hugging Face checkpoint folder instead of the random model (qwen3_next, qwen3_5, "
-                        "qwen3_5_moe): random prompts, both record modes, the same verdict")  # fmt: skip
+                        "qwen3_5_moe): random prompts once per record mode, the same verdict; --steps-per-call and "
+                        "--batch apply, --size, --turns > 1, --track-interval, --tree, --mesh and --defer on are "
+                        "refused")  # fmt: skip
+
+
+def _refuse(args: argparse.Namespace) -> None:
+    """The demo's options that the checkpoint path cannot honour: a ValueError naming the first one given."""
+    tree, mesh = getattr(args, "tree", None), getattr(args, "mesh", None)
+    refused = [
+        ("--size", args.size is not None, args.size,
+         "left out (the checkpoint's config.json gives the size)"),
+        ("--turns", args.turns not in (None, 1), args.turns,
+         "1 (each prompt is decoded once: PretrainedModel.generate has no conversation and no prefix cache)"),
+        ("--track-interval", args.track_interval not in (None, 0), args.track_interval,
+         "0 or left out (PretrainedModel.generate has no prefix cache)"),
+        ("--tree", tree is not None, ",".join(map(str, tree or ())),
+         "left out (PretrainedModel.generate drafts a chain of --drafts inputs)"),
+        ("--mesh", mesh is not None, "x".join(map(str, mesh or ())),
+         "left out (a checkpoint decodes on one device)"),
+        ("--defer", getattr(args, "defer", "auto") == "on", "on",
+         "auto or off (PretrainedModel.generate commits in each step)"),
+    ]  # fmt: skip
+    for option, given, value, expected in refused:
+        if given:
+            raise ValueError(f"demo --checkpoint: argument {option} must be {expected}, got {value}")
+
+
+def first_divergence(a, b, gaps_a, gaps_b) -> dict | None:
+    """Where two runs' generated ids ``[B, new]`` first differ: the first row that differs, its first
+    differing position, both ids and both runs' top-2 logit gaps there (``gaps_* [B, new]``); None if equal."""
+    import numpy as np
+
+    rows = np.flatnonzero((a != b).any(axis=1))
+    if rows.size == 0:
+        return None
+    r = int(rows[0])
+    j = int(np.flatnonzero(a[r] != b[r])[0])
+    return {"request": r, "position": j, "tokens": [int(a[r, j]), int(b[r, j])],
+            "gaps": [float(gaps_a[r, j]), float(gaps_b[r, j])]}  # fmt: skip
 
 
 def demo_checkpoint(args: argparse.Namespace) -> int:
-    """``demo --checkpoint``: random prompts through the checkpoint once per record mode; the verdict
-    is 'identical' when both modes gave the same tokens and the same final states bit for bit."""
+    """``demo --checkpoint``: random prompts through the checkpoint once per record mode (``none``: plain
+    greedy decoding). The verdict, and the exit status, is whether tuples and snapshots gave the same tokens
+    and the same final states bit for bit; speculative against plain greedy decoding is reported (generated
+    ids equal, the first divergence and the top-2 logit gap there), not checked: at a near-tie the D-input
+    verify and the one-input decode may round to other tokens."""
     import jax
     import numpy as np
 
     from ..model import load_pretrained
     from ..testing import compare_bitwise
+    from .demo import NONE
 
+    _refuse(args)
+    if args.steps_per_call is None:
+        args.steps_per_call = 8 if jax.default_backend() == "gpu" else 1
+    if args.batch is None:
+        args.batch = args.prompts
+    for name in ("drafts", "prompts", "prompt_len", "tokens", "batch", "steps_per_call"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"demo --checkpoint: argument --{name.replace('_', '-')} must be a positive integer, "
+                             f"got {getattr(args, name)}")  # fmt: skip
     model = load_pretrained(args.checkpoint, backend=args.backend)
     c = model.config
     rng = np.random.default_rng(args.seed)
     prompts = rng.integers(0, c.vocab, (args.prompts, args.prompt_len))
+    K, B, T = args.steps_per_call, min(args.batch, args.prompts), args.prompt_len
+    chunks = [prompts[i : i + B] for i in range(0, args.prompts, B)]
     print(f"gdn-lossless demo: {c.describe()}")
-    print(f"{args.prompts} prompts of {args.prompt_len} tokens, {args.tokens} generated each; D={args.drafts}, "
-          f"backend {args.backend} ({jax.default_backend()})", flush=True)  # fmt: skip
+    print(f"{args.prompts} prompts of {T} tokens, {args.tokens} generated each, {B} at a time; D={args.drafts}, "
+          f"{K} step{'s' if K > 1 else ''} per call, backend {args.backend} ({jax.default_backend()})",
+          flush=True)  # fmt: skip
+    modes = list(dict.fromkeys(args.record))
     results = {}
-    for mode in args.record:
-        model.generate(prompts[:, :1], 1, drafts=args.drafts, record=mode)  # compile outside the timing (B=1)
+    for mode in modes:
+        record = None if mode == NONE else mode
+        D = args.drafts if record else 1
+        model.generate(prompts[:1, :1], 1, drafts=args.drafts, record=record, steps_per_call=K)  # compile (B=1)
+        ids, gaps, states, steps, accepted, row_steps = [], [], [], 0, 0, 0
         t0 = time.perf_counter()
-        ids, info = model.generate(prompts, args.tokens, drafts=args.drafts, record=mode, return_info=True)
+        for chunk in chunks:
+            out, info = model.generate(chunk, args.tokens, drafts=args.drafts, record=record, steps_per_call=K,
+                                       return_info=True)  # fmt: skip
+            ids.append(out[:, T:])
+            gaps.append(info.gaps)
+            states.append(info.states())
+            steps += info.steps
+            accepted += info.accepted
+            row_steps += info.steps * len(chunk)
         dt = time.perf_counter() - t0
-        results[mode] = (ids, info.states())
+        results[mode] = (np.concatenate(ids), np.concatenate(gaps), states)
         n = args.prompts * args.tokens
         print(f"{mode:<10} {n:,} tokens in {dt:.2f} s: {n / dt:,.1f} tokens/s (compile included for this batch); "
-              f"{info.steps} steps, mean accepted length {info.accepted / (info.steps * args.prompts):.2f} of "
-              f"D={args.drafts}", flush=True)  # fmt: skip
+              f"{steps} steps, mean accepted length {accepted / max(row_steps, 1):.2f} of D={D}", flush=True)  # fmt: skip
     if len(results) < 2:
         print("verdict    one record mode run: nothing to compare")
         return 0
-    (ma, (ta, sa)), (mb, (tb, sb)) = list(results.items())[:2]
-    same_tokens = np.array_equal(ta, tb)
+    order = sorted(results, key=lambda m: m == NONE)  # plain greedy decoding last: each pair reads spec vs none
+    for i, a in enumerate(order):
+        for b in order[i + 1 :]:
+            (ta, ga, _), (tb, gb, _) = results[a], results[b]
+            line = f"tokens     {a} vs {b}: {int((ta == tb).sum()):,} of {ta.size:,} generated ids equal"
+            if b == NONE:
+                line += " (speculative vs plain greedy decoding: measured, not checked)"
+            div = first_divergence(ta, tb, ga, gb)
+            if div is not None:
+                line += (f"; first divergence: prompt {div['request']}, generated token {div['position']} (ids "
+                         f"{div['tokens'][0]} vs {div['tokens'][1]}), top-2 logit gap there {div['gaps'][0]:.3g} "
+                         f"({a}) / {div['gaps'][1]:.3g} ({b})")  # fmt: skip
+            print(line)
+    if "tuples" not in results or "snapshots" not in results:
+        print("verdict    tuples and snapshots not both run: nothing checked")
+        return 0
+    (ta, _, sa), (tb, _, sb) = results["tuples"], results["snapshots"]
     rep = compare_bitwise(sa, sb)
-    print(f"tokens     {ma} vs {mb}: {int((ta == tb).sum()):,} of {ta.size:,} ids equal")
-    print(f"states     {ma} vs {mb}, final SSM, conv and KV states: {'bit-identical' if rep.equal else rep}")
-    ok = same_tokens and rep.equal
-    print(f"verdict    {'identical' if ok else 'DIFFERENT'}")
+    print(f"states     tuples vs snapshots, final SSM, conv and KV states: {'bit-identical' if rep.equal else rep}")
+    ok = np.array_equal(ta, tb) and rep.equal
+    print(f"verdict    {'identical' if ok else 'DIFFERENT'}: tuples and snapshots gave "
+          + ("the same tokens and the same final states" if ok else "other tokens or other final states"))
     return 0 if ok else 1
