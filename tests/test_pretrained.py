@@ -328,6 +328,43 @@ def test_load_errors(tmp_path):
         _model("qwen3_5").logits(np.full((1, 3), 256))
 
 
+def test_malformed_files_name_the_file(tmp_path):
+    """A config.json, an index or a safetensors header that does not parse, and a missing config key: errors
+    that name the file (or folder) and the key, not a bare JSONDecodeError or KeyError."""
+    d = _copy(tmp_path, "qwen3_5_moe")
+    good = (d / "config.json").read_text()
+    (d / "config.json").write_text(good[:-20])
+    with pytest.raises(ValueError, match=rf"load_pretrained: {d / 'config.json'} is not valid JSON: .* at line \d+"):
+        load_pretrained(d)
+    cfg = json.loads(good)
+    del cfg["hidden_size"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=rf"load_pretrained: {d / 'config.json'} has no key 'hidden_size', which is "
+                                         rf"required"):  # fmt: skip
+        load_pretrained(d)
+    (d / "config.json").write_text(good)
+    (d / "model.safetensors.index.json").write_text('{"weight_map": {')
+    with pytest.raises(ValueError, match=rf"{d / 'model.safetensors.index.json'} is not valid JSON"):
+        load_pretrained(d)
+    (d / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    with pytest.raises(ValueError, match="must hold a JSON object with a 'weight_map'"):
+        load_pretrained(d)
+    d = _copy(tmp_path / "b", "qwen3_5")
+    blob = (d / "mtp.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", blob[:8])
+    (d / "mtp.safetensors").write_bytes(blob[:8] + b"[" + blob[9 : 8 + n] + blob[8 + n :])  # '{' -> '['
+    with pytest.raises(ValueError, match=rf"safetensors: file '{d / 'mtp.safetensors'}': the header \({n} bytes "
+                                         rf"after the 8-byte length\) is not valid JSON"):  # fmt: skip
+        load_pretrained(d)
+    header = json.loads(blob[8 : 8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    del header[name]["data_offsets"]
+    h = json.dumps(header).encode()
+    (d / "mtp.safetensors").write_bytes(struct.pack("<Q", len(h)) + h + blob[8 + n :])
+    with pytest.raises(ValueError, match=rf"tensor '{name}' must have 'dtype', 'shape' \(a list\) and 'data_offsets'"):
+        load_pretrained(d)
+
+
 def test_missing_tensor(tmp_path):
     d = _copy(tmp_path, "qwen3_next")
     index = json.loads((d / "model.safetensors.index.json").read_text())
@@ -384,5 +421,8 @@ def test_cli_demo_checkpoint(capsys):
     from gdn_lossless_jax.tools.cli import main
 
     assert main(["demo", "--checkpoint", str(FIXTURES / "qwen3_5_moe"), "--prompts", "2", "--prompt-len", "5",
-                 "--tokens", "12", "--drafts", "3"]) == 0  # fmt: skip
-    assert "verdict    identical" in capsys.readouterr().out
+                 "--tokens", "12", "--drafts", "3", "--record", "tuples", "snapshots", "none", "--steps-per-call",
+                 "2"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "verdict    identical" in out and "tokens     tuples vs none: " in out
+    assert "tokens     tuples vs snapshots: 24 of 24 generated ids equal" in out

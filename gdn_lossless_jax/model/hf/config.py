@@ -134,8 +134,19 @@ def _get(cfg: dict, key: str, where: str, default=None, required: bool = True):
     if key in cfg:
         return cfg[key]
     if required and default is None:
-        raise ValueError(f"load_pretrained: {where} has no {key!r}")
+        raise ValueError(f"load_pretrained: {where} has no key {key!r}, which is required")
     return default
+
+
+def read_json(file: str, what: str = "load_pretrained"):
+    """A JSON file's content; a file that does not parse raises a ValueError naming it and where it breaks."""
+    with open(file) as f:
+        text = f.read()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what}: {file} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno} "
+                         f"(char {e.pos} of {len(text)})") from None  # fmt: skip
 
 
 def read_config(path: str | os.PathLike) -> tuple[dict, dict]:
@@ -144,8 +155,9 @@ def read_config(path: str | os.PathLike) -> tuple[dict, dict]:
     if not os.path.isfile(file):
         raise FileNotFoundError(f"load_pretrained: argument 'path' must be a Hugging Face checkpoint folder with a "
                                 f"config.json, got {os.fspath(path)!r} (no {file})")  # fmt: skip
-    with open(file) as f:
-        full = json.load(f)
+    full = read_json(file)
+    if not isinstance(full, dict):
+        raise ValueError(f"load_pretrained: {file} must hold a JSON object, got a {type(full).__name__}")
     mt = full.get("model_type")
     if mt not in MODEL_TYPES:
         raise ValueError(f"load_pretrained: {file}: model_type {mt!r} is not supported; expected one of "
@@ -157,10 +169,11 @@ def read_config(path: str | os.PathLike) -> tuple[dict, dict]:
 
 
 def config_from_dict(full: dict, text: dict, *, dtype: str, draft: str, draft_layers: int | None,
-                     name: str) -> HFConfig:  # fmt: skip
-    """The :class:`HFConfig` of a ``config.json`` (unsupported options raise)."""
+                     name: str, source: str = "config.json") -> HFConfig:  # fmt: skip
+    """The :class:`HFConfig` of a ``config.json`` (unsupported options raise); ``source``: the file's path,
+    named in errors."""
     family = MODEL_TYPES[full["model_type"]]
-    where = "config.json" + (" text_config" if text is not full else "")
+    where = source + (" (its text_config)" if text is not full else "")
     g = lambda k, d=None, required=True: _get(text, k, where, d, required)  # noqa: E731
     n_layers = g("num_hidden_layers")
     types = g("layer_types", None, required=False)

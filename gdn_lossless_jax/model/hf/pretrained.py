@@ -110,7 +110,10 @@ class PretrainedModel:
         Each step verifies ``drafts`` inputs (the prompt in chunks of ``drafts`` given tokens, then
         the last token and ``drafts - 1`` drafted ones) in the pool's record mode ``record``
         (``"tuples"`` or ``"snapshots"``); ``record=None`` decodes without speculation (one token a
-        step). The tokens are the target's greedy ones whatever the draft proposes.
+        step). Every token is the target's argmax at its position, whatever the draft proposes; the two
+        record modes give the same tokens and bit-identical states. Against ``record=None`` the tokens
+        are equal on the CPU in the tests, but not guaranteed: at a near-tie the D-input verify and the
+        one-input decode may round to other tokens (on a GPU they do; docs/decoding.md).
 
         Args:
           steps_per_call: steps per jitted call: K > 1 runs the device loop
@@ -217,7 +220,8 @@ def load_pretrained(path: str | os.PathLike, dtype=None, *, draft: str = "auto",
         raise ValueError(f"load_pretrained: argument draft='mtp', but {path!r} has no mtp.* tensors")
     use = "mtp" if (draft == "mtp" or (draft == "auto" and mtp)) else "self"
     config = config_from_dict(full, text, dtype=dtype, draft=use, draft_layers=draft_layers,
-                              name=os.path.basename(os.path.normpath(path)))  # fmt: skip
+                              name=os.path.basename(os.path.normpath(path)),
+                              source=os.path.join(path, "config.json"))  # fmt: skip
     params, report = load_params(ckpt, config, vision=vision)
     if report["skipped"]:
         what = ", ".join(f"{n} tensors under {p!r}" for p, n in report["skipped"].items())

@@ -38,12 +38,26 @@ class SafetensorsFile:
             (n,) = struct.unpack("<Q", head)
             if n > size - 8:
                 raise ValueError(f"safetensors: file {self.path!r}: header length {n} runs past the file ({size} bytes)")
-            header = json.loads(f.read(n))
+            raw = f.read(n)
+        try:
+            header = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            where = f"{e.msg} at char {e.pos}" if isinstance(e, json.JSONDecodeError) else str(e)
+            raise ValueError(f"safetensors: file {self.path!r}: the header ({n} bytes after the 8-byte length) is not "
+                             f"valid JSON: {where}") from None  # fmt: skip
+        if not isinstance(header, dict):
+            raise ValueError(f"safetensors: file {self.path!r}: the header must be a JSON object, got a "
+                             f"{type(header).__name__}")  # fmt: skip
         self.metadata = header.pop("__metadata__", {}) or {}
         self._entries = header
         self._start = 8 + n
         self._map = np.memmap(self.path, dtype=np.uint8, mode="r") if size > self._start else np.zeros(0, np.uint8)
         for name, e in header.items():
+            ok = isinstance(e, dict) and {"dtype", "shape", "data_offsets"} <= set(e)
+            ok = ok and isinstance(e["shape"], list) and isinstance(e["data_offsets"], list)
+            if not ok or len(e["data_offsets"]) != 2:
+                raise ValueError(f"safetensors: file {self.path!r}: tensor {name!r} must have 'dtype', 'shape' (a list) "
+                                 f"and 'data_offsets' ([begin, end]) in the header, got {repr(e)[:200]}")  # fmt: skip
             if e.get("dtype") not in DTYPES:
                 raise ValueError(f"safetensors: file {self.path!r}: tensor {name!r} has dtype {e.get('dtype')!r}, "
                                  f"expected one of {sorted(DTYPES)}")  # fmt: skip

@@ -10,7 +10,6 @@ block under ``mtp.`` (vLLM's and SGLang's layout).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 
@@ -19,13 +18,18 @@ import numpy as np
 
 from ..model import GDNParams, MLPParams
 from .arch import AttentionParams, Block, HFParams, MoEParams, MTPParams
-from .config import HFConfig
+from .config import HFConfig, read_json
 from .safetensors import SafetensorsFile
 
 __all__ = ["Checkpoint", "load_params", "VISION_PREFIXES"]
 
 #: Name prefixes of a vision tower (Qwen3.5's ``model.visual.``): skipped and reported.
 VISION_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.")
+
+
+def _brief(value, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class Checkpoint:
@@ -36,8 +40,11 @@ class Checkpoint:
         self.path = os.fspath(path)
         index = os.path.join(self.path, "model.safetensors.index.json")
         if os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
+            content = read_json(index)
+            weight_map = content.get("weight_map") if isinstance(content, dict) else None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise ValueError(f"load_pretrained: {index} must hold a JSON object with a 'weight_map' of tensor "
+                                 f"names to file names, got {_brief(content)}")  # fmt: skip
             files = sorted(set(weight_map.values()))
         else:
             files = sorted(f for f in os.listdir(self.path) if f.endswith(".safetensors"))
