@@ -295,8 +295,8 @@ def test_fused_call_alternates_executables_and_swaps_the_tapes():
 
 def test_e2e_benchmark_runs_on_the_cpu(tmp_path):
     """``python -m benchmarks.e2e`` at the tiny size: a row per record mode with the fields the docs
-    name, the checks passing (tuples and no speculation give the same tokens; with
-    GDN_FULL_TESTS=1 snapshots too, and their final states bit-identical)."""
+    name; tuples against no speculation measured (on the CPU: every token equal), not checked; with
+    GDN_FULL_TESTS=1 snapshots too, the checks (tuples == snapshots, tokens and final states) passing."""
     from benchmarks import e2e
 
     records = ["tuples", "none", *(["snapshots"] if FULL_TESTS else [])]
@@ -308,8 +308,54 @@ def test_e2e_benchmark_runs_on_the_cpu(tmp_path):
     for r in rows.values():
         assert r["kind"] == "e2e" and r["tokens"] == 12 and r["tokens_per_s"] > 0 and r["steps_per_call"] == 2
         assert r["state_bytes"] > 0 and r["scratch_bytes"] > 0 and 0 <= r["host_clock_fraction"] <= 1
-    assert result["checks"]["tokens tuples == none"] and all(result["checks"].values())
+    div = result["divergence"]["tuples vs none"]
+    assert div == {"tokens_equal": 12, "tokens": 12, "first": None}  # speculative == plain greedy here (the CPU)
+    assert all(result["checks"].values()) and not any("none" in k for k in result["checks"])
+    assert set(result["checks"]) == ({"tokens tuples == snapshots", "final states tuples == snapshots"}
+                                     if FULL_TESTS else set())  # fmt: skip
     assert "tuples/none" in result["ratios"]
+
+
+def _fake_e2e(monkeypatch, flip=None, states_of=None):
+    """benchmarks.e2e with run_record faked (no compile): tokens ``[i, i+1, ...]`` per request, ``flip``
+    (record, request, position) changed by one, gaps ``0.01 * (position + 1)``, final states per record."""
+    from benchmarks import e2e
+
+    def run_record(config, params, prompts, *, record, batch, tokens, **kw):
+        toks = [[i + j for j in range(tokens)] for i in range(len(prompts))]
+        if flip is not None and flip[0] == record:
+            toks[flip[1]][flip[2]] += 1
+        gaps = [[0.01 * (j + 1) for j in range(tokens)] for _ in prompts]
+        row = {"record": record, "batch": batch, "tokens_per_s": 1.0, "step_ms": 1.0, "tokens_per_step": 1.0,
+               "host_clock_fraction": 0.0, "host_fraction": None, "state_bytes": 1, "scratch_bytes": 1}  # fmt: skip
+        return row, toks, {"ssm": np.full(2, (states_of or {}).get(record, 0.0), np.float32)}, gaps
+
+    monkeypatch.setattr(e2e, "run_record", run_record)
+    return e2e
+
+
+def test_e2e_divergence_is_a_measurement(tmp_path, monkeypatch, capsys):
+    """Speculative decoding differing from plain greedy decoding (forced) is reported where it first diverges,
+    with the top-2 gaps there, and the exit status stays 0; tuples != snapshots (tokens or final states)
+    is exit status 1."""
+    argv = ["--out", str(tmp_path), "--batch", "3", "--tokens", "5", "--trace", "off"]
+    e2e = _fake_e2e(monkeypatch, flip=("none", 2, 3))
+    assert e2e.main(argv) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    first = {"request": 2, "position": 3, "tokens": [5, 6], "gaps": [0.04, 0.04]}
+    assert result["divergence"] == {f"{r} vs none": {"tokens_equal": 14, "tokens": 15, "first": first}
+                                    for r in ("tuples", "snapshots")}  # fmt: skip
+    assert result["checks"] == {"tokens tuples == snapshots": True, "final states tuples == snapshots": True}
+    out = capsys.readouterr().out
+    assert ("divergence tuples vs none: 14 of 15 tokens equal; first at request 2, generated token 3 (ids 5 vs 6), "
+            "top-2 logit gap there 0.04 / 0.04 (measured, not checked)") in out  # fmt: skip
+    assert "checks tokens tuples == snapshots: ok, final states tuples == snapshots: ok" in out
+    e2e = _fake_e2e(monkeypatch, flip=("snapshots", 0, 0))
+    assert e2e.main(argv) == 1
+    assert json.loads((tmp_path / "results.json").read_text())["checks"]["tokens tuples == snapshots"] is False
+    e2e = _fake_e2e(monkeypatch, states_of={"snapshots": 1.0})
+    assert e2e.main(argv) == 1
+    assert "final states tuples == snapshots: FAILED" in capsys.readouterr().out
 
 
 def test_e2e_fixed_memory_batches():

@@ -76,16 +76,19 @@ def test_tiny_checkpoint_loads_and_the_run_agrees(tmp_path):
     result = json.loads(out.read_text())
     assert code == 0, result["mismatches"]
     assert result["checks"] == {"each mode repeats its tokens (warm-up == timed runs)": True,
-                                "tokens tuples == snapshots": True, "tokens tuples == none": True,
-                                "final states tuples == snapshots": True}  # fmt: skip
+                                "tokens tuples == snapshots": True, "final states tuples == snapshots": True}
+    # Speculative vs plain greedy decoding: a measurement (on the CPU here, every token equal).
+    assert result["divergence"] == {f"{r} vs none": {"tokens_equal": 12, "tokens": 12, "first": None, "rows": []}
+                                    for r in ("tuples", "snapshots")}  # fmt: skip
     assert [r["record"] for r in result["rows"]] == ["tuples", "snapshots", "none"]
     assert all(r["tokens_per_s"] > 0 and r["new_tokens"] == 12 for r in result["rows"])
     assert result["meta"]["geometry"]["gdn_layers"] == 1 and result["meta"]["parameters"] > 0
 
 
-def test_run_fails_on_a_disagreement(tmp_path, monkeypatch):
-    """A token that differs without speculation and states that differ between the record modes: exit
-    status 1, both checks failed, the first differing token located (no compile: generate is faked)."""
+def _faked_run(tmp_path, monkeypatch, flip=None, snapshot_state=1.0):
+    """checkpoint_run on a tiny checkpoint with ``generate`` faked (no compile): ``flip`` (record, row, new
+    position) changes one new token; the final ssm state is ``snapshot_state`` in snapshots, 0 elsewhere.
+    Returns (exit status, the result JSON, stdout lines)."""
     import types
 
     import jax.numpy as jnp
@@ -98,10 +101,10 @@ def test_run_fails_on_a_disagreement(tmp_path, monkeypatch):
 
     def generate(ids, new, *, drafts, record, steps_per_call, return_info):
         out = np.concatenate([ids, np.tile(np.arange(new, dtype=np.int32), (len(ids), 1))], axis=1)
-        if record is None:
-            out[1, ids.shape[1] + 2] += 1
-        states = {"ssm": np.full(3, 1.0 if record == "snapshots" else 0.0, np.float32)}
-        gaps = np.full((len(ids), new), 0.5, np.float32)
+        if flip is not None and flip[0] == record:
+            out[flip[1], ids.shape[1] + flip[2]] += 1
+        states = {"ssm": np.full(3, snapshot_state if record == "snapshots" else 0.0, np.float32)}
+        gaps = np.tile(np.linspace(0.1, 0.5, new, dtype=np.float32), (len(ids), 1))
         info = types.SimpleNamespace(steps=new, accepted=new * len(ids), drafted=0, gaps=gaps, state=jnp.zeros(1),
                                      states=lambda: states)  # fmt: skip
         return out, info
@@ -109,11 +112,39 @@ def test_run_fails_on_a_disagreement(tmp_path, monkeypatch):
     model.generate = generate
     monkeypatch.setattr(gm, "load_pretrained", lambda *a, **k: model)
     out = tmp_path / "run.json"
-    assert _script("checkpoint_run").main([str(ckpt), "--out", str(out), "--prompts", "2", "--tokens", "5"]) == 1
-    result = json.loads(out.read_text())
+    code = _script("checkpoint_run").main([str(ckpt), "--out", str(out), "--prompts", "2", "--tokens", "5"])
+    return code, json.loads(out.read_text())
+
+
+def test_run_measures_a_divergence_from_plain_greedy(tmp_path, monkeypatch, capsys):
+    """A token that differs without speculation (forced) is a measurement: located (request, position, both
+    tokens, both gaps), printed, exit status 0 while tuples and snapshots agree."""
+    code, result = _faked_run(tmp_path, monkeypatch, flip=(None, 1, 2), snapshot_state=0.0)
+    assert code == 0, result
     assert result["checks"] == {"each mode repeats its tokens (warm-up == timed runs)": True,
-                                "tokens tuples == snapshots": True, "tokens tuples == none": False,
-                                "final states tuples == snapshots": False}  # fmt: skip
-    assert result["mismatches"]["tokens tuples == none"] == [
-        {"row": 1, "position": 2, "tokens": [2, 3], "gaps": [0.5, 0.5]}]  # fmt: skip
+                                "tokens tuples == snapshots": True, "final states tuples == snapshots": True}
+    first = {"request": 1, "position": 2, "tokens": [2, 3], "gaps": [0.3, 0.3]}
+    for rec in ("tuples", "snapshots"):
+        d = result["divergence"][f"{rec} vs none"]
+        assert d["tokens_equal"] == 9 and d["tokens"] == 10 and len(d["rows"]) == 1
+        assert {**d["first"], "gaps": [round(g, 6) for g in d["first"]["gaps"]]} == first
+    assert result["mismatches"] == {} and set(result["gap_quantiles"]) == {"tuples", "snapshots", "none"}
+    out = capsys.readouterr().out
+    assert ("divergence tuples vs none: 9 of 10 new tokens equal; first at request 1, position 2 (ids 2 vs 3), "
+            "top-2 logit gap there 0.3 / 0.3 (1 row(s) differ) (measured, not checked)") in out  # fmt: skip
+
+
+def test_run_fails_on_a_disagreement(tmp_path, monkeypatch):
+    """tuples and snapshots disagreeing: exit status 1 for other final states (the first case) and for other
+    tokens (the second, the first differing token located); no compile: generate is faked."""
+    code, result = _faked_run(tmp_path, monkeypatch)
+    assert code == 1
+    assert result["checks"] == {"each mode repeats its tokens (warm-up == timed runs)": True,
+                                "tokens tuples == snapshots": True, "final states tuples == snapshots": False}
     assert "ssm" in result["mismatches"]["final states tuples == snapshots"]
+    code, result = _faked_run(tmp_path / "b", monkeypatch, flip=("snapshots", 0, 4), snapshot_state=0.0)
+    assert code == 1
+    assert result["checks"]["tokens tuples == snapshots"] is False
+    assert result["checks"]["final states tuples == snapshots"] is True
+    assert result["mismatches"]["tokens tuples == snapshots"] == [
+        {"row": 0, "position": 4, "tokens": [4, 5], "gaps": [0.5, 0.5]}]  # fmt: skip
