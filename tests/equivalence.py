@@ -11,7 +11,7 @@ from gdn_lossless_jax.testing.equivalence import (  # noqa: F401
     commit_both,
     layer_tapes,
     make_case,
-    naive_replays,
+    control_replays,
     request_writes,
     written_slots,
 )

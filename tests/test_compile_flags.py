@@ -5,7 +5,7 @@ from gdn_lossless_jax.testing import controls
 CPU run (the suite's time; docs/testing.md). The suite's checks compare programs compiled with it,
 so they would not see a flag that changed a result everywhere alike: this test runs the library's
 work (tests/flag_digest.py) in a process with XLA's defaults and compares the digests of every
-result with this process's. Control: the digests see a one-rounding change (the naive replay
+result with this process's. Control: the digests see a one-rounding change (the twice-rounded replay
 form) in one result and in no other.
 """
 
@@ -39,5 +39,5 @@ def test_suite_flag_keeps_the_bits_of_xla_defaults(seed):
 
     from gdn_lossless_jax import rounding
 
-    naive = digests(seed, rule=controls.FORMS["naive"], last="reference replay")
-    assert [n for n in naive if naive[n] != ours[n]] == ["reference replay"], "the control: the naive replay form"
+    wrong = digests(seed, rule=controls.CONTROLS["twice_rounded"], last="reference replay")
+    assert [n for n in wrong if wrong[n] != ours[n]] == ["reference replay"], "the control: the twice-rounded replay form"

@@ -89,8 +89,8 @@ def test_equivalence(backend, shape, state_dtype, seed):
 @pytest.mark.parametrize("backend", CONTROL_BACKENDS)
 @pytest.mark.parametrize("kind", ["normal", "mixed"])
 def test_controls_are_caught(backend, kind, seed):
-    # fp32 pools: a bf16 pool rounds a 1-ULP fp32 drift away almost always, so a naive
-    # replay can store the same bf16 bits; the bf16 path is covered by the fp32 chain
+    # fp32 pools: a bf16 pool rounds a 1-ULP fp32 drift away almost always, so a wrong
+    # replay form can store the same bf16 bits; the bf16 path is covered by the fp32 chain
     # being identical before its single rounding.
     case = make_case(backend, seed, Shape(N=4, D=4, H=2, HV=4, K=32, V=32), state_dtype=F32, kind=kind)
     check_controls(case)

@@ -6,9 +6,9 @@ step's commit inside each layer's verify, the last one flushed with ``commit``).
 every step's commit, the outputs and the tapes must be identical, and identical to the snapshot
 path's pool. The sequence has track crossings, a padding slot, requests that join and leave
 between steps, D changing between steps, both record modes of the previous step, fp32 and bf16
-pools. Controls: a naive replay inside the fused kernel, and the track state replayed after the
-accepted state was written in place (the Pallas kernel's test switches), and the Mosaic GPU kernel's update rounded
-twice (its ``form="naive"``), must be caught.
+pools. Controls, each wrong by construction: a twice-rounded or other-product replay inside the fused kernel,
+and the track state replayed after the accepted state was written in place (the Pallas kernel's test switches), and
+the Mosaic GPU kernel's update rounded twice (its ``form="twice_rounded"``), must be caught.
 """
 
 import dataclasses
@@ -327,10 +327,10 @@ def test_other_launches_of_the_fused_triton_kernel(fields, dtype, seed, monkeypa
 
 
 @pytest.mark.parametrize("replay", ["split", "rows"])
-@pytest.mark.parametrize("control", ["naive", "track_after_write"])
+@pytest.mark.parametrize("control", ["twice_rounded", "other_product", "track_after_write"])
 def test_controls_in_the_fused_kernel_are_caught(control, replay, seed):
     """The Pallas fused kernel's default replay and its ``"rows"`` replay (``VerifyConfig.pending_replay``)
-    broken on purpose: the naive replay form, and the track state replayed after the accepted state's write."""
+    broken on purpose: the wrong replay forms (wrong by construction), and the track state replayed after the accepted state's write."""
     steps = _steps(seed, _plan("pallas"))
     pool = _pool(seed, F32)  # fp32: a bf16 pool rounds a 1-ULP drift away almost always
     records = ("tuples",) * 3
@@ -342,11 +342,11 @@ def test_controls_in_the_fused_kernel_are_caught(control, replay, seed):
 
 @pytest.mark.parametrize("dtype", [F32, pytest.param(BF16, marks=() if ON_GPU else full_only)], ids=["f32", "bf16"])
 def test_mosaic_fused_kernel_controls_are_caught(dtype, seed):
-    """The Mosaic GPU fused kernel broken on purpose: the update rounded twice (``form="naive"``, in
+    """The Mosaic GPU fused kernel broken on purpose: the update rounded twice (``form="twice_rounded"``, in
     its replay and its chain), and the track state replayed from the accepted state it has just
     written in place (``control="track_after_write"``). The pools must differ from the separate
-    steps' (the naive form's in every committed slot, the ordering's in the track slots). With a
-    bf16 pool only the ordering: the naive form's 1-ULP drift in fp32 rounds away in bf16 (seen on
+    steps' (the twice-rounded form's in every committed slot, the ordering's in the track slots). With a
+    bf16 pool only the ordering: the twice-rounded form's 1-ULP drift in fp32 rounds away in bf16 (seen on
     the H200: no bit differed). First the kernel unbroken: the fused steps equal the separate
     ones, bit for bit (CI's CPU run of the Mosaic GPU fused decode, in interpret mode). On the CPU the ordering control with GDN_FULL_TESTS=1 only (interpret mode's time; the
     Pallas kernel's runs in CI)."""
@@ -360,7 +360,7 @@ def test_mosaic_fused_kernel_controls_are_caught(dtype, seed):
     want = separate(pool, steps, records, "mosaic")
     assert_bitwise_equal(want, fused(pool, steps, records, "mosaic"), "pools, outputs and tapes, fused and separate")
     want_pools = want[0]
-    controls = [(MosaicConfig(form="naive"), "the naive form")] if dtype == F32 else []
+    controls = [(MosaicConfig(form="twice_rounded"), "the twice-rounded form")] if dtype == F32 else []
     if ON_GPU or FULL_TESTS:  # (CI's CPU run: the Pallas fused kernel's ordering control runs there)
         controls.append((MosaicConfig(control="track_after_write"), "the track state taken after the write"))
     for config, what in controls:
@@ -400,7 +400,7 @@ def test_mosaic_gram_verify_keeps_the_tape_exact(seed):
     """``mosaic.VerifyConfig(verify="gram")``: the D steps in the Gram form. Its ``u`` differs from
     the chain's (the option is taken), its outputs are the same bits with either record mode and
     within fp32 rounding of the reference's, and the replay of its tuples gives its snapshots at
-    every step, bit for bit. Control: the naive update form's snapshots differ from that replay."""
+    every step, bit for bit. Control: the twice-rounded update form's snapshots differ from that replay."""
     from gdn_lossless_jax.backends import mosaic
     from gdn_lossless_jax.backends.mosaic import VerifyConfig as MosaicConfig
 
@@ -417,8 +417,9 @@ def test_mosaic_gram_verify_keeps_the_tape_exact(seed):
     replays = jnp.stack([gl.replay(x["state0"], tup, jnp.full((shape.N,), t, jnp.int32), backend="reference")
                          for t in range(shape.D)], axis=1)  # fmt: skip
     assert_bitwise_equal(snp.states, replays, "the snapshots against the replay of the tuples")
-    _, naive = backend_verify(mosaic, **x, record="snapshots", config=MosaicConfig(verify="gram", form="naive"), **kw)
-    assert_bitwise_differs(naive.states, replays, "the naive form's snapshots")
+    _, wrong = backend_verify(mosaic, **x, record="snapshots", config=MosaicConfig(verify="gram", form="twice_rounded"),
+                              **kw)  # fmt: skip
+    assert_bitwise_differs(wrong.states, replays, "the twice-rounded form's snapshots")
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(d, marks=() if ON_GPU else full_only) for d in (F32, BF16)],

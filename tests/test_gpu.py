@@ -131,7 +131,7 @@ def test_backends_agree_on_outputs(state_dtype, seed):
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
-def test_in_kernel_naive_replay_drifts(backend, seed):
+def test_in_kernel_control_replays_drift(backend, seed):
     x = verify_inputs(seed, SHAPE, kind="normal")
     _, tup = gl.verify(**x, record="tuples", backend=backend)
     _, snp = gl.verify(**x, record="snapshots", backend=backend)

@@ -5,7 +5,7 @@ give what the per-step engine gives: the same tokens, the same logits (their top
 for bit) and, where the schedule is the same, the same final states bit for bit; in both record
 modes, with the commit deferred into the next verify, and with sampling. Requests join and
 leave (between calls), finish mid-call (masked), resume from the prefix cache with boundaries
-crossed twice in one call. Controls: a naive replay form in the commit must change the states;
+crossed twice in one call. Controls: a wrong replay form (twice rounded) in the commit must change the states;
 a loop fed a wrong token buffer must change the tokens.
 """
 
@@ -97,20 +97,20 @@ def test_loop_states_bitwise(params, seed, variant):
         assert_bitwise_equal(base_states, states, f"final states, per-step tuples vs the device loop ({variant})")
 
 
-def _naive_commit(pool, slots, steps, track_slots, track_steps, rows):
+def _wrong_commit(pool, slots, steps, track_slots, track_steps, rows):
     ssm = reference.commit(pool.ssm, pool.tape, slots, steps, track_slots, track_steps, rows,
-                           rule=controls.FORMS["naive"])  # fmt: skip
+                           rule=controls.CONTROLS["twice_rounded"])  # fmt: skip
     cv = conv.conv_commit(pool.conv, pool.conv_windows, slots, steps, track_slots, track_steps, rows)
     return dataclasses.replace(pool, ssm=ssm, conv=cv)
 
 
 def test_controls_are_caught(params, seed):
-    """A naive replay form in the loop's commit changes the final states; a token buffer shifted
+    """A wrong replay form in the loop's commit changes the final states; a token buffer shifted
     by one changes the tokens."""
     reqs = [Request(r.prompt, r.max_new_tokens) for r in _requests(np.random.default_rng(seed))[:ROWS]]
     _, snap = _run(_engine(params, K, "snapshots", track_interval=0), reqs)
-    _, naive = _run(_engine(params, K, commit=_naive_commit, track_interval=0), reqs)
-    assert_bitwise_differs(snap, naive, "naive replay form in the device loop's commit")
+    _, wrong = _run(_engine(params, K, commit=_wrong_commit, track_interval=0), reqs)
+    assert_bitwise_differs(snap, wrong, "twice-rounded replay form in the device loop's commit")
     eng = _engine(params, K, track_interval=0)
     good = eng.generate(reqs)
     eng2 = _engine(params, K, track_interval=0)

@@ -14,8 +14,8 @@ second turn resumes from a prefix-cache state tracked at an interval boundary. C
 - each run repeated gives identical tokens and states; the step is traced once per mode (the
   repeat at D = 8 with tuples; at every D and in both modes with GDN_FULL_TESTS=1).
 
-Controls the checks must catch: a naive replay form in the commit
-(``controls.FORMS["naive"]``) and the track state replayed after the in-place write
+Controls the checks must catch: a wrong replay form in the commit
+(``controls.CONTROLS["twice_rounded"]``) and the track state replayed after the in-place write
 (``controls.commit_accepted_first``), injected through the engine's ``commit``.
 """
 
@@ -226,7 +226,7 @@ def _with_ssm_commit(ssm_commit):
     return commit
 
 
-NAIVE = _with_ssm_commit(lambda *a: reference.commit(*a, rule=controls.FORMS["naive"]))
+WRONG_FORM = _with_ssm_commit(lambda *a: reference.commit(*a, rule=controls.CONTROLS["twice_rounded"]))
 ACCEPTED_FIRST = _with_ssm_commit(controls.commit_accepted_first)
 CORRECT = _with_ssm_commit(reference.commit)  # the reference's commit, through the same wrapper
 
@@ -242,7 +242,7 @@ def _conversation(params, prompts, commit, record="tuples", D=4):
 
 
 def test_controls_are_caught(seed):
-    """The naive replay form makes the committed states diverge from the snapshot path;
+    """The twice-rounded replay form makes the committed states diverge from the snapshot path;
     the accepted-first ordering makes the resumed (tracked) state diverge."""
     params = init_params(CONFIG, seed)
     prompts = _prompts(np.random.default_rng(seed))
@@ -251,7 +251,7 @@ def test_controls_are_caught(seed):
     assert good[0].tokens == snap[0].tokens and good[1].tokens == snap[1].tokens
     assert_bitwise_equal(snap[3], good[3], "the wrapped reference commit vs the snapshot path")
     assert_bitwise_equal(snap[2], good[2], "the resumed state, wrapped reference commit vs the snapshot path")
-    for name, control in (("naive form", NAIVE), ("accepted first", ACCEPTED_FIRST)):
+    for name, control in (("twice-rounded form", WRONG_FORM), ("accepted first", ACCEPTED_FIRST)):
         t1, t2, resumed, states = _conversation(params, prompts, control)
         rep = assert_bitwise_differs(snap[2], resumed, f"{name}: the resumed state")
         diverged = (t1.tokens, t2.tokens) != (snap[0].tokens, snap[1].tokens)

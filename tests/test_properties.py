@@ -6,7 +6,7 @@ properties, each with the control it must catch:
 
 * commit leaves every slot no valid request addresses bit-identical (control: a commit that
   writes one slot too many), and every addressed slot holds verify's snapshot of its step
-  (controls: the naive rounding form through ``reference.commit(..., rule=...)``, the
+  (controls: the twice-rounded rounding form through ``reference.commit(..., rule=...)``, the
   accepted-first ordering, one write skipped); the pallas kernels (interpret mode) also
   equal the reference's commit of the same tape;
 * verify and commit never modify their non-donated inputs (control: a call that does);

@@ -84,10 +84,21 @@ def test_pallas_portable_form_is_integer_emulation(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS[:1])
-def test_pallas_naive_control(arch):
+def test_pallas_one_expression_form_is_not_the_rule(arch):
+    """The compiler's one-expression form, as jax writes it, compiles to a separate add on ROCm."""
     asm, lines = _pallas("naive", arch)
     st = amdgcn.inner_step(asm, lines)
     assert not st.rule and st.adds
+
+
+@pytest.mark.parametrize("arch", ARCHS[:1])
+def test_pallas_twice_rounded_control(arch):
+    """The Pallas control form, wrong by construction: two pinned products and an fma with 1 (the
+    add), never the rule's one fma of k and u."""
+    asm, lines = _pallas("twice_rounded", arch)
+    st = amdgcn.inner_step(asm, lines)
+    assert not st.rule
+    assert sorted(b.split()[0] for b in st.asm_blocks) == ["v_fma_f32", "v_mul_f32", "v_mul_f32"], st.asm_blocks
 
 
 def test_errors_name_the_argument():

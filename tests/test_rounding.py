@@ -119,17 +119,28 @@ def test_rule_is_mul_then_fma(seed):
     assert_bitwise_equal(fma_oracle(k[:, None, :], u[:, :, None], Sd), np.asarray(got))
 
 
-@pytest.mark.parametrize("form", ["naive", "twice_rounded", "other_product"])
-def test_naive_forms_differ_from_rule(form, seed):
-    """Controls: each naive form differs from the rule by >= 1 ULP on some element."""
+@pytest.mark.parametrize("form", sorted(controls.CONTROLS))
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_control_forms_differ_from_rule(form, jit, seed):
+    """Controls: each control form differs from the rule by >= 1 ULP on some element, under jit
+    and eagerly (each of its operations is pinned: no compiler can make it the rule)."""
     rng = np.random.default_rng(seed)
     S = rng.standard_normal((4, 32, 32), dtype=np.float32)
     alpha = rng.uniform(0.5, 1, 4).astype(np.float32)
     k = rng.standard_normal((4, 32), dtype=np.float32)
     u = rng.standard_normal((4, 32), dtype=np.float32)
-    rule = jax.jit(rounding.apply_rule)(S, alpha, k, u)
-    other = jax.jit(controls.FORMS[form])(S, alpha, k, u)
+    wrap = jax.jit if jit else (lambda f: f)
+    rule = wrap(rounding.apply_rule)(S, alpha, k, u)
+    other = wrap(controls.CONTROLS[form])(S, alpha, k, u)
     assert (bits(np.asarray(rule)) != bits(np.asarray(other))).any()
+
+
+def test_the_one_expression_form_is_not_a_control():
+    """``naive`` (``S * alpha + k * u`` as written) is listed among the forms a report measures,
+    not among the controls: its rounding is the compiler's choice (XLA:CPU of jax 0.12.1 gives the
+    rule's bits under jit)."""
+    assert "naive" in controls.FORMS and "naive" not in controls.CONTROLS
+    assert set(controls.CONTROLS) <= set(controls.FORMS) and "rule" not in controls.CONTROLS
 
 
 def test_portable_form_has_no_float_arithmetic():

@@ -11,7 +11,7 @@ the flag set they run in-process::
         .venv/bin/python -m pytest -q tests/test_sharding.py
 
 Every comparison is bit for bit against the unsharded functions on one device, and each sharded
-check has a control it must catch (v-heads split from their q/k head; a naive replay form).
+check has a control it must catch (v-heads split from their q/k head; a wrong, twice-rounded replay form).
 """
 
 from __future__ import annotations
@@ -350,7 +350,7 @@ def test_shard_fused_commit_and_verify_and_a_deferring_pool(tp, dp, backend, see
 def test_shard_controls_are_caught(seed):
     """The sharded comparisons catch (1) v-heads split from their q/k head: the same wrapper on
     v-heads in an interleaved order, so that each tensor shard holds v-heads of other shards' q/k
-    heads; (2) a naive replay form run per shard."""
+    heads; (2) a wrong (twice-rounded) replay form run per shard."""
     plan, s = make_plan(2, 1, explicit=True), SHAPE
     x = verify_inputs(seed, s, kind="mixed")
     want = gl.verify(**x, backend="reference")
@@ -369,12 +369,12 @@ def test_shard_controls_are_caught(seed):
     right = plan.replay(x["state0"], want[1], last, backend="reference")
     assert_bitwise_equal(snp.states[:, -1], right, "sharded replay")
 
-    def naive(v):
-        return jax.jit(lambda s0, t, st: reference.replay(s0, t, st, rule=controls.FORMS["naive"]))(
+    def wrong(v):
+        return jax.jit(lambda s0, t, st: reference.replay(s0, t, st, rule=controls.CONTROLS["twice_rounded"]))(
             v["state0"], v["tuples"], v["steps"])
 
-    got = plan.run("replay", naive, dict(state0=x["state0"], tuples=want[1], steps=last))
-    assert_bitwise_differs(snp.states[:, -1], got, "a naive replay form per shard")
+    got = plan.run("replay", wrong, dict(state0=x["state0"], tuples=want[1], steps=last))
+    assert_bitwise_differs(snp.states[:, -1], got, "a twice-rounded replay form per shard")
 
 
 # ---------------------------------------------------------------------------------

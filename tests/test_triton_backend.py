@@ -149,7 +149,7 @@ def test_outputs_agree_with_the_reference(seed):
 
 
 @requires_triton
-def test_in_kernel_naive_replay_drifts(seed):
+def test_in_kernel_control_replays_drift(seed):
     tb = backends.resolve("triton", "replay")
     x = verify_inputs(seed, SHAPE, kind="normal")
     _, tup = gl.verify(**x, record="tuples", backend="triton")

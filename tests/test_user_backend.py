@@ -1,9 +1,11 @@
 """Example: checking a backend of your own with the equivalence suite the package ships.
 
 ``example_backend`` (tests/example_backend.py) is a tiny module wrapping the reference;
-``naive`` is the same with the replay's rounding left to the compiler
-(``controls.naive_update``: ``S * alpha + k * u`` in one expression). The suite passes
-the first and must fail the second.
+``wrong`` is the same with the replay's update rounded twice
+(``controls.twice_rounded_update``: ``rn(rn(S * alpha) + rn(k * u))``, each operation pinned, so
+it is wrong on every platform; the one-expression ``S * alpha + k * u`` is not a reliable
+control: XLA:CPU from jax 0.12.1 contracts it into the rule). The suite passes the first and
+must fail the second.
 """
 
 import functools
@@ -24,10 +26,10 @@ from gdn_lossless_jax.testing import controls
 # run_equivalence_suite's defaults cover three.
 SHAPES = [Shape(N=5, D=3, H=2, HV=4, K=8, V=8)]
 
-naive = types.SimpleNamespace(
+wrong = types.SimpleNamespace(
     verify=example_backend.verify,
-    replay=jax.jit(lambda s, t, st: reference.replay(s, t, st, rule=controls.naive_update)),
-    commit=jax.jit(lambda p, t, *idx: reference.commit(p, t, *idx, rule=controls.naive_update)),
+    replay=jax.jit(lambda s, t, st: reference.replay(s, t, st, rule=controls.twice_rounded_update)),
+    commit=jax.jit(lambda p, t, *idx: reference.commit(p, t, *idx, rule=controls.twice_rounded_update)),
 )
 
 
@@ -36,9 +38,9 @@ def test_own_backend_passes(seed):
     assert len(passed) == 3  # fp32, bf16, the controls
 
 
-def test_naive_rounding_fails(seed):
+def test_wrong_rounding_fails(seed):
     with pytest.raises(AssertionError, match=r"equivalence suite, case mixed N=5 .* float32: layer 0 step \d"):
-        run_equivalence_suite(naive, shapes=SHAPES, state_dtypes=[jnp.float32], seed=seed, controls=False)
+        run_equivalence_suite(wrong, shapes=SHAPES, state_dtypes=[jnp.float32], seed=seed, controls=False)
 
 
 def test_own_backend_through_the_api(seed):

@@ -1,8 +1,19 @@
 """Controls: the wrong rounding forms and the wrong commit ordering.
 
 Every bit-exactness test must catch one of these, or it proves nothing. They are kept here,
-apart from the product: :data:`FORMS` names the update forms (the rule first, then the forms
-the rule must not be), :func:`commit_accepted_first` the ordering bug a commit must not have.
+apart from the product: :data:`CONTROLS` names the wrong update forms a test must catch,
+:data:`FORMS` every update form (the rule first) for the reports that measure them, and
+:func:`commit_accepted_first` the ordering bug a commit must not have.
+
+A control differs from the rule *by construction*: each of its operations is pinned
+(:func:`~gdn_lossless_jax.rounding.mul_rn`, :func:`~gdn_lossless_jax.rounding.add_rn`,
+:func:`~gdn_lossless_jax.rounding.fma_rn`), so it rounds where the rule does not (the update's
+product rounded on its own) or fuses the other product, on every platform and jax release.
+The one-expression form ``S * alpha + k * u`` (:func:`naive_update`) is *not* a control: how
+it rounds is the compiler's choice, and XLA:CPU from jax 0.12.1 on contracts it into the
+rule's own fma, so a test built on it would catch nothing there. It stays in :data:`FORMS`
+for the reports (``gdn-lossless check``, :mod:`gdn_lossless_jax.tools.viz`), which measure
+what a platform does with it.
 """
 
 from __future__ import annotations
@@ -15,7 +26,8 @@ from ..reference import commit
 from ..rounding import add_rn, apply_rule, fma_rn, mul_rn
 from ..tape import Tuples
 
-__all__ = ["FORMS", "naive_update", "twice_rounded_update", "other_product_update", "commit_accepted_first"]
+__all__ = ["CONTROLS", "FORMS", "naive_update", "twice_rounded_update", "other_product_update",
+           "commit_accepted_first"]
 
 
 def commit_accepted_first(pool, tape: Tuples, slots, steps, track_slots, track_steps, rows):
@@ -33,7 +45,9 @@ def commit_accepted_first(pool, tape: Tuples, slots, steps, track_slots, track_s
 
 
 def naive_update(S, alpha, k, u):
-    """Control: the one-expression form ``S * alpha + k * u``; the compiler decides."""
+    """Not a control: the one-expression form ``S * alpha + k * u``, rounded as the compiler
+    decides (XLA:GPU rounds twice, XLA:CPU under jit contracts one product into an fma; which
+    one changed between jax releases). For measuring a platform, never for a test's control."""
     return S * alpha[..., None, None] + k[..., None, :] * u[..., :, None]
 
 
@@ -48,10 +62,18 @@ def other_product_update(S, alpha, k, u):
     return fma_rn(S, alpha[..., None, None], mul_rn(k[..., None, :], u[..., :, None]))
 
 
-#: The named update forms ``(S, alpha, k, u) -> S'`` (the rule first).
+#: The wrong update forms ``(S, alpha, k, u) -> S'`` a bit-exactness test must catch, each
+#: different from the rule by construction: the product rounded on its own, and the other
+#: product fused.
+CONTROLS: dict[str, Callable] = {
+    "twice_rounded": twice_rounded_update,
+    "other_product": other_product_update,
+}
+
+#: Every named update form (the rule first): the rule, the compiler's one-expression form
+#: (measured, not a control) and the controls.
 FORMS: dict[str, Callable] = {
     "rule": apply_rule,
     "naive": naive_update,
-    "twice_rounded": twice_rounded_update,
-    "other_product": other_product_update,
+    **CONTROLS,
 }

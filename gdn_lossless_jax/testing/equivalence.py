@@ -8,7 +8,7 @@ copies, a rows mapping, invalid rows), and both tapes from verify. The checks:
 * a tuple commit and a snapshot commit leave every pool slot bit-identical, and equal to
   the writes the masking rules expect;
 * slots nobody may write (invalid rows, negative steps) keep their bits;
-* the controls (naive replay forms, the accepted-first ordering) are caught.
+* the controls (wrong replay forms, the accepted-first ordering) are caught.
 
 Backends are compared against their *own* snapshot path: the suite holds a backend to
 the rule, not to another backend's ``exp``. To check a backend of your own (any object
@@ -184,21 +184,30 @@ def check_commit(case: Case, commit=None):
     return by_tuples
 
 
-def naive_replays(backend) -> dict:
+def control_replays(backend) -> dict:
     """The control replay forms of a backend: ``name -> (state0, tuples, steps) -> states``.
 
-    The reference's are :data:`gdn_lossless_jax.testing.controls.FORMS`; a kernel backend lists its
-    in-kernel forms in ``CONTROL_FORMS`` (its ``replay`` takes ``form=``); none otherwise.
+    The reference's are :data:`gdn_lossless_jax.testing.controls.CONTROLS` (wrong by
+    construction); a kernel backend lists its in-kernel controls in ``CONTROL_FORMS`` (its
+    ``replay`` takes ``form=``); none otherwise.
     """
     if backend == "reference":
         return {
             name: jax.jit(lambda s, t, st, form=form: reference.replay(s, t, st, rule=form))
-            for name, form in controls.FORMS.items()
-            if name != "rule"
+            for name, form in controls.CONTROLS.items()
         }
     module = backends.resolve(backend, "replay")
     forms = getattr(module, "CONTROL_FORMS", ())
     return {f"{form} (in kernel)": functools.partial(module.replay, form=form) for form in forms}
+
+
+def naive_replays(backend) -> dict:
+    """Deprecated alias of :func:`control_replays` (kept for one release)."""
+    import warnings
+
+    warnings.warn("naive_replays is deprecated: use control_replays (the controls are wrong by construction)",
+                  DeprecationWarning, stacklevel=2)  # fmt: skip
+    return control_replays(backend)
 
 
 def commit_accepted_first(case: Case):
@@ -210,9 +219,9 @@ def commit_accepted_first(case: Case):
 
 
 def check_controls(case: Case, require_forms: bool = True):
-    """The suite must catch a naive replay form and the accepted-first ordering.
+    """The suite must catch the control replay forms and the accepted-first ordering.
 
-    ``require_forms=False`` lets a backend without control forms (:func:`naive_replays`)
+    ``require_forms=False`` lets a backend without control forms (:func:`control_replays`)
     through with the ordering control alone.
     """
     tup, snp = layer_tapes(case, 0)
@@ -220,7 +229,7 @@ def check_controls(case: Case, require_forms: bool = True):
     last = jnp.full((case.shape.N,), case.shape.D - 1, jnp.int32)
     valid_rows = (case.idx.rows >= 0) & (case.idx.rows < case.tuples.u.shape[1])
     want = np.asarray(snp.states[:, -1])[valid_rows]
-    controls = naive_replays(case.backend)
+    controls = control_replays(case.backend)
     assert controls or not require_forms, f"backend {case.backend!r} has no control form"
     for name, replay in controls.items():
         got = replay(s0, tup, last)
@@ -261,7 +270,7 @@ def run_equivalence_suite(
     recorded in both modes and checked: outputs identical across record modes, every
     step's replay equal to its snapshot, tuple commit equal to snapshot commit and to the
     expected writes, untouched and skipped slots keeping their bits. With ``controls``,
-    one fp32 case also checks that the suite catches the backend's naive replay forms (if
+    one fp32 case also checks that the suite catches the backend's control replay forms (if
     it has ``CONTROL_FORMS``) and the accepted-first ordering through its commit.
 
     Args:
@@ -291,8 +300,8 @@ def run_equivalence_suite(
         if log:
             log(f"ok  {name}")
     if controls:
-        # fp32: a bf16 pool can round a 1-ULP drift of a naive form away.
-        name = "controls (naive forms, accepted-first ordering) float32"
+        # fp32: a bf16 pool can round a 1-ULP drift of a control form away.
+        name = "controls (wrong replay forms, accepted-first ordering) float32"
         case = make_case(backend, seed, Shape(N=4, D=4, H=2, HV=4, K=32, V=32), L=layers, state_dtype=jnp.float32)
         try:
             check_controls(case, require_forms=False)

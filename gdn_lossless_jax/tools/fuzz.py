@@ -15,7 +15,7 @@ signed zeros, subnormals) are written into the pool and any verify input. For ea
 
 The expected pool is built here in NumPy from the snapshot tape (no library code), and
 compared bit for bit, slot by slot. The controls (:data:`CONTROLS`) are wrong commits that
-the same check must catch: the naive rounding form, the accepted-first ordering, one
+the same check must catch: a wrong (twice-rounded) rounding form, the accepted-first ordering, one
 slot written too many and one write skipped.
 
 Cases come in *shape groups* (one geometry, L, N, D, S, R and dtypes): every function is
@@ -386,10 +386,10 @@ def _one_write_skipped(case: CommitCase, pool: np.ndarray, slot: int) -> np.ndar
 
 
 #: The wrong commits the check must catch (see :meth:`Runner.run`).
-CONTROLS = ("naive rule", "accepted first", "one slot too many", "one write skipped")
+CONTROLS = ("twice-rounded rule", "accepted first", "one slot too many", "one write skipped")
 #: Input kinds on which every state write is visible at any dtype. Not "cancel": its decays
-#: are 1.0 and its u tiny, so a step can leave a bf16 state's bits as they were and the naive
-#: form can round like the rule; nor "mixed", which holds cancel requests.
+#: are 1.0 and its u tiny, so a step can leave a bf16 state's bits as they were and the
+#: twice-rounded form can round like the rule; nor "mixed", which holds cancel requests.
 SENSITIVE_KINDS = ("normal", "decay_extremes", "subnormal")
 
 
@@ -406,7 +406,7 @@ class Runner:
         self._verify = {r: jax.jit(functools.partial(api.verify, record=r, backend=backend)) for r in api.RECORD_MODES}
         self._commit = jax.jit(functools.partial(api.commit, backend=backend))
         self._reference = None if backend == "reference" else jax.jit(functools.partial(api.commit, backend="reference"))
-        self._naive = jax.jit(functools.partial(reference.commit, rule=controls.FORMS["naive"]))
+        self._wrong_form = jax.jit(functools.partial(reference.commit, rule=controls.CONTROLS["twice_rounded"]))
         self._accepted_first = jax.jit(controls.commit_accepted_first)
 
     def verify(self, case: CommitCase):
@@ -482,11 +482,11 @@ class Runner:
         tracks = [t for _, t in writes if t is not None]
         both = any(a is not None and t is not None for a, t in writes)
         # A track slot's old state is another request's (or nobody's): a skipped track write
-        # always shows. The naive form differs from the rule by about one fp32 ULP in a
+        # always shows. The twice-rounded form differs from the rule by about one fp32 ULP in a
         # third of the elements, which a bf16 pool rounds away almost always.
         skip = tracks[0] if tracks else accepted[0] if accepted and sensitive else None
         return {
-            "naive rule": caught(self._naive(pool_d, tup_d, *args))
+            "twice-rounded rule": caught(self._wrong_form(pool_d, tup_d, *args))
             if sensitive and accepted + tracks and s.state_dtype == "float32"
             else None,
             "accepted first": caught(self._accepted_first(pool_d, tup_d, *args)) if sensitive and both else None,

@@ -104,6 +104,10 @@ class VerifyConfig:
         if self.prefetch_next_layer not in (None, True, False):
             raise ValueError(f"mosaic VerifyConfig: prefetch_next_layer must be None, True or False, got "
                              f"{self.prefetch_next_layer!r}")  # fmt: skip
+        if self.form == "naive":  # the control's name before it was made wrong by construction
+            warnings.warn("mosaic VerifyConfig: form='naive' is deprecated (kept for one release): the control is "
+                          "named 'twice_rounded'", DeprecationWarning, stacklevel=3)  # fmt: skip
+            object.__setattr__(self, "form", "twice_rounded")
         if self.form not in (None, *FORMS, *CONTROL_FORMS):
             raise ValueError(f"mosaic VerifyConfig: form must be one of {FORMS + CONTROL_FORMS}, got {self.form!r}")
 

@@ -25,8 +25,9 @@ layer, which a step's next launch starts by waiting for.
 
 Rounding: the rule's fma is MLIR's ``math.fma`` through ``plgpu.inline_mgpu`` (``form="pinned"``,
 the GPU); in Mosaic GPU's interpret mode (the CPU, CI) it is the portable integer form of
-:mod:`gdn_lossless_jax.rounding` (``form="portable"``). ``form="naive"`` is a control for tests:
-``rn(rn(S alpha) + rn(k u))``, the update rounded twice, which the equivalence tests must catch.
+:mod:`gdn_lossless_jax.rounding` (``form="portable"``). ``form="twice_rounded"`` is a control for tests, wrong by construction:
+``rn(rn(S alpha) + rn(k u))``, the update rounded twice (each operation pinned), which the
+equivalence tests must catch.
 Decays: ``exp(g)`` in the kernel is libdevice's on the GPU (Mosaic GPU lowers ``math.exp`` to
 it, as XLA, Pallas and Triton do), :func:`gdn_lossless_jax.rounding.exp` in interpret mode.
 """
@@ -47,7 +48,7 @@ __all__ = ["CONTROLS", "CONTROL_FORMS", "FORMS", "VERIFIES", "Geometry", "build"
 
 F32 = jnp.float32
 FORMS = ("pinned", "portable")
-CONTROL_FORMS = ("naive",)
+CONTROL_FORMS = ("twice_rounded",)
 #: Orderings that break the commit on purpose, for tests: ``"track_after_write"`` replays the
 #: track state from the accepted state the kernel has just written in place (what reading the
 #: pool back would give), not from the state before the verify.
@@ -181,7 +182,7 @@ def build(g: Geometry):
         def decay(S, alpha):  # rn(S alpha): its consumers (an fma's addend, a product) contract nothing into it
             return S * alpha
 
-    if g.form == "naive":  # control: rn(Sd + rn(k u)), the update rounded twice
+    if g.form == "twice_rounded":  # control: rn(Sd + rn(k u)), the update rounded twice
 
         def update(k, u, Sd):
             return add(Sd, mul(k, u))

@@ -19,7 +19,7 @@ from ..contract import VerifyCall
 from .. import BackendUnavailable, platform
 from .commit import CommitConfig, commit_snapshots, commit_tuples
 from .conv import conv_commit, conv_verify
-from .rounding import CONTROL_FORMS, FORMS, default_form
+from .rounding import COMPILER_FORMS, CONTROL_FORMS, FORMS, default_form
 from .verify import VerifyConfig
 from .verify import verify as _verify
 
@@ -92,6 +92,10 @@ def _form(form: str | None, allowed=FORMS) -> str:
 def verify(call: VerifyCall, *, form=None, config=None, pending_control=None):
     """See :func:`gdn_lossless_jax.verify`; ``config`` (a :class:`VerifyConfig`) sets the kernel's tile
     and launch, by default :func:`~gdn_lossless_jax.backends.pallas.verify.tuned_config` of the shape."""
+    allowed = (None, *CONTROL_FORMS, *COMPILER_FORMS, "track_after_write")
+    if pending_control not in allowed:
+        raise ValueError(f"pallas verify: argument 'pending_control' (tests only) must be one of {allowed}, "
+                         f"got {pending_control!r}")  # fmt: skip
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
         return _verify(call, config=config, form=_form(form), interpret=_interpret(), pending_control=pending_control)
@@ -99,14 +103,19 @@ def verify(call: VerifyCall, *, form=None, config=None, pending_control=None):
 
 def commit(pool, tape, slots, steps, track_slots, track_steps, rows, *, form=None, config=CommitConfig(),
            math="platform"):
+    """``form``: a rounding form (:data:`FORMS`; None: the platform's) or, in tests, a control
+    (:data:`CONTROL_FORMS`, wrong by construction, or the compiler's ``"naive"``) built from the
+    platform form's instructions."""
     idx = (slots, steps, track_slots, track_steps, rows)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
         if isinstance(tape, Snapshots):
             return commit_snapshots(pool, tape.states, *idx, config=config, interpret=_interpret())
-        form = _form(form, FORMS + CONTROL_FORMS)  # the control forms are for tests
-        return commit_tuples(pool, tape.u, tape.k, tape.g, *idx, config=config, form=form, interpret=_interpret(),
-                             math=math)
+        control = None
+        if form in CONTROL_FORMS + COMPILER_FORMS:  # the control forms are for tests
+            control, form = form, None
+        return commit_tuples(pool, tape.u, tape.k, tape.g, *idx, config=config, form=_form(form),
+                             interpret=_interpret(), math=math, control=control)
 
 
 def replay(state0, tuples, steps, *, form=None, config=CommitConfig(), math="platform"):

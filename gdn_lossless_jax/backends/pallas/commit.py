@@ -79,7 +79,8 @@ def _request(idx_refs, n, S: int, R: int, D: int):
     return slot, step, tslot, tstep, row, accept, track
 
 
-def _tuples_kernel(*refs, HV: int, r: int, BV: int, form: str, evict: str | None, order: str, math: str = "platform"):
+def _tuples_kernel(*refs, HV: int, r: int, BV: int, form: str, evict: str | None, order: str, math: str = "platform",
+                   control: str | None = None):
     from jax.experimental.pallas import triton as plgpu
 
     idx_refs = refs[:5]
@@ -91,7 +92,7 @@ def _tuples_kernel(*refs, HV: int, r: int, BV: int, form: str, evict: str | None
     h = hv // r
     vs = pl.ds(j * BV, BV)
     slot, step, tslot, tstep, row, accept, track = _request(idx_refs, n, S, R, D)
-    update = replay_update(form)
+    update = replay_update(form, control)
 
     def inputs(t):  # step t's tape: k (a [1, K] row of the tile's layout), u, the decay
         return k_ref[l, row, t, pl.ds(h, 1), :], u_ref[l, row, t, hv, vs], exp_fn(math)(g_ref[l, row, t, hv])
@@ -160,13 +161,15 @@ def _launch(kernel, pool, tape_leaves, idx, cfg: CommitConfig, interpret: bool, 
     )(*inputs)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "form", "interpret", "math"), donate_argnums=())
+@functools.partial(jax.jit, static_argnames=("config", "form", "interpret", "math", "control"), donate_argnums=())
 def commit_tuples(pool, u, k, g, slots, steps, track_slots, track_steps, rows, *, config=CommitConfig(), form, interpret,
-                  math="platform"):
+                  math="platform", control=None):
+    """``control`` (tests only): a wrong replay form (:data:`~.rounding.CONTROL_FORMS`, or the
+    compiler's ``"naive"``), built from ``form``'s instructions."""
     HV, V = pool.shape[2], pool.shape[3]
     cfg = config.fit(V)
     kernel = functools.partial(_tuples_kernel, HV=HV, r=HV // k.shape[3], BV=cfg.block_v, form=form, evict=cfg.evict,
-                               order=cfg.order, math=math)  # fmt: skip
+                               order=cfg.order, math=math, control=control)  # fmt: skip
     idx = (slots, steps, track_slots, track_steps, rows)
     return _launch(kernel, pool, (u, k, g), idx, cfg, interpret, "gdn_commit_replay")
 

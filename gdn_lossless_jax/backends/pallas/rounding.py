@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from ... import rounding
 
-__all__ = ["Ops", "FORMS", "CONTROL_FORMS", "ops", "replay_update", "default_form"]
+__all__ = ["Ops", "FORMS", "CONTROL_FORMS", "COMPILER_FORMS", "ops", "replay_update", "default_form"]
 
 
 class Ops(NamedTuple):
@@ -67,10 +67,16 @@ def _portable() -> Ops:
 
 
 FORMS = ("ptx", "amdgcn", "portable")
-#: Forms that break the rule on purpose, for tests: ``naive`` writes the replay update as
-#: one expression, ``S * alpha + k * u``, and lets the compiler round it (Pallas Triton
-#: rounds twice; interpret mode on XLA:CPU contracts the other product).
-CONTROL_FORMS = ("naive",)
+#: Forms that break the rule on purpose, for the controls of tests, each wrong by construction
+#: (every operation pinned with the platform form's instructions): ``twice_rounded`` rounds the
+#: update's product on its own, ``rn(rn(S * alpha) + rn(k * u))``; ``other_product`` fuses the
+#: other product, ``fma(S, alpha, rn(k * u))``.
+CONTROL_FORMS = ("twice_rounded", "other_product")
+#: ``naive``: the update written as one expression, ``S * alpha + k * u``, rounded as the
+#: compiler decides (Pallas Triton rounds twice; XLA:CPU in interpret mode contracted the other
+#: product up to jax 0.12.0 and the rule's own product from 0.12.1 on). A measurement of the
+#: compiler, never a control.
+COMPILER_FORMS = ("naive",)
 
 
 def ops(form: str) -> Ops:
@@ -83,12 +89,19 @@ def ops(form: str) -> Ops:
     raise ValueError(f"pallas rounding form must be one of {FORMS}, got {form!r}")
 
 
-def replay_update(form: str) -> Callable:
-    """``(S [BV, K], alpha, k [1, K], u [BV]) -> S'``: the rule in ``form`` (or a control form)."""
-    if form == "naive":
+def replay_update(form: str, control: str | None = None) -> Callable:
+    """``(S [BV, K], alpha, k [1, K], u [BV]) -> S'``: the rule with ``form``'s instructions, or,
+    with ``control`` (:data:`CONTROL_FORMS`, :data:`COMPILER_FORMS`), a form that breaks it."""
+    if control == "naive":
         return lambda S, alpha, k, u: S * alpha + k * u[:, None]
     mul, fma = ops(form)
-    return lambda S, alpha, k, u: fma(k, u[:, None], mul(S, alpha))
+    if control is None:
+        return lambda S, alpha, k, u: fma(k, u[:, None], mul(S, alpha))
+    if control == "twice_rounded":  # rn(Sd + rn(k u)): the add pinned as fma(x, 1, y)
+        return lambda S, alpha, k, u: fma(mul(k, u[:, None]), jnp.float32(1.0), mul(S, alpha))
+    if control == "other_product":
+        return lambda S, alpha, k, u: fma(S, alpha, mul(k, u[:, None]))
+    raise ValueError(f"pallas: control form must be one of {CONTROL_FORMS + COMPILER_FORMS}, got {control!r}")
 
 
 def default_form(interpret: bool) -> str:
