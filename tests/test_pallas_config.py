@@ -7,14 +7,17 @@ snapshots at every step. Runs in interpret mode on the CPU and compiled on a GPU
 """
 
 import functools
+import os
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import gdn_lossless_jax as gl
-from conftest import ON_GPU, full_only, requires_gpu
-from equivalence import check_commit, make_case, naive_replays
+from conftest import FULL_TESTS, ON_GPU, examples, full_only, requires_gpu
+from equivalence import check_commit, control_replays, make_case
 from gdn_lossless_jax import backends
 from gdn_lossless_jax.backends.pallas import CommitConfig, VerifyConfig
 from gdn_lossless_jax.testing.cases import Shape, verify_inputs
@@ -101,9 +104,37 @@ def _check_config(config, seed, shape):
     base, _ = _verify(x, "tuples", VerifyConfig())
     a, b = np.asarray(out_t), np.asarray(base)
     assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
-    # Control: the naive replay forms of the same tape are caught.
-    for name, replay in naive_replays("reference").items():
+    # Control: the wrong replay forms of the same tape are caught.
+    for name, replay in control_replays("reference").items():
         assert_bitwise_differs(snp.states[:, -1], replay(x["state0"], tup, last), name)
+
+
+@st.composite
+def _launches(draw):
+    """A verify launch and a problem it takes: the algorithm, the one-pass chain, the V tile, the K
+    chunk, the grid's order; N, D, the heads' grouping, K = V."""
+    K = draw(st.sampled_from([8, 16]))
+    algorithm = draw(st.sampled_from(["chain", "gram"]))
+    cfg = dict(algorithm=algorithm, block_v=draw(st.sampled_from([4, 8])), num_warps=1,
+               k_chunk=draw(st.sampled_from([k for k in (4, 8, 16) if k <= K])),
+               order=draw(st.sampled_from(["tiles", "requests"])))  # fmt: skip
+    if algorithm == "chain":
+        cfg["one_pass"] = draw(st.booleans())
+    H = draw(st.sampled_from([1, 2]))
+    shape = Shape(N=draw(st.integers(1, 3)), D=draw(st.integers(1, 4)), H=H, HV=H * draw(st.sampled_from([1, 2])),
+                  K=K, V=K)  # fmt: skip
+    return VerifyConfig(**cfg), shape, draw(st.integers(0, 2**31 - 1))
+
+
+@settings(max_examples=examples(12 if FULL_TESTS else 3), derandomize=False)
+@given(_launches())
+def test_record_modes_give_the_same_outputs_in_every_launch(launch):
+    """The record modes' outputs are one body's, bit for bit, in any launch, shape and seed (interpret
+    mode: XLA:CPU compiles each mode's program on its own; the kernels keep every product apart from
+    the sum it feeds and sum rows in a fixed tree there, so no fusion decides the bits), and the
+    replay of the tuples gives the snapshots at every step. Control: the twice-rounded replay."""
+    config, shape, data_seed = launch
+    _check_config(config, data_seed, shape)
 
 
 @pytest.mark.parametrize(("kwargs", "names"), [(dict(algorithm="scan"), "algorithm"), (dict(block_v=12), "block_v"),
@@ -159,13 +190,13 @@ def test_head_counts_that_are_not_powers_of_two(seed):
 def test_commit_config_keeps_the_commit_exact(evict, order, seed):
     """The replay's eviction hint, its prefetch of the next step and the grid's order change no
     bit: the tuple commit equals the snapshot commit of the same verify, with every masking rule
-    exercised. Control: the naive replay form of the same commit differs."""
+    exercised. Control: the twice-rounded replay form of the same commit differs."""
     case = make_case("pallas", seed, Shape(N=3, D=3, H=2, HV=4, K=16, V=16), state_dtype=jnp.float32, kind="normal")
     commit = functools.partial(backends.resolve("pallas", "commit").commit,
                                config=CommitConfig(block_v=8, num_warps=1, evict=evict, order=order))  # fmt: skip
     by_tuples = check_commit(case, commit)
-    naive = commit(case.pool, case.tuples, *case.idx.as_args(), form="naive")
-    assert_bitwise_differs(by_tuples, naive, "naive replay")
+    wrong = commit(case.pool, case.tuples, *case.idx.as_args(), form="twice_rounded")
+    assert_bitwise_differs(by_tuples, wrong, "twice-rounded replay")
 
 
 @pytest.mark.parametrize("order", ["heads", "requests", "tiles"])

@@ -43,7 +43,7 @@ from ._refs import grid, program_ids, store
 from .prologue import MMA_MIN, gram_prep, gram_steps, one_layer, prep
 from .conv import scalar
 from .rounding import ops as rounding_ops
-from .rounding import replay_update
+from .rounding import COMPILER_FORMS, CONTROL_FORMS, replay_update
 
 __all__ = ["VerifyConfig", "verify", "ALGORITHMS", "TUNED", "tuned_config"]
 
@@ -196,15 +196,49 @@ def _chunks(K: int, k_chunk: int):
     return [pl.ds(c * C, C) for c in range(K // C)]
 
 
-def _chunk_dot(xs, ys, fma=None):
+def _identity(x):
+    return x
+
+
+def _apart(interpret: bool):
+    """Interpret mode: ``optimization_barrier``, which keeps a product apart from the sum it feeds.
+    XLA:CPU contracts ``a * b + c`` into an fma or not, and orders a row's sum, by the fusion it
+    makes of the whole program, and the two record modes are two programs: without it (and
+    :func:`_row_sum`) their outputs differed (XLA:CPU of jax 0.12.1: the Gram form, then the
+    one-pass chain). On a GPU the identity (Triton compiles both modes' body alike)."""
+    return jax.lax.optimization_barrier if interpret else _identity
+
+
+def _row_sum(x, apart=_identity):
+    """``x.sum(axis=1)``; in interpret mode (``apart`` a barrier) a fixed pairwise tree of explicit
+    adds (column j with j + w/2, ...; an odd column left over joins at the end), so that no
+    fusion decides the order."""
+    if apart is _identity:
+        return jnp.sum(x, axis=1)
+    x = apart(x)
+    extra = []
+    while x.shape[1] > 1:
+        w = x.shape[1]
+        if w % 2:
+            extra.append(x[:, w - 1])
+            x = x[:, : w - 1]
+        half = x.shape[1] // 2
+        x = apart(x[:, :half] + x[:, half:])
+    out = x[:, 0]
+    for e in reversed(extra):
+        out = apart(out + e)
+    return out
+
+
+def _chunk_dot(xs, ys, fma=None, apart=_identity):
     """Sum over K of the elementwise products of two chunked tiles (lists of ``[BV, C]`` and
     ``[1, C]``): chunk by chunk in registers, then one reduction (a short shuffle tree).
     With ``fma`` (a pinned fma) each chunk after the first is fused into the running sum:
-    one instruction per element instead of a multiply and an add."""
-    acc = xs[0] * ys[0]
+    one instruction per element instead of a multiply and an add. ``apart``: :func:`_apart`."""
+    acc = apart(xs[0] * ys[0])
     for x, y in zip(xs[1:], ys[1:]):
-        acc = acc + x * y if fma is None else fma(x, y, acc)
-    return jnp.sum(acc, axis=1)
+        acc = apart(acc + apart(x * y)) if fma is None else fma(x, y, acc)
+    return _row_sum(acc, apart)
 
 
 def _tree_dot(xs, ys):
@@ -250,8 +284,9 @@ def _apply_pending(refs, pending: str, state_ref, pool_ref, w: _Where, cols, S0,
     ``refs``: the pending rows, steps, track slots, track steps ``[N]``, the previous tape's
     layer ``[1]``, then the previous tape's fields (``u, k, g`` or ``states``, ``[L', R', D', ...]``).
     ``replay_mode``: ``VerifyConfig.pending_replay``.
-    ``control`` breaks it on purpose, for tests that must catch it: ``"naive"`` replays with
-    ``S * alpha + k * u`` as the compiler rounds it; ``"track_after_write"`` stores the accepted
+    ``control`` breaks it on purpose, for tests that must catch it: a wrong replay form
+    (``"twice_rounded"``, ``"other_product"``: :data:`~.rounding.CONTROL_FORMS`, or the compiler's
+    ``"naive"``); ``"track_after_write"`` stores the accepted
     state first and replays the track state from the pool it just wrote (the ordering bug of
     SGLang's lossless-verify pull request).
     """
@@ -284,7 +319,7 @@ def _apply_pending(refs, pending: str, state_ref, pool_ref, w: _Where, cols, S0,
         acc = [jnp.where(accept, a, b) for a, b in zip(snap(jnp.where(accept, pstep, 0)), S0)]
     else:
         u_ref, k_ref, g_ref = prev
-        update = replay_update("naive" if control == "naive" else form)
+        update = replay_update(form, control if control in CONTROL_FORMS + COMPILER_FORMS else None)
         late = control == "track_after_write"
 
         def steps(first, upto, S, on_step, keep=None):
@@ -349,6 +384,7 @@ def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bo
     # The dots' products fused with the pinned fma instruction; the portable form keeps a multiply
     # and an add (its fma is ~20 integer operations, and a dot's rounding is free).
     fuse_u, fuse_o = (fma if fused and form == "ptx" else None for fused in DOT_FMA[dot_fma])
+    apart = _apart(interpret)  # each product apart from the sum it feeds, in interpret mode
 
     def vec(ref, t, ks):  # q or k of step t, shaped to broadcast over the tile's rows
         return ref[n, t, pl.ds(h, 1), ks] if row_vectors else ref[n, t, h, ks][None, :]
@@ -358,7 +394,7 @@ def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bo
     def inputs(t):  # everything step t reads besides the state
         qs = None if late_q else [vec(q_ref, t, c) for c in cols]
         ks = [vec(k_ref, t, c) for c in cols]
-        kq = _chunk_dot(ks, qs) if one_pass else None  # [1]
+        kq = _chunk_dot(ks, qs, apart=apart) if one_pass else None  # [1]
         vt = v_ref[w.layer, n, t, hv, vs] if stacked else v_ref[n, t, hv, vs]
         return qs, ks, vt.astype(F32), exp_fn(math)(g_ref[n, t, hv]), beta_ref[n, t, hv], kq
 
@@ -371,13 +407,13 @@ def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bo
             u = rounding.mul_rn(beta, rounding.add_rn(v, portable.neg(_tree_dot(Sd, ks))))
         else:
             if one_pass:
-                sq = _chunk_dot(Sd, qs, fuse_o)
-            u = beta * (v - _chunk_dot(Sd, ks, fuse_u))
+                sq = _chunk_dot(Sd, qs, fuse_o, apart)
+            u = beta * (v - _chunk_dot(Sd, ks, fuse_u, apart))
         S = [fma(kc, u[:, None], c) for kc, c in zip(ks, Sd)]
         if math == "portable":
             o = _tree_dot(S, qs)
         else:
-            o = sq + u * kq if one_pass else _chunk_dot(S, qs, fuse_o)
+            o = sq + apart(u * kq) if one_pass else _chunk_dot(S, qs, fuse_o, apart)
         o_ref[(*w.olead, n, t, hv, vs)] = o.astype(o_ref.dtype)
         if snapshots:
             # (interpret mode: the barrier changes no value; without it XLA:CPU compiles the in-place
@@ -498,6 +534,7 @@ def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, int
     # its states after the recurrence (an L2 hit, not held in registers across the products).
     mma = mma_chunk is not None
     S0 = None if mma else _load_state(state_ref, w, cols, evict)
+    sep = _apart(interpret)  # each product apart from the sum it feeds, in interpret mode
 
     def state(t, S, u):  # step t's state, from the same u, with the pinned rule, and its store
         alpha = rounding.exp(g_ref[n, t, hv])
@@ -522,8 +559,8 @@ def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, int
         XK, XQ, (ks, qs) = carry
         nxt = jnp.minimum(t + 1, D - 1)
         nxt = vecs(k_ref, nxt), vecs(q_ref, nxt)  # loaded first: in flight during this step's products
-        XK = jnp.where(col == t, _chunk_dot(S0, ks)[:, None], XK)
-        XQ = jnp.where(col == t, _chunk_dot(S0, qs)[:, None], XQ)
+        XK = jnp.where(col == t, _chunk_dot(S0, ks, apart=sep)[:, None], XK)
+        XQ = jnp.where(col == t, _chunk_dot(S0, qs, apart=sep)[:, None], XQ)
         return XK, XQ, nxt
 
     if mma:  # all steps at once, [BV, C] x [C, Dm] per chunk of K on the tensor cores (rows >= D are zeros)
@@ -542,13 +579,14 @@ def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, int
     else:
         XK, XQ, _ = jax.lax.fori_loop(0, D, products, (zero, zero, (vecs(k_ref, 0), vecs(q_ref, 0))))
 
+
     def recurrence(t, bits):  # step t's u and o
         U = jax.lax.bitcast_convert_type(bits, F32)  # columns >= t are 0; so are W[t, s >= t], C[t, s > t]
         P = P_ref[n, hv, t]
-        u = beta_ref[n, hv, t] * (v_ref[n, t, hv, vs].astype(F32) - P * pick(XK, t))
-        u = u - jnp.sum(W_ref[n, hv, t, :][None, :] * U, axis=1)
+        u = beta_ref[n, hv, t] * (v_ref[n, t, hv, vs].astype(F32) - sep(P * pick(XK, t)))
+        u = u - _row_sum(sep(W_ref[n, hv, t, :][None, :] * U), sep)
         U = jnp.where(col == t, u[:, None], U)
-        o = P * pick(XQ, t) + jnp.sum(C_ref[n, hv, t, :][None, :] * U, axis=1)
+        o = sep(P * pick(XQ, t)) + _row_sum(sep(C_ref[n, hv, t, :][None, :] * U), sep)
         o_ref[(*w.olead, n, t, hv, vs)] = o.astype(o_ref.dtype)
         if not snapshots:
             _store_row(tape_ref, w, (*w.lead, t, hv, vs), u)
