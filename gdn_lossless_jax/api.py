@@ -141,17 +141,18 @@ def run_verify(call: VerifyCall, backend: Any = "auto", fn: str = "verify"):
     with the derivatives of :mod:`~gdn_lossless_jax.autodiff`: for callers that checked their
     arguments already (the pool). Returns what the backend returns. A draft tree
     (``call.parents``) needs a backend with ``TREES`` (:mod:`gdn_lossless_jax.backends.contract`)."""
-    impl = check_tree_backend(fn, backend) if call.parents is not None else backends.resolve(backend, "verify")
+    impl = (check_tree_backend(fn, backend, call.math) if call.parents is not None
+            else backends.resolve(backend, "verify", call.math))  # fmt: skip
     backends.check_math(impl, "verify", call.math)
     return autodiff.verify(impl, call)
 
 
-def check_tree_backend(fn: str, backend: Any):
+def check_tree_backend(fn: str, backend: Any, math: str = "platform"):
     """The verify of ``backend`` if it verifies draft trees (``TREES``), else a ``ValueError``
-    naming it and the backend that does."""
-    impl = backends.resolve(backend, "verify")
+    naming it and the backend that does (``"auto"`` picks one for ``math``)."""
+    impl = backends.resolve(backend, "verify", math)
     if not getattr(impl, "TREES", False):
-        name = backends.resolve_name(backend)
+        name = backends.resolve_name(backend, math)
         raise ValueError(
             f"{fn}: backend {name if isinstance(name, str) else getattr(name, '__name__', name)!r} does not verify "
             "draft trees ('parents' describes a tree, not a linear chain): pass backend=\"reference\" or "
@@ -174,6 +175,7 @@ def replay(
     steps: jax.Array,
     *,
     path: jax.Array | None = None,
+    parents: Any = None,
     backend: str = "auto",
     checked: bool = False,
     math: str = "platform",
@@ -189,30 +191,40 @@ def replay(
         negative step) means no step: state0 is returned for that request, so a length
         passed by mistake returns one step too many, or state0 for a fully accepted chain.
       path: for a draft tree's tape, ``[N, P]`` int, each request's root-to-node path (node
-        indices, -1 padded): ``steps`` are then positions along it, as in :func:`commit`.
+        indices, -1 padded): ``steps`` are then positions along it, as in :func:`commit`. Its
+        entries up to each step must be nodes of the tape, checked as in :func:`commit`.
+      parents: the tree (``[N, D]`` or ``[D]``, as verify took it, aligned to this call's
+        requests), optional, with ``path``: used only to check that each path is a root-to-node
+        path of it, as in :func:`commit` (without it a path of nodes that is no root-to-node path
+        replays a state that is no node's, silently: the tape does not hold the tree).
       backend: as in :func:`verify`.
       checked: raise instead: a step outside ``[-1, D)`` (``[-1, P)`` with a path) names its request
         (:mod:`gdn_lossless_jax.checked`; under ``jax.jit``, functionalize with
-        ``jax.experimental.checkify.checkify``).
+        ``jax.experimental.checkify.checkify``); with a path, also the path checks on traced
+        values (concrete ones are checked at call time in any mode, see :func:`commit`).
       math: the ``math=`` of the verify that recorded the tape (its decay's ``exp``).
     Returns:
       ``[N, HV, V, K]`` in state0's dtype, bit-identical to verify's snapshot of that step.
       Differentiable with respect to state0 and the tape (see :func:`verify`).
     """
     fn = "replay"
+    raw = (path, steps, steps, parents)
     state0, tuples, steps = checks.replay_args(fn, state0, tuples, steps)
     checks.check_math(fn, math)
-    impl = backends.resolve(backend, "replay")
+    impl = backends.resolve(backend, "replay", math)
     backends.check_math(impl, fn, math)
     if path is not None:
         N, D = state0.shape[0], tuples.num_steps
         path = checks.check_path(fn, path, N)
+        parents = checks.check_commit_parents(fn, parents, N, D)
+        checks.check_path_indices(fn, D, path, steps, steps, parents, checked=checked, raw=raw)
         if checked:
             checked_mode.check_steps(fn, "steps", steps, path.shape[1])
-            tree.checkify_path(fn, path, steps, steps, D)
         layered = jax.tree.map(lambda t: t[None], tuples)
         chain, _, steps, _ = _along_path(layered, jnp.arange(N, dtype=jnp.int32), path, steps, steps)
         return autodiff.replay(impl, state0, jax.tree.map(lambda t: t[0], chain), steps, math=math)
+    if parents is not None:
+        raise ValueError(f"{fn}: parents= checks a tree's paths: pass path= too")
     if checked:
         checked_mode.check_steps(fn, "steps", steps, tuples.num_steps)
     return autodiff.replay(impl, state0, tuples, steps, math)
@@ -258,17 +270,26 @@ def commit(
         those steps. None: the tape is a chain. A request whose path does not reach its step
         (an entry before it is not a node) writes nothing for it.
       parents: the tree (``[N, D]`` or ``[D]``, as verify took it, aligned to this call's
-        requests), optional: used only to check that each path is a root-to-node path of it,
-        at call time for NumPy values and with ``checked=True`` for any.
+        requests), optional: used only to check that each path is a root-to-node path of it.
+        The path checks (entries up to ``max(steps[i], track_steps[i])`` nodes of the tape, and
+        with ``parents`` each the child of the one before it, the first the root's) run at call
+        time, raising ``ValueError``, on concrete values: NumPy arrays, lists, and jax arrays
+        that are not tracers (:func:`gdn_lossless_jax.tree.path_to`'s, say; pulled to the host, a
+        device sync), whatever ``checked``. That needs ``path``, ``steps`` and ``track_steps``
+        all concrete (which entries are read depends on the steps); with traced ``parents`` only
+        the node range is checked then. Concrete ``parents`` are always checked themselves
+        (each parent in ``[-1, d)``). Whatever a tracer (inside ``jax.jit``) keeps from being
+        checked at call time is checked with ``checked=True``, on all the values; without it,
+        not at all.
       backend: as in :func:`verify`. Every backend commits trees (the path's tuples are
         gathered into a chain tape, :func:`gdn_lossless_jax.reference.along_path`).
       checked: raise instead of skipping: every index below must be valid, and the first
         request that is not is named in the error (:mod:`gdn_lossless_jax.checked`: slots,
         rows, steps in ``[-1, D)`` (``[-1, P)`` with a path), track slots where a track step
-        is given, and distinct destination slots; with a path, its entries up to the steps
-        nodes of the tape, and with ``parents`` a root-to-node path). Eager calls raise
-        ``checkify.JaxRuntimeError`` at once; under ``jax.jit``, functionalize with
-        ``jax.experimental.checkify.checkify``.
+        is given, and distinct destination slots; with a path, on traced values, its entries up
+        to the steps nodes of the tape, and with ``parents`` a root-to-node path of a valid
+        tree). Eager calls raise ``checkify.JaxRuntimeError`` at once; under ``jax.jit``,
+        functionalize with ``jax.experimental.checkify.checkify``.
       math: the ``math=`` of the verify that recorded a tuple tape: the replay's decay is that
         mode's ``exp`` (a snapshot tape is copied, whatever the mode).
     Returns:
@@ -281,10 +302,10 @@ def commit(
       the pool and the tape (see :func:`verify`).
     """
     fn = "commit"
-    host = checks.is_host(path, parents, steps, track_steps)
+    raw = (path, steps, track_steps, parents)
     pool, tape, ints = checks.commit_args(fn, pool, tape, slots, steps, track_slots, track_steps, rows)
     checks.check_math(fn, math)
-    impl = backends.resolve(backend, "commit")
+    impl = backends.resolve(backend, "commit", math)
     if isinstance(tape, Tuples):  # a snapshot commit copies states: no math in it
         backends.check_math(impl, fn, math)
     else:
@@ -299,11 +320,9 @@ def commit(
     N, D = slots.shape[0], tape.num_steps
     path = checks.check_path(fn, path, N)
     parents = checks.check_commit_parents(fn, parents, N, D)
-    if host:
-        tree.check_path_values(fn, path, steps, track_steps, D, parents)
+    checks.check_path_indices(fn, D, path, steps, track_steps, parents, checked=checked, raw=raw)
     if checked:
         checked_mode.check_commit(fn, pool.shape[1], tape.num_rows, path.shape[1], *ints)
-        tree.checkify_path(fn, path, steps, track_steps, D, parents)
     tape, rows, steps, track_steps = _along_path(tape, rows, path, steps, track_steps)
     return autodiff.commit(impl, pool, tape, slots, steps, track_slots, track_steps, rows, math=math)
 
@@ -359,7 +378,10 @@ def commit_and_verify(
         here: commit them with :func:`commit` before their slots are read.
         With ``pending.path`` (a draft tree's accepted paths) the steps are positions along
         them, as in :func:`commit`: the path's tuples (this layer's) are gathered into a chain
-        tape first, so the fused kernel replays a chain.
+        tape first, so the fused kernel replays a chain. Its entries up to the steps must be
+        nodes of the pending tape: checked at call time where the path and steps are concrete,
+        with ``checked=True`` where traced (as :func:`commit` checks a path without
+        ``parents``: the pending commit has no tree to check it against).
       q, k, v, a, b, A_log, dt_bias, slots, layer, tape, rows, record, scale, backend,
         out_dtype, out, parents, topk, checked, math: as in :func:`verify` (``slots`` required:
         request n's state is ``pool[layer, slots[n]]``; the inputs may be stacked over the
@@ -376,7 +398,7 @@ def commit_and_verify(
     call = checks.commit_and_verify_args(
         "commit_and_verify", pool, pending, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale,
         out_dtype=out_dtype, slots=slots, layer=layer, tape=tape, rows=rows, out=out, parents=parents, topk=topk,
-        math=math,
+        math=math, checked=checked,
     )  # fmt: skip
     if checked and call.parents is not None:
         tree.checkify_parents("commit_and_verify", call.parents, topk)

@@ -584,12 +584,59 @@ def check_commit_parents(fn: str, parents, N: int, D: int):
         raise TypeError(f"{fn}: argument 'parents' must be an integer array, got dtype {dtype_of(parents)}")
     if shape_of(parents) not in ((D,), (N, D)):
         raise ValueError(f"{fn}: argument 'parents' must have shape [D] = [{D}] or [N, D] = [{N}, {D}] (D from the "
-                         f"tape, N from slots), got {fmt_shape(shape_of(parents))}")  # fmt: skip
+                         f"tape, N the requests), got {fmt_shape(shape_of(parents))}")  # fmt: skip
     if not isinstance(parents, jax.core.Tracer):
         host = np.broadcast_to(np.asarray(parents), (N, D)).astype(np.int32)
         tree.check_parents_values(fn, host)
         return host
     return jnp.broadcast_to(as_index(parents), (N, D))
+
+
+def host_value(x, raw=None):
+    """``x`` as a NumPy array if its values are known now, else None.
+
+    Known: NumPy arrays, lists of numbers, and ``jax.Array`` values that are not tracers (a
+    concrete array, on the device or closed over by a jit: pulled to the host, a device sync).
+    A tracer's values exist only when its jit runs: None, and nothing is pulled. ``raw``: the
+    argument as the caller gave it, where ``x`` is its conversion (:func:`as_array`,
+    :func:`as_index`), since a conversion inside a jit makes a tracer of a concrete value."""
+    for v in (x, raw):
+        if v is None or isinstance(v, jax.core.Tracer):
+            continue
+        if isinstance(v, (list, tuple)) and any(isinstance(e, jax.core.Tracer) for e in jax.tree.leaves(v)):
+            continue
+        if isinstance(v, (np.ndarray, np.generic, jax.Array, list, tuple, int)):
+            return np.asarray(v)
+    return None
+
+
+def check_path_indices(fn: str, D: int, path, steps, track_steps, parents=None, *, checked: bool = False,
+                       raw: Sequence = ()) -> None:  # fmt: skip
+    """The value checks of a draft tree's accepted paths (commit, replay, ``pool.commit``, the
+    pending path of ``commit_and_verify``): ``path[i, :max(steps[i], track_steps[i]) + 1]`` are
+    nodes of the tape (``[0, D)``) and, with ``parents``, a root-to-node path of the tree
+    (:func:`gdn_lossless_jax.tree.check_path_values`). Shapes are checked already; ``parents`` is
+    ``[N, D]`` or None; ``raw``: path, steps, track_steps, parents as the caller gave them (see
+    :func:`host_value`).
+
+    Concrete values (NumPy, lists, jax arrays that are not tracers) are checked here, at call
+    time, whatever ``checked`` (``ValueError``): the whole check where path, steps and
+    track_steps are all concrete (which entries are read depends on the steps), the
+    root-to-node part with it where ``parents`` is concrete too. What a tracer keeps from being
+    checked here is checked with ``checked=True`` (:func:`gdn_lossless_jax.tree.checkify_path`,
+    with traced ``parents`` also :func:`gdn_lossless_jax.tree.checkify_parents`), on all the
+    values, the concrete ones included; without it, nothing is (the commit's masking applies)."""
+    raw = tuple(raw) + (None,) * (4 - len(raw))
+    hp, hs, ht = (host_value(x, r) for x, r in zip((path, steps, track_steps), raw))
+    hpar = None if parents is None else host_value(parents, raw[3])
+    done = False
+    if hp is not None and hs is not None and ht is not None:
+        tree.check_path_values(fn, hp, hs, ht, D, hpar)  # (traced parents: the node range here, the rest checked)
+        done = parents is None or hpar is not None
+    if checked and parents is not None and hpar is None:
+        tree.checkify_parents(fn, parents)
+    if checked and not done:
+        tree.checkify_path(fn, path, steps, track_steps, D, parents)
 
 
 def is_host(*xs) -> bool:
@@ -623,10 +670,10 @@ def commit_args(fn: str, pool, tape, slots, steps, track_slots=None, track_steps
 
 def commit_and_verify_args(fn: str, pool, pending, q, k, v, a, b, A_log, dt_bias, *, slots, layer=None, tape=None,
                            rows=None, record=None, scale=None, out_dtype=None, out=None, parents=None,
-                           topk=1, math="platform") -> VerifyCall:  # fmt: skip
+                           topk=1, math="platform", checked=False) -> VerifyCall:  # fmt: skip
     """The checks of :func:`gdn_lossless_jax.commit_and_verify`: verify's (:func:`verify_args`) and the
-    pending commit's (:func:`check_pending`); returns the :class:`VerifyCall` with its
-    :class:`PendingCommit`."""
+    pending commit's (:func:`check_pending`; a pending path's values by :func:`check_path_indices`,
+    traced ones with ``checked``); returns the :class:`VerifyCall` with its :class:`PendingCommit`."""
     if slots is None:
         raise ValueError(f"{fn}: argument 'slots' is required (request n's state is pool[layer, slots[n]])")
     if len(shape_of(q)) != 5:  # (stacked over layers: checked by verify_args below)
@@ -647,6 +694,8 @@ def commit_and_verify_args(fn: str, pool, pending, q, k, v, a, b, A_log, dt_bias
     if pending.path is not None:  # a tree's accepted path: the chain commit it is (reference.along_path)
         path = check_path(fn, pending.path, N)
         r, steps, track_slots, track_steps = pend
+        check_path_indices(fn, prev.num_steps, path, steps, track_steps, checked=checked,
+                           raw=(pending.path, pending.steps, pending.track_steps))  # fmt: skip
         if isinstance(prev, Tuples):  # this layer's tuples along the path (a copy of P steps a request)
             prev = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, jnp.reshape(player, ()), 0), prev)
             player = np.int32(0)

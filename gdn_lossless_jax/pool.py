@@ -544,7 +544,7 @@ def verify_layer(
     check_shape(fn, "mixed_qkv", one, (N, D, g.conv_dim), "[N, D, conv_dim]", f"conv_dim = 2*H*K + HV*V of {g.name}")
     parents = checks.check_tree(fn, parents, topk, N, D)
     if parents is not None:
-        api.check_tree_backend(fn, backend)
+        api.check_tree_backend(fn, backend, pool.math)
         if checked:
             tree.checkify_parents(fn, parents, topk)
     check_index(fn, "slots", slots, N)
@@ -639,7 +639,8 @@ def commit(
 
     ``path``, ``parents``: a draft tree's accepted paths (``[N, P]``, ``P <= drafts``; steps are
     positions along them) and, optionally, its parents to check them against, as in
-    :func:`gdn_lossless_jax.commit`; the conv windows are gathered along the path
+    :func:`gdn_lossless_jax.commit` (concrete values checked at call time, traced ones with
+    ``checked=True``, before the pool is donated); the conv windows are gathered along the path
     (:func:`gdn_lossless_jax.conv.conv_commit`). With ``defer_commit=True`` a tuple pool first
     reorders each committed row of this step's scratch tape along its path (its first P entries
     become the path's), so that the next verify's fused commit replays a chain.
@@ -649,7 +650,7 @@ def commit(
     _check_arrays("commit", pool)
     N = int(np.shape(slots)[0]) if np.ndim(slots) == 1 else 0
     _check_requests("commit", pool, N, "slots")
-    host = checks.is_host(path, parents, steps, track_steps)
+    raw = (path, steps, track_steps, parents)
     if path is not None:
         path = checks.check_path("pool.commit", path, N)
         if path.shape[1] > pool.drafts:
@@ -658,15 +659,14 @@ def commit(
         parents = checks.check_commit_parents("pool.commit", parents, N, pool.drafts)
     elif parents is not None:
         raise ValueError("pool.commit: parents= checks a tree's accepted paths: pass path= too")
-    if checked or (path is not None and host):
+    if checked or path is not None:
         ints = checks.commit_index_args("pool.commit", slots, steps, track_slots, track_steps, rows)
-        if path is not None and host:
-            tree.check_path_values("pool.commit", path, ints[1], ints[3], pool.drafts, parents)
+        if path is not None:  # concrete values now, traced ones with checked (as gl.commit's)
+            checks.check_path_indices("pool.commit", pool.drafts, path, ints[1], ints[3], parents, checked=checked,
+                                      raw=raw)  # fmt: skip
         if checked:
             D = pool.drafts if path is None else path.shape[1]
             checked_mode.check_commit("pool.commit", pool.ssm.shape[1], pool.rows, D, *ints)
-            if path is not None:
-                tree.checkify_path("pool.commit", path, ints[1], ints[3], pool.drafts, parents)
     # Defaults (None) are filled, and every argument checked, by the two commits it calls; the
     # index arrays are staged here, where the caller traces (checks.as_index).
     ix = [as_index(x) if isinstance(x, jax.Array) and x.dtype == jnp.int32 else x

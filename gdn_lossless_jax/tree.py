@@ -14,9 +14,11 @@ steps are positions along the chain (whose path is ``[0, 1, ..., D-1]``). :func:
 path and step of an accepted node (the leaf) from ``parents``.
 
 The checks here raise naming the function, the argument, the expected and the actual value:
-:func:`check_parents_values` on host values (NumPy), at call time; :func:`checkify_parents` and
-:func:`checkify_path` on traced values, in ``checked=True`` mode (:mod:`gdn_lossless_jax.checked`
-says how to run them under ``jax.jit``).
+:func:`check_parents_values` and :func:`check_path_values` on concrete values (NumPy, or jax
+arrays that are not tracers, such as :func:`path_to`'s, pulled to the host), at call time;
+:func:`checkify_parents` and :func:`checkify_path` on traced values, in ``checked=True`` mode
+(:mod:`gdn_lossless_jax.checked` says how to run them under ``jax.jit``).
+:func:`gdn_lossless_jax.checks.check_path_indices` picks which of the path checks run where.
 """
 
 from __future__ import annotations
@@ -123,8 +125,9 @@ def _path_problems(path, steps, track_steps, D, parents):
 
 
 def check_path_values(fn: str, path, steps, track_steps, D: int, parents=None) -> None:
-    """Host values: raise ``ValueError`` unless ``path[i, :max(steps[i], track_steps[i]) + 1]`` is a
-    root-to-node path of the tree (with ``parents``; without, only the node range is checked)."""
+    """Concrete values (NumPy, or concrete jax arrays: read on the host): raise ``ValueError`` unless
+    ``path[i, :max(steps[i], track_steps[i]) + 1]`` is a root-to-node path of the tree (with
+    ``parents``; without, only the node range is checked)."""
     path, steps, track_steps = (np.asarray(x) for x in (path, steps, track_steps))
     parents = None if parents is None else np.broadcast_to(np.asarray(parents), (path.shape[0], D))
     for bad, why in _path_problems(path, steps, track_steps, D, parents):

@@ -361,6 +361,7 @@ def test_bad_paths():
     slots = np.arange(2, dtype=np.int32)
     good = np.array([[0, 1, 3], [0, 2, 3]], np.int32)
     gl.commit(pool, tape, slots, np.array([2, 2]), path=good, parents=parents)
+    checked_commit = checkify.checkify(jax.jit(functools.partial(gl.commit, checked=True)))
     for path, match in (
         ([[0, 2, 3], [0, 2, 3]], r"path\[0, 2\] = 3, which is not a child of the entry before it"),
         ([[1, 3, 2], [0, 2, 3]], r"path\[0, 0\] = 1, which is not a child of the entry before it \(or, at position 0, of the root\)"),
@@ -369,10 +370,15 @@ def test_bad_paths():
     ):  # fmt: skip
         with pytest.raises(ValueError, match=r"commit: argument 'path' must hold a root-to-node path .*" + match):
             gl.commit(pool, tape, slots, np.array([2, 2]), path=np.array(path, np.int32), parents=parents)
-        # traced: in checked mode
-        with pytest.raises(checkify.JaxRuntimeError, match=r"commit \(checked\): argument 'path'"):
+        # concrete jax arrays: at call time too, checked or not
+        with pytest.raises(ValueError, match=r"commit: argument 'path' must hold a root-to-node path .*" + match):
             gl.commit(pool, tape, slots, jnp.array([2, 2]), path=jnp.array(path), parents=jnp.asarray(parents),
                       checked=True)  # fmt: skip
+        # traced: in checked mode
+        err, _ = checked_commit(pool, tape, slots, jnp.array([2, 2]), path=jnp.array(path),
+                                parents=jnp.asarray(parents))  # fmt: skip
+        with pytest.raises(checkify.JaxRuntimeError, match=r"commit \(checked\): argument 'path'"):
+            err.throw()
     # entries after the step are not read
     gl.commit(pool, tape, slots, np.array([0, 1]), path=np.array([[0, 2, 9], [0, 2, 7]]), parents=parents)
     with pytest.raises(ValueError, match=r"commit: argument 'path' must have shape \[N, P\] with N=2"):
@@ -403,3 +409,226 @@ def test_tree_gradients(seed):
         x["state0"])
     np.testing.assert_allclose(np.asarray(g_tree), np.asarray(g_path), rtol=1e-5, atol=1e-6)
     assert not np.allclose(np.asarray(g_tree), np.asarray(g_chain)), "control: the chain's nodes 1, 2 differ"
+
+
+# ------------------------------------------------------------------------------------------
+# Path checks in every form (issue 57): every concrete index argument (NumPy or a jax array that
+# is not a tracer, such as path_to's) is checked at call time, traced ones with checked=True;
+# commit, replay and pool.commit alike, for a chain and a tree
+# ------------------------------------------------------------------------------------------
+_TREE = np.array([[-1, 0, 0, 1], [-1, -1, 0, 2]], np.int32)
+KINDS = {  # the parents; accepted nodes; a path with no root (each request's path with its first node cut); the
+    # parents path_to takes for a path of another tree, which is no root-to-node path of these parents
+    "tree": (_TREE, [3, 3], ([[1, 3, -1], [2, 3, -1]], [1, 1]), _TREE[::-1]),
+    "chain": (tree.chain_parents(4), [2, 1], ([[1, 2, -1], [1, -1, -1]], [1, 0]), _TREE),
+}
+FORMS = {  # how path, steps (and track_steps) are given: (path as a jax array, steps as jax arrays)
+    "numpy": (False, False),
+    "jax": (True, True),
+    "numpy path, jax steps": (False, True),
+    "jax path, numpy steps": (True, False),
+}
+TARGETS = ("commit", "replay", "pool.commit")
+_TRACK_SLOTS = np.array([2, 3], np.int32)
+
+
+@functools.lru_cache(maxsize=None)
+def _recorded(kind):
+    """A chain or tree verified once (N=2, D=4): the API's inputs and tapes, and a pool's."""
+    parents, nodes, _, _ = KINDS[kind]
+    topk = 1 if kind == "chain" else 2
+    x = verify_inputs(3, Shape(2, 4, 1, 2, 8, 8), kind="mixed")
+    _, tt = gl.verify(**x, parents=parents, topk=topk, backend="reference")
+    _, ts = gl.verify(**x, parents=parents, topk=topk, record="snapshots", backend="reference")
+    rng = np.random.default_rng(3)
+    pl = P.allocate(G, slots=4, requests=2, drafts=4, topk=topk)
+    pl = pl.replace(ssm=_normal(rng, pl.ssm.shape, 0.5), conv=_normal(rng, pl.conv.shape, 1.0, jnp.bfloat16))
+    for layer in range(G.gdn_layers):
+        _, pl = P.verify_layer(pl, layer, **_layer(rng, 2, 4), slots=np.arange(2), parents=parents, topk=topk,
+                               backend="reference")  # fmt: skip
+    good = tuple(np.asarray(a) for a in tree.path_to(parents, np.array(nodes), width=3))
+    return x, tt, ts, pl, good
+
+
+def _call(target, kind, path, steps, parents, checked=False, track=None):
+    """``target`` with ``path``, ``steps`` and the parents; track_steps ``track`` (default [0, -1], as
+    steps are given) for the commits. Returns the states it writes (replay: returns)."""
+    x, tt, _, pl, _ = _recorded(kind)
+    if track is None:
+        track = jnp.array([0, -1]) if isinstance(steps, jax.Array) else np.array([0, -1])
+    slots = np.arange(2, dtype=np.int32)
+    kw = dict(path=path, parents=parents, backend="reference", checked=checked)
+    if target == "replay":
+        return gl.replay(x["state0"], tt, steps, **kw)
+    if target == "commit":
+        pool = jnp.concatenate([x["state0"], x["state0"]])[None]
+        return gl.commit(pool, jax.tree.map(lambda a: a[None], tt), slots, steps, _TRACK_SLOTS, track, **kw)
+    fresh = jax.tree.map(jnp.copy, pl)  # (commit donates the pool)
+    new = P.commit(fresh, slots, steps, _TRACK_SLOTS, track, **kw)
+    return new.ssm, new.conv
+
+
+def _form(form, path, steps):
+    jp, js = FORMS[form]
+    return (jnp.asarray(path) if jp else np.asarray(path, np.int32)), (jnp.asarray(steps) if js else np.asarray(steps))
+
+
+def _bad_paths(kind):
+    """The paths that are no root-to-node paths of the kind's parents, and their steps: one with no root,
+    and path_to's of another tree (a jax array)."""
+    parents, nodes, (no_root, no_root_steps), other = KINDS[kind]
+    path, steps = tree.path_to(other, np.array(nodes if kind == "tree" else [3, 2]), width=3)
+    return {"no root": (np.array(no_root), np.array(no_root_steps)), "another tree's": (path, steps)}
+
+
+_MESSAGE = r"{}: argument 'path' must hold a root-to-node path of the tree up to the accepted step, got path\[\d, \d\]"
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("target", TARGETS)
+def test_concrete_bad_paths_raise_at_call_time(target, kind, form):
+    """A path that is no root-to-node path of the parents raises at call time (ValueError) whether it and
+    its steps are NumPy, concrete jax arrays or a mix, and whatever form the parents take, checked or not.
+    Controls: the accepted paths in the same forms pass, and give the NumPy form's bits."""
+    parents = KINDS[kind][0]
+    for path, steps in _bad_paths(kind).values():
+        for pform in (np.asarray, jnp.asarray):
+            for checked in (False, True):
+                p, s = _form(form, path, steps)
+                with pytest.raises(ValueError, match=_MESSAGE.format(target)):
+                    _call(target, kind, p, s, pform(parents), checked=checked)
+    # controls: the good paths in this form (and parents as a jax array) pass, with the NumPy form's bits
+    path, steps = _recorded(kind)[4]
+    want = _call(target, kind, path, steps, parents)
+    testing.assert_bitwise_equal(want, _call(target, kind, *_form(form, path, steps), jnp.asarray(parents)), form)
+    testing.assert_bitwise_equal(want, _call(target, kind, *_form(form, path, steps), parents, checked=True), form)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("target", ["commit", "replay"])  # (pool.commit's bits: test_pool_tree_step)
+def test_the_paths_are_the_nodes(target, kind):
+    """The good paths write (replay: return) each accepted node's snapshot, its track copy the first node's:
+    the bits of before (the state a node has); a path with no root gives a state that is no node's (the
+    check's reason)."""
+    _, _, ts, _, (path, steps) = _recorded(kind)
+    got = _call(target, kind, path, steps, KINDS[kind][0])
+    want = ts.states[np.arange(2), path[np.arange(2), steps]]
+    testing.assert_bitwise_equal(want, got if target == "replay" else got[0, :2], "accepted nodes")
+    if target == "commit":
+        testing.assert_bitwise_equal(ts.states[0, path[0, 0]], got[0, 2], "the track copy")
+    (no_root, s), _ = _bad_paths(kind).values()
+    wrong = _call(target, kind, no_root, s, None)  # (without parents: only the node range is checked)
+    nodes = ts.states[np.arange(2)[:, None], np.arange(4)[None, :]]  # [N, D, ...]: every node's state
+    for i in range(2):
+        state = wrong[i] if target == "replay" else wrong[0, i]
+        assert not any(np.array_equal(testing.bits(state), testing.bits(n)) for n in nodes[i]), "a state no node has"
+
+
+def _old_gate(x, raw=None):
+    """The host check's gate before issue 57: NumPy values only (a jax array, concrete or not, skipped it)."""
+    for v in (raw, x):
+        if isinstance(v, (np.ndarray, list)):
+            return np.asarray(v)
+    return None
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_control_the_old_gate_commits_silently(monkeypatch, target):
+    """Control: with the gate of before (NumPy values only), path_to's path (a jax array) of another tree is
+    committed silently, so test_concrete_bad_paths_raise_at_call_time fails on it."""
+    path, steps = _bad_paths("tree")["another tree's"]
+    monkeypatch.setattr(gl.checks, "host_value", _old_gate)
+    _call(target, "tree", path, steps, KINDS["tree"][0])
+    with pytest.raises(ValueError, match=_MESSAGE.format(target)):  # (NumPy: checked then too)
+        _call(target, "tree", np.asarray(path), np.asarray(steps), KINDS["tree"][0])
+
+
+# which arguments a jit traces (the others it closes over as NumPy): each mix leaves the path check to checked=True
+TRACED = {
+    "all": ("path", "steps", "parents"),
+    "path": ("path",),
+    "steps": ("steps",),
+    "parents": ("parents",),  # (path and steps concrete: their node range at call time, the tree's part traced)
+}
+
+
+def _jitted(target, kind, traced, checked):
+    """``run(path, steps, parents)``: ``target`` under ``jax.jit`` (and checkify with ``checked``), the
+    ``traced`` arguments its arguments, the others closed over as NumPy (a new function each run: a jit
+    caches its trace by the function, whatever it closes over)."""
+
+    def run(path, steps, parents):
+        _recorded(kind)  # (built outside the trace)
+        fixed = dict(zip(("path", "steps", "parents"), (np.asarray(path), np.asarray(steps), np.asarray(parents))))
+        args = {k: jnp.asarray(v) for k, v in fixed.items() if k in traced}
+
+        def f(args):
+            given = {**fixed, **args}
+            return _call(target, kind, given["path"], given["steps"], given["parents"], checked=checked,
+                         track=jnp.array([0, -1]) if "steps" in args else np.array([0, -1]))  # fmt: skip
+
+        return checkify.checkify(jax.jit(f))(args) if checked else jax.jit(f)(args)
+
+    return run
+
+
+@pytest.mark.parametrize("traced", TRACED)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("target", TARGETS)
+def test_traced_bad_paths_raise_in_checked_mode(target, kind, traced):
+    """Traced (inside jax.jit), alone or mixed with concrete values, a path that is no root-to-node path
+    raises with checked=True (the error comes back from checkify); the good path passes, with the bits of
+    the eager NumPy call. Control: without checked=True the traced bad path commits silently."""
+    parents = KINDS[kind][0]
+    path, steps = _bad_paths(kind)["another tree's"]
+    run = _jitted(target, kind, TRACED[traced], checked=True)
+    err, _ = run(path, steps, parents)
+    with pytest.raises(checkify.JaxRuntimeError, match=r"\(checked\): argument '(path|parents)'"):
+        err.throw()
+    good, gsteps = _recorded(kind)[4]
+    err, got = run(good, gsteps, parents)
+    err.throw()
+    testing.assert_bitwise_equal(_call(target, kind, good, gsteps, parents), got, "jitted, checked")
+    if traced == "all":  # the control: unchecked, nothing is checked on tracers
+        _jitted(target, kind, TRACED[traced], checked=False)(path, steps, parents)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_traced_parents_concrete_path_out_of_range(target):
+    """With traced parents, concrete path and steps still get their node range checked at call time (at
+    trace time, inside the jit)."""
+    bad = np.array([[0, 1, 7], [0, 2, 3]], np.int32)
+    with pytest.raises(ValueError, match=_MESSAGE.format(target) + r" = 7, which is not a node index"):
+        _jitted(target, "tree", ("parents",), checked=False)(bad, np.array([2, 2]), KINDS["tree"][0])
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_pending_path_checks(seed, form):
+    """commit_and_verify's pending path (no parents: the node range up to the steps) is checked at call time
+    in every concrete form, traced with checked=True; control: entries after the steps are not read."""
+    x = verify_inputs(seed, Shape(2, 4, 1, 2, 8, 8))
+    _, prev = gl.verify(**x, parents=_TREE, topk=2, backend="reference")
+    pool = x["state0"]  # [S, HV, V, K]: the pending tape [R, D, ...]
+    inputs = [x[k] for k in list(x)[1:]]
+    none = np.full(2, -1, np.int32)
+    rows = np.arange(2, dtype=np.int32)
+
+    def run(path, steps, checked=False):
+        pending = gl.Pending(prev, rows, steps, none, none, path=path)
+        return gl.commit_and_verify(pool, pending, *inputs, slots=rows, backend="reference", checked=checked)
+
+    bad, steps = np.array([[0, 1, 3], [0, -1, 3]], np.int32), np.array([2, 2])
+    with pytest.raises(ValueError, match=r"commit_and_verify: argument 'path' .* got path\[1, 1\] = -1, which is not "
+                                         r"a node index in \[0, D\)"):  # fmt: skip
+        run(*_form(form, bad, steps))
+    want = run(bad, np.array([2, 0]))  # control: the entry after request 1's step is not read
+    testing.assert_bitwise_equal(want, run(*_form(form, bad, np.array([2, 0]))), form)
+    if form == "jax":  # traced, in checked mode
+        f = checkify.checkify(jax.jit(functools.partial(run, checked=True)))
+        err, _ = f(jnp.asarray(bad), jnp.asarray(steps))
+        with pytest.raises(checkify.JaxRuntimeError, match=r"commit_and_verify \(checked\): argument 'path'"):
+            err.throw()
+        err, got = f(jnp.asarray(bad), jnp.array([2, 0]))
+        err.throw()
+        testing.assert_bitwise_equal(want, got, "traced")
