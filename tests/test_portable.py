@@ -293,6 +293,28 @@ def test_other_backends_refuse_the_mode():
             gl.commit(args[0][None], one, jnp.arange(N), jnp.zeros(N, jnp.int32), math="portable", backend=name)
 
 
+def test_auto_picks_a_backend_that_runs_the_mode(monkeypatch):
+    """``backend="auto"`` with ``math="portable"`` resolves to a backend implementing the mode here
+    (on a GPU the reference: the Pallas kernels run it in interpret mode only), so the documented
+    flow runs as written on every platform and gives the reference's bits. Control: on a GPU,
+    ``"auto"`` with the default math is the Pallas backend, which refuses the mode."""
+    args = _inputs()
+    impl = backends.resolve("auto", "verify", "portable")
+    backends.check_math(impl, "verify", "portable")  # raises if it does not implement it
+    got = gl.verify(*args, math="portable")
+    want = gl.verify(*args, math="portable", backend="reference")
+    assert_bitwise_equal(want, got, "auto vs reference, math='portable'")
+    # A GPU platform, as the resolver sees it: the Pallas kernels refuse the mode there.
+    from gdn_lossless_jax.backends import pallas
+
+    monkeypatch.setattr(backends, "platform", lambda: "gpu")
+    monkeypatch.setattr(pallas, "_interpret", lambda: False)
+    assert backends.resolve_name("auto") == "pallas"  # the control: the platform mode's pick
+    with pytest.raises(backends.BackendUnavailable, match="math='portable'"):
+        pallas.check_math("verify", "portable")
+    assert backends.resolve_name("auto", "portable") == "reference"
+
+
 @pytest.mark.skipif(backends.platform() != "cpu", reason="the pallas backend runs math='portable' in interpret mode only")
 def test_pallas_interpret_portable_equals_reference():
     """The Pallas kernels in interpret mode (prologue: the portable gates and norms; chain: the

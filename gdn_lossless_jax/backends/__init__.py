@@ -52,16 +52,24 @@ def is_rocm(device=None) -> bool:
     return "rocm" in text.lower()
 
 
-def _auto() -> str:
-    # The fastest exact backend for the platform: the Pallas kernels on a GPU, else the
-    # reference.
-    return "pallas" if platform() == "gpu" else "reference"
+def _auto(op: str = "verify", math: str = "platform") -> str:
+    # The fastest exact backend for the platform that implements ``math`` there: the Pallas
+    # kernels on a GPU (math="platform"; "portable" runs in their interpret mode only), else the
+    # reference, which implements every mode on every platform.
+    if platform() != "gpu":
+        return "reference"
+    if math != "platform":
+        try:
+            check_math(importlib.import_module(f"{__name__}.pallas"), op, math)
+        except (BackendUnavailable, ImportError):
+            return "reference"
+    return "pallas"
 
 
-def resolve_name(name) -> str:
-    """The backend ``name`` stands for (``"auto"`` picks one); the name is not checked (a
-    backend object of your own is returned as it is)."""
-    return _auto() if isinstance(name, str) and name == "auto" else name
+def resolve_name(name, math: str = "platform") -> str:
+    """The backend ``name`` stands for (``"auto"`` picks one for ``math``); the name is not
+    checked (a backend object of your own is returned as it is)."""
+    return _auto("verify", math) if isinstance(name, str) and name == "auto" else name
 
 
 def check_math(backend, op: str, math: str) -> None:
@@ -81,8 +89,9 @@ def check_math(backend, op: str, math: str) -> None:
         check(op, math)
 
 
-def resolve(name, op: str):
-    """Return the module implementing ``op`` for backend ``name`` (``"auto"`` picks one).
+def resolve(name, op: str, math: str = "platform"):
+    """Return the module implementing ``op`` for backend ``name`` (``"auto"`` picks the fastest
+    that implements the ``math=`` mode ``math`` on this platform).
 
     ``name`` may also be a backend object of your own (see the module docstring): it is
     returned as it is, once it has a callable ``op``.
@@ -98,7 +107,7 @@ def resolve(name, op: str):
             check(op)
         return name
     if name == "auto":
-        name = _auto()
+        name = _auto(op, math)
     if name not in BACKENDS:
         raise ValueError(f"{op}: unknown backend {name!r}; choose one of {('auto', *BACKENDS)}")
     try:
