@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import time
 from typing import Callable, Sequence
 
@@ -37,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import pool as pool_mod, sharding
-from .decode import CommitFn, SpecStep, StepInputs, allocate_state, copy_slot, place_on_mesh, row_keys
+from .decode import CommitFn, SpecStep, StepInputs, allocate_state, place_on_mesh, row_keys
 from .loop import DecodeLoop, LoopInputs
 from .treestep import TreeStep, tree_nodes
 from .model import ModelConfig, Params
@@ -45,6 +46,21 @@ from .model import ModelConfig, Params
 __all__ = ["Request", "Result", "PrefixCache", "Engine"]
 
 _row_keys = jax.jit(row_keys)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _copy_slots(state, src, dst):
+    """Slot ``src[i]``'s SSM, conv and KV states into slot ``dst[i]`` for every i at once (the state
+    donated): a ``src`` past the last slot gives zeros, a ``dst`` past it writes nothing; every
+    source is read before any destination is written."""
+
+    def move(x):
+        return x.at[:, dst].set(x.at[:, src].get(mode="fill", fill_value=0), mode="drop")
+
+    p = state.pool
+    pool = dataclasses.replace(p, ssm=move(p.ssm), conv=move(p.conv))
+    return dataclasses.replace(state, pool=pool, kv=dataclasses.replace(state.kv, k=move(state.kv.k),
+                                                                        v=move(state.kv.v)))  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,6 +302,11 @@ class Engine:
         return ssm, conv, kv
 
     # -- slots -------------------------------------------------------------------------
+    @property
+    def _no_slot(self) -> int:
+        """An index past the pool's last slot (the padding slot included): reads zeros, writes nothing."""
+        return int(self.state.pool.ssm.shape[1])
+
     def _take_slot(self) -> int:
         if not self._free_slots:
             slot = self.cache.evict()
@@ -316,22 +337,36 @@ class Engine:
                 f"{r.max_new_tokens} + {self.drafts} = {need} KV positions, but max_len={self.max_len}"
             )
 
-    def _admit(self, r: Request, now: int) -> _Active:
-        hit = self.cache.lookup(r.prompt)  # first: a hit becomes the most recently used entry
-        resumed, src = hit if hit is not None else (0, None)
-        slot, row = self._take_slot(), self._free_rows.popleft()
+    def _admit(self, requests: Sequence[Request], now: int) -> list[_Active]:
+        """Admit requests into free rows: each takes a slot (its states copied from a prefix-cache
+        entry, or zeros) and a scratch row. One flush of a pending commit (it may write a slot
+        being reused) and one copy of every slot, whatever the number of requests: admitting a
+        batch costs two device calls, not two a request."""
+        copies, admitted = [], []
+        for r in requests:
+            hit = self.cache.lookup(r.prompt)  # first: a hit becomes the most recently used entry
+            resumed, src = hit if hit is not None else (0, None)
+            slot, row = self._take_slot(), self._free_rows.popleft()
+            copies.append((self._no_slot if src is None else src, slot))
+            track = self._take_slot() if self.cache.interval else -1
+            n = len(r.prompt) + r.max_new_tokens + self.drafts  # accepted drafts may run past the end
+            res = Result(
+                r, tokens=[], resumed=resumed, joined=now, left=-1, slot=slot, row=row, accepted=[], proposed=[],
+                predictions=np.full(n, -1, np.int32), gaps=np.full(n, np.nan, np.float32), tracked=[],
+            )  # fmt: skip
+            self._admitted += 1
+            admitted.append(_Active(r, list(r.prompt), resumed, slot, row, track, res, id=self._admitted - 1))
+        if not copies:
+            return admitted
         if self.state.pool.deferred is not None:  # a pending commit may write src or dst: apply it first
             self.state = dataclasses.replace(self.state, pool=pool_mod.flush(self.state.pool,
                                                                              backend=self.step_fn.backend))
-        self.state = copy_slot(self.state, src, slot)
-        track = self._take_slot() if self.cache.interval else -1
-        n = len(r.prompt) + r.max_new_tokens + self.drafts  # accepted drafts may run past the end
-        res = Result(
-            r, tokens=[], resumed=resumed, joined=now, left=-1, slot=slot, row=row, accepted=[], proposed=[],
-            predictions=np.full(n, -1, np.int32), gaps=np.full(n, np.nan, np.float32), tracked=[],
-        )  # fmt: skip
-        self._admitted += 1
-        return _Active(r, list(r.prompt), resumed, slot, row, track, res, id=self._admitted - 1)
+        # Every source is read before any destination is written (a slot freed by an eviction in
+        # this round may be both), as the copies one at a time would read it.
+        src, dst = (np.full(self.max_batch, self._no_slot, np.int32) for _ in range(2))
+        src[: len(copies)], dst[: len(copies)] = zip(*copies)
+        self.state = _copy_slots(self.state, jnp.asarray(src), jnp.asarray(dst))
+        return admitted
 
     def _retire(self, a: _Active, now: int) -> Result:
         self._free(a.slot)
@@ -416,7 +451,8 @@ class Engine:
         seconds it took."""
         t0 = time.perf_counter()
         if self._free_slots:  # compile the slot copy a request's admission makes (a free slot: zeros)
-            self.state = copy_slot(self.state, None, self._free_slots[0])
+            pad = jnp.full((self.max_batch,), self._no_slot, jnp.int32)
+            self.state = _copy_slots(self.state, pad, pad.at[0].set(self._free_slots[0]))
         if self.loop is None:
             self.state, out = self.step_fn(self.params, self.state, self._inputs([]))
         else:
@@ -437,9 +473,10 @@ class Engine:
         results: list[Result | None] = [None] * len(requests)
         clock = 0
         while waiting or active:
-            while waiting and self._free_rows and requests[waiting[0]].arrival <= clock:
-                i = waiting.popleft()
-                active.append((i, self._admit(requests[i], clock)))
+            joining = []
+            while waiting and len(joining) < len(self._free_rows) and requests[waiting[0]].arrival <= clock:
+                joining.append(waiting.popleft())
+            active.extend(zip(joining, self._admit([requests[i] for i in joining], clock)))
             if not active:  # nobody has arrived yet
                 clock = requests[waiting[0]].arrival
                 continue
