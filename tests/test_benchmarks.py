@@ -371,3 +371,30 @@ def test_e2e_fixed_memory_batches():
     for r, n in fits.items():
         mode, D = e2e._mode(r, 4)
         assert sum(e2e.pool_bytes(config, n, D, mode)) <= budget < sum(e2e.pool_bytes(config, n + 1, D, mode))
+
+
+def test_e2e_draft_settings(tmp_path, monkeypatch):
+    """Several draft settings run one after the other, each with its own ratios, checks and rows tagged with
+    the setting; ``--tree`` reaches every speculative record; bad settings are refused naming the option."""
+    argv = ["--out", str(tmp_path), "--batch", "2", "--tokens", "4", "--trace", "off", "--residual-factor", "0.5,1",
+            "--tree", "2,2"]  # fmt: skip
+    seen = []
+    e2e = _fake_e2e(monkeypatch)
+    fake = e2e.run_record
+
+    def run_record(*a, tree=None, **kw):
+        seen.append((kw["record"], tree))
+        return fake(*a, **kw)
+
+    monkeypatch.setattr(e2e, "run_record", run_record)
+    assert e2e.main(argv) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert [r["residual_factor"] for r in result["runs"]] == [0.5, 1.0]
+    assert [r["residual_factor"] for r in result["rows"]] == [0.5] * 3 + [1.0] * 3
+    assert all(r["checks"] for r in result["runs"]) and set(seen) == {(r, (2, 2)) for r in e2e.RECORDS}
+    for bad, msg in ((["--draft-agreement", "1.2"], "--draft-agreement: expected numbers in"),
+                     (["--tokens-per-step", "0.5"], "--tokens-per-step: expected numbers > 1"),
+                     (["--tree", "2,0"], "--tree: expected positive branching factors"),
+                     (["--draft-agreement", "0.7", "--residual-factor", "1"], "give one of them")):  # fmt: skip
+        with pytest.raises(SystemExit, match=msg):
+            e2e.main(["--out", str(tmp_path), *bad])

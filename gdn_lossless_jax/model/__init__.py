@@ -3,10 +3,12 @@
 - :mod:`~gdn_lossless_jax.model.model`: the model (sizes, parameters, layer functions).
 - :mod:`~gdn_lossless_jax.model.decode`: the jitted step (draft, verify, accept, commit).
 - :mod:`~gdn_lossless_jax.model.engine`: requests joining and leaving a batch, the prefix cache.
+- :mod:`~gdn_lossless_jax.model.agreement`: a draft that agrees like a trained one (a construction).
 - :mod:`~gdn_lossless_jax.model.hf`: Hugging Face checkpoints (:func:`load_pretrained`).
 - :mod:`gdn_lossless_jax.tools.demo`: ``gdn-lossless demo``.
 """
 
+from . import agreement
 from .decode import DecodeState, KVCache, SpecStep, StepInputs, StepOutputs, allocate_state, copy_slot
 from .engine import Engine, PrefixCache, Request, Result
 from .hf import PretrainedModel, load_pretrained
@@ -31,4 +33,5 @@ __all__ = [
     "Result",
     "load_pretrained",
     "PretrainedModel",
+    "agreement",
 ]
