@@ -398,3 +398,21 @@ def test_e2e_draft_settings(tmp_path, monkeypatch):
                      (["--draft-agreement", "0.7", "--residual-factor", "1"], "give one of them")):  # fmt: skip
         with pytest.raises(SystemExit, match=msg):
             e2e.main(["--out", str(tmp_path), *bad])
+
+
+def test_floor_benchmark_rows_on_the_cpu(tmp_path):
+    """``python -m benchmarks.floor`` at the reduced geometry (reference backend): a row per op with the
+    bytes the op must move (separate = verify + commit; fused moves less: the states are read once);
+    on the CPU no device time and so no floor ratio."""
+    from benchmarks import floor
+
+    assert floor.main(["--out", str(tmp_path), "--mode", "cpu-small", "--configs", "2x2", "--backends",
+                       "reference", "--invocations", "1"]) == 0  # fmt: skip
+    rows = {r["op"]: r for r in json.loads((tmp_path / "results.json").read_text())["rows"]}
+    assert set(rows) == {"separate", "verify", "commit", "fused"}
+    assert all(r["kind"] == "kernel-floor" and r["batch"] == 2 and r["drafts"] == 2 for r in rows.values())
+    assert rows["separate"]["bytes"] == rows["verify"]["bytes"] + rows["commit"]["bytes"]
+    assert rows["verify"]["bytes"] < rows["fused"]["bytes"] < rows["separate"]["bytes"]
+    assert all(r["device_ms"] is None and r["ratio"] is None for r in rows.values())
+    with pytest.raises(SystemExit, match="--kinds: each must be one of"):
+        floor.main(["--out", str(tmp_path), "--kinds", "scan"])
