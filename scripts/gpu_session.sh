@@ -10,8 +10,11 @@
 #   step   python -m benchmarks.step STEP_ARGS (default: the step of record, Mosaic GPU and Pallas backends, four
 #          configurations); step/ and step.log
 #   demo   gdn-lossless demo DEMO_ARGS (default: the real head geometry on the Pallas backend); demo.log
-#   e2e    python -m benchmarks.e2e at the real depth (deep and deep-a3b at 25x4, K=8, every record mode; deep at
-#          the snapshot path's batch-64 budget), E2E_ARGS appended to each; e2e-*/ and e2e.log
+#   e2e    python -m benchmarks.e2e at the real depth, every record mode, K=8: deep at 25x4 with the draft calibrated
+#          to E2E_TPS tokens a step (default 2.5,3.2), deep at the snapshot path's batch-64 budget (the first setting's
+#          factor), deep-a3b at 25x4 (the first setting); E2E_ARGS appended to each; e2e-*/ and e2e.log
+#   trees  deep at 25, tuples, the draft's factor E2E_FACTOR: a [2,2,2] tree and chains of 4 and 8; trees-*/, trees.log
+#   floor  python -m benchmarks.floor FLOOR_ARGS (the GDN kernels against their byte floor); floor/ and floor.log
 #   soak   gdn-lossless demo SOAK_ARGS (default: 10,000 tokens a request); soak.log
 #   fuzz   gdn-lossless fuzz --backend B FUZZ_ARGS for each B in FUZZ_BACKENDS (default "pallas triton"); fuzz-B.log
 #   checkpoint  a random Hugging Face checkpoint at Qwen3.6-35B-A3B's head geometry (scripts/random_checkpoint.py
@@ -70,12 +73,32 @@ for phase in "$@"; do
         --tokens 256 --turns 2} > "$OUT/demo.log" 2>&1
       tail -8 "$OUT/demo.log" ;;
     e2e)
-      for run in "deep --batch 25" "deep-a3b --batch 25" "deep --budget-like snapshots:64"; do
-        name=e2e-$(echo "$run" | tr -c 'a-z0-9\n' '-' | tr -s '-' | sed 's/-$//')
-        timeout "$T" python3 -m benchmarks.e2e --out "$OUT/$name" --size $run --drafts 4 --steps-per-call 8 \
-          --tokens 256 ${E2E_ARGS:-} >> "$OUT/e2e.log" 2>&1
+      # The bars: deep at batch 25, calibrated to about 2.5 and 3.2 tokens a step (E2E_TPS); the same model at
+      # fixed memory (the 2.5 setting's factor, no second calibration); deep-a3b at 2.5.
+      tps=${E2E_TPS:-2.5,3.2}
+      run_e2e() {  # name, then the arguments
+        local name=$1; shift
+        timeout "$T" python3 -m benchmarks.e2e --out "$OUT/$name" --drafts 4 --steps-per-call 8 --tokens 256 "$@" \
+          ${E2E_ARGS:-} >> "$OUT/e2e.log" 2>&1
+      }
+      run_e2e e2e-deep-25 --size deep --batch 25 --tokens-per-step "$tps"
+      factor=$(python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['runs'][0]; print(r['residual_factor'])" \
+        "$OUT/e2e-deep-25/results.json" 2>/dev/null || echo 1)
+      run_e2e e2e-deep-budget --size deep --budget-like snapshots:64 --residual-factor "$factor"
+      run_e2e e2e-deep-a3b-25 --size deep-a3b --batch 25 --tokens-per-step "${tps%%,*}"
+      grep -E "^(e2e|tuples|snapshots|none|ratios|checks|divergence)" "$OUT/e2e.log" ;;
+    trees)
+      # Trees in the loop at one agreement model (E2E_FACTOR, the 2.5 setting's factor): [2,2,2] against chains
+      # of 4 and 8, tuples only.
+      for shape in "--tree 2,2,2" "--drafts 4" "--drafts 8"; do
+        name=trees-$(echo "$shape" | tr -c 'a-z0-9\n' '-' | tr -s '-' | sed 's/-$//')
+        timeout "$T" python3 -m benchmarks.e2e --out "$OUT/$name" --size deep --batch 25 --steps-per-call 8 \
+          --tokens 256 --records tuples --residual-factor "${E2E_FACTOR:-1}" $shape ${E2E_ARGS:-} >> "$OUT/trees.log" 2>&1
       done
-      grep -E "^(e2e|tuples|snapshots|none|ratios|checks)" "$OUT/e2e.log" ;;
+      grep -E "^(e2e|tuples)" "$OUT/trees.log" ;;
+    floor)
+      timeout "$T" python3 -m benchmarks.floor --out "$OUT/floor" ${FLOOR_ARGS:-} > "$OUT/floor.log" 2>&1
+      grep "^|" "$OUT/floor.log" || tail -20 "$OUT/floor.log" ;;
     portable)
       timeout "$T" python3 -m pytest -q -rfs -p no:cacheprovider tests/test_portable.py > "$OUT/portable.log" 2>&1
       timeout "$T" python3 scripts/portable_fixtures.py --out "$OUT/gpu-reference.npz" >> "$OUT/portable.log" 2>&1
@@ -96,6 +119,6 @@ for phase in "$@"; do
           --prompt-len 32 --tokens 256 --drafts 4 --steps-per-call 8 --repeats 3}; } > "$OUT/checkpoint.log" 2>&1
       echo "exit status $?" >> "$OUT/checkpoint.log"
       tail -12 "$OUT/checkpoint.log" ;;
-    *) echo "unknown phase $phase (tests, bench, step, demo, e2e, checkpoint, portable, soak, fuzz)"; exit 2 ;;
+    *) echo "unknown phase $phase (tests, bench, step, demo, e2e, trees, floor, checkpoint, portable, soak, fuzz)"; exit 2 ;;
   esac
 done
