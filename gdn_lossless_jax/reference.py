@@ -364,7 +364,8 @@ def replay_two(state0, tuples: Tuples, steps, track_steps, *, rule: Callable = r
       state0: ``[N, HV, V, K]`` (float32 or bfloat16; upcast, results rounded back).
       tuples: ``u [N, D, HV, V]``, ``k [N, D, H, K]``, ``g [N, D, HV]``.
       steps, track_steps: ``[N]`` int; a value outside ``[0, D)`` means no step (state0).
-      rule: the update form (the library's rule; tests pass the controls of :data:`gdn_lossless_jax.testing.controls.CONTROLS`).
+      rule: the update form (the library's rule; tests pass the controls of
+        :data:`gdn_lossless_jax.testing.controls.CONTROLS`).
       math: the decay's ``exp`` (:func:`exp_fn`): the verify's that recorded the tape.
     Returns:
       ``(state after steps, state after track_steps)``, both ``[N, HV, V, K]`` in
