@@ -86,6 +86,8 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--tree", default=None, metavar="B1,B2,...",
                    help="speculative records draft a tree of this branching per depth (e.g. 2,2,2: 14 nodes) "
                         "instead of a chain of --drafts")
+    p.add_argument("--loop-graph", choices=("on", "off"), default="off",
+                   help="the device loop and its body recorded as one CUDA graph (DecodeLoop.graph)")
     p.add_argument("--trace", choices=("auto", "on", "off"), default="auto",
                    help="profile a second run for host_fraction and the device split (auto: on a GPU)")
     p.add_argument("--seed", type=int, default=0)
@@ -144,7 +146,7 @@ def _top_kernels(kernels: dict[str, list[float]], steps: int, n: int = 24) -> li
 
 
 def run_record(config, params, prompts, *, record, batch, drafts, steps_per_call, backend, tokens, defer, trace,
-               seed, tree=None) -> tuple[dict, list, tuple, list]:  # fmt: skip
+               seed, tree=None, loop_graph=False) -> tuple[dict, list, tuple, list]:  # fmt: skip
     """One row: the timed run (and a traced one); returns ``(row, tokens, final states, gaps)``: per request its
     generated tokens and the target's top-2 logit gap at each (the gap of the logits that chose it)."""
     import jax
@@ -162,7 +164,7 @@ def run_record(config, params, prompts, *, record, batch, drafts, steps_per_call
 
     def engine():
         e = Engine(params, config, record=mode, drafts=D, max_batch=batch, max_len=max_len, backend=backend,
-                   steps_per_call=K, defer_commit=defer, tree=tree)  # fmt: skip
+                   steps_per_call=K, defer_commit=defer, tree=tree, loop_graph=loop_graph)  # fmt: skip
         return e, e.warmup()
 
     reqs = [Request(p, tokens) for p in prompts]
@@ -177,7 +179,8 @@ def run_record(config, params, prompts, *, record, batch, drafts, steps_per_call
     row = {
         "kind": "e2e", "size": config.name, "record": record, "backend": backend, "batch": batch, "drafts": D,
         "tree": None if tree is None else list(tree),
-        "steps_per_call": K, "defer_commit": defer, "requests": len(prompts), "tokens": gen, "wall_s": wall,
+        "steps_per_call": K, "defer_commit": defer, "loop_graph": loop_graph, "requests": len(prompts), "tokens": gen,
+        "wall_s": wall,
         "compile_s": compile_s, "steps": e.steps, "tokens_per_s": gen / wall, "step_ms": wall / e.steps * 1e3,
         "mean_accepted": float(accepted.mean()), "tokens_per_step": float(1 + accepted.mean()),
         "tokens_per_s_all_accepted": batch * D / (wall / e.steps),
@@ -328,7 +331,7 @@ def main(argv=None) -> int:
             t = time.perf_counter()
             where = (dict(prompts=args.calibration_prompts) if metric == "agreement" else  # one draft a step
                      dict(prompts=batches.get("tuples", args.batch), drafts=args.drafts, tree=tree, steps_per_call=K,
-                          defer_commit=defer))  # this run's step, as compiled for it  # fmt: skip
+                          defer_commit=defer, loop_graph=args.loop_graph == "on"))  # this run's step  # fmt: skip
             params, cal = agreement.calibrate(
                 params0, config, asked, metric=metric, backend=args.backend, prompt_len=args.prompt_len,
                 tokens=args.tokens, seed=args.seed + 1, log=lambda m: print(m, flush=True), **where)  # fmt: skip
@@ -345,7 +348,7 @@ def main(argv=None) -> int:
             row, toks, st, gp = run_record(
                 config, params, prompts[: batches[rec]], record=rec, batch=batches[rec], drafts=args.drafts,
                 steps_per_call=args.steps_per_call, backend=args.backend, tokens=args.tokens, defer=defer,
-                trace=trace, seed=args.seed, tree=tree,
+                trace=trace, seed=args.seed, tree=tree, loop_graph=args.loop_graph == "on",
             )  # fmt: skip
             row.update(setting)
             if budget:

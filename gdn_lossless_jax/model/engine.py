@@ -211,6 +211,8 @@ class Engine:
       tree: draft a tree instead of a chain: branching per depth, e.g. ``(2, 2, 2)``
         (:class:`~gdn_lossless_jax.model.treestep.TreeStep`); ``drafts`` is then the tree's
         node count plus the root, whatever was passed.
+      loop_graph: with ``steps_per_call > 1`` on a GPU, record the device loop and its body as
+        one CUDA graph (:attr:`~gdn_lossless_jax.model.loop.DecodeLoop.graph`).
     """
 
     def __init__(
@@ -233,6 +235,7 @@ class Engine:
         seed: int = 0,
         defer_commit: bool = False,
         tree: tuple[int, ...] | None = None,
+        loop_graph: bool = False,
     ):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"Engine: argument 'max_batch' must be a positive integer, got {max_batch!r}")
@@ -254,7 +257,7 @@ class Engine:
             self.step_fn = TreeStep(config, drafts, track_interval, backend, commit, mesh, temperature, tree=tree)
         else:
             self.step_fn = SpecStep(config, drafts, track_interval, backend, commit, mesh, temperature)
-        self.loop = DecodeLoop(self.step_fn, steps_per_call) if steps_per_call != 1 else None
+        self.loop = DecodeLoop(self.step_fn, steps_per_call, graph=loop_graph) if steps_per_call != 1 else None
         if defer_commit and steps_per_call % 2:
             raise ValueError(f"Engine: argument 'steps_per_call' must be even with defer_commit=True (the pool's "
                              f"two scratch tapes alternate), got {steps_per_call}")  # fmt: skip
