@@ -87,9 +87,10 @@ def make_plan(tp: int, dp: int, explicit: bool = False) -> sharding.MeshPlan:
     return sharding.MeshPlan(mesh, tensor="tensor", data="data")
 
 
-# The mesh suite in two subprocesses of about two minutes each (xdist can run them on both workers):
-# the demo model's tests, and the rest.
-MESH_GROUPS = {"model": "model_spec or demo", "functions": "not (model_spec or demo)"}
+# The mesh suite in subprocesses of about two minutes each (xdist can run them on both workers):
+# the demo model's tests, the rest, and the invariant decoding mode's mesh tests (tests/test_invariance.py).
+MESH_GROUPS = {"model": "model_spec or demo", "functions": "not (model_spec or demo)", "invariance": "mesh_invariance"}
+MESH_FILES = {"invariance": os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_invariance.py")}
 MESH_CHILD = "GDN_MESH_SUBPROCESS"  # set in the subprocess's environment
 
 
@@ -107,8 +108,8 @@ def test_mesh_suite_in_subprocess(group):
     flags = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={SIMULATED}").strip()
     env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu", **{MESH_CHILD: "1"})
     # The one-device and multi-process tests run here.
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", __file__, "-k",
-           f"({MESH_GROUPS[group]}) and not one_device and not multihost"]  # fmt: skip
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", MESH_FILES.get(group, __file__),
+           "-k", f"({MESH_GROUPS[group]}) and not one_device and not multihost"]  # fmt: skip
     t = time.perf_counter()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     run = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=600)
@@ -586,7 +587,9 @@ def test_model_spec_loop_on_a_2x1_mesh_equals_one_device(seed):
     """The device decode loop (``Engine(steps_per_call=4)``) on a 2 x 1 mesh: the tokens and final
     states of the per-step engine on one device, bit for bit. Without the row-only layout of the
     GDN mixer's gated-norm output (``gdn_mixer(rows=...)``) XLA split the out-projection's sum over
-    the tensor axis inside the loop's while body (an all-reduce: other bits); the control removes it."""
+    the tensor axis inside the loop's while body (an all-reduce: other bits); the control removes it
+    with the invariant mode off (on, the mode's dots run per device under ``shard_map``, which
+    gathers the operand first: ``model.rows_mesh``)."""
     from gdn_lossless_jax.model import Engine, Request, get_config, init_params
 
     config = get_config("tiny")
@@ -608,7 +611,7 @@ def test_model_spec_loop_on_a_2x1_mesh_equals_one_device(seed):
     original = decode_mod.gdn_mixer
     try:
         decode_mod.gdn_mixer = lambda p, c, x, core, rows=None: original(p, c, x, core)
-        bad = run(make_plan(2, 1), 4, dataclasses.replace(config, name="tiny-control"))  # its own compile
+        bad = run(make_plan(2, 1), 4, dataclasses.replace(config, name="tiny-control", invariant=False))
     finally:
         decode_mod.gdn_mixer = original
     assert_bitwise_differs(want[1], bad[1], "control: the loop on the mesh without the row-only layout")

@@ -46,7 +46,7 @@ import numpy as np
 
 from .. import api, pool as pool_mod, reference, sharding
 from ..pool import StatePool
-from .model import ModelConfig, Params, attention, gdn_mixer, logits, mlp, rmsnorm, softmax
+from .model import ModelConfig, Params, attention, gdn_mixer, logits, mlp, rmsnorm, rows_mesh, softmax
 
 __all__ = [
     "KVCache",
@@ -406,7 +406,8 @@ class SpecStep:
     def _verify_layer(self, pool, layer, mixed, a, b, p, inputs: StepInputs):
         if self.mesh is None:
             args = (pool, layer, mixed, a, b, p.conv_weight, None, p.A_log, p.dt_bias, inputs.slots, inputs.rows)
-            return pool_mod.verify_layer(*args, backend=self.backend)
+            o, pool = pool_mod.verify_layer(*args, backend=self.backend)
+            return self._rows_only(o), pool
         # The projections are computed whole on each device of the tensor axis (XLA would
         # otherwise split their columns over it, a differently blocked matmul: other bits).
         mixed, a, b = (self._rows_only(x) for x in (mixed, a, b))
@@ -414,9 +415,24 @@ class SpecStep:
         o, pool = self.mesh.verify_layer(*args, backend=self.backend)
         return self._rows_only(o), pool
 
+    @property
+    def _invariant(self) -> bool:
+        """The model's invariant mode (:attr:`ModelConfig.invariant_dots`; off for a config without one,
+        e.g. a checkpoint's)."""
+        return bool(getattr(self.config, "invariant_dots", False))
+
     def _rows_only(self, x):
         """On a mesh: ``x`` split over the data axis (its leading batch axis) only, so that what
-        follows (the out-projection's sum over all v-heads) runs as on one device."""
+        follows (the out-projection's sum over all v-heads) runs as on one device.
+
+        In the invariant mode (:attr:`ModelConfig.invariant_dots`), on one device too, ``x`` goes
+        through an optimization barrier first: it is rounded to its dtype here in every program.
+        (XLA may drop a bfloat16 rounding between two float32 computations, a ``convert`` to bf16
+        and back: its excess precision. One device's step did so between a residual add and the
+        next RMSNorm, while the mesh's, with a sharding constraint between them, rounded: other
+        bits in a bf16 model.)"""
+        if self._invariant:
+            x = jax.lax.optimization_barrier(x)
         if self.mesh is None:
             return x
         spec = jax.sharding.PartitionSpec(self.mesh.data)
@@ -433,6 +449,12 @@ class SpecStep:
         if self.temperature and inputs.key is None:
             raise ValueError(f"SpecStep(temperature={self.temperature}): argument 'inputs.key' must be a "
                              "jax.random key when sampling, got None")  # fmt: skip
+        # On a mesh in the invariant mode the model's dots run per device, rows over the data axis.
+        on_mesh = self.mesh is not None and self._invariant
+        with rows_mesh(self.mesh.mesh if on_mesh else None, self.mesh.data if on_mesh else None):
+            return self._body(params, state, inputs)
+
+    def _body(self, params: Params, state: DecodeState, inputs: StepInputs) -> tuple[DecodeState, StepOutputs]:
         x = self._draft(params, state.pool, inputs)
         lg, pool, kv = self._verify(params, state, x, inputs)
         y, gaps, m = accept(lg, x, inputs.n_given, temperature=self.temperature, key=inputs.key)
@@ -492,7 +514,7 @@ class SpecStep:
 
                 blk = params.blocks[l]
                 h = self._block(blk, h, functools.partial(gdn_mixer, blk.mixer, c, core=core, rows=self._rows_only))
-            proposal = jnp.argmax(logits(params, h)[:, 0], axis=-1).astype(I32)
+            proposal = jnp.argmax(logits(params, h, invariant=c.invariant_dots)[:, 0], axis=-1).astype(I32)
             nxt = jnp.where(j + 1 < n_given, given_next, proposal)
             return (tuple(new_ssm), tuple(new_conv), nxt), nxt
 
@@ -525,7 +547,7 @@ class SpecStep:
         # loop's while body XLA otherwise split a matmul's contraction over the tensor axis: other bits).
         r = self._rows_only
         h = r(h + r(mixer(r(rmsnorm(h, blk.norm1)))))
-        return r(h + r(mlp(blk.mlp, r(rmsnorm(h, blk.norm2)))))
+        return r(h + r(mlp(blk.mlp, r(rmsnorm(h, blk.norm2)), invariant=self.config.invariant_dots)))
 
     def _verify(self, params: Params, state: DecodeState, x, inputs: StepInputs):
         """The target over ``x [N, D]``: logits ``[N, D, vocab]``, the pool with this step's
@@ -562,7 +584,7 @@ class SpecStep:
 
                 h = self._block(blk, h, mixer)
                 attn_i += 1
-        return logits(params, h), pool, kv
+        return logits(params, h, invariant=c.invariant_dots), pool, kv
 
 
 _TRACES: collections.Counter = collections.Counter()

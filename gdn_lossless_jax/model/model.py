@@ -28,7 +28,10 @@ blocks, which target and draft share.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+import functools
 import math
 
 import jax
@@ -51,6 +54,8 @@ __all__ = [
     "gated_rmsnorm",
     "softmax",
     "dot_precision",
+    "INVARIANT_ROWS",
+    "rows_mesh",
     "matmul",
     "einsum",
     "mlp",
@@ -86,6 +91,14 @@ class ModelConfig:
       draft_scale: the same for the draft's blocks.
       logit_scale: scale of the LM head (logits of a few units: top-2 gaps far above 1e-4).
       dtype: parameter and activation dtype (norms, gates and softmax run in fp32).
+      invariant: the *invariant decoding mode* (:attr:`invariant_dots`): every matmul and
+        einsum of the model computes each row in dots of one fixed shape (:func:`matmul`,
+        :func:`einsum`; on a mesh per device, :func:`rows_mesh`), and the values its functions
+        hand on are rounded to their dtype in every program, so that a request's tokens and
+        states do not depend on how many rows the step has, which row it is in, what the other
+        rows hold or how a mesh splits the work (on the CPU: ``tests/test_invariance.py``).
+        None (the default): on when JAX's default backend is the CPU, off elsewhere (XLA's dots
+        as they are; a GPU implementation is not written yet). True on another platform raises.
     """
 
     name: str
@@ -107,6 +120,7 @@ class ModelConfig:
     draft_scale: float = 1.0
     logit_scale: float = 4.0
     dtype: str = "float32"
+    invariant: bool | None = None
 
     def __post_init__(self):
         for f in ("vocab", "d_model", "layers", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim",
@@ -137,6 +151,27 @@ class ModelConfig:
                              f"attention_interval={self.attention_interval})")
         if jnp.dtype(self.dtype) not in (jnp.dtype(F32), jnp.dtype(jnp.bfloat16)):
             raise ValueError(f"ModelConfig {self.name!r}: dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.invariant not in (None, True, False):
+            raise ValueError(
+                f"ModelConfig {self.name!r}: invariant must be None, True or False, got {self.invariant!r}"
+            )
+
+    @property
+    def invariant_dots(self) -> bool:
+        """Whether the model's dots run in the invariant mode (see ``invariant``): ``invariant``,
+        or when it is None, whether JAX's default backend is the CPU (read when a step is traced).
+
+        Raises NotImplementedError for ``invariant=True`` on another platform: only XLA:CPU's
+        blocked dots are established (a GPU needs its own, e.g. a Pallas matmul of fixed tiles)."""
+        platform = jax.default_backend()
+        if self.invariant is None:
+            return platform == "cpu"
+        if self.invariant and platform != "cpu":
+            raise NotImplementedError(
+                f"ModelConfig {self.name!r}: invariant=True is implemented for the CPU only (JAX's default backend is "
+                f"{platform!r}); use invariant=None or False there"
+            )
+        return self.invariant
 
     def is_attention(self, block: int) -> bool:
         return (block + 1) % self.attention_interval == 0
@@ -180,6 +215,7 @@ class ModelConfig:
             f"K={self.head_k_dim} V={self.head_v_dim}, {self.attention_layers} attention {self.attn_heads}q/"
             f"{self.kv_heads}kv x {self.attn_head_dim}), d_model {self.d_model}, vocab {self.vocab}, {self.dtype}; "
             f"draft: the first {self.draft_layers} block(s)"
+            + (f"; invariant={self.invariant}" if self.invariant is not None else "")
         )
 
 
@@ -423,19 +459,124 @@ def dot_precision(*operands) -> jax.lax.Precision | None:
     return jax.lax.Precision.HIGHEST if all(jnp.result_type(x) == F32 for x in operands) else None
 
 
-def matmul(a: jax.Array, b: jax.Array, **kwargs) -> jax.Array:
-    """``a @ b`` at :func:`dot_precision` (float32 products in float32); ``kwargs`` to ``jnp.matmul``."""
+#: Rows of the fixed-shape blocks of the invariant mode's matmuls (:func:`matmul`): every row of
+#: ``a`` is computed in a ``[INVARIANT_ROWS, K] x [K, N]`` dot, whatever the number of rows.
+INVARIANT_ROWS = 8
+
+
+_ROWS_MESH: contextvars.ContextVar = contextvars.ContextVar("gdn_lossless_jax_rows_mesh", default=None)
+
+
+@contextlib.contextmanager
+def rows_mesh(mesh: jax.sharding.Mesh | None, axis: str | None):
+    """While tracing inside: the invariant mode's dots (:func:`matmul`, :func:`einsum` with
+    ``invariant=True``) run per device under ``shard_map`` over all of ``mesh``'s axes, their
+    leading (row) axis split over ``axis`` (when it divides; else every device computes all rows)
+    and everything else whole: XLA's partitioner can then split neither a dot's contraction
+    (partial sums and an all-reduce) nor its columns (a narrower dot: another blocking) over the
+    other axes; an operand split over them is gathered first. :class:`~gdn_lossless_jax.model.decode.SpecStep`
+    traces its body inside this on a mesh. ``mesh=None``: no effect."""
+    token = _ROWS_MESH.set(None if mesh is None else (mesh, axis))
+    try:
+        yield
+    finally:
+        _ROWS_MESH.reset(token)
+
+
+def _per_device(fn, rows: tuple, whole: tuple = ()):
+    """``fn(*rows, *whole)`` under :func:`rows_mesh`'s ``shard_map`` (``rows``: split by their
+    leading axis; ``whole``: on every device whole), or as it is outside one."""
+    ctx = _ROWS_MESH.get()
+    if ctx is None:
+        return fn(*rows, *whole)
+    from ..sharding import shard_map
+
+    mesh, axis = ctx
+    P = jax.sharding.PartitionSpec
+    split = P(axis) if axis is not None and rows[0].shape[0] % mesh.shape[axis] == 0 else P()
+    return shard_map(fn, mesh=mesh, in_specs=(split,) * len(rows) + (P(),) * len(whole), out_specs=split,
+                     check_vma=False)(*rows, *whole)  # fmt: skip
+
+
+def matmul(a: jax.Array, b: jax.Array, *, invariant: bool = False, **kwargs) -> jax.Array:
+    """``a @ b`` at :func:`dot_precision` (float32 products in float32); ``kwargs`` to ``jnp.matmul``.
+
+    ``invariant=True`` (the model's invariant mode, :attr:`ModelConfig.invariant_dots`; ``b`` a
+    matrix ``[K, N]``): each row of ``a`` is computed in the same dot whatever the number of rows.
+    XLA:CPU picks a dot's blocking (YNNPACK's, Eigen's) per shape, and so the order of each
+    element's sum over K: a row of a ``[2, 64] x [64, 4]`` dot got other bits than the same row
+    of a ``[4, 64] x [64, 4]`` one (jax 0.12.1). Here the rows of ``a`` (all leading axes, M of
+    them) are padded with zeros to whole blocks of :data:`INVARIANT_ROWS` and the blocks run one
+    at a time in a loop (``lax.map``), each block's dot ``[INVARIANT_ROWS, K] x [K, N]`` between
+    optimization barriers (no fusion takes a producer or consumer into it): one shape, so one
+    blocking, for every row of every call. A row's bits then depend on the row and ``b`` only
+    (in the runs: not on its place in the block or the other rows), not on M. Inside
+    :func:`rows_mesh` (a step on a mesh) the blocks run per device, the rows split over the data
+    axis, so that the partitioner cannot split a block's dot either.
+    """
+    if invariant:
+        if np.ndim(a) < 2:
+            return _blocked_matmul(a, b, **kwargs)
+        return _per_device(lambda x, w: _blocked_matmul(x, w, **kwargs), (a,), (b,))
     return jnp.matmul(a, b, precision=dot_precision(a, b), **kwargs)
 
 
-def einsum(spec: str, a: jax.Array, b: jax.Array, **kwargs) -> jax.Array:
-    """``jnp.einsum`` of two operands at :func:`dot_precision`."""
-    return jnp.einsum(spec, a, b, precision=dot_precision(a, b), **kwargs)
+def _blocked_matmul(a: jax.Array, b: jax.Array, **kwargs) -> jax.Array:
+    if np.ndim(b) != 2 or np.ndim(a) < 1 or a.shape[-1] != b.shape[0]:
+        raise ValueError(f"matmul(invariant=True): arguments must be [..., K] and [K, N], got shapes "
+                         f"{list(np.shape(a))} and {list(np.shape(b))}")  # fmt: skip
+    lead, (K, N), B = a.shape[:-1], b.shape, INVARIANT_ROWS
+    M = math.prod(lead)
+    blocks = max(1, -(-M // B))
+    x = jnp.pad(a.reshape(M, K), ((0, blocks * B - M), (0, 0))).reshape(blocks, B, K)
+    precision = dot_precision(a, b)
+
+    def block(xb):
+        xb = jax.lax.optimization_barrier(xb)
+        return jax.lax.optimization_barrier(jnp.matmul(xb, b, precision=precision, **kwargs))
+
+    y = jax.lax.map(block, x)
+    return y.reshape(blocks * B, N)[:M].reshape(*lead, N)
 
 
-def mlp(p: MLPParams, x: jax.Array) -> jax.Array:
-    """SwiGLU: ``(silu(x Wg) * (x Wu)) Wd``; ``x [N, T, d]``."""
-    return matmul(jax.nn.silu(matmul(x, p.w_gate)) * matmul(x, p.w_up), p.w_down)
+def einsum(spec: str, a: jax.Array, b: jax.Array, *, invariant: bool = False, **kwargs) -> jax.Array:
+    """``jnp.einsum`` of two operands at :func:`dot_precision`.
+
+    ``invariant=True``: the leading axis of both operands and the result must be one batch axis
+    (the model's rows: ``"ntgrh,nsgh->ngrts"``); the einsum runs one row at a time in a loop
+    (``lax.map``, each row's einsum between optimization barriers), so each row's dot has one
+    shape whatever the number of rows (see :func:`matmul`; inside :func:`rows_mesh` per device too)."""
+    if not invariant:
+        return jnp.einsum(spec, a, b, precision=dot_precision(a, b), **kwargs)
+    ins, _, out = spec.replace(" ", "").partition("->")
+    sa, _, sb = ins.partition(",")
+    if not (out and sa and sb and sa[0] == sb[0] == out[0]) or sa[0] in sa[1:] + sb[1:] + out[1:]:
+        raise ValueError(f"einsum(invariant=True): the operands and the result must share their leading axis (the "
+                         f"rows), as in 'ntgrh,nsgh->ngrts'; got {spec!r}")  # fmt: skip
+    if a.shape[0] != b.shape[0]:
+        raise ValueError(f"einsum(invariant=True): the operands' leading axes differ: shapes {list(a.shape)} and "
+                         f"{list(b.shape)}")  # fmt: skip
+    row_spec, precision = f"{sa[1:]},{sb[1:]}->{out[1:]}", dot_precision(a, b)
+
+    def row(xy):
+        x, y = jax.lax.optimization_barrier(xy)
+        return jax.lax.optimization_barrier(jnp.einsum(row_spec, x, y, precision=precision, **kwargs))
+
+    return _per_device(lambda x, y: jax.lax.map(row, (x, y)), (a, b))
+
+
+def _settle(x: jax.Array, config: ModelConfig) -> jax.Array:
+    """In the invariant mode, ``x`` behind an optimization barrier: rounded to its dtype here in
+    every program. XLA may otherwise drop a bfloat16 rounding between two float32 computations
+    (a ``convert`` to bf16 and straight back: its *excess precision*) in one program and keep it
+    in another, where a sharding constraint, a ``shard_map`` or a fusion boundary sits between them."""
+    return jax.lax.optimization_barrier(x) if config.invariant_dots else x
+
+
+def mlp(p: MLPParams, x: jax.Array, *, invariant: bool = False) -> jax.Array:
+    """SwiGLU: ``(silu(x Wg) * (x Wu)) Wd``; ``x [N, T, d]``; ``invariant``: :func:`matmul`'s."""
+    mm = functools.partial(matmul, invariant=invariant)
+    return mm(jax.nn.silu(mm(x, p.w_gate)) * mm(x, p.w_up), p.w_down)
 
 
 def gdn_mixer(p: GDNParams, config: ModelConfig, x: jax.Array, core, rows=None) -> jax.Array:
@@ -454,10 +595,11 @@ def gdn_mixer(p: GDNParams, config: ModelConfig, x: jax.Array, core, rows=None) 
     """
     c = config
     N, T, _ = x.shape
-    o = core(matmul(x, p.w_qkv), matmul(x, p.w_a), matmul(x, p.w_b), p)
-    z = matmul(x, p.w_z).reshape(N, T, c.num_v_heads, c.head_v_dim)
+    mm = functools.partial(matmul, invariant=c.invariant_dots)
+    o = _settle(core(mm(x, p.w_qkv), mm(x, p.w_a), mm(x, p.w_b), p), c)
+    z = mm(x, p.w_z).reshape(N, T, c.num_v_heads, c.head_v_dim)
     y = gated_rmsnorm(o, z, p.norm, x.dtype)
-    return matmul(y if rows is None else rows(y), p.w_out)
+    return mm(y if rows is None else rows(y), p.w_out)
 
 
 def _rope(x: jax.Array, positions: jax.Array) -> jax.Array:
@@ -474,9 +616,10 @@ def _rope(x: jax.Array, positions: jax.Array) -> jax.Array:
 def _qkv(p: AttentionParams, c: ModelConfig, x: jax.Array, positions: jax.Array):
     """The attention's queries, keys (normalised, rotated to ``positions``) and values of ``x [N, T, d]``."""
     N, T, _ = x.shape
-    q = rmsnorm(matmul(x, p.w_q).reshape(N, T, c.attn_heads, c.attn_head_dim), p.q_norm)
-    k = rmsnorm(matmul(x, p.w_k).reshape(N, T, c.kv_heads, c.attn_head_dim), p.k_norm)
-    v = matmul(x, p.w_v).reshape(N, T, c.kv_heads, c.attn_head_dim)
+    mm = functools.partial(matmul, invariant=c.invariant_dots)
+    q = _settle(rmsnorm(mm(x, p.w_q).reshape(N, T, c.attn_heads, c.attn_head_dim), p.q_norm), c)
+    k = _settle(rmsnorm(mm(x, p.w_k).reshape(N, T, c.kv_heads, c.attn_head_dim), p.k_norm), c)
+    v = mm(x, p.w_v).reshape(N, T, c.kv_heads, c.attn_head_dim)
     return _rope(q, positions), _rope(k, positions), v
 
 
@@ -510,13 +653,14 @@ def attention(
     cache_v = cache_v.at[n_idx, positions].set(v.astype(cache_v.dtype), mode="drop")
     Tmax = cache_k.shape[1]
     qg = q.reshape(N, T, nkv, nq // nkv, hd)
-    scores = einsum("ntgrh,nsgh->ngrts", qg, cache_k, preferred_element_type=F32) / math.sqrt(hd)
+    inv = c.invariant_dots
+    scores = einsum("ntgrh,nsgh->ngrts", qg, cache_k, preferred_element_type=F32, invariant=inv) / math.sqrt(hd)
     mask = jnp.arange(Tmax)[None, None, :] <= positions[:, :, None]  # [N, T, Tmax]
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     probs = softmax(scores)
-    out = einsum("ngrts,nsgh->ntgrh", probs.astype(cache_v.dtype), cache_v, preferred_element_type=F32)
-    out = out.reshape(N, T, nq * hd) * jax.nn.sigmoid(matmul(x, p.w_gate).astype(F32))
-    return matmul(out.astype(x.dtype), p.w_o), (cache_k, cache_v)
+    out = einsum("ngrts,nsgh->ntgrh", probs.astype(cache_v.dtype), cache_v, preferred_element_type=F32, invariant=inv)
+    out = out.reshape(N, T, nq * hd) * jax.nn.sigmoid(matmul(x, p.w_gate, invariant=inv).astype(F32))
+    return matmul(out.astype(x.dtype), p.w_o, invariant=inv), (cache_k, cache_v)
 
 
 def tree_attention(
@@ -550,15 +694,16 @@ def tree_attention(
     keys, vals = jnp.concatenate([cache_k, k], axis=1), jnp.concatenate([cache_v, v], axis=1)
     Tmax = cache_k.shape[1]
     qg = q.reshape(N, T, nkv, nq // nkv, hd)
-    scores = einsum("ntgrh,nsgh->ngrts", qg, keys, preferred_element_type=F32) / math.sqrt(hd)
+    inv = c.invariant_dots
+    scores = einsum("ntgrh,nsgh->ngrts", qg, keys, preferred_element_type=F32, invariant=inv) / math.sqrt(hd)
     prefix = jnp.broadcast_to(jnp.arange(Tmax)[None, None, :] < pos[:, None, None], (N, T, Tmax))
     mask = jnp.concatenate([prefix, ancestors], axis=-1)  # [N, T, Tmax + T]
     probs = softmax(jnp.where(mask[:, None, None], scores, -jnp.inf))
-    out = einsum("ngrts,nsgh->ntgrh", probs.astype(vals.dtype), vals, preferred_element_type=F32)
-    out = out.reshape(N, T, nq * hd) * jax.nn.sigmoid(matmul(x, p.w_gate).astype(F32))
-    return matmul(out.astype(x.dtype), p.w_o), k, v
+    out = einsum("ngrts,nsgh->ntgrh", probs.astype(vals.dtype), vals, preferred_element_type=F32, invariant=inv)
+    out = out.reshape(N, T, nq * hd) * jax.nn.sigmoid(matmul(x, p.w_gate, invariant=inv).astype(F32))
+    return matmul(out.astype(x.dtype), p.w_o, invariant=inv), k, v
 
 
-def logits(params: Params, h: jax.Array) -> jax.Array:
-    """``[N, T, d] -> [N, T, vocab]`` fp32 logits (final norm, LM head)."""
-    return matmul(rmsnorm(h, params.final_norm), params.head, preferred_element_type=F32)
+def logits(params: Params, h: jax.Array, *, invariant: bool = False) -> jax.Array:
+    """``[N, T, d] -> [N, T, vocab]`` fp32 logits (final norm, LM head); ``invariant``: :func:`matmul`'s."""
+    return matmul(rmsnorm(h, params.final_norm), params.head, preferred_element_type=F32, invariant=invariant)

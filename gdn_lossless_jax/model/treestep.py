@@ -152,7 +152,8 @@ class TreeStep(SpecStep):
 
                 blk = params.blocks[l]
                 h = self._block(blk, h, functools.partial(gdn_mixer, blk.mixer, c, core=core))
-            children = jax.lax.top_k(logits(params, h)[:, 0], k)[1].astype(I32)  # [N * W, k]
+            lg = logits(params, h, invariant=c.invariant_dots)
+            children = jax.lax.top_k(lg[:, 0], k)[1].astype(I32)  # [N * W, k]
             grow = lambda a: jnp.repeat(a, k, axis=0)  # noqa: E731  (each node's state to its k children)
             ssm, convs = [grow(a) for a in new_ssm], [grow(a) for a in new_conv]
             W *= k
@@ -194,7 +195,7 @@ class TreeStep(SpecStep):
 
                 h = self._block(blk, h, mixer)
                 attn_i += 1
-        return logits(params, h), pool, new_kv
+        return logits(params, h, invariant=c.invariant_dots), pool, new_kv
 
     def _write_path(self, kv: KVCache, new_kv, inputs: StepInputs, path, m) -> KVCache:
         """The accepted path's keys and values into the cache at positions ``pos .. pos + m - 1``."""
