@@ -720,13 +720,18 @@ def _along_path(pool: StatePool, rows, path, steps, track_steps):
 
 
 def _flush(pool: StatePool, backend: str) -> StatePool:
-    """Apply the deferred entries not yet applied; they are marked applied."""
+    """Apply the deferred entries not yet applied. Afterwards nothing is pending: every entry's
+    steps become -1 (not only marked applied), so that a later verify, which applies the pending
+    entries of the slots it reads whatever their mark (every layer of a step applies its own
+    part), does not apply them a second time."""
     d = pool.deferred
     off = lambda x: jnp.where(d.applied, -1, x)  # noqa: E731
     _, tape = d.buffers(pool.tape)
     ssm = api.commit(pool.ssm, tape, d.slots, off(d.steps), d.track_slots, off(d.track_steps), d.rows, backend=backend,
                      math=pool.math)
-    return dataclasses.replace(pool, ssm=ssm, deferred=dataclasses.replace(d, applied=jnp.ones_like(d.applied)))
+    none = jnp.full_like(d.steps, -1)
+    done = dataclasses.replace(d, steps=none, track_steps=none, applied=jnp.ones_like(d.applied))
+    return dataclasses.replace(pool, ssm=ssm, deferred=done)
 
 
 def flush(pool: StatePool, *, backend: str = "auto") -> StatePool:

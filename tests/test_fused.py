@@ -469,6 +469,40 @@ def test_fused_errors_name_the_argument():
     for backend in BACKENDS for record in gl.RECORD_MODES
 ])  # fmt: skip
 def test_pool_deferred_commit_equals_immediate(backend, record, seed):
+    assert_bitwise_equal(*_deferred_vs_immediate(backend, record, seed),
+                         "states, conv states and outputs: deferred vs immediate commit")  # fmt: skip
+
+
+@pytest.mark.parametrize("record", gl.RECORD_MODES)
+def test_a_flush_between_steps_applies_nothing_twice(record, seed, monkeypatch):
+    """A flush between steps (the engine's, before requests join) applies the pending commit; the
+    next verify must not apply it again to the rows that stay. Control (tuples: a replay applied twice
+    advances the state twice): a flush that only marks its entries applied (a verify applies the
+    entries of the slots it reads whatever their mark)."""
+    from gdn_lossless_jax import pool as gpool
+
+    want, got = _deferred_vs_immediate("reference", record, seed, flush_between=True)
+    assert_bitwise_equal(want, got, "states and outputs: deferred with flushes between steps vs immediate")
+    if record == "snapshots":  # copying a snapshot twice is copying it once: no control to run
+        return
+    fixed = gpool._flush
+
+    def marks_only(pool, backend):
+        done = fixed(pool, backend)
+        return dataclasses.replace(done, deferred=dataclasses.replace(done.deferred, steps=pool.deferred.steps,
+                                                                       track_steps=pool.deferred.track_steps))
+
+    monkeypatch.setattr(gpool, "_flush", marks_only)
+    monkeypatch.setattr(gpool, "_flush_jit", jax.jit(marks_only, donate_argnums=0, static_argnames=("backend",)))
+    jax.clear_caches()  # (the pool's jitted commit calls _flush: traced anew)
+    want, got = _deferred_vs_immediate("reference", record, seed, flush_between=True)
+    jax.clear_caches()
+    assert_bitwise_differs(want[0], got[0], "control: a flush that only marks its entries applied")
+
+
+def _deferred_vs_immediate(backend, record, seed, flush_between=False):
+    """``(immediate, deferred)``: the states, conv states and outputs after three steps of the pool with
+    its commit immediate and deferred (``flush_between``: the deferred pool flushed after each step)."""
     from gdn_lossless_jax import pool as gpool
     from test_step import GEOMETRY, _pool_inputs
 
@@ -497,7 +531,9 @@ def test_pool_deferred_commit_equals_immediate(backend, record, seed):
             tslots = np.array([10, -1, -1, -1], np.int32)
             tsteps = np.array([int(step_rng.integers(0, accept[0] + 1)), -1, -1, -1], np.int32)
             p = gpool.commit(p, slots, accept, tslots, tsteps, rows, backend=backend)
+            if flush_between:
+                p = gpool.flush(p, backend=backend)
         p = gpool.flush(p, backend=backend)
         pools[defer] = (p.ssm, p.conv, outs)
-    assert_bitwise_equal(pools[False], pools[True], "states, conv states and outputs: deferred vs immediate commit")
     del rng
+    return pools[False], pools[True]
