@@ -92,6 +92,8 @@ def test_memory_seed_table(capsys):
          "gdn-lossless demo: error: demo --checkpoint: argument --steps-per-call must be a positive integer, got 0"),
         (["generate", "--checkpoint", "ckpt", "--prompt-ids", "1", "--steps-per-call", "0"],
          "gdn-lossless generate: error: argument --steps-per-call: must be a positive integer, got 0"),
+        (["demo", "--draft-agreement", "1.5"], "gdn-lossless demo: error: --draft-agreement must be in (0, 1), got 1.5"),
+        (["demo", "--tokens-per-step", "0.5"], "gdn-lossless demo: error: --tokens-per-step must be > 1, got 0.5"),
     ],
 )
 def test_errors_are_one_line(capsys, argv, message):

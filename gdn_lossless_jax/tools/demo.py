@@ -142,6 +142,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     d.add_argument("--defer", choices=["auto", "on", "off"], default="auto",
                    help="commit into the next step's verify (the pool's defer_commit; with K > 1, K must be even); "
                         "auto: on a GPU without --mesh")
+    agree = d.add_mutually_exclusive_group()
+    agree.add_argument("--draft-agreement", type=float, default=None, metavar="P",
+                       help="make the draft agree with the target on about P of drafted tokens (0 < P < 1): the "
+                            "later blocks' output projections scaled by a factor calibrated on prompts of its own "
+                            "(gdn_lossless_jax.model.agreement; docs/decoding.md)")
+    agree.add_argument("--tokens-per-step", type=float, default=None, metavar="T",
+                       help="as --draft-agreement, calibrated on the tokens a decoding step gains at this run's "
+                            "drafts (T > 1)")
     d.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompts (default 0)")
     d.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
                    help="progress bar on stderr (auto: when stderr is a terminal)")
@@ -200,6 +208,20 @@ def run(args: argparse.Namespace) -> int:
     if defer and args.steps_per_call > 1 and args.steps_per_call % 2:
         raise ValueError(f"--steps-per-call must be even when the commit is deferred (--defer), got {args.steps_per_call}")
     params = init_params(config, args.seed)
+    asked = getattr(args, "draft_agreement", None), getattr(args, "tokens_per_step", None)
+    if asked[0] is not None and not 0 < asked[0] < 1:
+        raise ValueError(f"--draft-agreement must be in (0, 1), got {asked[0]}")
+    if asked[1] is not None and not asked[1] > 1:
+        raise ValueError(f"--tokens-per-step must be > 1, got {asked[1]}")
+    if asked != (None, None):
+        from ..model import agreement
+
+        metric, target = ("agreement", asked[0]) if asked[0] is not None else ("tokens_per_step", asked[1])
+        where = {} if metric == "agreement" else {"drafts": args.drafts if tree is None else 2, "tree": tree}
+        params, cal = agreement.calibrate(params, config, target, metric=metric, backend=args.backend,
+                                          prompt_len=args.prompt_len, seed=args.seed + 1, **where)  # fmt: skip
+        print(f"draft: the later blocks' output projections scaled by {cal.factor:.4g} ({metric} {cal.measured:.3f} "
+              f"measured on prompts of the calibration's own, {target} asked)")  # fmt: skip
     rng = np.random.default_rng(args.seed)
     # Turn 1 is a random prompt; each later turn appends the answer and a new random message.
     messages = [[rng.integers(0, config.vocab, args.prompt_len).tolist() for _ in range(args.prompts)]
