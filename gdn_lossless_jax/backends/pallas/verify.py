@@ -272,14 +272,14 @@ def _store_state(tape_ref, w: _Where, t, cols, S, evict):
         _store_row(tape_ref, w, (*w.lead, t, w.hv, w.vs, c), tile.astype(tape_ref.dtype), evict=evict)
 
 
-def _apply_pending(refs, pending: str, state_ref, pool_ref, w: _Where, cols, S0, form: str, control: str | None = None,
+def _apply_pending(refs, pending, state_ref, pool_ref, w: _Where, cols, S0, form: str, control: str | None = None,
                    replay_mode: str = "split", math: str = "platform"):
     """The previous step's commit of this program's tile, before its verify: the state after the
     accepted step (and the track state, to its slot), both from the pre-verify state ``S0`` with
     the commit's rule (``fma(k, u, rn(S * exp(g)))``, the replay kernel's arithmetic element for
     element) or from the previous snapshots; both stored to the pool (rounded to its dtype).
     Returns the state the verify starts from: the accepted state as the pool now holds it, or
-    ``S0`` where nothing was accepted. The masks are the commit's (``reference._masks``).
+    ``S0`` where nothing was accepted. The masks are the commit's (``reference.commit_masks``).
 
     ``refs``: the pending rows, steps, track slots, track steps ``[N]``, the previous tape's
     layer ``[1]``, then the previous tape's fields (``u, k, g`` or ``states``, ``[L', R', D', ...]``).
@@ -306,7 +306,7 @@ def _apply_pending(refs, pending: str, state_ref, pool_ref, w: _Where, cols, S0,
         for c, tile in zip(cols, tiles):
             pool_ref[w.layer, at, hv, vs, c] = tile.astype(dt)
 
-    if pending == "snapshots":
+    if pending.stores_states:
         (states_ref,) = prev
 
         def snap(t):
@@ -356,7 +356,7 @@ def _apply_pending(refs, pending: str, state_ref, pool_ref, w: _Where, cols, S0,
     def _():
         store(w.slot, acc)
 
-    if pending == "tuples" and late:  # the control: the track state replayed from the advanced state in the pool
+    if not pending.stores_states and late:  # the control: the track state replayed from the advanced state in the pool
         advanced = [jnp.where(accept, a.astype(dt).astype(F32), b) for a, b in zip(acc, S0)]
         steps(0, jnp.where(track, ptstep, -1), advanced, track_store)
 
@@ -367,7 +367,7 @@ def _apply_pending(refs, pending: str, state_ref, pool_ref, w: _Where, cols, S0,
 
 def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bool, row_vectors: bool, one_pass: bool,
             k_chunk: int, loop: bool, evict: str | None, prefetch_q: bool, tiles_first: bool, dot_fma: str,
-            pending: str | None = None, control: str | None = None, stacked: bool = False,
+            pending=None, control: str | None = None, stacked: bool = False,
             out_into: bool = False, pending_replay: str = "split", barrier: bool = True,
             interpret: bool = False, tree: bool = False,
             math: str = "platform"):  # fmt: skip
@@ -425,7 +425,7 @@ def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bo
 
     start = n_in + (2 if into else 0)
     end = len(refs) - n_out - (2 if out_into else 0)
-    if pending == "tuples" and pending_replay == "rows":
+    if pending and not pending.stores_states and pending_replay == "rows":
         # The commit replayed on the whole [BV, K] tile (one chunk: Triton lays it out with the lanes
         # across K, so a step's k is K / 32 registers a lane, where the chain's chunks hold K / 4),
         # then the state the pool now holds, in the chain's chunks, after a barrier: its lanes read
@@ -621,8 +621,6 @@ def verify(call: VerifyCall, *, config=None, form, interpret, pending_control=No
     third output (the chain algorithm only). With ``out``, the outputs go to ``out[out_layer]``,
     in place. Returns ``(outputs, tape[, pool])``.
     """
-    from ...tape import Snapshots, Tuples
-
     state, slots, layer, pending = call.pool, call.slots, call.layer, call.pending
     q, k, v, a, b, A_log, dt_bias = call.inputs
     tape, tape_layer, rows, out, out_layer = call.tape, call.tape_layer, call.rows, call.out, call.out_layer
@@ -653,7 +651,7 @@ def verify(call: VerifyCall, *, config=None, form, interpret, pending_control=No
         raise ValueError(f"pallas verify: V={V} must be a multiple of block_v={cfg.block_v}")
     if K % min(K, cfg.k_chunk):
         raise ValueError(f"pallas verify: K={K} must be a multiple of k_chunk={cfg.k_chunk} (or at most it)")
-    snapshots = record == "snapshots"
+    snapshots = record.stores_states  # the record mode's flag (record: the tape class)
     into = tape is not None
     if pending is not None and cfg.algorithm != "chain":
         raise ValueError("pallas verify: a pending commit needs the chain algorithm")
@@ -699,11 +697,11 @@ def verify(call: VerifyCall, *, config=None, form, interpret, pending_control=No
         out_shape.append(jax.ShapeDtypeStruct((N, D, HV, V, K), state.dtype))
     else:
         out_shape.append(jax.ShapeDtypeStruct((N, D, HV, V), F32))
-    pending_mode = None
+    pending_mode = None  # the pending tape's class: its record mode's flags
     if pending is not None:
         prev_tape = pending.tape
-        pending_mode = "snapshots" if isinstance(prev_tape, Snapshots) else "tuples"
-        if pending_mode == "tuples" and v.ndim == 5 and cfg.pending_slice_v:  # one layer's v, copied by XLA
+        pending_mode = type(prev_tape)
+        if not pending_mode.stores_states and v.ndim == 5 and cfg.pending_slice_v:  # one layer's v, copied by XLA
             v = jax.lax.dynamic_index_in_dim(v, layer[0], 0, keepdims=False)
             inputs[6] = v
         inputs += [pending.rows, pending.steps, pending.track_slots, pending.track_steps, scalar(pending.layer),
@@ -734,12 +732,12 @@ def verify(call: VerifyCall, *, config=None, form, interpret, pending_control=No
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
-        name=f"gdn_verify_{record}",
+        name=f"gdn_verify_{record.mode}",
     )(*inputs)
     if snapshots:
-        new = Snapshots(rec)
+        new = record(rec)
     elif into:
-        new = Tuples(rec, kbuf, gbuf)
+        new = record(rec, kbuf, gbuf)
     else:
-        new = Tuples(rec, kn, g)
+        new = record(rec, kn, g)
     return (outputs, new, *pool)
