@@ -81,6 +81,20 @@ def _pending_request(prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr
 
 
 @jit
+def _replay_bounds(accept, pstep, track, ptstep, pu_ptr, pk_ptr, pg_ptr, lead, h, hv, i_v, H: tl.constexpr,
+                   HV: tl.constexpr, V: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, PD: tl.constexpr,
+                   PDP: tl.constexpr, KL: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
+    """The last step a pending replay runs to the accepted state and to the track state (-1: none),
+    the tuples up to the later one prefetched into L2 with ``PREFETCH``."""
+    upto = tl.where(accept, pstep, -1)
+    tstep = tl.where(track, ptstep, -1)
+    if PREFETCH:
+        _prefetch_pending(pu_ptr, pk_ptr, pg_ptr, lead, tl.maximum(upto, tstep), h, hv, i_v, H, HV, V, K, BV, PD, PDP,
+                          KL)  # fmt: skip
+    return upto, tstep
+
+
+@jit
 def _apply_pending(S, pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr, pk_ptr, pg_ptr,
                    pstates_ptr, n, h, hv, i_v, layer, slot, slot_ok, rows, kidx, tile, m_v, m_k, m_tile,
                    NS: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
@@ -108,11 +122,8 @@ def _apply_pending(S, pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_
         tl.store(dst_acc, acc, mask=m_tile & accept)
         res = tl.where(accept, _to_f32(acc, INTERPRET), S)
     else:
-        upto = tl.where(accept, pstep, -1)
-        tstep = tl.where(track, ptstep, -1)
-        if PREFETCH:
-            _prefetch_pending(pu_ptr, pk_ptr, pg_ptr, lead, tl.maximum(upto, tstep), h, hv, i_v, H, HV, V, K, BV, PD,
-                              PDP, KL)  # fmt: skip
+        upto, tstep = _replay_bounds(accept, pstep, track, ptstep, pu_ptr, pk_ptr, pg_ptr, lead, h, hv, i_v, H, HV, V, K,
+                                     BV, PD, PDP, KL, PREFETCH)  # fmt: skip
         dt = pool_out_ptr.dtype.element_ty
         args = (lead, h, hv, rows, kidx, m_tile, m_v, pu_ptr, pk_ptr, pg_ptr, dst_trk, m_tile & track, ptstep)
         acc = _replay_steps(S, 0, upto + 1, *args, H, HV, V, K, BV, NC, C, PD, INTERPRET)
@@ -159,11 +170,8 @@ def _apply_pending_rows(pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptstep
     pstep, ptslot, ptstep, accept, track, lead = _pending_request(prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr,
                                                                   player_ptr, n, slot_ok, NS, PR, PD)  # fmt: skip
     dst_trk = pool_out_ptr + ((layer * NS + tl.where(track, ptslot, 0)) * HV + hv) * V * K + tile2
-    upto = tl.where(accept, pstep, -1)
-    tstep = tl.where(track, ptstep, -1)
-    if PREFETCH:
-        _prefetch_pending(pu_ptr, pk_ptr, pg_ptr, lead, tl.maximum(upto, tstep), h, hv, i_v, H, HV, V, K, BV, PD,
-                          PDP, KL)  # fmt: skip
+    upto, tstep = _replay_bounds(accept, pstep, track, ptstep, pu_ptr, pk_ptr, pg_ptr, lead, h, hv, i_v, H, HV, V, K, BV,
+                                 PD, PDP, KL, PREFETCH)  # fmt: skip
     dt = pool_out_ptr.dtype.element_ty
     args = (lead, h, hv, rows, cols, m_c, m_v, pu_ptr, pk_ptr, pg_ptr, dst_trk, m2 & track, ptstep)
     acc = _replay_row_steps(S, 0, upto + 1, *args, H, HV, V, K, PD, INTERPRET)
