@@ -416,7 +416,7 @@ def test_pool_verify_layer_reads_inputs_stacked_over_layers(backend, record, see
 # ---------------------------------------------------------------------------------------
 # The kernels read the jit's copy of the index arrays, not the caller's buffers
 # ---------------------------------------------------------------------------------------
-STAGING = {"eq", "jit[_where]", "pjit[_where]"}  # checks.staged's primitives (jit is pjit before jax 0.7)
+STAGING = {"eq", "jit[_where]", "pjit[_where]"}  # staging.staged's primitives (jit is pjit before jax 0.7)
 
 
 def _readers(jaxpr, var) -> list[str]:
@@ -428,7 +428,7 @@ def _readers(jaxpr, var) -> list[str]:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_kernels_read_staged_index_arrays(backend, seed, monkeypatch):
     """In a jitted step (two layers unrolled, then the commit), ``slots``, ``rows``, ``steps``
-    and the track indices are read only by the one staging op each (``checks.staged``: XLA
+    and the track indices are read only by the one staging op each (``staging.staged``: XLA
     re-records every CUDA-graph kernel node whose buffers moved since the last launch, and a
     serving loop passes new index arrays every step). Bit-exactness is unchanged (the test
     above and the equivalence suite run through it). Control: without the staging the
@@ -645,7 +645,7 @@ def benchmark_fused_step_copies(label: str, backend: str, record: str, mode: str
     """``benchmarks.step``'s ``fused-out`` step at the benchmark's size ``label`` (``"25x4"``: the
     requests and drafts of one of ``mode``'s configurations, its 30 layers), compiled from shapes
     (no memory): ``(copies, temporaries in bytes, bytes aliased, the compiled module)``, the copies
-    as :func:`buffer_copies` finds them. (``scripts/fused_step_hlo.py`` prints them.)"""
+    as :func:`buffer_copies` finds them. (``scripts/dev.py fused-step-hlo`` prints them.)"""
     from benchmarks import cases as bc
     from benchmarks.step import fused_step
 

@@ -30,7 +30,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import re
 import time
+from pathlib import Path
 from typing import Callable, Iterable
 
 import jax
@@ -67,6 +69,7 @@ __all__ = [
     "Summary",
     "run",
     "format_summary",
+    "merge_logs",
     "add_command",
 ]
 
@@ -443,6 +446,15 @@ def add_command(sub) -> None:
                    help="cap on a case's snapshot-tape elements L*R*D*HV*V*K (default 2^20 on a CPU, 2^24 on a GPU)")
     f.add_argument("--no-progress", action="store_true", help="no progress bar")
     f.set_defaults(func=_command)
+    g = sub.add_parser(
+        "fuzz-merge",
+        help="add up the logs of one fuzz run made in pieces (--first-group)",
+        description="Add up `gdn-lossless fuzz` logs of one seed run in pieces (--first-group), per backend: check "
+        "that the pieces' shape groups cover [0, G) once each and print what was tried and what held. Exit status 1 "
+        "on anything that did not hold (or a group missing or run twice).",
+    )
+    g.add_argument("logs", nargs="+", help="the fuzz logs (e.g. $OUT/fuzz/*.log of scripts/gpu_x2.sh fuzz)")
+    g.set_defaults(func=lambda args: merge_logs(args.logs))
 
 
 def _command(args) -> int:
@@ -463,3 +475,97 @@ def _command(args) -> int:
     )  # fmt: skip
     print(format_summary(summary))
     return 0 if summary.ok else 1
+
+
+# ---------------------------------------------------------------------------------
+# The logs of a run made in pieces: gdn-lossless fuzz-merge.
+# ---------------------------------------------------------------------------------
+def parse_log(path: Path) -> dict:
+    """What one ``gdn-lossless fuzz`` log says it tried and held (``complete`` False: cut off)."""
+    text = path.read_text()
+    head = re.search(r"fuzz: (\d+) cases, backend (\w+), seed (\d+)", text)
+    groups = re.search(r"shape groups \((\d+)\.\.(\d+)\), ([\d.]+) s", text)
+    status = re.findall(r"exit status (\d+)", text)
+    if not (head and groups and status):
+        return {"path": path.name, "complete": False, "status": status[-1] if status else "?"}
+    r = {"path": path.name, "complete": True, "cases": int(head[1]), "backend": head[2], "seed": int(head[3]),
+         "groups": range(int(groups[1]), int(groups[2]) + 1), "seconds": float(groups[3]), "status": status[-1]}  # fmt: skip
+    for key in ("geometries", "dtypes", "input kinds"):
+        line = re.search(rf"^{key}\s+(.*)$", text, re.M)[1]
+        r[key] = {k.strip(): int(v) for k, v in re.findall(r"([^,:]+?): (\d+)", line)}
+    d = re.search(r"^D\s+.*cases per range: (.*)$", text, re.M)[1]
+    r["D"] = {k.strip(): int(v) for k, v in re.findall(r"([\d-]+): (\d+)", d)}
+    nums = {
+        "requests": r"^requests\s+(\d+): (\d+) skipped",
+        "writes": r"^slots\s+(\d+) accepted writes, (\d+) track writes.*?, (\d+) untouched",
+        "specials": r"^specials\s+(\d+) NaN.* in (\d+) cases",
+        "differing": r"outputs differing between record modes: (\d+) cases; inputs modified: (\d+)",
+    }
+    for k, pat in nums.items():
+        r[k] = tuple(int(x) for x in re.search(pat, text, re.M).groups())
+    held = re.search(r"^held\s+corrupted slots: (.*)$", text, re.M)[1]
+    r["corrupted"] = {k: int(v) for k, v in re.findall(r"([\w/]+) (\d+)", held)}
+    ctl = re.search(r"^controls\s+(.*)$", text, re.M)[1]
+    r["controls"] = {k.strip(): (int(a), int(b)) for k, a, b in re.findall(r"([a-z -]+?) caught (\d+) of (\d+)", ctl)}
+    return r
+
+
+def _order(item):
+    """D ranges by their first number, other names alphabetically."""
+    k = item[0]
+    return (0, int(k.split("-")[0]), "") if k.split("-")[0].isdigit() else (1, 0, k)
+
+
+def merge_logs(paths: list[str]) -> int:
+    """Add up ``gdn-lossless fuzz`` logs of one seed run in pieces (``--first-group``), per backend:
+    check that the pieces' groups cover ``[0, G)`` once each and print what was tried and what held.
+    Returns 0 when everything held, else 1."""
+    logs = [parse_log(Path(p)) for p in paths]
+    bad = [r for r in logs if not r["complete"]]
+    for r in bad:
+        print(f"incomplete (not counted): {r['path']}, exit status {r['status']}")
+    by = collections.defaultdict(list)
+    for r in logs:
+        if r["complete"]:
+            by[(r["backend"], r["seed"])].append(r)
+    ok = not any(r["status"] != "0" for r in logs if r["complete"])
+    for (backend, seed), rs in sorted(by.items()):
+        groups = sorted(g for r in rs for g in r["groups"])
+        dup = sorted(g for g, n in collections.Counter(groups).items() if n > 1)
+        missing = sorted(set(range(max(groups) + 1)) - set(groups))
+
+        def total(key):  # summed per name, zeros kept
+            out = collections.defaultdict(int)
+            for r in rs:
+                for k, v in r[key].items():
+                    out[k] += v
+            return dict(out)
+
+        add = lambda key: tuple(map(sum, zip(*(r[key] for r in rs))))  # noqa: E731
+        controls = collections.defaultdict(lambda: [0, 0])
+        for r in rs:
+            for k, (a, b) in r["controls"].items():
+                controls[k][0] += a
+                controls[k][1] += b
+        corrupted = total("corrupted")
+        print(f"backend {backend}, seed {seed}: {sum(r['cases'] for r in rs)} cases in {len(groups)} shape groups "
+              f"({len(rs)} commands; groups missing: {missing or 'none'}, twice: {dup or 'none'}), "
+              f"{sum(r['seconds'] for r in rs):.0f} s of commands")  # fmt: skip
+        for key in ("geometries", "D", "dtypes", "input kinds"):
+            print(f"  {key:12} " + ", ".join(f"{k}: {v}" for k, v in sorted(total(key).items(), key=_order)))
+        req, skip = add("requests")
+        acc, trk, untouched = add("writes")
+        spec, spec_cases = add("specials")
+        diff, modified = add("differing")
+        print(f"  requests     {req} ({skip} skipped entirely: slot or row out of range)")
+        print(f"  slots        {acc} accepted writes, {trk} track writes, {untouched} untouched slots checked")
+        print(f"  specials     {spec} NaN/Inf/signed-zero/subnormal values in {spec_cases} cases")
+        print(
+            f"  corrupted    {sum(corrupted.values())} ({', '.join(f'{k} {v}' for k, v in sorted(corrupted.items()))})"
+        )
+        print(f"  differing    outputs between record modes: {diff} cases; inputs modified: {modified}")
+        print("  controls     " + ", ".join(f"{k} caught {a} of {b}" for k, (a, b) in controls.items()))
+        ok &= not sum(corrupted.values()) and not diff and not modified and not missing and not dup
+        ok &= all(a == b for a, b in controls.values())
+    print("result       " + ("OK" if ok else "NOT OK"))
+    return 0 if ok else 1
