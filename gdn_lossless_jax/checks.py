@@ -297,7 +297,8 @@ def check_tape_buffer(fn: str, tape, record, N: int, D: int, H: int, HV: int, V:
         raise TypeError(f"{fn}: argument 'tape' must be a {_tape_names()} buffer, got {type(tape).__name__}")
     cls = type(tape)
     if record is not None and record_type(record, fn) is not cls:
-        raise ValueError(f"{fn}: record={record!r} but the tape buffer is a {cls.__name__} tape ({cls.mode!r})")
+        raise ValueError(f"{fn}: record={record_type(record).mode!r} but the tape buffer is a {cls.__name__} tape "
+                         f"({cls.mode!r})")  # fmt: skip
     first, f0 = next(iter(cls.layout(H=H, HV=HV, V=V, K=K).items()))
     field, t = getattr(tape, first), len(f0.shape)
     rank = len(shape_of(field))
