@@ -24,7 +24,7 @@ import pytest
 
 import gdn_lossless_jax as gl
 from conftest import ON_GPU, full_only, requires_gpu
-from gdn_lossless_jax import checks
+from gdn_lossless_jax import staging
 from gdn_lossless_jax import pool as gpool
 from gdn_lossless_jax.testing.cases import Shape, verify_inputs
 from gdn_lossless_jax.config import get_geometry
@@ -472,9 +472,9 @@ def test_kernels_read_staged_index_arrays(backend, seed, monkeypatch):
 
     assert not body_wheres(), "staging ops inside the scan's body"
     with monkeypatch.context() as m:  # control: staging whatever the trace puts it in the body
-        m.setattr(checks, "_traced_here", lambda x: True)
+        m.setattr(staging, "_traced_here", lambda x: True)
         assert body_wheres(), "the control found no staging op in the scan's body"
-    monkeypatch.setattr(checks, "staged", lambda x: x)
+    monkeypatch.setattr(staging, "staged", lambda x: x)
     control = readers()
     assert any(set(p) - STAGING for p in control.values()), f"the control found no direct reader: {control}"
 
