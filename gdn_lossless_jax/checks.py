@@ -280,11 +280,12 @@ def check_tape(fn: str, tape: Tape, lead: tuple[int, ...], lead_dims: str, *, pr
         x = getattr(tape, name)
         if f.dtype == STATE_DTYPE:
             if state_dtype is not None and jnp.dtype(x.dtype) != jnp.dtype(state_dtype):
-                raise TypeError(f"{fn}: {cls.noun} dtype {x.dtype} must match the {what} dtype {jnp.dtype(state_dtype)} "
-                                f"(argument '{prefix}.{name}')")  # fmt: skip
+                raise TypeError(f"{fn}: {cls.noun} dtype {x.dtype} must match the {what} dtype "
+                                f"{jnp.dtype(state_dtype)} (argument '{prefix}.{name}')")  # fmt: skip
         elif jnp.dtype(x.dtype) != jnp.dtype(f.dtype):
+            always = "fp32" if jnp.dtype(f.dtype) == jnp.float32 else jnp.dtype(f.dtype)
             raise TypeError(f"{fn}: argument '{prefix}.{name}' must be {jnp.dtype(f.dtype)} (the tape is always "
-                            f"{'fp32' if jnp.dtype(f.dtype) == jnp.float32 else jnp.dtype(f.dtype)}), got {x.dtype}")  # fmt: skip
+                            f"{always}), got {x.dtype}")
     if "H" in sizes:
         check_heads(fn, sizes["H"], HV)
     return D
@@ -303,8 +304,8 @@ def check_tape_buffer(fn: str, tape, record, N: int, D: int, H: int, HV: int, V:
     field, t = getattr(tape, first), len(f0.shape)
     rank = len(shape_of(field))
     if rank not in (2 + t, 3 + t):
-        raise ValueError(f"{fn}: argument 'tape.{first}' must have rank {2 + t} or {3 + t} ([[L, ]R, Dmax, {f0.dims}]), "
-                         f"got shape {fmt_shape(shape_of(field))}")  # fmt: skip
+        raise ValueError(f"{fn}: argument 'tape.{first}' must have rank {2 + t} or {3 + t} "
+                         f"([[L, ]R, Dmax, {f0.dims}]), got shape {fmt_shape(shape_of(field))}")  # fmt: skip
     layered = rank == 3 + t
     pre = shape_of(field)[: rank - t - 2]
     R, Dmax = shape_of(field)[rank - t - 2 : rank - t]

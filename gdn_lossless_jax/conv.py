@@ -192,8 +192,9 @@ def verify_from_pool(conv_pool, layer, slots, x, weight, bias=None, *, windows=N
     """
     kernels = _conv_kernels(backend) if parents is None else None
     if kernels is not None:
-        accs, win = kernels.verify(x, weight, bias, conv_pool, slots, layer, splits=None if splits is None else tuple(splits),
-                                   windows=windows, tape_layer=None if windows is None else layer, rows=rows)  # fmt: skip
+        accs, win = kernels.verify(x, weight, bias, conv_pool, slots, layer,
+                                   splits=None if splits is None else tuple(splits), windows=windows,
+                                   tape_layer=None if windows is None else layer, rows=rows)  # fmt: skip
         return [_silu(a).astype(x.dtype) for a in accs], win
     # any of them stacked over layers: this layer's (XLA slices them)
     x = x[layer] if x.ndim == 4 else x

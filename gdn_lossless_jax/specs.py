@@ -24,7 +24,7 @@ from .tape import RECORD_MODES, RECORDS, Tuples
 __all__ = ["ArraySpec", "POOL_RECORD_MODES", "SeedRing", "SCRATCH", "SCRATCH_MODES", "scratch_rows", "state_specs",
            "tape_specs", "conv_window_spec", "device_free_bytes", "check_fits"]  # fmt: skip
 
-#: Record modes the pool allocates (those :func:`gdn_lossless_jax.verify` records: :data:`gdn_lossless_jax.tape.RECORDS`).
+#: Record modes the pool allocates (those :func:`gdn_lossless_jax.verify` records: ``tape.RECORDS``).
 POOL_RECORD_MODES = RECORD_MODES
 
 

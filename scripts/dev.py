@@ -409,8 +409,8 @@ def run(step, params, state, prompts, slots, rows, tslots, n_steps, place=None):
 
 
 def mesh_diff(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="dev.py mesh-diff",
-                                 description="Where the demo model's speculative step on a mesh first differs from one device.")
+    ap = argparse.ArgumentParser(prog="dev.py mesh-diff", description="Where the demo model's speculative step on a "
+                                 "mesh first differs from one device.")
     ap.add_argument("--size", default="gpu")
     ap.add_argument("--dtype", default=None, help="the model's dtype (default: the size's); float32 shows the "
                     "differences that bfloat16 rounding hides")  # fmt: skip

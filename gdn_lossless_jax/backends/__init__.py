@@ -16,8 +16,8 @@ import jax
 
 from .contract import Backend, BackendUnavailable, as_backend, backend_name
 
-__all__ = ["BACKENDS", "resolve", "resolve_name", "lookup", "platform", "is_rocm", "check_math", "check_call", "check_trees",
-           "BackendUnavailable", "Backend"]  # fmt: skip
+__all__ = ["BACKENDS", "resolve", "resolve_name", "lookup", "platform", "is_rocm", "check_math", "check_call",
+           "check_trees", "BackendUnavailable", "Backend"]  # fmt: skip
 
 #: The built-in backends: ``gdn_lossless_jax.backends.<name>`` (registering one is a name here).
 BACKENDS = ("reference", "pallas", "triton", "mosaic")

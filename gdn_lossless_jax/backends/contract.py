@@ -124,7 +124,8 @@ class Backend(Protocol):
                **options: Any) -> jax.Array: ...  # fmt: skip
 
     def commit(self, pool: jax.Array, tape: Tape, slots: jax.Array, steps: jax.Array, track_slots: jax.Array,
-               track_steps: jax.Array, rows: jax.Array, *, math: str = "platform", **options: Any) -> jax.Array: ...  # fmt: skip
+               track_steps: jax.Array, rows: jax.Array, *, math: str = "platform",
+               **options: Any) -> jax.Array: ...  # fmt: skip
 
     def conv_kernels(self) -> ConvKernels | None: ...
 

@@ -197,7 +197,8 @@ def control_replays(backend) -> dict:
             for name, form in controls.CONTROLS.items()
         }
     module = backends.resolve(backend, "replay")
-    return {f"{form} (in kernel)": functools.partial(module.replay, form=form) for form in module.capabilities.control_forms}
+    forms = module.capabilities.control_forms
+    return {f"{form} (in kernel)": functools.partial(module.replay, form=form) for form in forms}
 
 
 def naive_replays(backend) -> dict:

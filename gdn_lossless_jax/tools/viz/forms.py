@@ -1,4 +1,5 @@
-"""Rounding forms on one state element at a time, the platform probe, the library's exp, where two forms disagree, and a tape replayed with each form (:mod:`gdn_lossless_jax.tools.viz`)."""
+"""Rounding forms on one state element at a time, the platform probe, the library's exp, where two
+forms disagree, and a tape replayed with each form (:mod:`gdn_lossless_jax.tools.viz`)."""
 
 from __future__ import annotations
 
