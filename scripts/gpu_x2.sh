@@ -4,7 +4,7 @@
 # stops by a deadline; logs come back as one $OUT/results.tgz. Run from the repository root:
 #   bash scripts/gpu_x2.sh [step] [step1] [diff] [demo] [tests] [parallel] [fuzz]
 # Phases: step (benchmarks.step --mesh 2x1, alone on the machine), step1 (the same with one GPU visible), diff
-# (scripts/dev.py mesh-diff: where the demo model on a mesh first differs from one GPU), demo (gdn-lossless demo DEMO_ARGS),
+# (scripts/mesh_diff.py: where the demo model on a mesh first differs from one GPU), demo (gdn-lossless demo DEMO_ARGS),
 # tests (pytest of TEST_FILES on both GPUs), parallel (tests, a soak on GPU 1 and the fuzz side by side), fuzz.
 # Env: BUDGET (seconds from the start, default 3600), STEP_ARGS, STEP1_ARGS, DIFF_ARGS, TEST_FILES, WORKERS, PYTEST_K,
 # SOAK_ARGS, DEMO_ARGS, FUZZ_RANGES (backend:first:end group ranges, default pallas:0:100 triton:0:100: 10,000 cases
@@ -60,8 +60,8 @@ for phase in "$@"; do
     step1)  # the same benchmark with one GPU visible (STEP1_ARGS)
       CUDA_VISIBLE_DEVICES=0 timeout $(( $(left) < ${STEP_TIMEOUT:-200} ? $(left) : ${STEP_TIMEOUT:-200} )) python3 -m benchmarks.step \
         --out "$OUT/step-1gpu" ${STEP1_ARGS:---configs 25x4 --backends pallas --kinds scan} 2>&1 | tee "$OUT/step-1gpu.log" | tail -8 ;;
-    diff)  # where a mesh run of the demo model first differs from one GPU (scripts/dev.py mesh-diff)
-      timeout $(( $(left) - 5 )) python3 scripts/dev.py mesh-diff ${DIFF_ARGS:---size gpu --mesh 2x1} 2>&1 | tee "$OUT/mesh_diff.log" | tail -12 ;;
+    diff)  # where a mesh run of the demo model first differs from one GPU (scripts/mesh_diff.py)
+      timeout $(( $(left) - 5 )) python3 scripts/mesh_diff.py ${DIFF_ARGS:---size gpu --mesh 2x1} 2>&1 | tee "$OUT/mesh_diff.log" | tail -12 ;;
     tests)
       timeout $(( $(left) - 5 )) python3 -m pytest -n ${WORKERS:-6} -v -rfs -p no:cacheprovider -p no:benchmark ${TEST_FILES:-tests/test_sharding.py} \
         ${PYTEST_K:+-k "$PYTEST_K"} > "$OUT/gpu_tests-x2.log" 2>&1; echo "exit status $?" >> "$OUT/gpu_tests-x2.log"; tail -n 8 "$OUT/gpu_tests-x2.log" ;;

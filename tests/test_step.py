@@ -645,7 +645,7 @@ def benchmark_fused_step_copies(label: str, backend: str, record: str, mode: str
     """``benchmarks.step``'s ``fused-out`` step at the benchmark's size ``label`` (``"25x4"``: the
     requests and drafts of one of ``mode``'s configurations, its 30 layers), compiled from shapes
     (no memory): ``(copies, temporaries in bytes, bytes aliased, the compiled module)``, the copies
-    as :func:`buffer_copies` finds them. (``scripts/dev.py fused-step-hlo`` prints them.)"""
+    as :func:`buffer_copies` finds them. (``python -m benchmarks.dev fused-step-hlo`` prints them.)"""
     from benchmarks import cases as bc
     from benchmarks.step import fused_step
 

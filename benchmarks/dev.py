@@ -1,18 +1,15 @@
-#!/usr/bin/env python3
-"""Developer helpers, one subcommand each (run from the repository root)::
+"""The benchmarks' developer helpers, one subcommand each (run from the repository root)::
 
-    python scripts/dev.py idle-spinners [--cpus 0-7] [--policy idle|nice|pause] -- COMMAND...
-    python scripts/dev.py tune-fused --configs 25x4 --variants unrolled-out,fused-out:pair
-    python scripts/dev.py fused-step-hlo --configs 25x4 --backends mosaic,pallas --out /tmp/hlo
-    python scripts/dev.py mesh-diff --size gpu --mesh 2x1 --steps 12,24
+    python -m benchmarks.dev idle-spinners [--cpus 0-7] [--policy idle|nice|pause] -- COMMAND...
+    python -m benchmarks.dev tune-fused --configs 25x4 --variants unrolled-out,fused-out:pair
+    python -m benchmarks.dev fused-step-hlo --configs 25x4 --backends mosaic,pallas --out /tmp/hlo
 
 * ``idle-spinners``: runs a command while every CPU is kept out of its idle state, for back-to-back
   timings on machines whose idle CPUs halt;
 * ``tune-fused``: times the fused step per Pallas (or Triton) kernel launch at a shape, to pick an
   entry of ``gdn_lossless_jax.backends.pallas.verify.TUNED``;
 * ``fused-step-hlo``: compiles the benchmark's fused step from shapes and prints its pool-, tape-
-  and outputs-sized copies and aliased bytes;
-* ``mesh-diff``: finds where the demo model's step on a mesh first differs from one device.
+  and outputs-sized copies and aliased bytes.
 
 Each subcommand's section below starts with what it does in full; the heavy imports (JAX, the
 benchmarks) are made by the subcommands that need them, so ``idle-spinners`` forks no JAX process.
@@ -21,7 +18,6 @@ benchmarks) are made by the subcommands that need them, so ``idle-spinners`` for
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gzip
 import json
 import os
@@ -39,24 +35,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _heavy() -> None:
     """The imports of the JAX subcommands, into this module's globals."""
-    global jax, np, bc, bstep, device_time, gp, PENDING_REPLAYS, VerifyConfig
-    global SpecStep, allocate_state, get_config, init_params, decode_steps, place_on_mesh, pool_from_mesh
-    global mesh_plan, compare_bitwise
+    global jax, bc, bstep, device_time, gp, PENDING_REPLAYS, VerifyConfig
     for p in (ROOT, ROOT / "tests"):
         if str(p) not in sys.path:
             sys.path.insert(0, str(p))
     import jax
-    import numpy as np
 
     from benchmarks import cases as bc
     from benchmarks import step as bstep
     from benchmarks.devtime import device_time
     from gdn_lossless_jax.backends import pallas as gp
     from gdn_lossless_jax.backends.pallas.verify import PENDING_REPLAYS, VerifyConfig
-    from gdn_lossless_jax.model import SpecStep, allocate_state, get_config, init_params
-    from gdn_lossless_jax.model.decode import decode_steps, place_on_mesh, pool_from_mesh
-    from gdn_lossless_jax.testing import compare_bitwise
-    from gdn_lossless_jax.tools.demo import mesh_plan
 
 
 # ---------------------------------------------------------------------------------------------
@@ -76,8 +65,8 @@ def _heavy() -> None:
 # (built with ``cc`` into a temporary folder), which leaves more of a shared core to its other hardware
 # thread than Python's loop does::
 #
-#     python scripts/dev.py idle-spinners -- python -m benchmarks.step --out /tmp/step ...
-#     python scripts/dev.py idle-spinners --cpus 0-7 --policy nice -- python -m benchmarks.step ...
+#     python -m benchmarks.dev idle-spinners -- python -m benchmarks.step --out /tmp/step ...
+#     python -m benchmarks.dev idle-spinners --cpus 0-7 --policy nice -- python -m benchmarks.step ...
 #
 # The command's exit status is returned; the spinners are killed when it ends.
 
@@ -117,7 +106,7 @@ def spin(cpu: int, policy: str, exe: str | None) -> None:  # in the child: never
 
 
 def idle_spinners(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="dev.py idle-spinners",
+    ap = argparse.ArgumentParser(prog="benchmarks.dev idle-spinners",
                                  description="Run a command while every CPU is kept out of its idle state.")
     ap.add_argument("--cpus", help="CPUs to keep busy, e.g. 0-15 or 0,2,4 (default: all this process may use)")
     ap.add_argument("--policy", choices=("idle", "nice", "pause"), default="idle",
@@ -166,7 +155,7 @@ def idle_spinners(argv=None) -> int:
 # ``$OUT/tune_fused.json``. The winner at a shape goes into ``gdn_lossless_jax.backends.pallas.verify.TUNED``
 # (``docs/step.md``). From the repository root, on a GPU::
 #
-#     python scripts/dev.py tune-fused --configs 25x4 --variants unrolled-out,fused-out:pair,fused-out:pair:split
+#     python -m benchmarks.dev tune-fused --configs 25x4 --variants unrolled-out,fused-out:pair,fused-out:pair:split
 
 
 # Tags naming VerifyConfig fields: a tag adds to or overrides the fields a variant sets; other tags are ignored.
@@ -219,7 +208,7 @@ def log(msg):
 
 
 def tune_fused(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="dev.py tune-fused", description="Time the fused step per launch of the Pallas "
+    p = argparse.ArgumentParser(prog="benchmarks.dev tune-fused", description="Time the fused step per launch of the Pallas "
                                 "(or Triton) kernel, to pick a tuned launch for a shape.")
     p.add_argument("--configs", default="25x4,8x16,8x8,8x4")
     p.add_argument("--variants", default="scan,unrolled-out,fused,fused-out,fused-out:fixed,fused-out:pair",
@@ -327,13 +316,13 @@ def tune_fused(argv=None) -> int:
 # ``test_benchmark_sized_fused_step_has_no_copy`` runs on a GPU at 25x4) and the bytes it aliases.
 # Compiles only (the arguments are shapes), so any size fits.
 #
-#     python scripts/dev.py fused-step-hlo --configs 25x4 --backends mosaic,pallas --records snapshots --out /tmp/hlo
+#     python -m benchmarks.dev fused-step-hlo --configs 25x4 --backends mosaic,pallas --records snapshots --out /tmp/hlo
 
 
 def fused_step_hlo(argv=None) -> int:
     from test_step import benchmark_fused_step_copies
 
-    p = argparse.ArgumentParser(prog="dev.py fused-step-hlo", description="The compiled HLO of the benchmark's "
+    p = argparse.ArgumentParser(prog="benchmarks.dev fused-step-hlo", description="The compiled HLO of the benchmark's "
                                 "fused step: its pool-, tape- and outputs-sized copies and the bytes it aliases.")
     p.add_argument("--configs", default="25x4")
     p.add_argument("--backends", default="mosaic,pallas")
@@ -356,119 +345,7 @@ def fused_step_hlo(argv=None) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------------------------
-# mesh-diff
-# ---------------------------------------------------------------------------------------------
-# Where the demo model's speculative step on a mesh first differs from one device.
-#
-# Runs the same prompts through ``SpecStep`` on one device and on a ``TPxDP`` mesh (default 2x1:
-# the GDN heads over two devices) and compares every step's outputs bit for bit: first a *forced*
-# phase (every row is given all D inputs, so the draft proposes nothing and only the target's
-# verify, accept and commit run), then a *drafting* phase (one given input, D-1 drafted). A
-# difference in the forced phase is the target's; one that starts in the drafting phase with the
-# draft chain (``inputs``) is the draft's. Prints the first difference of each field and the final
-# states' comparison::
-#
-#     python scripts/dev.py mesh-diff --size gpu --mesh 2x1 --steps 12,24
-
-
-_SEEN: set = set()
-
-
-def replicas(out, t):
-    """Report (once per field) a step output whose copies on two devices hold different bits,
-    or whose rows are split over devices."""
-    for f in ("inputs", "predictions", "accepted", "track_steps", "gaps"):
-        x = getattr(out, f)
-        shards = x.addressable_shards
-        if len(shards) < 2 or f in _SEEN:
-            continue
-        index = [s.index for s in shards]
-        if any(i != index[0] for i in index):
-            _SEEN.add(f)
-            print(f"step {t}: {f} is split over devices: {[(str(s.device), s.index) for s in shards]}")
-            continue
-        data = [np.asarray(s.data) for s in shards]
-        if any(d.tobytes() != data[0].tobytes() for d in data[1:]):
-            _SEEN.add(f)
-            print(f"step {t}: the copies of {f} on {[str(s.device) for s in shards]} differ")
-
-
-def run(step, params, state, prompts, slots, rows, tslots, n_steps, place=None):
-    """``decode_steps`` with each step's outputs checked for copies that differ; returns the
-    step outputs, whether each step was forced (every row given all D inputs) and the state."""
-    forced = []
-
-    def on_step(t, inputs, out):
-        replicas(out, t)
-        forced.append(bool((inputs.n_given == step.drafts).all()))
-
-    _, outs, state = decode_steps(step, params, state, prompts, slots, rows, tslots, n_steps, place=place,
-                                  on_step=on_step)  # fmt: skip
-    return outs, forced, state
-
-
-def mesh_diff(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="dev.py mesh-diff", description="Where the demo model's speculative step on a "
-                                 "mesh first differs from one device.")
-    ap.add_argument("--size", default="gpu")
-    ap.add_argument("--dtype", default=None, help="the model's dtype (default: the size's); float32 shows the "
-                    "differences that bfloat16 rounding hides")  # fmt: skip
-    ap.add_argument("--mesh", default="2x1")
-    ap.add_argument("--drafts", "-D", type=int, default=4)
-    ap.add_argument("--rows", type=int, default=8)
-    ap.add_argument("--forced-tokens", type=int, default=40, help="prompt length: forced steps = this / D")
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--backend", default="auto")
-    a = ap.parse_args(argv)
-    tp, dp = (int(x) for x in a.mesh.split("x"))
-    config, D, N = get_config(a.size), a.drafts, a.rows
-    if a.dtype is not None:
-        config = dataclasses.replace(config, dtype=a.dtype)
-    plan = mesh_plan(tp, dp, config)  # the demo's: heads over the tensor axis, DP = 1
-    mesh = plan.mesh
-    rng = np.random.default_rng(a.seed)
-    prompts = [[int(t) for t in rng.integers(0, config.vocab, a.forced_tokens)] for _ in range(N)]
-    params = init_params(config, a.seed)
-    slots, tslots, rows = (
-        np.arange(N, dtype=np.int32),
-        np.arange(N, 2 * N, dtype=np.int32),
-        np.arange(N, dtype=np.int32),
-    )
-    max_len = a.forced_tokens + a.steps * D + 8
-
-    def new():
-        return allocate_state(config, slots=2 * N, requests=N, drafts=D, record="tuples", max_len=max_len)
-
-    single = SpecStep(config, D, track_interval=16, backend=a.backend)
-    want, forced, want_state = run(single, params, new(), prompts, slots, rows, tslots, a.steps)
-    mparams, mstate = place_on_mesh(plan, config, params, new())
-    on_mesh = dataclasses.replace(single, mesh=plan)
-    got, _, got_state = run(on_mesh, mparams, mstate, prompts, slots, rows, tslots, a.steps,
-                             place=lambda x: place_on_mesh(plan, config, params, new(), x)[2])  # fmt: skip
-    print(f"{a.size} ({config.dtype}), D={D}, {N} rows, mesh {a.mesh} over {[str(d) for d in mesh.devices.flat]}; "
-          f"{sum(forced)} forced steps, then {a.steps - sum(forced)} drafting steps")  # fmt: skip
-    first = {}
-    for t, (w, g) in enumerate(zip(want, got)):
-        for f in ("inputs", "predictions", "accepted", "track_steps", "gaps"):
-            x, y = np.asarray(getattr(w, f)), np.asarray(getattr(g, f))
-            same = x.view(np.uint32).tobytes() == y.view(np.uint32).tobytes() if f == "gaps" else np.array_equal(x, y)
-            if not same and f not in first:
-                rows_d = sorted({int(i) for i in np.argwhere(x != y)[:, 0]})
-                first[f] = t
-                print(f"step {t} ({'forced' if forced[t] else 'drafting'}): {f} differ first, rows {rows_d}"
-                      + (f"; gaps {x[rows_d[0]]} vs {y[rows_d[0]]}" if f == "gaps" else ""))  # fmt: skip
-    if not first:
-        print(f"all {a.steps} steps' outputs identical (inputs, predictions, accepted, track steps, gaps bit for bit)")
-    back = pool_from_mesh(got_state.pool, config.geometry, tp)
-    print("final pool:", compare_bitwise(jax.device_get(want_state.pool), back))
-    print("final KV:", compare_bitwise(jax.device_get(want_state.kv), jax.device_get(got_state.kv)))
-    return 0
-
-
-COMMANDS = {"idle-spinners": idle_spinners, "tune-fused": tune_fused, "fused-step-hlo": fused_step_hlo,
-            "mesh-diff": mesh_diff}
+COMMANDS = {"idle-spinners": idle_spinners, "tune-fused": tune_fused, "fused-step-hlo": fused_step_hlo}
 
 
 def main(argv=None) -> int:
