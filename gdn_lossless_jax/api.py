@@ -14,8 +14,8 @@ import jax.numpy as jnp
 
 from . import _deprecated, autodiff, backends, checked as checked_mode, checks, reference, tree
 from .backends.contract import VerifyCall
-from .checks import MATH_MODES, RECORD_MODES
-from .tape import Pending, Tape, Tuples
+from .checks import MATH_MODES
+from .tape import RECORD_MODES, Pending, Tape, Tuples
 
 __all__ = ["verify", "replay", "commit", "commit_and_verify", "run_verify", "check_tree_backend", "RECORD_MODES",
            "MATH_MODES"]
@@ -55,8 +55,9 @@ def verify(
       v: ``[N, D, HV, V]``.
       a, b: ``[N, D, HV]``, the raw decay and write-gate inputs.
       A_log, dt_bias: ``[HV]``.
-      record: ``"tuples"`` (the lossless tape, the default) or ``"snapshots"`` (the state
-        after every step); with ``tape`` it is the buffer's mode.
+      record: the record mode, by name (:data:`gdn_lossless_jax.RECORD_MODES`) or tape class:
+        ``"tuples"`` (the lossless tape, the default) or ``"snapshots"`` (the state after every
+        step); with ``tape`` it is the buffer's mode.
       scale: the query scale; ``K ** -0.5`` if None.
       backend: ``"auto"``, ``"reference"``, ``"pallas"`` or ``"triton"``.
       out_dtype: dtype of the outputs; q's dtype if None.
@@ -139,26 +140,19 @@ def verify(
 def run_verify(call: VerifyCall, backend: Any = "auto", fn: str = "verify"):
     """The backend's verify of a checked :class:`~gdn_lossless_jax.backends.contract.VerifyCall`,
     with the derivatives of :mod:`~gdn_lossless_jax.autodiff`: for callers that checked their
-    arguments already (the pool). Returns what the backend returns. A draft tree
-    (``call.parents``) needs a backend with ``TREES`` (:mod:`gdn_lossless_jax.backends.contract`)."""
-    impl = (check_tree_backend(fn, backend, call.math) if call.parents is not None
-            else backends.resolve(backend, "verify", call.math))  # fmt: skip
-    backends.check_math(impl, "verify", call.math)
+    arguments already (the pool). Returns what the backend returns. The call must fit the
+    backend's capabilities (:func:`gdn_lossless_jax.backends.check_call`: a draft tree needs
+    ``capabilities.trees``, and so on)."""
+    impl = backends.resolve(backend, "verify", call.math)
+    backends.check_call(impl, fn, call)
     return autodiff.verify(impl, call)
 
 
 def check_tree_backend(fn: str, backend: Any, math: str = "platform"):
-    """The verify of ``backend`` if it verifies draft trees (``TREES``), else a ``ValueError``
-    naming it and the backend that does (``"auto"`` picks one for ``math``)."""
+    """The backend if it verifies draft trees (``capabilities.trees``), else a ``ValueError``
+    naming it and the backends that do (``"auto"`` picks one for ``math``)."""
     impl = backends.resolve(backend, "verify", math)
-    if not getattr(impl, "TREES", False):
-        name = backends.resolve_name(backend, math)
-        raise ValueError(
-            f"{fn}: backend {name if isinstance(name, str) else getattr(name, '__name__', name)!r} does not verify "
-            "draft trees ('parents' describes a tree, not a linear chain): pass backend=\"reference\" or "
-            "backend=\"pallas\", which do; the Triton and Mosaic GPU kernels run linear chains only (parents None or "
-            "[-1, 0, ..., D-2])"
-        )
+    backends.check_trees(impl, fn)
     return impl
 
 
@@ -213,6 +207,7 @@ def replay(
     checks.check_math(fn, math)
     impl = backends.resolve(backend, "replay", math)
     backends.check_math(impl, fn, math)
+    _check_record(impl, fn, tuples)
     if path is not None:
         N, D = state0.shape[0], tuples.num_steps
         path = checks.check_path(fn, path, N)
@@ -222,7 +217,7 @@ def replay(
             checked_mode.check_steps(fn, "steps", steps, path.shape[1])
         layered = jax.tree.map(lambda t: t[None], tuples)
         chain, _, steps, _ = _along_path(layered, jnp.arange(N, dtype=jnp.int32), path, steps, steps)
-        return autodiff.replay(impl, state0, jax.tree.map(lambda t: t[0], chain), steps, math=math)
+        return autodiff.replay(impl, state0, jax.tree.map(lambda t: t[0], chain), steps, math)
     if parents is not None:
         raise ValueError(f"{fn}: parents= checks a tree's paths: pass path= too")
     if checked:
@@ -306,10 +301,11 @@ def commit(
     pool, tape, ints = checks.commit_args(fn, pool, tape, slots, steps, track_slots, track_steps, rows)
     checks.check_math(fn, math)
     impl = backends.resolve(backend, "commit", math)
-    if isinstance(tape, Tuples):  # a snapshot commit copies states: no math in it
-        backends.check_math(impl, fn, math)
-    else:
+    _check_record(impl, fn, tape)
+    if tape.stores_states:  # a commit that copies states has no math in it
         math = "platform"
+    else:
+        backends.check_math(impl, fn, math)
     if path is None:
         if parents is not None:
             raise ValueError(f"{fn}: parents= checks a tree's accepted paths: pass path= too")
@@ -325,6 +321,13 @@ def commit(
         checked_mode.check_commit(fn, pool.shape[1], tape.num_rows, path.shape[1], *ints)
     tape, rows, steps, track_steps = _along_path(tape, rows, path, steps, track_steps)
     return autodiff.commit(impl, pool, tape, slots, steps, track_slots, track_steps, rows, math=math)
+
+
+def _check_record(impl, fn: str, tape: Tape) -> None:
+    """The backend takes ``tape``'s record mode (``capabilities.records``)."""
+    if type(tape) not in impl.capabilities.records:
+        raise backends.BackendUnavailable(f"{fn}: backend {backends.contract.backend_name(impl)!r} does not take "
+                                          f"{type(tape).mode!r} tapes")  # fmt: skip
 
 
 _along_path = jax.jit(reference.along_path)  # (one dispatch, not one a jnp op, in an eager commit)
@@ -409,5 +412,6 @@ def commit_and_verify(
 
 
 __getattr__ = _deprecated.alias(__name__, {
-    name: f"gdn_lossless_jax.checks:{name}" for name in ("as_index", "staged", "unstaged", "STATE_DTYPES")
+    **{name: f"gdn_lossless_jax.staging:{name}" for name in ("staged", "unstaged")},
+    **{name: f"gdn_lossless_jax.checks:{name}" for name in ("as_index", "STATE_DTYPES")},
 })  # fmt: skip

@@ -90,7 +90,7 @@ def plain_verify(
     A_log: jax.Array,
     dt_bias: jax.Array,
     *,
-    record: str = "tuples",
+    record: str | type[Tape] = "tuples",
     scale: float | None = None,
     out_dtype: Any = None,
     parents: Any = None,
@@ -176,18 +176,14 @@ def verify(impl, call: VerifyCall):
     return _with_plain_derivative(exact, plain)(call)
 
 
-def _with_math(fn: Callable, math: str) -> Callable:
-    """``fn`` with ``math=`` bound where it is not the default (a backend of your own need not take it)."""
-    return fn if math == "platform" else functools.partial(fn, math=math)
-
-
 def replay(impl, state0, tuples: Tuples, steps, math: str = "platform") -> jax.Array:
-    """``impl.replay`` with the derivatives of :func:`plain_replay`."""
-    return _with_plain_derivative(_with_math(impl.replay, math), plain_replay)(state0, tuples, steps)
+    """``impl.replay`` (``math=`` passed, as the backend contract says) with the derivatives of
+    :func:`plain_replay`."""
+    return _with_plain_derivative(functools.partial(impl.replay, math=math), plain_replay)(state0, tuples, steps)
 
 
 def commit(impl, pool, tape: Tape, slots, steps, track_slots, track_steps, rows, math: str = "platform") -> jax.Array:
-    """``impl.commit`` with the derivatives of :func:`plain_commit`."""
-    return _with_plain_derivative(_with_math(impl.commit, math), plain_commit)(
+    """``impl.commit`` (``math=`` passed) with the derivatives of :func:`plain_commit`."""
+    return _with_plain_derivative(functools.partial(impl.commit, math=math), plain_commit)(
         pool, tape, slots, steps, track_slots, track_steps, rows)
 

@@ -3,26 +3,25 @@ conv, sharding).
 
 Each check runs on static shapes and dtypes before anything is computed or allocated, and
 raises naming the function, the argument, the expected and the actual value, also under
-``jax.jit``. :func:`as_index` and :func:`staged` turn index arguments into int32 arrays the
-kernels can read without a copy.
+``jax.jit``. Checked index arguments leave as int32 (:func:`gdn_lossless_jax.staging.as_index`).
+A tape is checked against its record mode's layout (:meth:`gdn_lossless_jax.tape.Tape.layout`),
+whatever the mode.
 """
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
-import functools
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import reference, tree
-from .backends.contract import PendingCommit, VerifyCall
-from .tape import Pending, Snapshots, Tuples
+from . import _deprecated, reference, tree
+from .backends.contract import VerifyCall
+from .staging import as_index
+from .tape import RECORD_MODES, RECORDS, STATE_DTYPE, Pending, Tape, record_type
 
-RECORD_MODES = ("tuples", "snapshots")
 MATH_MODES = reference.MATH_MODES
 
 
@@ -50,72 +49,6 @@ def is_float(x) -> bool:
 def is_int(x) -> bool:
     d = dtype_of(x)
     return d.kind in "iu" if getattr(d, "kind", "V") in "biuf" else jnp.issubdtype(d, jnp.integer)
-
-
-_INT32 = np.dtype(np.int32)  # compared as a NumPy dtype (against jnp.int32, a scalar type, it costs a hash)
-
-
-def as_index(x):
-    """An index argument as int32 without an eager JAX op: arrays of int32 pass through (a weakly
-    typed one made plain), the rest becomes NumPy, which a jitted call takes in as part of its own
-    launch (``jnp.asarray`` of a Python int would dispatch a device op of its own).
-
-    Traced index arrays (inside a ``jax.jit``; rank >= 1: slots, rows, steps, not the layer)
-    are :func:`staged`: the kernels read a copy the jit makes, not the caller's buffer. Not
-    those a loop body (``lax.scan``) closes over: staged there, the op would run in every
-    iteration (XLA does not hoist it), and XLA re-records a loop body's graph every iteration
-    anyway."""
-    if isinstance(x, jax.Array):
-        # A weakly typed int32 (``jnp.full((n,), 3)``) is made a plain one: Pallas Triton's lowering
-        # of the commit kernel fails on it (an i1 added to an i32).
-        x = x if x.dtype == _INT32 and not x.aval.weak_type else x.astype(jnp.int32)
-        here = isinstance(x, jax.core.Tracer) and x.ndim >= 1 and _STAGING.get() and _traced_here(x)
-        return staged(x) if here else x
-    return np.asarray(x, np.int32)
-
-
-_STAGING = contextvars.ContextVar("gdn_lossless_jax_staging", default=True)
-
-
-def unstaged(fn):
-    """``fn`` traced without :func:`staged` index arrays: for the library's own jits, whose
-    Python wrappers pass their index arguments through :func:`as_index` already (which stages
-    them where the caller's trace runs, not inside a loop body that calls the wrapper)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        token = _STAGING.set(False)
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _STAGING.reset(token)
-
-    return wrapper
-
-
-def _traced_here(x) -> bool:
-    """Whether tracer ``x`` belongs to the trace now running (not one an inner trace, such as a
-    loop body's, closes over)."""
-    try:
-        from jax._src import core as jcore
-
-        return x._trace is jcore.trace_ctx.trace
-    except (ImportError, AttributeError):  # other JAX internals: stage
-        return True
-
-
-_INT32_MIN = np.int32(np.iinfo(np.int32).min)
-
-
-def staged(x: jax.Array) -> jax.Array:
-    """``x`` through one elementwise op that equals it bit for bit, which XLA can neither remove
-    nor fuse into a kernel: the kernels that read it read the jit's own buffer.
-
-    Why: XLA runs a jit's kernels as a CUDA graph and re-records every kernel node whose buffers
-    moved since the last launch. A serving loop passes new index arrays every step; read by all
-    L verify kernels and the commit, they would make each launch re-record the whole graph.
-    Staged, only this op's node moves; XLA merges the identical ops of the L layers into one."""
-    return jnp.where(x == _INT32_MIN, _INT32_MIN, x)
 
 
 def check_rank(fn: str, name: str, x, rank: int, dims: str):
@@ -321,39 +254,68 @@ def stacked_inputs(fn: str, state0, inputs: dict, slots, layer) -> dict:
     return stacked
 
 
+def _tape_names() -> str:
+    return " or ".join(cls.__name__ for cls in RECORDS.values())
+
+
+def check_tape(fn: str, tape: Tape, lead: tuple[int, ...], lead_dims: str, *, prefix: str, HV: int, V: int, K: int,
+               H: int | None = None, state_dtype=None, what: str = "pool", source: str = "",
+               steps: str = "D") -> int:  # fmt: skip
+    """Every field of ``tape`` shaped ``[*lead, D, ...]`` as its record mode's layout says
+    (:meth:`~gdn_lossless_jax.tape.Tape.layout`; ``H`` None: the tape's own q/k heads, which must
+    divide HV) and of its dtype (a field in the state's dtype must have ``state_dtype``, the
+    ``what``'s, where given). Returns D (from the first field)."""
+    cls = type(tape)
+    layout = cls.layout(H=H, HV=HV, V=V, K=K)
+    nl, D, sizes, first = len(lead), None, {}, next(iter(layout))
+    for name, f in layout.items():
+        x, label, dims = getattr(tape, name), f"{prefix}.{name}", f"[{lead_dims}, {steps}, {f.dims}]"
+        check_rank(fn, label, x, nl + 1 + len(f.shape), dims)
+        shape = shape_of(x)
+        D = shape[nl] if D is None else D
+        trailing = tuple(shape[nl + 1 + i] if n is None else n for i, n in enumerate(f.shape))
+        sizes.update((d, n) for d, n in zip(f.dims.split(", "), trailing) if d not in sizes)
+        check_shape(fn, label, x, (*lead, D, *trailing), dims, source if name == first else f"from the {first} field")
+    for name, f in layout.items():
+        x = getattr(tape, name)
+        if f.dtype == STATE_DTYPE:
+            if state_dtype is not None and jnp.dtype(x.dtype) != jnp.dtype(state_dtype):
+                raise TypeError(f"{fn}: {cls.noun} dtype {x.dtype} must match the {what} dtype "
+                                f"{jnp.dtype(state_dtype)} (argument '{prefix}.{name}')")  # fmt: skip
+        elif jnp.dtype(x.dtype) != jnp.dtype(f.dtype):
+            always = "fp32" if jnp.dtype(f.dtype) == jnp.float32 else jnp.dtype(f.dtype)
+            raise TypeError(f"{fn}: argument '{prefix}.{name}' must be {jnp.dtype(f.dtype)} (the tape is always "
+                            f"{always}), got {x.dtype}")
+    if "H" in sizes:
+        check_heads(fn, sizes["H"], HV)
+    return D
+
+
 def check_tape_buffer(fn: str, tape, record, N: int, D: int, H: int, HV: int, V: int, K: int, state_dtype, layer):
-    """The preallocated tape of ``verify(..., tape=)``; returns ``(record, layered, L)``."""
-    if isinstance(tape, Tuples):
-        mode, field, lead = "tuples", tape.u, (HV, V)
-    elif isinstance(tape, Snapshots):
-        mode, field, lead = "snapshots", tape.states, (HV, V, K)
-    else:
-        raise TypeError(f"{fn}: argument 'tape' must be a Tuples or Snapshots buffer, got {type(tape).__name__}")
-    if record is not None and record != mode:
-        raise ValueError(f"{fn}: record={record!r} but the tape buffer is a {type(tape).__name__} tape ({mode!r})")
+    """The preallocated tape of ``verify(..., tape=)``, in any record mode; returns ``(its tape
+    class, layered)``."""
+    if not isinstance(tape, Tape):
+        raise TypeError(f"{fn}: argument 'tape' must be a {_tape_names()} buffer, got {type(tape).__name__}")
+    cls = type(tape)
+    if record is not None and record_type(record, fn) is not cls:
+        raise ValueError(f"{fn}: record={record_type(record).mode!r} but the tape buffer is a {cls.__name__} tape "
+                         f"({cls.mode!r})")  # fmt: skip
+    first, f0 = next(iter(cls.layout(H=H, HV=HV, V=V, K=K).items()))
+    field, t = getattr(tape, first), len(f0.shape)
     rank = len(shape_of(field))
-    name = "tape.u" if mode == "tuples" else "tape.states"
-    layered = rank == 2 + len(lead) + 1
-    if rank not in (2 + len(lead), 2 + len(lead) + 1):
-        dims = "[L, ]R, Dmax, " + ", ".join(("HV", "V", "K")[: len(lead)])
-        raise ValueError(f"{fn}: argument {name!r} must have rank {2 + len(lead)} or {3 + len(lead)} ([{dims}]), "
-                         f"got shape {fmt_shape(shape_of(field))}")  # fmt: skip
-    pre = shape_of(field)[: rank - len(lead) - 2]
-    R, Dmax = shape_of(field)[rank - len(lead) - 2 : rank - len(lead)]
-    dims = ("[L, R, Dmax, " if layered else "[R, Dmax, ") + ("HV, V]" if mode == "tuples" else "HV, V, K]")
-    check_shape(fn, name, field, (*pre, R, Dmax, *lead), dims, "HV, V, K from the state")
+    if rank not in (2 + t, 3 + t):
+        raise ValueError(f"{fn}: argument 'tape.{first}' must have rank {2 + t} or {3 + t} "
+                         f"([[L, ]R, Dmax, {f0.dims}]), got shape {fmt_shape(shape_of(field))}")  # fmt: skip
+    layered = rank == 3 + t
+    pre = shape_of(field)[: rank - t - 2]
+    R, Dmax = shape_of(field)[rank - t - 2 : rank - t]
+    check_tape(fn, tape, (*pre, R), "L, R" if layered else "R", prefix="tape", H=H, HV=HV, V=V, K=K,
+               state_dtype=state_dtype, what="state", source="HV, V, K from the state", steps="Dmax")  # fmt: skip
     if Dmax < D:
         raise ValueError(f"{fn}: the tape buffer holds Dmax={Dmax} draft steps, fewer than D={D} (q has D={D})")
-    if mode == "tuples":
-        lead_dims = "L, R" if layered else "R"
-        check_tuples(fn, tape, (*pre, R), HV, V, K, lead_dims, prefix="tape")
-        if shape_of(tape.k)[len(pre) + 2] != H:
-            raise ValueError(f"{fn}: argument 'tape.k' must have H={H} q/k heads (from q), got {fmt_shape(shape_of(tape.k))}")
-    elif jnp.dtype(tape.states.dtype) != jnp.dtype(state_dtype):
-        raise TypeError(f"{fn}: argument 'tape.states' must have the state's dtype {state_dtype}, got {tape.states.dtype}")
     if layered:
         check_layer_index(fn, layer, pre[0], "the tape buffer")
-    return mode, layered
+    return cls, layered
 
 
 def check_out_buffer(fn: str, out, out_dtype, N: int, D: int, HV: int, V: int, layer):
@@ -385,8 +347,7 @@ def verify_args(fn, state0, q, k, v, a, b, A_log, dt_bias, *, record=None, scale
                 layer=None, tape=None, rows=None, parents=None, topk=1, out=None,
                 math="platform") -> VerifyCall:  # fmt: skip
     """Every check of :func:`gdn_lossless_jax.verify`; returns the backend's :class:`VerifyCall`."""
-    if record is not None and record not in RECORD_MODES:
-        raise ValueError(f"{fn}: record must be one of {RECORD_MODES}, got {record!r}")
+    record = None if record is None else record_type(record, fn)  # the API's edge: the name becomes its class
     check_math(fn, math)
     check_static(fn, "scale", scale)
     state0, q, k, v, a, b, A_log, dt_bias = as_arrays(
@@ -448,8 +409,8 @@ def verify_args(fn, state0, q, k, v, a, b, A_log, dt_bias, *, record=None, scale
         out_dtype, layered = check_out_buffer(fn, out, out_dtype, N, D, HV, V, layer)
         obuf, out_layer = (out, layer) if layered else (out[None], 0)
     q, k, v, a, b, A_log, dt_bias = full.values()  # the backends take the stacks
-    fields = dict(record=record or "tuples", scale=as_scale(fn, scale, K), out_dtype=jnp.dtype(out_dtype or q.dtype),
-                  math=math)
+    fields = dict(record=record or RECORDS["tuples"], scale=as_scale(fn, scale, K),
+                  out_dtype=jnp.dtype(out_dtype or q.dtype), math=math)
     if buf is not None:
         fields.update(tape=buf, tape_layer=as_index(tape_layer), rows=rows)
     if obuf is not None:
@@ -461,30 +422,9 @@ def verify_args(fn, state0, q, k, v, a, b, A_log, dt_bias, *, record=None, scale
     return VerifyCall(state, as_index(slots), as_index(pool_layer), q, k, v, a, b, A_log, dt_bias, **fields)
 
 
-def check_tuples(
-    fn: str, tuples: Tuples, lead: tuple[int, ...], HV: int, V: int, K: int, lead_dims: str, prefix: str = "tuples"
-):
-    if not isinstance(tuples, Tuples):
-        raise TypeError(f"{fn}: the tape must be a Tuples tape here, got {type(tuples).__name__}")
-    nl = len(lead)
-    check_rank(fn, f"{prefix}.u", tuples.u, nl + 3, f"[{lead_dims}, D, HV, V]")
-    D = shape_of(tuples.u)[nl]
-    source = "L, HV, V from the pool" if nl == 2 else "HV, V from the state"
-    check_shape(fn, f"{prefix}.u", tuples.u, (*lead, D, HV, V), f"[{lead_dims}, D, HV, V]", source)
-    check_rank(fn, f"{prefix}.k", tuples.k, nl + 3, f"[{lead_dims}, D, H, K]")
-    H = shape_of(tuples.k)[nl + 1]
-    check_shape(fn, f"{prefix}.k", tuples.k, (*lead, D, H, K), f"[{lead_dims}, D, H, K]", "from the u field and K")
-    check_shape(fn, f"{prefix}.g", tuples.g, (*lead, D, HV), f"[{lead_dims}, D, HV]", "from the u field")
-    for name in ("u", "k", "g"):
-        x = getattr(tuples, name)
-        if jnp.dtype(x.dtype) != jnp.float32:
-            raise TypeError(f"{fn}: argument '{prefix}.{name}' must be float32 (the tape is always fp32), got {x.dtype}")
-    check_heads(fn, H, HV)
-
-
 def tape_arrays(fn: str, tape, prefix: str):
     """The tape with list-valued fields converted (see :func:`as_array`)."""
-    if not isinstance(tape, (Tuples, Snapshots)):
+    if not isinstance(tape, Tape):
         return tape
     fields = {f.name: getattr(tape, f.name) for f in dataclasses.fields(tape)}
     return tape.replace(**{name: as_array(fn, f"{prefix}.{name}", x) for name, x in fields.items()})
@@ -527,22 +467,14 @@ def check_pending(fn: str, pending: Pending, N: int, H: int, HV: int, V: int, K:
         check_index(fn, f"pending.{name}", getattr(pending, name), N)
     t = pending.tape
     lead = 1 if pool_layers is None else 2
-    if isinstance(t, Snapshots):
-        dims = "[R, D, HV, V, K]" if lead == 1 else "[L, R, D, HV, V, K]"
-        check_rank(fn, "pending.tape.states", t.states, lead + 4, dims)
-        pre = shape_of(t.states)[:lead]
-        check_shape(fn, "pending.tape.states", t.states, (*pre, shape_of(t.states)[lead], HV, V, K), dims,
-                     "HV, V, K from the pool")  # fmt: skip
-        if jnp.dtype(t.states.dtype) != jnp.dtype(state_dtype):
-            raise TypeError(f"{fn}: argument 'pending.tape.states' must have the pool's dtype {state_dtype}, got {t.states.dtype}")
-    elif isinstance(t, Tuples):
-        check_rank(fn, "pending.tape.u", t.u, lead + 3, "[L, R, D, HV, V]" if lead == 2 else "[R, D, HV, V]")
-        pre = shape_of(t.u)[:lead]
-        check_tuples(fn, t, pre, HV, V, K, "L, R" if lead == 2 else "R", prefix="pending.tape")
-        if shape_of(t.k)[lead + 1] != H:
-            raise ValueError(f"{fn}: argument 'pending.tape.k' must have H={H} q/k heads (from q), got {fmt_shape(shape_of(t.k))}")
-    else:
-        raise TypeError(f"{fn}: argument 'pending.tape' must be Tuples or Snapshots, got {type(t).__name__}")
+    if not isinstance(t, Tape):
+        raise TypeError(f"{fn}: argument 'pending.tape' must be {_tape_names()}, got {type(t).__name__}")
+    first, f0 = next(iter(type(t).layout(H=H, HV=HV, V=V, K=K).items()))
+    lead_dims = "L, R" if lead == 2 else "R"
+    check_rank(fn, f"pending.tape.{first}", getattr(t, first), lead + 1 + len(f0.shape), f"[{lead_dims}, D, {f0.dims}]")
+    pre = shape_of(getattr(t, first))[:lead]
+    check_tape(fn, t, pre, lead_dims, prefix="pending.tape", H=H, HV=HV, V=V, K=K,
+               state_dtype=state_dtype, source="HV, V, K from the pool")  # fmt: skip
     if lead == 2 and pre[0] != pool_layers:
         raise ValueError(f"{fn}: the pending tape has L={pre[0]} layers, the pool {pool_layers}")
     return (t, True) if lead == 2 else (jax.tree.map(lambda x: x[None], t), False)
@@ -555,7 +487,10 @@ def replay_args(fn: str, state0, tuples, steps):
     check_rank(fn, "state0", state0, 4, "[N, HV, V, K]")
     check_state_dtype(fn, "state0", state0)
     N, HV, V, K = shape_of(state0)
-    check_tuples(fn, tuples, (N,), HV, V, K, "N")
+    if not isinstance(tuples, Tape) or tuples.stores_states:
+        replays = " or ".join(c.__name__ for c in RECORDS.values() if not c.stores_states)
+        raise TypeError(f"{fn}: the tape must be a {replays} tape here (one that replays), got {type(tuples).__name__}")
+    check_tape(fn, tuples, (N,), "N", prefix="tuples", HV=HV, V=V, K=K, source="HV, V from the state")
     check_index(fn, "steps", steps, N)
     return state0, tuples, as_index(steps)
 
@@ -653,18 +588,13 @@ def commit_args(fn: str, pool, tape, slots, steps, track_slots=None, track_steps
     check_state_dtype(fn, "pool", pool)
     L, _, HV, V, K = shape_of(pool)
     ints = commit_index_args(fn, slots, steps, track_slots, track_steps, rows)
-    if isinstance(tape, Snapshots):
-        check_rank(fn, "tape.states", tape.states, 6, "[L, R, D, HV, V, K]")
-        R, D = shape_of(tape.states)[1:3]
-        check_shape(fn, "tape.states", tape.states, (L, R, D, HV, V, K), "[L, R, D, HV, V, K]", "L, HV, V, K from pool")
-        if tape.states.dtype != pool.dtype:
-            raise TypeError(f"{fn}: snapshot dtype {tape.states.dtype} must match the pool dtype {pool.dtype}")
-    elif isinstance(tape, Tuples):
-        check_rank(fn, "tape.u", tape.u, 5, "[L, R, D, HV, V]")
-        R = shape_of(tape.u)[1]
-        check_tuples(fn, tape, (L, R), HV, V, K, "L, R", prefix="tape")
-    else:
-        raise TypeError(f"{fn}: tape must be Tuples or Snapshots, got {type(tape).__name__}")
+    if not isinstance(tape, Tape):
+        raise TypeError(f"{fn}: tape must be {_tape_names()}, got {type(tape).__name__}")
+    first, f0 = next(iter(type(tape).layout(H=None, HV=HV, V=V, K=K).items()))
+    check_rank(fn, f"tape.{first}", getattr(tape, first), 3 + len(f0.shape), f"[L, R, D, {f0.dims}]")
+    R = shape_of(getattr(tape, first))[1]
+    check_tape(fn, tape, (L, R), "L, R", prefix="tape", HV=HV, V=V, K=K, state_dtype=pool.dtype,
+               source="L, HV, V, K from the pool")  # fmt: skip
     return pool, tape, ints
 
 
@@ -673,7 +603,8 @@ def commit_and_verify_args(fn: str, pool, pending, q, k, v, a, b, A_log, dt_bias
                            topk=1, math="platform", checked=False) -> VerifyCall:  # fmt: skip
     """The checks of :func:`gdn_lossless_jax.commit_and_verify`: verify's (:func:`verify_args`) and the
     pending commit's (:func:`check_pending`; a pending path's values by :func:`check_path_indices`,
-    traced ones with ``checked``); returns the :class:`VerifyCall` with its :class:`PendingCommit`."""
+    traced ones with ``checked``); returns the :class:`VerifyCall` with its
+    :class:`~gdn_lossless_jax.tape.Pending` (its ``layer`` set, the path applied)."""
     if slots is None:
         raise ValueError(f"{fn}: argument 'slots' is required (request n's state is pool[layer, slots[n]])")
     if len(shape_of(q)) != 5:  # (stacked over layers: checked by verify_args below)
@@ -696,9 +627,14 @@ def commit_and_verify_args(fn: str, pool, pending, q, k, v, a, b, A_log, dt_bias
         r, steps, track_slots, track_steps = pend
         check_path_indices(fn, prev.num_steps, path, steps, track_steps, checked=checked,
                            raw=(pending.path, pending.steps, pending.track_steps))  # fmt: skip
-        if isinstance(prev, Tuples):  # this layer's tuples along the path (a copy of P steps a request)
+        if not prev.stores_states:  # this layer's steps along the path (a copy of P steps a request)
             prev = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, jnp.reshape(player, ()), 0), prev)
             player = np.int32(0)
         prev, r, steps, track_steps = reference.along_path(prev, r, path, steps, track_steps)
         pend = [r, steps, track_slots, track_steps]
-    return call.replace(pending=PendingCommit(prev, player, *pend))
+    return call.replace(pending=Pending(prev, *pend, layer=player))
+
+
+# Moved to gdn_lossless_jax.staging (not checks): one release under the old names.
+__getattr__ = _deprecated.alias(__name__, {"staged": "gdn_lossless_jax.staging:staged",
+                                           "unstaged": "gdn_lossless_jax.staging:unstaged"})  # fmt: skip

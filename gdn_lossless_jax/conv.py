@@ -13,7 +13,7 @@ kept deduplicated, as SGLang does on CUDA for linear chains: one ``[conv_dim, D+
 buffer per request with ``phys[..., c] = x_{c-(Kc-2)}`` (the first ``Kc-2`` columns are the
 old history), and window t is ``phys[..., t : t+Kc-1]``. Commit copies the accepted
 window (and the track window) into the conv state slots with the same masking, track and
-row rules as the SSM commit (:func:`gdn_lossless_jax.reference._masks`, reused).
+row rules as the SSM commit (:func:`gdn_lossless_jax.reference.commit_masks`, reused).
 
 Rounding: the inputs are rounded to the conv state's dtype first (the windows store them
 in it, so every tap reads the value a window holds); taps accumulate in fp32 from the bias
@@ -41,8 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import reference, rounding
-from .checks import as_index, check_float, check_index, check_rank, check_shape, fmt_shape, shape_of
+from . import backends, reference, rounding
+from .checks import check_float, check_index, check_rank, check_shape, fmt_shape, shape_of
+from .staging import as_index
 
 __all__ = ["causal_conv1d_verify", "causal_conv1d_verify_dense", "dense_windows", "conv_commit", "verify_from_pool",
            "tree_columns"]
@@ -159,18 +160,12 @@ def _verify_tree(conv_state, x, weight, bias, parents):
     return jnp.swapaxes(out, 1, 2).astype(x.dtype), cols[..., 1:]
 
 
-def _kernel_form(backend: str) -> str | None:
-    """The rounding form of the conv kernels for ``backend``, or None where XLA runs the conv:
-    the kernels serve the ``pallas`` and ``triton`` backends on CUDA (``"ptx"``) and ``pallas``
-    in interpret mode on a CPU (``"portable"``)."""
-    from . import backends
-
-    name = backends.resolve_name(backend)
-    if name not in ("pallas", "triton") or (name == "triton" and backends.platform() != "gpu"):
-        return None
-    from .backends.pallas import kernel_form
-
-    return kernel_form()
+def _conv_kernels(backend):
+    """The conv kernels of ``backend`` (a name or a backend object) where they run here
+    (:meth:`~gdn_lossless_jax.backends.contract.Backend.conv_kernels`), or None: XLA runs the conv.
+    The Pallas kernels serve ``pallas`` (on CUDA, and in interpret mode on a CPU) and ``triton``
+    (on CUDA)."""
+    return backends.lookup(backend).conv_kernels()
 
 
 def verify_from_pool(conv_pool, layer, slots, x, weight, bias=None, *, windows=None, rows=None, splits=None,
@@ -195,27 +190,25 @@ def verify_from_pool(conv_pool, layer, slots, x, weight, bias=None, *, windows=N
     Returns:
       ``(outputs, windows)``: a list of ``[N, D, c]`` arrays (one per split), and the windows.
     """
-    form = _kernel_form(backend) if parents is None else None
-    if form is not None:
-        from .backends.pallas import conv_verify
-
-        accs, win = conv_verify(x, weight, bias, conv_pool, slots, layer, splits=None if splits is None else tuple(splits),
-                                windows=windows, tape_layer=None if windows is None else layer, rows=rows, form=form,
-                                interpret=form == "portable")  # fmt: skip
+    kernels = _conv_kernels(backend) if parents is None else None
+    if kernels is not None:
+        accs, win = kernels.verify(x, weight, bias, conv_pool, slots, layer,
+                                   splits=None if splits is None else tuple(splits), windows=windows,
+                                   tape_layer=None if windows is None else layer, rows=rows)  # fmt: skip
         return [_silu(a).astype(x.dtype) for a in accs], win
     # any of them stacked over layers: this layer's (XLA slices them)
     x = x[layer] if x.ndim == 4 else x
     weight = weight[layer] if weight.ndim == 3 else weight
     bias = bias[layer] if bias is not None and bias.ndim == 2 else bias
     S = conv_pool.shape[1]
-    idx = jnp.where((slots >= 0) & (slots < S), slots, S)
+    idx = reference.in_range(slots, S)
     y, win = causal_conv1d_verify(conv_pool.at[layer, idx].get(mode="fill", fill_value=0), x, weight, bias, parents)
     bounds = np.cumsum([0, *(splits or (x.shape[-1],))])
     outs = [y[..., lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
     if windows is None:
         return outs, win
     R = windows.shape[1]
-    r = jnp.where((rows >= 0) & (rows < R), rows, R)
+    r = reference.in_range(rows, R)
     return outs, windows.at[layer, r, :, : win.shape[-1]].set(win.astype(windows.dtype), mode="drop")
 
 
@@ -260,7 +253,7 @@ def dense_windows(windows, kernel: int):
 
 @dataclasses.dataclass(frozen=True)
 class _Extent:
-    """The rows and steps of the window scratch, shaped like a tape for ``reference._masks``."""
+    """The rows and steps of the window scratch, shaped like a tape for ``reference.commit_masks``."""
 
     num_rows: int
     num_steps: int
@@ -319,11 +312,9 @@ def conv_commit(conv_pool, windows, slots, steps, track_slots=None, track_steps=
         check_rank(fn, "path", path, 2, "[N, P]")
         check_shape(fn, "path", path, (N, shape_of(path)[1]), "[N, P]", "N from slots")
         return _conv_commit_path(conv_pool, windows, slots, steps, track_slots, track_steps, rows, as_index(path))
-    form = _kernel_form(backend)
-    if form is not None:
-        from .backends.pallas import conv_commit as kernel
-
-        return kernel(conv_pool, windows, slots, steps, track_slots, track_steps, rows, interpret=form == "portable")
+    kernels = _conv_kernels(backend)
+    if kernels is not None:
+        return kernels.commit(conv_pool, windows, slots, steps, track_slots, track_steps, rows)
     return _conv_commit(conv_pool, windows, slots, steps, track_slots, track_steps, rows)
 
 
@@ -331,7 +322,7 @@ def conv_commit(conv_pool, windows, slots, steps, track_slots=None, track_steps=
 def _conv_commit(conv_pool, windows, slots, steps, track_slots, track_steps, rows):
     Kc = conv_pool.shape[-1] + 1
     D = windows.shape[-1] - (Kc - 2)
-    valid, accept, track = reference._masks(
+    valid, accept, track = reference.commit_masks(
         conv_pool, _Extent(windows.shape[1], D), slots, steps, track_slots, track_steps, rows
     )
     mine = windows[:, jnp.where(valid, rows, 0)]  # [L, N, C, D+Kc-2]
@@ -340,8 +331,8 @@ def _conv_commit(conv_pool, windows, slots, steps, track_slots, track_steps, row
         cols = jnp.clip(s, 0, D - 1)[:, None] + jnp.arange(Kc - 1)[None, :]  # [N, Kc-1]
         return jnp.take_along_axis(mine, cols[None, :, None, :], axis=-1)
 
-    conv_pool = reference._scatter(conv_pool, track_slots, track, pick(track_steps))
-    return reference._scatter(conv_pool, slots, accept, pick(steps))
+    conv_pool = reference.scatter_slots(conv_pool, track_slots, track, pick(track_steps))
+    return reference.scatter_slots(conv_pool, slots, accept, pick(steps))
 
 
 @jax.jit

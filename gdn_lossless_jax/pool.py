@@ -9,10 +9,10 @@ Layout (SGLang's MambaPool; every tensor has a padding slot or row, the ``+1``):
     conv_windows  [L, R+1, conv_dim, D+Kc-2]    conv dtype            deduplicated conv windows
 
 S mamba slots, R running requests (scratch rows are batch positions, not slots), D the
-most draft tokens a verify may carry. The shapes are defined once, here
-(:func:`state_specs`, :func:`tape_specs`, :func:`conv_window_spec`): :func:`allocate` builds
-the pool from them and :mod:`gdn_lossless_jax.memory` counts bytes from them, so the
-accounting equals the allocation byte for byte.
+most draft tokens a verify may carry. The shapes are defined once, in :mod:`gdn_lossless_jax.specs`
+(:func:`state_specs`, :func:`tape_specs`, :func:`conv_window_spec`, re-exported here):
+:func:`allocate` builds the pool from them and :mod:`gdn_lossless_jax.tools.memory` counts bytes
+from them, so the accounting equals the allocation byte for byte.
 
 :func:`verify_layer` runs one layer's conv and GDN verify from the pool and writes the
 tape and windows into scratch rows; :func:`commit` writes the accepted states of all
@@ -26,19 +26,22 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import api, checked as checked_mode, checks, reference, tree
-from .backends.contract import PendingCommit, VerifyCall
-from .checks import as_index, check_heads, check_index, check_rank, check_shape, fmt_shape, shape_of
+from . import api, backends, checked as checked_mode, checks, reference, tree
+from .backends.contract import VerifyCall
+from .checks import check_heads, check_index, check_rank, check_shape, fmt_shape, shape_of
 from .config import Geometry
 from .conv import conv_commit, verify_from_pool
-from .tape import Snapshots, Tape, Tuples, replace_fields
+from .reference import in_range
+from .staging import as_index, unstaged
+from .specs import (POOL_RECORD_MODES, SCRATCH, SCRATCH_MODES, ArraySpec, SeedRing, check_fits, conv_window_spec,
+                    device_free_bytes, scratch_rows, state_specs, tape_specs)  # fmt: skip
+from .tape import Pending, Tape, record_type, replace_fields
 
 __all__ = [
     "ArraySpec",
@@ -58,25 +61,6 @@ __all__ = [
     "tape_specs",
     "verify_layer",
 ]
-
-#: Record modes the pool allocates (those :func:`gdn_lossless_jax.verify` records).
-POOL_RECORD_MODES = checks.RECORD_MODES
-#: Record modes the memory accounting knows: the pool's, plus ``seed_ring``, the tuple ring of SGLang's
-#: lossless-verify pull request (k stored once per v-head).
-SCRATCH_MODES = (*POOL_RECORD_MODES, "seed_ring")
-
-
-@dataclasses.dataclass(frozen=True)
-class ArraySpec:
-    """The shape and dtype of one allocated array."""
-
-    shape: tuple[int, ...]
-    dtype: np.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * jnp.dtype(self.dtype).itemsize
-
 
 def _positive(fn: str, **values: int) -> None:
     for name, x in values.items():
@@ -105,48 +89,6 @@ def check_supported(fn: str, geometry: Geometry, *, drafts: int = 1, topk: int =
     else:
         shape = shape_of(parents)
         checks.check_tree(fn, parents, topk, shape[0] if len(shape) == 2 else 1, drafts)
-
-
-def scratch_rows(requests: int) -> int:
-    """Scratch rows for R running requests: R + 1 (SGLang's discard row for padding)."""
-    return requests + 1
-
-
-def state_specs(geometry: Geometry, slots: int, *, state_dtype=jnp.float32, conv_dtype=jnp.bfloat16) -> dict[str, ArraySpec]:
-    """The persistent pool: ``ssm [L, S+1, HV, V, K]`` and ``conv [L, S+1, conv_dim, Kc-1]``."""
-    g = geometry
-    return {
-        "ssm": ArraySpec((g.gdn_layers, slots + 1, g.num_v_heads, g.head_v_dim, g.head_k_dim), jnp.dtype(state_dtype)),
-        "conv": ArraySpec((g.gdn_layers, slots + 1, g.conv_dim, g.conv_kernel - 1), jnp.dtype(conv_dtype)),
-    }
-
-
-def tape_specs(geometry: Geometry, rows: int, drafts: int, record: str, *, state_dtype=jnp.float32) -> dict[str, ArraySpec]:
-    """The SSM scratch for ``rows`` scratch rows of D drafts, keyed by the tape's field names.
-
-    ``snapshots``: ``states [L, rows, D, HV, V, K]`` in the state dtype. ``tuples`` (ours):
-    ``u [L, rows, D, HV, V]``, ``k [L, rows, D, H, K]``, ``g [L, rows, D, HV]``, float32.
-    ``seed_ring`` (accounting only): as ``tuples`` but ``k`` per v-head, ``[L, rows, D, HV, K]``.
-    """
-    g = geometry
-    L, HV, H, K, V = g.gdn_layers, g.num_v_heads, g.num_k_heads, g.head_k_dim, g.head_v_dim
-    f32 = jnp.dtype(jnp.float32)
-    if record == "snapshots":
-        return {"states": ArraySpec((L, rows, drafts, HV, V, K), jnp.dtype(state_dtype))}
-    if record in ("tuples", "seed_ring"):
-        k_heads = H if record == "tuples" else HV
-        return {
-            "u": ArraySpec((L, rows, drafts, HV, V), f32),
-            "k": ArraySpec((L, rows, drafts, k_heads, K), f32),
-            "g": ArraySpec((L, rows, drafts, HV), f32),
-        }
-    raise ValueError(f"tape_specs: record must be one of {SCRATCH_MODES}, got {record!r}")
-
-
-def conv_window_spec(geometry: Geometry, rows: int, drafts: int, *, conv_dtype=jnp.bfloat16) -> ArraySpec:
-    """The deduplicated conv windows: ``[L, rows, conv_dim, D+Kc-2]`` in the conv dtype."""
-    g = geometry
-    return ArraySpec((g.gdn_layers, rows, g.conv_dim, drafts + g.conv_kernel - 2), jnp.dtype(conv_dtype))
 
 
 @jax.tree_util.register_dataclass
@@ -201,7 +143,8 @@ class StatePool:
 
     @property
     def record(self) -> str:
-        return "snapshots" if isinstance(self.tape, Snapshots) else "tuples"
+        """The record mode's name (its tape class: ``type(pool.tape)``)."""
+        return self.tape.mode
 
     @property
     def slots(self) -> int:
@@ -279,12 +222,10 @@ def allocate(
     _positive(fn, slots=slots, requests=requests, drafts=drafts)
     checks.check_math(fn, math)
     check_supported(fn, geometry, drafts=drafts, topk=topk, parents=parents)
-    if record not in POOL_RECORD_MODES:
-        raise ValueError(
-            f"{fn}: record must be one of {POOL_RECORD_MODES}, got {record!r}"
-            + (" (seed_ring, the pull request's layout, is counted by gdn_lossless_jax.memory, not allocated)"
-               if record == "seed_ring" else "")
-        )
+    if record == "seed_ring":
+        raise ValueError(f"{fn}: record must be one of {POOL_RECORD_MODES}, got {record!r} (seed_ring, the pull "
+                         "request's layout, is counted by gdn_lossless_jax.memory, not allocated)")  # fmt: skip
+    record = record_type(record, fn)
     if jnp.dtype(state_dtype) not in checks.STATE_DTYPES:
         raise TypeError(f"{fn}: state_dtype must be float32 or bfloat16, got {jnp.dtype(state_dtype)}")
     if not jnp.issubdtype(conv_dtype, jnp.floating):
@@ -297,11 +238,10 @@ def allocate(
     sizes |= {"tape": sum(v.nbytes for v in tape_fields.values()), "conv_windows": window_spec.nbytes}
     if defer_commit:  # the second scratch tape
         sizes["deferred tape"] = sizes["tape"]
-    _check_fits(fn, sizes, free_bytes)
+    check_fits(fn, sizes, free_bytes)
     zeros = lambda spec: jnp.zeros(spec.shape, spec.dtype)  # noqa: E731
     states = {k: zeros(s) for k, s in specs.items()}
-    fields = {k: zeros(s) for k, s in tape_fields.items()}
-    tape = Snapshots(**fields) if record == "snapshots" else Tuples(**fields)
+    tape = record(**{k: zeros(s) for k, s in tape_fields.items()})
     windows = zeros(window_spec)
     deferred = None
     if defer_commit:
@@ -309,54 +249,6 @@ def allocate(
         deferred = Deferred(jax.tree.map(jnp.zeros_like, tape), *off, jnp.zeros((rows,), bool))
     return StatePool(ssm=states["ssm"], conv=states["conv"], tape=tape, conv_windows=windows, geometry=geometry,
                      deferred=deferred, math=math)  # fmt: skip
-
-
-def device_free_bytes(device: jax.Device | None = None) -> tuple[int | None, str]:
-    """``(bytes free, where the figure comes from)`` on ``device`` (default: JAX's first device).
-
-    An accelerator's allocator limit less its bytes in use (``memory_stats()``); on a CPU the
-    host's available memory (``MemAvailable`` in ``/proc/meminfo``); ``(None, ...)`` where
-    neither is known.
-    """
-    device = device or jax.devices()[0]
-    stats = device.memory_stats() or {}
-    if "bytes_limit" in stats:
-        limit, used = stats["bytes_limit"], stats.get("bytes_in_use", 0)
-        return limit - used, f"on device {device} (bytes_limit {limit:,} - bytes_in_use {used:,})"
-    if device.platform == "cpu":
-        try:
-            with open("/proc/meminfo") as f:
-                kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
-            return kib * 1024, f"on the host of {device} (MemAvailable)"
-        except (OSError, StopIteration, ValueError):
-            pass
-    return None, f"on device {device} (free memory unknown)"
-
-
-def _size(n: int) -> str:
-    unit = next((u for u in range(4, 0, -1) if n >= 1 << (10 * u)), 0)
-    return f"{n / (1 << (10 * unit)):,.2f} {('B', 'KiB', 'MiB', 'GiB', 'TiB')[unit]}" if unit else f"{n} B"
-
-
-def _check_fits(fn: str, sizes: dict[str, int], free_bytes: int | None) -> None:
-    """Raise MemoryError, naming the bytes asked (per array) and free, if ``sizes`` cannot fit."""
-    need = sum(sizes.values())
-    where = "(the free_bytes argument)"
-    if free_bytes is None:
-        free_bytes, where = device_free_bytes()
-    if free_bytes is None or need <= free_bytes:
-        return
-    detail = ", ".join(f"{k} {_size(v)}" for k, v in sizes.items())
-    raise MemoryError(
-        f"{fn}: the pool needs {need:,} bytes ({_size(need)}: {detail}) but {free_bytes:,} bytes "
-        f"({_size(free_bytes)}) are free {where}; nothing was allocated. Allocate fewer slots, requests or "
-        "drafts, or a smaller geometry"
-    )
-
-
-def _in_range(idx, n):
-    """Indices outside ``[0, n)`` become ``n`` (dropped by scatters, filled by gathers; never wrapped)."""
-    return jnp.where((idx >= 0) & (idx < n), idx, n)
 
 
 def _check_layer(fn: str, pool: StatePool, layer) -> None:
@@ -464,7 +356,7 @@ def store_layer(pool: StatePool, layer, tape: Tape, windows: jax.Array, rows=Non
 
 def _store_windows(pool: StatePool, layer, rows, windows) -> jax.Array:
     """``conv_windows[layer, rows[n], :, :D+Kc-2] = windows[n]``; out-of-range rows are dropped."""
-    r = _in_range(rows, pool.rows)
+    r = in_range(rows, pool.rows)
     return pool.conv_windows.at[layer, r, :, : windows.shape[-1]].set(windows.astype(pool.conv_windows.dtype), mode="drop")
 
 
@@ -573,7 +465,7 @@ def verify_layer(
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames=("scale", "backend"))
-@checks.unstaged  # verify_layer staged its index arguments where its caller traces
+@unstaged  # verify_layer staged its index arguments where its caller traces
 def _verify_layer(pool, layer, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, slots, rows, parents=None, *,
                   scale, backend):  # fmt: skip
     # The kernels read each request's conv and SSM states from the pool by slot and write the
@@ -582,9 +474,10 @@ def _verify_layer(pool, layer, mixed_qkv, a, b, conv_weight, conv_bias, A_log, d
     g = pool.geometry
     N, D, _ = mixed_qkv.shape[-3:]
     HK = g.num_k_heads * g.head_k_dim
+    impl = backends.resolve(backend, "verify", pool.math)  # resolved once: the conv's kernels and the verify's
     (q, k, v), windows = verify_from_pool(
         pool.conv, layer, slots, mixed_qkv, conv_weight, conv_bias, windows=pool.conv_windows, rows=rows,
-        splits=(HK, HK, g.num_v_heads * g.head_v_dim), backend=backend, parents=parents,
+        splits=(HK, HK, g.num_v_heads * g.head_v_dim), backend=impl, parents=parents,
     )  # fmt: skip
     q = q.reshape(N, D, g.num_k_heads, g.head_k_dim)
     k = k.reshape(N, D, g.num_k_heads, g.head_k_dim)
@@ -592,9 +485,9 @@ def _verify_layer(pool, layer, mixed_qkv, a, b, conv_weight, conv_bias, A_log, d
     d = pool.deferred
     # verify_layer checked every argument: the backend's call directly (api.verify would check again)
     call = VerifyCall(pool.ssm, slots, layer, q, k, v, a, b, A_log, dt_bias, rows=rows, tape_layer=layer, scale=scale,
-                      record=pool.record, out_dtype=jnp.dtype(q.dtype), parents=parents, math=pool.math)  # fmt: skip
+                      record=type(pool.tape), out_dtype=jnp.dtype(q.dtype), parents=parents, math=pool.math)  # fmt: skip
     if d is None:
-        outputs, tape = api.run_verify(call.replace(tape=pool.tape), backend)
+        outputs, tape = api.run_verify(call.replace(tape=pool.tape), impl)
         return outputs, dataclasses.replace(pool, tape=tape, conv_windows=windows)
     # The previous step's commit of each request's slot, applied inside this layer's verify.
     # (Every layer of the step applies its own layer's part: `applied` only tells the next flush.)
@@ -602,8 +495,8 @@ def _verify_layer(pool, layer, mixed_qkv, a, b, conv_weight, conv_bias, A_log, d
     has, j = match.any(1), jnp.argmax(match, axis=1)
     pick = lambda x: jnp.where(has, x[j], -1)  # noqa: E731
     current, pending_tape = d.buffers(pool.tape)
-    pending = PendingCommit(pending_tape, layer, pick(d.rows), pick(d.steps), pick(d.track_slots), pick(d.track_steps))
-    outputs, tape, ssm = api.run_verify(call.replace(tape=current, pending=pending), backend)
+    pending = Pending(pending_tape, pick(d.rows), pick(d.steps), pick(d.track_slots), pick(d.track_steps), layer=layer)
+    outputs, tape, ssm = api.run_verify(call.replace(tape=current, pending=pending), impl)
     d = dataclasses.replace(d, applied=d.applied | match.any(0))
     if d.parity:
         return outputs, dataclasses.replace(pool, ssm=ssm, conv_windows=windows, deferred=dataclasses.replace(d, tape=tape))
@@ -668,14 +561,14 @@ def commit(
             D = pool.drafts if path is None else path.shape[1]
             checked_mode.check_commit("pool.commit", pool.ssm.shape[1], pool.rows, D, *ints)
     # Defaults (None) are filled, and every argument checked, by the two commits it calls; the
-    # index arrays are staged here, where the caller traces (checks.as_index).
+    # index arrays are staged here, where the caller traces (staging.as_index).
     ix = [as_index(x) if isinstance(x, jax.Array) and x.dtype == jnp.int32 else x
           for x in (slots, steps, track_slots, track_steps, rows)]  # fmt: skip
     return _commit(pool, *ix, path, backend=backend)
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames=("backend",))
-@checks.unstaged  # commit staged its index arguments where its caller traces
+@unstaged  # commit staged its index arguments where its caller traces
 def _commit(pool, slots, steps, track_slots, track_steps, rows, path=None, *, backend):
     conv = conv_commit(pool.conv, pool.conv_windows, slots, steps, track_slots, track_steps, rows, backend=backend,
                        path=path)  # fmt: skip
@@ -700,8 +593,9 @@ def _commit(pool, slots, steps, track_slots, track_steps, rows, path=None, *, ba
 
 
 def _along_path(pool: StatePool, rows, path, steps, track_steps):
-    """A deferred tree commit made a chain's: snapshots map each position to its node; tuples
-    write each row's path entries to its first P steps (in this step's tape, in place). Returns
+    """A deferred tree commit made a chain's (the record mode's ``along_path``): snapshots map each
+    position to its node; tuples write each row's path entries to its first P steps (in this step's
+    tape, in place). Returns
     ``(pool, steps, track_steps)``."""
     N = path.shape[0]
     if rows is None:
@@ -711,8 +605,8 @@ def _along_path(pool: StatePool, rows, path, steps, track_steps):
     d = pool.deferred
     written = d.tape if d.parity else pool.tape  # the tape this step's verify wrote
     new, _, steps, track_steps = reference.along_path(written, jnp.asarray(rows, jnp.int32), path, steps, track_steps)
-    if isinstance(written, Tuples):
-        r, P = _in_range(jnp.asarray(rows, jnp.int32), written.num_rows), path.shape[1]
+    if new is not written:  # the mode gathered the path's steps (tuples): into this step's tape, in place
+        r, P = in_range(jnp.asarray(rows, jnp.int32), written.num_rows), path.shape[1]
         written = jax.tree.map(lambda t, x: t.at[:, r, :P].set(x, mode="drop"), written, new)
         pool = (dataclasses.replace(pool, deferred=dataclasses.replace(d, tape=written)) if d.parity
                 else dataclasses.replace(pool, tape=written))  # fmt: skip

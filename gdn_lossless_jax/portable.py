@@ -18,7 +18,7 @@ compiler nothing to choose. A GPU kernel may call the hardware's ``fma.rn``/``mu
 ``add.rn``/``div.rn``/``sqrt.rn`` instead: they round the same, so they give the same bits.
 
 Accuracy against float64 (docs/design.md, "Portable mode", has the full sweeps of
-``scripts/portable_accuracy.py``; ``tests/test_portable.py`` checks samples):
+``python -m gdn_lossless_jax.tools.accuracy``; ``tests/test_portable.py`` checks samples):
 
 * :func:`exp`: within 0.52 ULP where the result is normal, correctly rounded on all but
   ~0.1% of inputs; within 0.76 ULP where the result is subnormal (below ``exp(-87.34)``).

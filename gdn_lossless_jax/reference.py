@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _deprecated, portable, rounding
-from .tape import Snapshots, Tuples
+from .tape import Tape, Tuples, record_type
 
 __all__ = [
     "gates",
@@ -50,6 +50,10 @@ __all__ = [
     "replay",
     "replay_two",
     "commit",
+    "commit_masks",
+    "in_range",
+    "scatter_slots",
+    "apply_pending",
     "path_steps",
     "along_path",
     "read_slots",
@@ -201,13 +205,15 @@ def _portable_step(S, x):
     return S_new, (portable.dot(S_new, q), u)
 
 
-def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record: str = "tuples", scale: float, out_dtype=None,
+def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record: str | type[Tape] = Tuples, scale: float, out_dtype=None,
            parents=None, math: str = "platform"):  # fmt: skip
     """Run the D draft steps as a ``lax.scan`` of :func:`gdn_step`; ``state0`` is not modified.
 
-    Returns ``(outputs [N, D, HV, V], tape)``: a :class:`Tuples` tape (``u``, ``k`` per
-    q/k head, ``g``; fp32) or a :class:`Snapshots` tape (the state after every step,
-    rounded to ``state0.dtype``). The outputs do not depend on ``record``. With ``parents``
+    Returns ``(outputs [N, D, HV, V], tape)``: the tape of the record mode ``record`` (its class,
+    or its name), e.g. :class:`Tuples` (``u``, ``k`` per q/k head, ``g``; fp32) or
+    :class:`~gdn_lossless_jax.tape.Snapshots` (the state after every step, rounded to
+    ``state0.dtype``); :meth:`~gdn_lossless_jax.tape.Tape.recorded` keeps what the mode keeps of
+    the steps. The outputs do not depend on ``record``. With ``parents``
     (``[N, D]`` int32, :mod:`gdn_lossless_jax.tree`) the D drafts are the nodes of a tree
     (:func:`tree_chain`); None is the linear chain. ``math``: one of :data:`MATH_MODES`
     (:func:`gdn_lossless_jax.verify`).
@@ -219,7 +225,7 @@ def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record: str = "tuples", sca
     return chain(state0, qn, kn, v, g, beta, record=record, out_dtype=out_dtype or q.dtype, step=step)
 
 
-def chain(state0, qn, kn, v, g, beta, *, record: str, out_dtype, step: Callable = gdn_step):
+def chain(state0, qn, kn, v, g, beta, *, record: str | type[Tape], out_dtype, step: Callable = gdn_step):
     """The state chain of :func:`verify` from prepared inputs (:func:`prepare`), in ``qn``'s dtype.
 
     ``step`` is the state transition (:func:`gdn_step` with the pinned rule; the plain-float
@@ -245,11 +251,11 @@ def chain(state0, qn, kn, v, g, beta, *, record: str, out_dtype, step: Callable 
     o, u, states = (jnp.moveaxis(y, 0, 1) for y in lax.optimization_barrier(ys))
     states = states.astype(state0.dtype)
     outputs = o.astype(out_dtype)
-    tape = Snapshots(states) if record == "snapshots" else Tuples(u=u, k=kn, g=g)
-    return outputs, tape
+    return outputs, record_type(record).recorded(u=u, k=kn, g=g, states=states)
 
 
-def tree_chain(state0, qn, kn, v, g, beta, parents, *, record: str, out_dtype, step: Callable = gdn_step):
+def tree_chain(state0, qn, kn, v, g, beta, parents, *, record: str | type[Tape], out_dtype,
+               step: Callable = gdn_step):
     """:func:`chain` for a draft tree: node d's state is ``step`` of its parent's state (``state0`` for
     a parent of -1) and node d's inputs.
 
@@ -282,8 +288,7 @@ def tree_chain(state0, qn, kn, v, g, beta, parents, *, record: str, out_dtype, s
     o, u, states = (jnp.moveaxis(y, 0, 1) for y in lax.optimization_barrier(ys))
     states = states.astype(state0.dtype)
     outputs = o.astype(out_dtype)
-    tape = Snapshots(states) if record == "snapshots" else Tuples(u=u, k=kn, g=g)
-    return outputs, tape
+    return outputs, record_type(record).recorded(u=u, k=kn, g=g, states=states)
 
 
 #: Each verify input's rank for one layer (in verify's argument order); one more means the input
@@ -333,10 +338,7 @@ def verify_form(call, *, verify_fn: Callable = verify, commit_fn: Callable | Non
     )
     p = call.pending
     if p is not None:  # the previous step's commit of this layer, then the verify from the pool it leaves
-        one = jax.tree.map(lambda x: x[p.layer][None], p.tape)
-        committed = commit_fn(pool[layer][None], one, call.slots, p.steps, p.track_slots, p.track_steps, p.rows,
-                              **_math_kw(call))
-        pool = lax.dynamic_update_index_in_dim(pool, committed[0], layer, 0)
+        pool = apply_pending(call, functools.partial(commit_fn, **_math_kw(call)))
     # a plain state0 (a one-layer pool whose slot n is request n) is read as it is: no gather to partition
     state = read_slots(pool, layer, call.slots) if call.pool_form else pool[0]
     tree = {} if getattr(call, "parents", None) is None else {"parents": call.parents}
@@ -348,6 +350,17 @@ def verify_form(call, *, verify_fn: Callable = verify, commit_fn: Callable | Non
         out = call.out
         outputs = lax.dynamic_update_index_in_dim(out, outputs.astype(out.dtype), jnp.reshape(call.out_layer, ()), 0)
     return (outputs, new) if p is None else (outputs, new, pool)
+
+
+def apply_pending(call, commit_fn: Callable):
+    """The pool after ``call.pending``'s commit of the call's layer: ``commit_fn(pool, tape, slots,
+    steps, track_slots, track_steps, rows)`` (a one-layer pool and that layer's tape) written back
+    at ``call.layer``. What a fused verify computes first; for a backend that does not fuse it
+    (:class:`~gdn_lossless_jax.backends.contract.Capabilities` ``fused=False``), what the API runs."""
+    p, pool, layer = call.pending, call.pool, jnp.reshape(call.layer, ())
+    one = jax.tree.map(lambda x: x[p.layer][None], p.tape)
+    committed = commit_fn(pool[layer][None], one, call.slots, p.steps, p.track_slots, p.track_steps, p.rows)
+    return lax.dynamic_update_index_in_dim(pool, committed[0], layer, 0)
 
 
 def _math_kw(call) -> dict:
@@ -407,8 +420,20 @@ def replay(state0, tuples: Tuples, steps, *, rule: Callable = rounding.apply_rul
     return final
 
 
-def _masks(pool, tape, slots, steps, track_slots, track_steps, rows):
-    """Which requests write their accepted and track states (SGLang's scatter rules)."""
+def in_range(idx, n):
+    """Indices outside ``[0, n)`` become ``n`` (dropped by scatters, filled by gathers; never wrapped)."""
+    return jnp.where((idx >= 0) & (idx < n), idx, n)
+
+
+def commit_masks(pool, tape, slots, steps, track_slots, track_steps, rows):
+    """Which requests write their accepted and track states (SGLang's scatter rules), the one
+    statement of them every commit (SSM, conv, the kernels') follows: ``(valid, accept, track)``,
+    ``[N]`` bool. ``tape`` needs only ``num_rows`` and ``num_steps``; ``pool`` only its slots
+    (axis 1).
+
+    ``valid``: slot and row in range (else the whole request is skipped); ``accept``: valid and
+    the step in ``[0, D)``; ``track``: valid, the track step in ``[0, D)`` and the track slot in
+    range."""
     S = pool.shape[1]
     R, D = tape.num_rows, tape.num_steps
     valid = (slots >= 0) & (slots < S) & (rows >= 0) & (rows < R)
@@ -417,7 +442,10 @@ def _masks(pool, tape, slots, steps, track_slots, track_steps, rows):
     return valid, accept, track
 
 
-def _scatter(pool, dst, ok, states):
+_masks = commit_masks  # (the name other modules used before it was public)
+
+
+def scatter_slots(pool, dst, ok, states):
     """``pool[:, dst[i]] = states[:, i]`` where ``ok[i]``; other slots keep their bits."""
     idx = jnp.where(ok, dst, pool.shape[1])  # out of range: dropped (negative would wrap)
     return pool.at[:, idx].set(states.astype(pool.dtype), mode="drop")
@@ -439,23 +467,17 @@ def along_path(tape, rows, path, steps, track_steps):
     ``path [N, P]`` (node indices from the root's child down, -1 padded; ``steps`` and
     ``track_steps`` positions along it). Returns ``(tape, rows, steps, track_steps)``.
 
-    Snapshots: the same tape, and each position mapped to its node (the snapshot of node
-    ``path[i, s]``). Tuples: the path's tuples gathered into a chain tape ``[L, N, P, ...]`` (row i
-    request i's path; an out-of-range row becomes row N, skipped), so that a chain replay of it
-    applies exactly the path's steps, in order. Positions whose path does not reach them are -1
-    (:func:`path_steps`). Any backend's chain commit then commits the tree.
+    The record mode's own (:meth:`~gdn_lossless_jax.tape.Tape.along_path`). Snapshots: the same
+    tape, and each position mapped to its node (the snapshot of node ``path[i, s]``). Tuples: the
+    path's tuples gathered into a chain tape ``[L, N, P, ...]`` (row i request i's path; an
+    out-of-range row becomes row N, skipped), so that a chain replay of it applies exactly the
+    path's steps, in order. Positions whose path does not reach them are -1 (:func:`path_steps`).
+    Any backend's chain commit then commits the tree.
     """
-    R, D = tape.num_rows, tape.num_steps
+    D = tape.num_steps
     path = jnp.asarray(path, jnp.int32)
-    N, P = path.shape
     steps, track_steps = path_steps(path, steps, D), path_steps(path, track_steps, D)
-    if isinstance(tape, Snapshots):
-        at = lambda s: jnp.where(s >= 0, jnp.take_along_axis(path, jnp.clip(s, 0, P - 1)[:, None], 1)[:, 0], -1)  # noqa: E731
-        return tape, rows, at(steps), at(track_steps)
-    ok = (rows >= 0) & (rows < R)
-    r, nodes = jnp.where(ok, rows, 0), jnp.clip(path, 0, D - 1)
-    tape = jax.tree.map(lambda t: t[:, r[:, None], nodes], tape)
-    return tape, jnp.where(ok, jnp.arange(N, dtype=jnp.int32), N), steps, track_steps
+    return tape.along_path(rows, path, steps, track_steps)
 
 
 def commit(pool, tape, slots, steps, track_slots, track_steps, rows, *, rule: Callable = rounding.apply_rule,
@@ -465,30 +487,22 @@ def commit(pool, tape, slots, steps, track_slots, track_steps, rows, *, rule: Ca
     Args:
       pool: ``[L, S, HV, V, K]`` float32 or bfloat16 state pool (all GDN layers).
       tape: :class:`Tuples` (``u [L, R, D, HV, V]``, ``k [L, R, D, H, K]``,
-        ``g [L, R, D, HV]``) or :class:`Snapshots` (``[L, R, D, HV, V, K]``).
+        ``g [L, R, D, HV]``) or :class:`~gdn_lossless_jax.tape.Snapshots` (``[L, R, D, HV, V, K]``): its
+        record mode gives the states (:meth:`~gdn_lossless_jax.tape.Tape.states_at`).
       slots, steps, track_slots, track_steps, rows: ``[N]`` int32.
     Returns:
       the new pool. Request i writes ``pool[:, slots[i]]`` = state after ``steps[i]``
       and ``pool[:, track_slots[i]]`` = state after ``track_steps[i]``, both from the
       pre-verify state ``pool[:, slots[i]]``; see :func:`gdn_lossless_jax.commit`.
     """
-    valid, accept, track = _masks(pool, tape, slots, steps, track_slots, track_steps, rows)
+    valid, accept, track = commit_masks(pool, tape, slots, steps, track_slots, track_steps, rows)
     slot_i = jnp.where(valid, slots, 0)
     row_i = jnp.where(valid, rows, 0)
-    if isinstance(tape, Snapshots):
-        D = tape.num_steps
-        pick = lambda s: tape.states[:, row_i, jnp.clip(s, 0, D - 1)]  # noqa: E731
-        final, tracked = pick(steps), pick(track_steps)
-    else:
-        L, N = pool.shape[0], slots.shape[0]
-        state0 = pool[:, slot_i].reshape(L * N, *pool.shape[2:])
-        tuples = jax.tree.map(lambda t: t[:, row_i].reshape(L * N, *t.shape[2:]), tape)
-        tile = lambda s: jnp.tile(s, L)  # noqa: E731
-        final, tracked = replay_two(state0, tuples, tile(steps), tile(track_steps), rule=rule, math=math)
-        final, tracked = (x.reshape(L, N, *pool.shape[2:]) for x in (final, tracked))
+    replay = functools.partial(replay_two, rule=rule, math=math)
+    final, tracked = tape.states_at(pool, slot_i, row_i, steps, track_steps, replay=replay)
     # Both states were computed from the pre-verify pool above, before either write.
-    pool = _scatter(pool, track_slots, track, tracked)
-    return _scatter(pool, slots, accept, final)
+    pool = scatter_slots(pool, track_slots, track, tracked)
+    return scatter_slots(pool, slots, accept, final)
 
 
 __getattr__ = _deprecated.alias(__name__, {"commit_accepted_first": "gdn_lossless_jax.testing.controls:commit_accepted_first"})

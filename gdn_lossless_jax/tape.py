@@ -1,6 +1,8 @@
-"""The tapes verify records: per-step tuples (the lossless way) or full state snapshots.
+"""The tapes verify records, one class a record mode: per-step tuples (the lossless way) or full
+state snapshots. A record mode is a :class:`Tape` subclass registered in :data:`RECORDS`; the
+``record=`` string is read at the API's edge only (:func:`record_type`).
 
-Both are frozen pytrees (``chex.dataclass``-style, registered with JAX), so they pass
+Tapes are frozen pytrees (``chex.dataclass``-style, registered with JAX), so they pass
 through ``jax.jit``, ``lax.scan`` and ``jax.tree_util`` like any other tree of arrays.
 Shapes are given per layer; a tape for ``commit`` carries a leading layer axis ``L``.
 """
@@ -8,13 +10,14 @@ Shapes are given per layer; a tape for ``commit`` carries a leading layer axis `
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Tuples", "Snapshots", "Tape", "Pending", "stack_tapes", "replace_fields"]
+__all__ = ["Tape", "Tuples", "Snapshots", "RECORDS", "RECORD_MODES", "record_type", "FieldLayout", "STATE_DTYPE",
+           "Pending", "stack_tapes", "replace_fields"]
 
 
 def replace_fields(obj: Any, fields: dict[str, Any]) -> Any:
@@ -28,12 +31,74 @@ def replace_fields(obj: Any, fields: dict[str, Any]) -> Any:
     return dataclasses.replace(obj, **fields)
 
 
-class _TapeFields:
-    """What both tapes share: :meth:`replace`, and the step and row counts, read off the first
-    field (``_trailing``: its axes after the step axis)."""
+class FieldLayout(NamedTuple):
+    """One field of a tape, per draft step: its trailing shape (after ``[..., R, D]``), its dtype
+    (:data:`STATE_DTYPE`: the state pool's), and its dimensions' names for messages. A ``None`` in
+    ``shape`` is a size the tape itself tells (the q/k heads where the caller does not know them)."""
 
-    _trailing: ClassVar[int]
+    shape: tuple[int | None, ...]
+    dtype: Any
+    dims: str
 
+
+#: The dtype of a field stored in the state pool's dtype (float32 or bfloat16), as :class:`FieldLayout` says it.
+STATE_DTYPE = "state"
+
+
+class Tape:
+    """A record mode: what verify keeps of its D draft steps, so that commit can write the
+    accepted state. Each mode is one frozen pytree dataclass, a subclass of this one, registered
+    in :data:`RECORDS` under its ``record=`` name; everything the library does with a tape that
+    depends on the mode is a method or a flag here, so a new mode is one class.
+
+    Class attributes (a subclass sets them):
+      mode: its ``record=`` name (``"tuples"``, ``"snapshots"``).
+      stores_states: the kernels' flag: the tape holds the state after every step (commit copies
+        it) rather than what a replay needs (commit replays). A backend declares the modes its
+        kernels take in its ``capabilities.records`` (:mod:`gdn_lossless_jax.backends.contract`).
+      noun: how messages name one (``"tuple"``, ``"snapshot"``).
+
+    Methods a subclass implements: :meth:`layout` (allocation, scratch accounting and the
+    argument checks all derive from it), :meth:`recorded` (what a verify keeps of its steps),
+    :meth:`states_at` (the commit's states: a copy or a replay), :meth:`along_path` (a draft
+    tree's accepted path as a chain).
+    """
+
+    mode: ClassVar[str]
+    stores_states: ClassVar[bool]
+    noun: ClassVar[str]
+    _trailing: ClassVar[int]  # the first field's axes after the step axis
+
+    # -- what a mode is ------------------------------------------------------------------------
+    @classmethod
+    def layout(cls, *, H: int | None, HV: int, V: int, K: int) -> dict[str, FieldLayout]:
+        """Each field's per-step layout, in field order (``H`` None: read from the tape)."""
+        raise NotImplementedError
+
+    @classmethod
+    def recorded(cls, *, u: jax.Array, k: jax.Array, g: jax.Array, states: jax.Array) -> "Tape":
+        """The tape of a verify from what its steps computed: ``u [..., D, HV, V]``, the normalised
+        ``k [..., D, H, K]``, the log-decays ``g [..., D, HV]`` (fp32) and the states after each
+        step ``[..., D, HV, V, K]`` (in the pool's dtype)."""
+        raise NotImplementedError
+
+    def states_at(self, pool, slots, rows, steps, track_steps, *, replay: Callable):
+        """The states after ``steps`` and after ``track_steps`` (``[N]`` int, clipped into range:
+        the caller masks), ``[L, N, HV, V, K]`` each, of request n at ``pool[:, slots[n]]`` with
+        tape row ``rows[n]`` (both in range). ``replay(state0 [M, ...], tuples [M, D, ...], steps,
+        track_steps)`` is the replay of the tape's steps (:func:`gdn_lossless_jax.reference.replay_two`,
+        with the rule and ``exp`` of the call), for modes that replay."""
+        raise NotImplementedError
+
+    def along_path(self, rows, path, steps, track_steps):
+        """A draft tree's commit as a chain's: ``(tape, rows, steps, track_steps)`` such that a chain
+        commit of them writes the states along ``path [N, P]`` (node indices; ``steps`` positions
+        along it, -1 where the path does not reach them). The same tape where positions can be
+        mapped to nodes; a gathered chain tape ``[L, N, P, ...]`` (row i request i's path, an
+        out-of-range row made row N) where the steps must be applied in order."""
+        raise NotImplementedError
+
+    # -- what every mode shares ---------------------------------------------------------------
     def replace(self, **fields: jax.Array):
         """A copy with the given fields replaced, e.g. ``tape.replace(g=g2)``."""
         return replace_fields(self, fields)
@@ -49,10 +114,26 @@ class _TapeFields:
     def num_rows(self) -> int:
         return self._lead_shape()[-2 - self._trailing]
 
+    @classmethod
+    def specs(cls, lead: tuple[int, ...], *, H: int, HV: int, V: int, K: int, state_dtype) -> dict[str, tuple]:
+        """``{field: (shape, dtype)}`` of a tape ``[*lead, ...]`` (``lead`` ends with R, D): what
+        :func:`gdn_lossless_jax.pool.allocate` allocates and the memory accounting counts."""
+        out = {}
+        for name, f in cls.layout(H=H, HV=HV, V=V, K=K).items():
+            dtype = jnp.dtype(state_dtype) if f.dtype == STATE_DTYPE else jnp.dtype(f.dtype)
+            out[name] = ((*lead, *f.shape), dtype)
+        return out
+
+    @classmethod
+    def zeros(cls, lead: tuple[int, ...], *, H: int, HV: int, V: int, K: int, state_dtype) -> "Tape":
+        """A zero-filled tape ``[*lead, ...]`` (:meth:`specs`)."""
+        specs = cls.specs(lead, H=H, HV=HV, V=V, K=K, state_dtype=state_dtype)
+        return cls(**{name: jnp.zeros(shape, dtype) for name, (shape, dtype) in specs.items()})
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Tuples(_TapeFields):
+class Tuples(Tape):
     """The lossless tape: what replay needs to rebuild every draft step's state.
 
     Attributes:
@@ -65,12 +146,41 @@ class Tuples(_TapeFields):
     u: jax.Array
     k: jax.Array
     g: jax.Array
+    mode: ClassVar[str] = "tuples"
+    stores_states: ClassVar[bool] = False
+    noun: ClassVar[str] = "tuple"
     _trailing: ClassVar[int] = 2  # u [..., N, D, HV, V]
+
+    @classmethod
+    def layout(cls, *, H, HV, V, K):
+        f32 = jnp.dtype(jnp.float32)
+        return {"u": FieldLayout((HV, V), f32, "HV, V"), "k": FieldLayout((H, K), f32, "H, K"),
+                "g": FieldLayout((HV,), f32, "HV")}  # fmt: skip
+
+    @classmethod
+    def recorded(cls, *, u, k, g, states):
+        return cls(u=u, k=k, g=g)
+
+    def states_at(self, pool, slots, rows, steps, track_steps, *, replay):
+        L, N = pool.shape[0], slots.shape[0]
+        state0 = pool[:, slots].reshape(L * N, *pool.shape[2:])
+        tuples = jax.tree.map(lambda t: t[:, rows].reshape(L * N, *t.shape[2:]), self)
+        tile = lambda s: jnp.tile(s, L)  # noqa: E731
+        final, tracked = replay(state0, tuples, tile(steps), tile(track_steps))
+        return tuple(x.reshape(L, N, *pool.shape[2:]) for x in (final, tracked))
+
+    def along_path(self, rows, path, steps, track_steps):
+        R, D = self.num_rows, self.num_steps
+        N = path.shape[0]
+        ok = (rows >= 0) & (rows < R)
+        r, nodes = jnp.where(ok, rows, 0), jnp.clip(path, 0, D - 1)
+        tape = jax.tree.map(lambda t: t[:, r[:, None], nodes], self)
+        return tape, jnp.where(ok, jnp.arange(N, dtype=jnp.int32), N), steps, track_steps
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Snapshots(_TapeFields):
+class Snapshots(Tape):
     """The dense tape: the state after every draft step.
 
     Attributes:
@@ -78,10 +188,47 @@ class Snapshots(_TapeFields):
     """
 
     states: jax.Array
+    mode: ClassVar[str] = "snapshots"
+    stores_states: ClassVar[bool] = True
+    noun: ClassVar[str] = "snapshot"
     _trailing: ClassVar[int] = 3  # states [..., N, D, HV, V, K]
 
+    @classmethod
+    def layout(cls, *, H, HV, V, K):
+        return {"states": FieldLayout((HV, V, K), STATE_DTYPE, "HV, V, K")}
 
-Tape = Tuples | Snapshots
+    @classmethod
+    def recorded(cls, *, u, k, g, states):
+        return cls(states)
+
+    def states_at(self, pool, slots, rows, steps, track_steps, *, replay):
+        D = self.num_steps
+        pick = lambda s: self.states[:, rows, jnp.clip(s, 0, D - 1)]  # noqa: E731
+        return pick(steps), pick(track_steps)
+
+    def along_path(self, rows, path, steps, track_steps):
+        P = path.shape[1]
+        at = lambda s: jnp.where(s >= 0, jnp.take_along_axis(path, jnp.clip(s, 0, P - 1)[:, None], 1)[:, 0], -1)  # noqa: E731
+        return self, rows, at(steps), at(track_steps)
+
+
+#: The record modes, by their ``record=`` name: adding a mode is its class and one entry here.
+RECORDS: dict[str, type[Tape]] = {cls.mode: cls for cls in (Tuples, Snapshots)}
+#: The ``record=`` names (:data:`RECORDS`' keys).
+RECORD_MODES = tuple(RECORDS)
+
+
+def _tape_names() -> str:
+    return " or ".join(cls.__name__ for cls in RECORDS.values())
+
+
+def record_type(record: "str | type[Tape]", fn: str = "record") -> type[Tape]:
+    """The tape class of a record mode, from its ``record=`` name (the API's edge) or the class itself."""
+    if isinstance(record, type) and issubclass(record, Tape) and record in RECORDS.values():
+        return record
+    if isinstance(record, str) and record in RECORDS:
+        return RECORDS[record]
+    raise ValueError(f"{fn}: record must be one of {RECORD_MODES}, got {record!r}")
 
 
 @jax.tree_util.register_dataclass
@@ -91,7 +238,7 @@ class Pending:
     verify, what to commit from it (:func:`gdn_lossless_jax.commit_and_verify`).
 
     Attributes:
-      tape: the previous step's tape, :class:`Tuples` or :class:`Snapshots`, ``[L, R, D, ...]``
+      tape: the previous step's tape (any record mode: :class:`Tuples`, :class:`Snapshots`), ``[L, R, D, ...]``
         (or ``[R, D, ...]`` for a one-layer pool).
       rows: ``[N]`` int, request n's row in ``tape``.
       steps: ``[N]`` int, the accepted step (0-based); negative: nothing pending (a request
@@ -100,21 +247,23 @@ class Pending:
       path: ``[N, P]`` int or None: for a draft tree, each request's accepted root-to-node path
         (node indices, -1 padded); ``steps`` and ``track_steps`` are then positions along it, as
         in :func:`gdn_lossless_jax.commit`.
+      layer: None where a caller gives it (the verify's ``layer`` reads the tape); in the
+        checked call a backend takes (``VerifyCall.pending``) the int32 scalar layer of ``tape``
+        (``[L, R, D, ...]`` always) this call commits, ``path`` already applied (None).
 
     ``Pending.none(tape, N)`` is a pending commit that commits nothing.
     """
 
-    tape: Tuples | Snapshots
+    tape: Tape
     rows: jax.Array
     steps: jax.Array
     track_slots: jax.Array
     track_steps: jax.Array
     path: jax.Array | None = None
+    layer: jax.Array | None = None
 
     @classmethod
-    def none(cls, tape: "Tuples | Snapshots", n: int) -> "Pending":
-        import numpy as np
-
+    def none(cls, tape: Tape, n: int) -> "Pending":
         off = np.full((n,), -1, np.int32)
         return cls(tape, off, off, off, off)
 
@@ -138,8 +287,8 @@ def stack_tapes(tapes: Sequence[Tape]) -> Tape:
     if not tapes:
         raise ValueError("stack_tapes: need at least one layer's tape, got an empty sequence")
     kind = type(tapes[0])
-    if kind not in (Tuples, Snapshots):
-        raise TypeError(f"stack_tapes: layer 0 must be a Tuples or Snapshots tape, got {kind.__name__}")
+    if not isinstance(tapes[0], Tape):
+        raise TypeError(f"stack_tapes: layer 0 must be a {_tape_names()} tape, got {kind.__name__}")
     for layer, tape in enumerate(tapes[1:], start=1):
         if type(tape) is not kind:
             raise TypeError(

@@ -25,7 +25,7 @@
 #          the CPU's), then scripts/portable_fixtures.py records the GPU's fixture into $OUT/gpu-reference.npz (commit it
 #          under tests/fixtures/portable/: CI reproduces it on the CPU); portable.log
 # Other variables: TIMEOUT (seconds per phase, default 3000); SPINNERS=idle|nice|pause runs bench and step under
-# scripts/idle_spinners.py (no CPU halts while they wait on the GPU); PACK=1 packs $OUT into $OUT/results.tgz.
+# python -m benchmarks.dev idle-spinners (no CPU halts while they wait on the GPU); PACK=1 packs $OUT into $OUT/results.tgz.
 # Wheels in .whl/ (e.g. jax-triton) are installed into /tmp/site first. $OUT/env.txt records the GPU, the versions and
 # the commit (git rev-parse HEAD and git status).
 set -u
@@ -48,7 +48,7 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}tests:. PYTHONUNBUFFERED=1 XLA_PYTH
 cat "$OUT/env.txt"
 T=${TIMEOUT:-3000}
 wrap=""
-[ -n "${SPINNERS:-}" ] && wrap="python3 scripts/idle_spinners.py --policy $SPINNERS --"
+[ -n "${SPINNERS:-}" ] && wrap="python3 -m benchmarks.dev idle-spinners --policy $SPINNERS --"
 
 for phase in "$@"; do
   echo "== $phase"

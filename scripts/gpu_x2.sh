@@ -9,7 +9,7 @@
 # Env: BUDGET (seconds from the start, default 3600), STEP_ARGS, STEP1_ARGS, DIFF_ARGS, TEST_FILES, WORKERS, PYTEST_K,
 # SOAK_ARGS, DEMO_ARGS, FUZZ_RANGES (backend:first:end group ranges, default pallas:0:100 triton:0:100: 10,000 cases
 # each), FUZZ_CHUNK (groups of 100 cases per command), FUZZ_PAR (commands at once), FUZZ_SEED, GPUS.
-# Add up the fuzz logs with: python scripts/fuzz_merge.py $OUT/fuzz/*.log
+# Add up the fuzz logs with: gdn-lossless fuzz-merge $OUT/fuzz/*.log
 set -u
 START=$(date +%s)
 DEADLINE=$((START + ${BUDGET:-3600}))

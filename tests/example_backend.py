@@ -1,21 +1,33 @@
 """A backend of one's own, for tests/test_user_backend.py: the reference, wrapped.
 
-A backend is any object with three functions (here, a module). gdn_lossless_jax's API
-calls them after checking every argument, so they can assume valid shapes and dtypes and
-int32 indices (the contract: gdn_lossless_jax.backends.contract)::
-
-    verify(call: VerifyCall) -> (outputs, tape), or (outputs, tape, pool) with call.pending
-    replay(state0, tuples, steps) -> states
-    commit(pool, tape, slots, steps, track_slots, track_steps, rows) -> pool
+A backend implements :class:`gdn_lossless_jax.backends.contract.Backend` (here, as a module):
+a name, its declared capabilities, an availability check, ``verify``, ``replay``, ``commit``
+and its conv kernels (None: XLA runs the conv). gdn_lossless_jax's API calls them after
+checking every argument and the call against the capabilities, so they can assume valid shapes
+and dtypes and int32 indices. This one does not fuse the pending commit into its verify
+(``fused=False``): the API commits the layer with its ``commit`` first.
 
 Use it as ``gl.verify(..., backend=example_backend)`` and check it with
 ``gdn_lossless_jax.testing.run_equivalence_suite(example_backend)``.
 """
 
+import functools
+
 import jax
 
 from gdn_lossless_jax import reference
-from gdn_lossless_jax.backends.contract import VerifyCall
+from gdn_lossless_jax.backends.contract import Capabilities, VerifyCall
+
+name = "example"
+capabilities = Capabilities(fused=False)
+
+
+def check_available(op: str, math: str = "platform") -> None:
+    """Runs wherever JAX does."""
+
+
+def conv_kernels():
+    return None
 
 
 @jax.jit
@@ -23,11 +35,11 @@ def verify(call: VerifyCall):
     return reference.verify_form(call)
 
 
-@jax.jit
-def replay(state0, tuples, steps):
-    return reference.replay(state0, tuples, steps)
+@functools.partial(jax.jit, static_argnames="math")  # math= is a static string (the API always passes it)
+def replay(state0, tuples, steps, *, math="platform"):
+    return reference.replay(state0, tuples, steps, math=math)
 
 
-@jax.jit
-def commit(pool, tape, slots, steps, track_slots, track_steps, rows):
-    return reference.commit(pool, tape, slots, steps, track_slots, track_steps, rows)
+@functools.partial(jax.jit, static_argnames="math")
+def commit(pool, tape, slots, steps, track_slots, track_steps, rows, *, math="platform"):
+    return reference.commit(pool, tape, slots, steps, track_slots, track_steps, rows, math=math)

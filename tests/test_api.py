@@ -70,6 +70,20 @@ def test_record_and_backend_names(x):
         gl.verify(**x, backend="cuda")
 
 
+def test_record_modes_are_classes(x):
+    """A record mode is its tape class: ``record=`` takes the name (the API's edge) or the class, and the
+    name is read nowhere past the edge (a backend's call carries the class and its flags)."""
+    from gdn_lossless_jax import checks, tape
+
+    assert tape.RECORDS == {"tuples": gl.Tuples, "snapshots": gl.Snapshots} and gl.RECORD_MODES == tuple(tape.RECORDS)
+    assert tape.record_type("snapshots") is gl.Snapshots and tape.record_type(gl.Tuples) is gl.Tuples
+    assert gl.Snapshots.stores_states and not gl.Tuples.stores_states
+    assert checks.verify_args("verify", **x, record="snapshots").record is gl.Snapshots
+    gl.testing.assert_trees_bitwise_equal(gl.verify(**x, record="snapshots"), gl.verify(**x, record=gl.Snapshots))
+    with pytest.raises(ValueError, match="record must be one of"):
+        gl.verify(**x, record=gl.Tape)
+
+
 def test_replay_and_commit_reject(x):
     _, tup = gl.verify(**x)
     with pytest.raises(ValueError, match=r"'steps' must have shape \[N\] = \[2\]"):

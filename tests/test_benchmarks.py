@@ -228,7 +228,7 @@ def test_the_triton_backends_kernels_count_as_ours():
 
 @pytest.mark.parametrize("policy", ["idle", "pause"])
 def test_idle_spinners_run_the_command_and_stop(policy):
-    """``scripts/idle_spinners.py`` keeps a spinner of the lowest priority on each CPU while the command
+    """``python -m benchmarks.dev idle-spinners`` keeps a spinner of the lowest priority on each CPU while the command
     runs (the command itself in the normal class), returns the command's status, and leaves no spinner
     behind."""
     import platform
@@ -237,10 +237,10 @@ def test_idle_spinners_run_the_command_and_stop(policy):
 
     if policy == "pause" and (shutil.which("cc") is None or platform.machine() not in ("x86_64", "AMD64")):
         pytest.skip("the pause spinner is x86 code built with cc: this machine lacks one or the other")
-    script = Path(__file__).resolve().parents[1] / "scripts" / "idle_spinners.py"
+    root = Path(__file__).resolve().parents[1]
     probe = "import os; print(os.sched_getscheduler(0) == os.SCHED_OTHER); raise SystemExit(3)"
-    r = subprocess.run([sys.executable, str(script), "--cpus", "0", "--policy", policy, "--", sys.executable, "-c",
-                        probe], capture_output=True, text=True, timeout=60)  # fmt: skip
+    r = subprocess.run([sys.executable, "-m", "benchmarks.dev", "idle-spinners", "--cpus", "0", "--policy", policy, "--",
+                        sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=root)  # fmt: skip
     assert r.returncode == 3 and r.stdout.strip() == "True", (r.stdout, r.stderr)
     assert f"1 spinners ({policy}) on CPUs [0], pids [" in r.stderr
     (pid,) = json.loads(r.stderr.split("pids ")[1].split("\n")[0])

@@ -34,7 +34,7 @@ def _script(name: str):
 
 
 fixtures = _script("portable_fixtures")
-ulp_error = _script("portable_accuracy").ulp_error
+from gdn_lossless_jax.tools.accuracy import ulp_error  # noqa: E402
 
 
 def _u32(x) -> np.ndarray:
@@ -52,7 +52,7 @@ def test_exp_accuracy():
     """Within 0.52 ULP of float64 where the result is normal (0.8 where it is subnormal), and
     correctly rounded in all but a small fraction: every 4th float32 of [-1, -0.5) (a decay
     binade), every 256th of [-104, -2**-25] and [2**-25, 88.72], random inputs of the subnormal
-    results. (scripts/portable_accuracy.py sweeps every float32 of a range.)"""
+    results. (python -m gdn_lossless_jax.tools.accuracy sweeps every float32 of a range.)"""
     exp = jax.jit(portable.exp)
     m = np.arange(np.float32(0.5).view(np.uint32), np.float32(1.0).view(np.uint32), 4, dtype=np.uint32)
     lo, hi = int(np.float32(2.0**-25).view(np.uint32)), int(np.float32(104).view(np.uint32))
@@ -74,7 +74,7 @@ def test_exp_accuracy():
 
 
 def test_log_accuracy():
-    """Within 0.9 ULP of float64 (0.888 over every float32 of [1, 4], scripts/portable_accuracy.py)
+    """Within 0.9 ULP of float64 (0.888 over every float32 of [1, 4], gdn_lossless_jax.tools.accuracy)
     over positive floats of every binade, subnormals included, and over softplus's arguments."""
     rng = np.random.default_rng(2)
     everywhere = rng.integers(1, 0x7F800000, 1_000_000, dtype=np.uint32).view(np.float32)

@@ -24,7 +24,7 @@ import pytest
 
 import gdn_lossless_jax as gl
 from conftest import ON_GPU, full_only, requires_gpu
-from gdn_lossless_jax import checks
+from gdn_lossless_jax import staging
 from gdn_lossless_jax import pool as gpool
 from gdn_lossless_jax.testing.cases import Shape, verify_inputs
 from gdn_lossless_jax.config import get_geometry
@@ -416,7 +416,7 @@ def test_pool_verify_layer_reads_inputs_stacked_over_layers(backend, record, see
 # ---------------------------------------------------------------------------------------
 # The kernels read the jit's copy of the index arrays, not the caller's buffers
 # ---------------------------------------------------------------------------------------
-STAGING = {"eq", "jit[_where]", "pjit[_where]"}  # checks.staged's primitives (jit is pjit before jax 0.7)
+STAGING = {"eq", "jit[_where]", "pjit[_where]"}  # staging.staged's primitives (jit is pjit before jax 0.7)
 
 
 def _readers(jaxpr, var) -> list[str]:
@@ -428,7 +428,7 @@ def _readers(jaxpr, var) -> list[str]:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_kernels_read_staged_index_arrays(backend, seed, monkeypatch):
     """In a jitted step (two layers unrolled, then the commit), ``slots``, ``rows``, ``steps``
-    and the track indices are read only by the one staging op each (``checks.staged``: XLA
+    and the track indices are read only by the one staging op each (``staging.staged``: XLA
     re-records every CUDA-graph kernel node whose buffers moved since the last launch, and a
     serving loop passes new index arrays every step). Bit-exactness is unchanged (the test
     above and the equivalence suite run through it). Control: without the staging the
@@ -472,9 +472,9 @@ def test_kernels_read_staged_index_arrays(backend, seed, monkeypatch):
 
     assert not body_wheres(), "staging ops inside the scan's body"
     with monkeypatch.context() as m:  # control: staging whatever the trace puts it in the body
-        m.setattr(checks, "_traced_here", lambda x: True)
+        m.setattr(staging, "_traced_here", lambda x: True)
         assert body_wheres(), "the control found no staging op in the scan's body"
-    monkeypatch.setattr(checks, "staged", lambda x: x)
+    monkeypatch.setattr(staging, "staged", lambda x: x)
     control = readers()
     assert any(set(p) - STAGING for p in control.values()), f"the control found no direct reader: {control}"
 
@@ -645,7 +645,7 @@ def benchmark_fused_step_copies(label: str, backend: str, record: str, mode: str
     """``benchmarks.step``'s ``fused-out`` step at the benchmark's size ``label`` (``"25x4"``: the
     requests and drafts of one of ``mode``'s configurations, its 30 layers), compiled from shapes
     (no memory): ``(copies, temporaries in bytes, bytes aliased, the compiled module)``, the copies
-    as :func:`buffer_copies` finds them. (``scripts/fused_step_hlo.py`` prints them.)"""
+    as :func:`buffer_copies` finds them. (``python -m benchmarks.dev fused-step-hlo`` prints them.)"""
     from benchmarks import cases as bc
     from benchmarks.step import fused_step
 

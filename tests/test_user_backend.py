@@ -66,3 +66,37 @@ def test_backend_of_the_earlier_signature_still_runs(seed):
     with pytest.warns(DeprecationWarning, match="earlier backend signature"):
         got = gl.verify(**x, backend=old)
     assert_trees_bitwise_equal(gl.verify(**x, backend=example_backend), got)
+
+
+def test_the_contract_is_one_protocol():
+    """Every backend, built in or of one's own, implements the one typed protocol (its declared
+    capabilities included); an object of the earlier, duck-typed contract is adapted with a warning."""
+    from gdn_lossless_jax import backends
+    from gdn_lossless_jax.backends.contract import Backend, Capabilities, as_backend
+
+    for backend in (example_backend, *(backends.lookup(name) for name in backends.BACKENDS)):
+        assert isinstance(backend, Backend), backend
+        assert isinstance(backend.capabilities, Capabilities)
+    assert as_backend(example_backend) is example_backend
+    assert example_backend.capabilities.fused is False
+    with pytest.warns(DeprecationWarning, match="lacks name, capabilities"):
+        adapted = as_backend(types.SimpleNamespace(verify=wrong.verify, replay=wrong.replay, commit=wrong.commit))
+    assert isinstance(adapted, Backend) and not adapted.capabilities.trees
+
+
+def test_a_backend_that_does_not_fuse_the_pending_commit(seed):
+    """``capabilities.fused=False``: ``commit_and_verify`` commits the layer with the backend's own
+    ``commit``, then verifies: the reference's fused step, bit for bit (pool, outputs, tape)."""
+    x = verify_inputs(seed, SHAPES[0], kind="mixed")
+    N, D = 5, 3
+    pool = jnp.stack([x["state0"], x["state0"] * 0.5])  # [L=2, S=N, HV, V, K]
+    _, prev = gl.verify(**x)
+    tape = jax.tree.map(lambda t: jnp.stack([t, t]), prev)
+    steps = jnp.array([2, 0, -1, 1, 2], jnp.int32)
+    track = jnp.array([-1, 0, -1, 1, -1], jnp.int32)
+    pending = gl.Pending(tape, jnp.arange(N, dtype=jnp.int32), steps, jnp.where(track >= 0, 4 - jnp.arange(N), -1),
+                         track)  # fmt: skip
+    inputs = {k: v for k, v in x.items() if k != "state0"}
+    want = gl.commit_and_verify(pool, pending, **inputs, slots=jnp.arange(N), layer=1, backend="reference")
+    got = gl.commit_and_verify(pool, pending, **inputs, slots=jnp.arange(N), layer=1, backend=example_backend)
+    assert_trees_bitwise_equal(want, got)

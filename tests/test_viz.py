@@ -107,11 +107,9 @@ def test_ulp_histogram_bins():
 
 @pytest.mark.skipif(not ON_CPU, reason="the expected verdicts are XLA:CPU's (a GPU's are recorded by the notebook)")
 def test_platform_probe_and_script(tmp_path):
-    """scripts/platform_facts.py on the CPU: the probe's verdicts are what docs/rounding.md says of
-    XLA:CPU, and the recorded exp bits are XLA:CPU's."""
-    spec = importlib.util.spec_from_file_location("platform_facts", ROOT / "scripts" / "platform_facts.py")
-    platform_facts = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(platform_facts)
+    """``python -m gdn_lossless_jax.tools.viz`` on the CPU: the probe's verdicts are what docs/rounding.md
+    says of XLA:CPU, and the recorded exp bits are XLA:CPU's."""
+    platform_facts = importlib.import_module("gdn_lossless_jax.tools.viz.__main__")
     assert platform_facts.main(["--out", str(tmp_path)]) == 0
     facts = json.loads((tmp_path / "platform.json").read_text())
     rows = {r["context"]: r for r in facts["rows"]}

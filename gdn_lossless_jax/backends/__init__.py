@@ -1,27 +1,11 @@
-"""Backend registry: one interface (``verify``, ``replay``, ``commit``) per implementation.
+"""Backend registry: the built-in backends by name, and a call checked against a backend's capabilities.
 
-``reference`` is pure JAX/XLA and runs on any platform. ``pallas`` (Pallas Triton on
-CUDA/ROCm, interpret mode on a CPU), ``triton`` (jax-triton) and ``mosaic`` (Pallas Mosaic GPU
-on CUDA sm_90+, interpret mode on a CPU) are GPU kernels behind the same interface, so any
-can be replaced without touching the API.
-
-A backend is a module ``gdn_lossless_jax.backends.<name>`` with three functions, called
-by :mod:`gdn_lossless_jax.api` after every argument check (shapes and dtypes are valid,
-indices are int32, ``scale`` is a float and ``out_dtype`` a numpy dtype)::
-
-    verify(state0, q, k, v, a, b, A_log, dt_bias, *, record, scale, out_dtype) -> (outputs, tape)
-    replay(state0, tuples, steps) -> states
-    commit(pool, tape, slots, steps, track_slots, track_steps, rows) -> pool
-
-and optionally ``check_available(op: str) -> None``, which raises
-:class:`BackendUnavailable` with a message naming the backend, the platform and the
-alternatives when it cannot run here. Semantics are those of the reference
-(:mod:`gdn_lossless_jax.reference`), bit for bit where the reference is pinned.
-
-A backend of your own is any object with these functions (a module, a class, a
-``types.SimpleNamespace``), passed as ``backend=`` instead of a name; it must be hashable
-to be passed through ``gdn_lossless_jax.pool`` (a module is). Check it with
-:func:`gdn_lossless_jax.testing.run_equivalence_suite`.
+The contract every backend implements is stated once, in :mod:`gdn_lossless_jax.backends.contract`
+(the :class:`~gdn_lossless_jax.backends.contract.Backend` protocol). The built-in backends are
+modules of this package: ``reference`` (pure JAX/XLA, any platform), ``pallas`` (Pallas Triton on
+CUDA/ROCm, interpret mode on a CPU), ``triton`` (jax-triton) and ``mosaic`` (Pallas Mosaic GPU on
+CUDA sm_90+, interpret mode on a CPU). Any can be replaced without touching the API; a backend of
+your own is passed as ``backend=`` instead of a name.
 """
 
 from __future__ import annotations
@@ -30,13 +14,13 @@ import importlib
 
 import jax
 
-__all__ = ["BACKENDS", "resolve", "resolve_name", "platform", "is_rocm", "check_math", "BackendUnavailable"]
+from .contract import Backend, BackendUnavailable, as_backend, backend_name
 
+__all__ = ["BACKENDS", "resolve", "resolve_name", "lookup", "platform", "is_rocm", "check_math", "check_call",
+           "check_trees", "BackendUnavailable", "Backend"]  # fmt: skip
+
+#: The built-in backends: ``gdn_lossless_jax.backends.<name>`` (registering one is a name here).
 BACKENDS = ("reference", "pallas", "triton", "mosaic")
-
-
-class BackendUnavailable(RuntimeError):
-    """A backend was asked for where it cannot run (platform, JAX build or missing package)."""
 
 
 def platform() -> str:
@@ -60,7 +44,7 @@ def _auto(op: str = "verify", math: str = "platform") -> str:
         return "reference"
     if math != "platform":
         try:
-            check_math(importlib.import_module(f"{__name__}.pallas"), op, math)
+            check_math(lookup("pallas"), op, math)
         except (BackendUnavailable, ImportError):
             return "reference"
     return "pallas"
@@ -72,52 +56,106 @@ def resolve_name(name, math: str = "platform") -> str:
     return _auto("verify", math) if isinstance(name, str) and name == "auto" else name
 
 
-def check_math(backend, op: str, math: str) -> None:
-    """Raise :class:`BackendUnavailable` unless ``backend`` (a resolved backend) implements the
-    ``math=`` mode ``math`` here. ``"platform"`` is every backend's; another mode is one a backend
-    lists in its ``MATH_MODES`` and, where it has one, its ``check_math(op, math)`` accepts."""
-    if math == "platform":
-        return
-    name = getattr(backend, "__name__", repr(backend)).rsplit(".", 1)[-1]
-    if math not in getattr(backend, "MATH_MODES", ("platform",)):
-        raise BackendUnavailable(
-            f"{op}: backend {name!r} does not implement math={math!r} (its kernels use the platform's exp, "
-            f"division and order of sums). Alternatives: backend='reference' (any platform), or math='platform'."
-        )
-    check = getattr(backend, "check_math", None)
-    if check is not None:
-        check(op, math)
-
-
-def resolve(name, op: str, math: str = "platform"):
-    """Return the module implementing ``op`` for backend ``name`` (``"auto"`` picks the fastest
-    that implements the ``math=`` mode ``math`` on this platform).
-
-    ``name`` may also be a backend object of your own (see the module docstring): it is
-    returned as it is, once it has a callable ``op``.
-    """
+def lookup(name) -> Backend:
+    """The backend ``name`` (a built-in name, ``"auto"``, or a backend object) as a
+    :class:`~gdn_lossless_jax.backends.contract.Backend`, without asking whether it runs here."""
     if not isinstance(name, str):
-        if not callable(getattr(name, op, None)):
-            raise TypeError(
-                f"{op}: backend must be one of {('auto', *BACKENDS)} or an object with verify, replay and commit "
-                f"functions (see gdn_lossless_jax.backends); {name!r} has no callable {op!r}"
-            )
-        check = getattr(name, "check_available", None)
-        if check is not None:
-            check(op)
-        return name
+        return as_backend(name)
+    if name == "auto":
+        name = _auto()
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; choose one of {('auto', *BACKENDS)}")
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def resolve(name, op: str, math: str = "platform") -> Backend:
+    """The backend implementing ``op`` for ``name`` (``"auto"`` picks the fastest that
+    implements the ``math=`` mode ``math`` on this platform), once it can run ``op`` here
+    (its ``check_available``). ``name`` may also be a backend object
+    (:class:`~gdn_lossless_jax.backends.contract.Backend`; an object of the earlier contract is
+    adapted, :func:`~gdn_lossless_jax.backends.contract.as_backend`)."""
+    if not isinstance(name, str):
+        backend = as_backend(name, op)
+        backend.check_available(op)
+        return backend
     if name == "auto":
         name = _auto(op, math)
     if name not in BACKENDS:
         raise ValueError(f"{op}: unknown backend {name!r}; choose one of {('auto', *BACKENDS)}")
     try:
-        module = importlib.import_module(f"{__name__}.{name}")
+        backend = importlib.import_module(f"{__name__}.{name}")
     except ImportError as e:
         raise BackendUnavailable(
             f"{op}: backend {name!r} is not available on platform {platform()!r}: {e}. "
             f"Alternatives: 'reference' (any platform), 'auto'."
         ) from e
-    check = getattr(module, "check_available", None)
-    if check is not None:
-        check(op)
-    return module
+    backend.check_available(op)
+    return backend
+
+
+def check_math(backend: Backend, op: str, math: str) -> None:
+    """Raise :class:`BackendUnavailable` unless ``backend`` implements the ``math=`` mode ``math``
+    here: one its ``capabilities.math_modes`` declares, which its ``check_available(op, math)``
+    does not refuse. ``"platform"`` is every backend's."""
+    if math == "platform":
+        return
+    if math not in backend.capabilities.math_modes:
+        raise BackendUnavailable(
+            f"{op}: backend {backend_name(backend)!r} does not implement math={math!r} (its kernels use the "
+            "platform's exp, division and order of sums). Alternatives: backend='reference' (any platform), or "
+            "math='platform'."
+        )
+    backend.check_available(op, math)
+
+
+def _takers(what) -> list[str]:
+    """The built-in backends whose capabilities satisfy ``what``."""
+    names = []
+    for name in BACKENDS:
+        try:
+            if what(lookup(name).capabilities):
+                names.append(name)
+        except ImportError:
+            pass
+    return names
+
+
+def check_trees(backend: Backend, fn: str) -> None:
+    """A ``ValueError`` unless ``backend`` verifies draft trees, naming the backends that do."""
+    if not backend.capabilities.trees:
+        which = " or ".join(f'backend="{n}"' for n in _takers(lambda c: c.trees))
+        raise ValueError(
+            f"{fn}: backend {backend_name(backend)!r} does not verify draft trees ('parents' describes a tree, not a "
+            f"linear chain): pass {which}, which do; the Triton and Mosaic GPU kernels run linear chains only "
+            "(parents None or [-1, 0, ..., D-2])"
+        )
+
+
+def check_call(backend: Backend, fn: str, call) -> None:
+    """Refuse a :class:`~gdn_lossless_jax.backends.contract.VerifyCall` outside ``backend``'s
+    capabilities, before it runs, naming the backend and those that take it: a record mode it
+    does not record, a draft tree, a ``math=`` mode, a state dtype, more draft steps than it
+    takes, or (where its kernels compile) a shape off its multiples."""
+    caps, name = backend.capabilities, backend_name(backend)
+    if call.parents is not None:
+        check_trees(backend, fn)
+    if call.record not in caps.records:
+        which = ", ".join(repr(n) for n in _takers(lambda c: call.record in c.records))
+        raise BackendUnavailable(f"{fn}: backend {name!r} does not record {call.record.mode!r} tapes; the backends "
+                                 f"that do: {which}")  # fmt: skip
+    check_math(backend, fn, call.math)
+    dtype = call.pool.dtype
+    if dtype not in caps.state_dtypes:
+        raise BackendUnavailable(f"{fn}: backend {name!r} takes state pools of {[str(d) for d in caps.state_dtypes]}, "
+                                 f"got {dtype}")  # fmt: skip
+    D = call.q.shape[-3]
+    if caps.max_drafts is not None and D > caps.max_drafts:
+        raise BackendUnavailable(f"{fn}: backend {name!r} verifies at most {caps.max_drafts} draft steps, got D={D}")
+    if caps.multiples and platform() == "gpu":
+        H, K = call.q.shape[-2:]
+        HV, V = call.pool.shape[-3], call.pool.shape[-2]
+        sizes = {"H": H, "HV": HV, "K": K, "V": V}
+        bad = [f"{d}={sizes[d]} a multiple of {m}" for d, m in caps.multiples.items() if sizes[d] % m]
+        if bad:
+            raise ValueError(f"{fn}: backend {name!r} needs {', '.join(bad)} on this platform; use backend 'pallas' or "
+                             "'triton'")  # fmt: skip

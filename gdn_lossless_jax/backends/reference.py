@@ -5,13 +5,23 @@ from __future__ import annotations
 import jax
 
 from .. import reference as ref
-from .contract import VerifyCall
+from .contract import Capabilities, VerifyCall
 
-__all__ = ["verify", "replay", "commit", "TREES", "MATH_MODES"]
+__all__ = ["name", "capabilities", "check_available", "verify", "replay", "commit", "conv_kernels"]
 
-#: The reference verifies draft trees (``VerifyCall.parents``): :func:`gdn_lossless_jax.reference.tree_chain`.
-TREES = True
-MATH_MODES = ref.MATH_MODES  # both: the portable mode's specification is this backend
+name = "reference"
+#: Every record mode and math mode, draft trees (:func:`gdn_lossless_jax.reference.tree_chain`):
+#: the specification is this backend.
+capabilities = Capabilities(trees=True, math_modes=ref.MATH_MODES)
+
+
+def check_available(op: str, math: str = "platform") -> None:
+    """Runs on every XLA platform, in every mode."""
+
+
+def conv_kernels():
+    """None: the conv runs in XLA (:mod:`gdn_lossless_jax.conv`)."""
+    return None
 
 
 @jax.jit
@@ -29,3 +39,10 @@ def verify(call: VerifyCall):
 
 replay = jax.jit(ref.replay, static_argnames=("math",))
 commit = jax.jit(ref.commit, static_argnames=("math",))
+
+
+# The earlier contract's attributes (capabilities.trees, capabilities.math_modes): one release.
+def __getattr__(attr: str):
+    from .contract import _old_capability
+
+    return _old_capability(__name__, capabilities, attr)

@@ -11,8 +11,8 @@ copies, a rows mapping, invalid rows), and both tapes from verify. The checks:
 * the controls (wrong replay forms, the accepted-first ordering) are caught.
 
 Backends are compared against their *own* snapshot path: the suite holds a backend to
-the rule, not to another backend's ``exp``. To check a backend of your own (any object
-with ``verify``, ``replay`` and ``commit``, see :mod:`gdn_lossless_jax.backends`)::
+the rule, not to another backend's ``exp``. To check a backend of your own (an object
+implementing :class:`gdn_lossless_jax.backends.contract.Backend`)::
 
     from gdn_lossless_jax.testing import run_equivalence_suite
     run_equivalence_suite(my_backend)  # raises AssertionError, naming the case and check
@@ -188,8 +188,8 @@ def control_replays(backend) -> dict:
     """The control replay forms of a backend: ``name -> (state0, tuples, steps) -> states``.
 
     The reference's are :data:`gdn_lossless_jax.testing.controls.CONTROLS` (wrong by
-    construction); a kernel backend lists its in-kernel controls in ``CONTROL_FORMS`` (its
-    ``replay`` takes ``form=``); none otherwise.
+    construction); a kernel backend declares its in-kernel controls in
+    ``capabilities.control_forms`` (its ``replay`` takes ``form=``); none otherwise.
     """
     if backend == "reference":
         return {
@@ -197,7 +197,7 @@ def control_replays(backend) -> dict:
             for name, form in controls.CONTROLS.items()
         }
     module = backends.resolve(backend, "replay")
-    forms = getattr(module, "CONTROL_FORMS", ())
+    forms = module.capabilities.control_forms
     return {f"{form} (in kernel)": functools.partial(module.replay, form=form) for form in forms}
 
 
@@ -270,12 +270,12 @@ def run_equivalence_suite(
     recorded in both modes and checked: outputs identical across record modes, every
     step's replay equal to its snapshot, tuple commit equal to snapshot commit and to the
     expected writes, untouched and skipped slots keeping their bits. With ``controls``,
-    one fp32 case also checks that the suite catches the backend's control replay forms (if
-    it has ``CONTROL_FORMS``) and the accepted-first ordering through its commit.
+    one fp32 case also checks that the suite catches the backend's control replay forms (its
+    ``capabilities.control_forms``) and the accepted-first ordering through its commit.
 
     Args:
       backend: a backend name (``"reference"``, ``"pallas"``, ``"triton"``) or an object
-        with ``verify``, ``replay`` and ``commit`` (see :mod:`gdn_lossless_jax.backends`).
+        implementing :class:`gdn_lossless_jax.backends.contract.Backend`.
       shapes: :class:`gdn_lossless_jax.cases.Shape` problems (``N >= 5`` exercises every
         masking rule); state_dtypes: float32 and/or bfloat16 pools.
       seed: the inputs' seed; log: called with one line per case checked (e.g. ``print``).

@@ -5,7 +5,7 @@
 
 import importlib
 
-_TOOLS = ("amdgcn", "check", "cli", "demo", "fuzz", "memory", "options", "viz")
+_TOOLS = ("accuracy", "amdgcn", "check", "cli", "demo", "fuzz", "fuzz_cases", "memory", "options", "viz")
 
 
 def __getattr__(name: str):

@@ -29,16 +29,21 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ...reference import stacked as is_stacked
-from ...tape import Snapshots, Tuples
-from ..contract import VerifyCall
+from ..contract import Capabilities, VerifyCall
 from .. import BackendUnavailable, platform
 from .. import pallas as _pallas
 from ..pallas.commit import commit_snapshots
 from ..pallas.prologue import gram_prep, prep
 from .kernel import CONTROL_FORMS, CONTROLS, FORMS, VERIFIES, Geometry, build, coef_shape, smem_bytes
 
-__all__ = ["CONTROLS", "CONTROL_FORMS", "FORMS", "OUTPUTS", "VERIFIES", "VerifyConfig", "check_available", "commit",
-           "replay", "verify"]  # fmt: skip
+__all__ = ["name", "capabilities", "CONTROLS", "CONTROL_FORMS", "FORMS", "OUTPUTS", "VERIFIES", "VerifyConfig",
+           "check_available", "commit", "conv_kernels", "replay", "verify"]  # fmt: skip
+
+name = "mosaic"
+#: Both record modes (a pending snapshot commit is the Pallas scatter, then the verify: not fused);
+#: chains only; the platform's math; on a GPU the kernel's tiles need V a multiple of 64, K of 32
+#: (of 64 for a bfloat16 pool: checked by the kernel) and HV of 4.
+capabilities = Capabilities(multiples={"V": 64, "K": 32, "HV": 4}, control_forms=CONTROL_FORMS)
 
 SMEM_PER_SM = 227 * 1024  # Hopper (sm_90): the shared memory an SM offers its CTAs
 GPU_ROWS = 64  # rows of a tile: the WGMMA layout's
@@ -120,7 +125,12 @@ def _compute_capability() -> tuple[int, int] | None:
         return None
 
 
-def check_available(op: str) -> None:
+def conv_kernels():
+    """None: the conv runs in XLA (:mod:`gdn_lossless_jax.conv`)."""
+    return None
+
+
+def check_available(op: str, math: str = "platform") -> None:
     """Raise :class:`BackendUnavailable` unless Mosaic GPU can run here (or interpret on a CPU)."""
     p = platform()
     alternatives = "Alternatives: 'pallas' or 'triton' (any CUDA or ROCm GPU), 'reference' (any platform)."
@@ -227,9 +237,9 @@ def _verify(call: VerifyCall, *, config, thread_pool=False):
     state, slots, pending = call.pool, call.slots, call.pending
     q, k, v, a, b, A_log, dt_bias = call.inputs
     tape, tape_layer, rows, out, out_layer = call.tape, call.tape_layer, call.rows, call.out, call.out_layer
-    record, scale, out_dtype = call.record, call.scale, jnp.dtype(call.out_dtype)
+    scale, out_dtype = call.scale, jnp.dtype(call.out_dtype)
     layer = _scalar(call.layer)
-    if pending is not None and isinstance(pending.tape, Snapshots):
+    if pending is not None and pending.tape.stores_states:
         # snapshots: the commit first (the Pallas scatter of this layer's two snapshots, in place), then
         # the verify; the same bits, not fused
         with warnings.catch_warnings():
@@ -242,7 +252,7 @@ def _verify(call: VerifyCall, *, config, thread_pool=False):
         return _verify(call.replace(pool=state, pending=None), config=config, thread_pool=True)
     N, D, H, K = q.shape[-4:]
     _, NS, HV, V, _ = state.shape
-    snapshots = record == "snapshots"
+    snapshots = call.record.stores_states
     into = tape is not None
     tape_layer = _scalar(tape_layer)
     if into and rows is None:
@@ -267,7 +277,7 @@ def _verify(call: VerifyCall, *, config, thread_pool=False):
                 into=pre, xlayer=layer[None] if stacked else None,
             )  # fmt: skip
 
-    # per request: its slot, tape row and pending commit, with the commit's masks (reference._masks)
+    # per request: its slot, tape row and pending commit, with the commit's masks (reference.commit_masks)
     slot_ok = (slots >= 0) & (slots < NS)
     zero = jnp.zeros_like(slots)
     cols = [jnp.where(slot_ok, slots, 0), slot_ok]
@@ -312,25 +322,25 @@ def _verify(call: VerifyCall, *, config, thread_pool=False):
     else:
         state, out, rec = pl.run_state(lambda refs: kern(*inputs, *refs))((state, out, rec))
     if snapshots:
-        new = Snapshots(rec)
+        new = call.record(rec)
     elif into:
-        new = Tuples(rec, *bufs)
+        new = call.record(rec, *bufs)
     else:
-        new = Tuples(rec, kn, g)
+        new = call.record(rec, kn, g)
     if not pool_out:
         return out, new
     return out, new, state
 
 
-def commit(pool, tape, slots, steps, track_slots, track_steps, rows, *, form=None, config=None):
+def commit(pool, tape, slots, steps, track_slots, track_steps, rows, *, form=None, config=None, math="platform"):
     """See :func:`gdn_lossless_jax.commit`: the Pallas backend's commit kernel (the rule pinned)."""
     check_available("commit")
     kw = {} if config is None else {"config": config}
-    return _pallas.commit(pool, tape, slots, steps, track_slots, track_steps, rows, form=form, **kw)
+    return _pallas.commit(pool, tape, slots, steps, track_slots, track_steps, rows, form=form, math=math, **kw)
 
 
-def replay(state0, tuples, steps, *, form=None, config=None):
+def replay(state0, tuples, steps, *, form=None, config=None, math="platform"):
     """See :func:`gdn_lossless_jax.replay`: the Pallas backend's."""
     check_available("replay")
     kw = {} if config is None else {"config": config}
-    return _pallas.replay(state0, tuples, steps, form=form, **kw)
+    return _pallas.replay(state0, tuples, steps, form=form, math=math, **kw)

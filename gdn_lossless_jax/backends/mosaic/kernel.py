@@ -410,7 +410,7 @@ def build(g: Geometry):
             # operand of the kernel, so that XLA orders the next layer's in-place commit after this
             # kernel's reads. Unwritten, the ref is dropped from the kernel's results, and XLA would
             # copy the whole pool twice a step to run a pending snapshot commit before the verify
-            # (scripts/fused_step_hlo.py shows it).
+            # (python -m benchmarks.dev fused-step-hlo shows it).
             @pl.when(lay[ZERO] != 0)
             def _():
                 plgpu.copy_smem_to_gmem(smem["S"].at[0], pool.at[layer, 0, 0, pl.ds(0, R), :])

@@ -9,33 +9,36 @@ the only place that depends on it.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import jax
 import jax.numpy as jnp
 
-from ...tape import Snapshots
-from ..contract import VerifyCall
+from ..contract import Capabilities, ConvKernels, VerifyCall
 from .. import BackendUnavailable, platform
 from .commit import CommitConfig, commit_snapshots, commit_tuples
 from .conv import conv_commit, conv_verify
-from .rounding import COMPILER_FORMS, CONTROL_FORMS, FORMS, default_form
+from .rounding import COMPILER_FORMS, CONTROL_FORMS, FORMS, ISAS, default_form
 from .verify import VerifyConfig
 from .verify import verify as _verify
 
-__all__ = ["verify", "replay", "commit", "check_available", "check_math", "MATH_MODES", "VerifyConfig", "CommitConfig",
-           "FORMS", "conv_verify", "conv_commit", "kernel_form", "TREES"]
+__all__ = ["name", "capabilities", "verify", "replay", "commit", "check_available", "check_math", "conv_kernels",
+           "VerifyConfig", "CommitConfig", "FORMS", "ISAS", "conv_verify", "conv_commit", "kernel_form"]  # fmt: skip
 
-#: The verify kernel takes draft trees (``VerifyCall.parents``): each node's parent state replayed from
-#: the program's own tuples, no state stored a node (``verify._tree_loop``).
-TREES = True
+name = "pallas"
+#: Both record modes; draft trees (each node's parent state replayed from the program's own tuples,
+#: no state stored a node: ``verify._tree_loop``); ``math="portable"`` in interpret mode (the CPU) only:
+#: on a GPU the kernels' prologue and chain would need the portable functions lowered by Pallas
+#: Triton (not done; :func:`check_math` refuses).
+capabilities = Capabilities(trees=True, math_modes=("platform", "portable"), control_forms=CONTROL_FORMS)
 
 
 def _interpret() -> bool:
     return platform() == "cpu"
 
 
-def check_available(op: str) -> None:
+def check_available(op: str, math: str = "platform") -> None:
     p = platform()
     if p not in ("cpu", "gpu"):
         raise BackendUnavailable(
@@ -49,16 +52,11 @@ def check_available(op: str) -> None:
             f"{op}: backend 'pallas' needs Pallas Triton, which this JAX ({jax.__version__}) lacks on platform {p!r} "
             f"({e}). Alternatives: 'triton' (jax-triton, on a GPU) or 'reference'."
         ) from e
-
-
-
-
-#: ``math="portable"`` runs in interpret mode (the CPU) only: on a GPU, the kernels' prologue and
-#: chain would need the portable functions lowered by Pallas Triton (not done; check_math refuses).
-MATH_MODES = ("platform", "portable")
+    check_math(op, math)
 
 
 def check_math(op: str, math: str) -> None:
+    """Refuse ``math="portable"`` on a GPU (the kernels run it in interpret mode only)."""
     if math == "portable" and not _interpret():
         raise BackendUnavailable(
             f"{op}: backend 'pallas' implements math='portable' in interpret mode (on the CPU) only, not on a GPU "
@@ -67,9 +65,9 @@ def check_math(op: str, math: str) -> None:
 
 
 def kernel_form() -> str | None:
-    """The rounding form the conv kernel runs with here: ``"ptx"`` on CUDA, ``"portable"`` in
-    interpret mode; None where it does not run (ROCm: its division is not pinned there, so
-    the conv stays in XLA), or where Pallas Triton is missing."""
+    """The instruction set the conv kernel pins its fma with here (:data:`ISAS`): ``"ptx"`` on
+    CUDA, ``"portable"`` in interpret mode; None where it does not run (ROCm: its division is
+    not pinned there, so the conv stays in XLA), or where Pallas Triton is missing."""
     try:
         check_available("conv")
     except BackendUnavailable:
@@ -78,12 +76,31 @@ def kernel_form() -> str | None:
     return form if form == "ptx" or _interpret() else None
 
 
+def conv_kernels() -> ConvKernels | None:
+    """The Pallas conv kernels where they run here (:func:`kernel_form`), else None (XLA)."""
+    form = kernel_form()
+    if form is None:
+        return None
+    interpret = form == "portable"
+    return ConvKernels(functools.partial(conv_verify, form=form, interpret=interpret),
+                       functools.partial(conv_commit, interpret=interpret))  # fmt: skip
+
+
 def _form(form: str | None, allowed=FORMS) -> str:
+    """The kernels' instruction set for a rounding ``form``: ``"pinned"`` (and None) is the
+    platform's pinned form, PTX on CUDA and AMDGCN on ROCm (:func:`default_form`); ``"ptx"`` and
+    ``"amdgcn"`` name one of them explicitly (:data:`ISAS`); ``"portable"`` the integer form."""
     interpret = _interpret()
-    form = form or default_form(interpret)
-    if form not in allowed:
-        raise ValueError(f"pallas: rounding form must be one of {allowed}, got {form!r}")
-    if interpret and form in ("ptx", "amdgcn"):
+    if form is None:
+        form = default_form(interpret)
+    elif form == "pinned":
+        if interpret:
+            raise BackendUnavailable("pallas: the 'pinned' rounding form needs a GPU; interpret mode uses 'portable'")
+        form = default_form(False)
+    if form not in allowed + ISAS:
+        raise ValueError(f"pallas: rounding form must be one of {allowed} (or an instruction set, {ISAS}), "
+                         f"got {form!r}")  # fmt: skip
+    if interpret and form in ISAS:
         raise BackendUnavailable(f"pallas: the {form!r} rounding form needs a GPU ({'CUDA' if form == 'ptx' else 'ROCm'}); "
                                  "interpret mode uses 'portable'")
     return form
@@ -109,7 +126,7 @@ def commit(pool, tape, slots, steps, track_slots, track_steps, rows, *, form=Non
     idx = (slots, steps, track_slots, track_steps, rows)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
-        if isinstance(tape, Snapshots):
+        if tape.stores_states:
             return commit_snapshots(pool, tape.states, *idx, config=config, interpret=_interpret())
         control = None
         if form in CONTROL_FORMS + COMPILER_FORMS:  # the control forms are for tests
@@ -125,3 +142,10 @@ def replay(state0, tuples, steps, *, form=None, config=CommitConfig(), math="pla
     none = jnp.full((N,), -1, jnp.int32)
     tape = jax.tree.map(lambda t: t[None], tuples)
     return commit(state0[None], tape, ar, steps, none, none, ar, form=form, config=config, math=math)[0]
+
+
+# The earlier contract's attributes (capabilities.trees, capabilities.math_modes): one release.
+def __getattr__(attr: str):
+    from ..contract import _old_capability
+
+    return _old_capability(__name__, capabilities, attr)

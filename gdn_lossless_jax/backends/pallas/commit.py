@@ -70,7 +70,7 @@ class CommitConfig(LaunchConfig):
 
 
 def _request(idx_refs, n, S: int, R: int, D: int):
-    """SGLang's masking rules for request n (see reference._masks)."""
+    """SGLang's masking rules for request n (see reference.commit_masks)."""
     slots_ref, steps_ref, tslots_ref, tsteps_ref, rows_ref = idx_refs
     slot, step, tslot, tstep, row = slots_ref[n], steps_ref[n], tslots_ref[n], tsteps_ref[n], rows_ref[n]
     valid = (slot >= 0) & (slot < S) & (row >= 0) & (row < R)

@@ -154,7 +154,7 @@ def _commit_kernel(slots_ref, steps_ref, tslots_ref, tsteps_ref, rows_ref, win_r
     S, R = pool_ref.shape[1], win_ref.shape[1]
     D = win_ref.shape[-1] - (W - 1)
     slot, step, tslot, tstep, row = slots_ref[n], steps_ref[n], tslots_ref[n], tsteps_ref[n], rows_ref[n]
-    # SGLang's masks (reference._masks): a request whose slot or row is out of range is skipped
+    # SGLang's masks (reference.commit_masks): a request whose slot or row is out of range is skipped
     # entirely; each write needs its step in [0, D) (and the track slot in range).
     valid = (slot >= 0) & (slot < S) & (row >= 0) & (row < R)
     accept = valid & (step >= 0) & (step < D)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from ... import rounding
 
-__all__ = ["Ops", "FORMS", "CONTROL_FORMS", "COMPILER_FORMS", "ops", "replay_update", "default_form"]
+__all__ = ["Ops", "FORMS", "ISAS", "CONTROL_FORMS", "COMPILER_FORMS", "ops", "replay_update", "default_form"]
 
 
 class Ops(NamedTuple):
@@ -66,7 +66,12 @@ def _portable() -> Ops:
     return Ops(mul=rounding._mul_rn, fma=rounding._fma_rn)
 
 
-FORMS = ("ptx", "amdgcn", "portable")
+#: How a backend pins the rule, in every backend's words: ``"pinned"``, the platform's own
+#: instructions (here PTX on CUDA, AMDGCN on ROCm: :data:`ISAS`), or ``"portable"``, the integer form.
+FORMS = ("pinned", "portable")
+#: The instruction sets of the pinned form, which a caller may name to pick one explicitly (the
+#: AMDGCN listings are compiled on a host without an AMD GPU: ``tools/amdgcn.py``).
+ISAS = ("ptx", "amdgcn")
 #: Forms that break the rule on purpose, for the controls of tests, each wrong by construction
 #: (every operation pinned with the platform form's instructions): ``twice_rounded`` rounds the
 #: update's product on its own, ``rn(rn(S * alpha) + rn(k * u))``; ``other_product`` fuses the
@@ -86,7 +91,7 @@ def ops(form: str) -> Ops:
         return _amdgcn()
     if form == "portable":
         return _portable()
-    raise ValueError(f"pallas rounding form must be one of {FORMS}, got {form!r}")
+    raise ValueError(f"pallas rounding form must be one of {ISAS + ('portable',)}, got {form!r}")
 
 
 def replay_update(form: str, control: str | None = None) -> Callable:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +38,9 @@ from ...reference import stacked as is_stacked
 from ... import portable, rounding, tree as tree_mod
 from ..contract import VerifyCall
 from ..launch import VerifyLaunch
-from ._refs import grid, program_ids, store
+from ._refs import grid
+from .gram import _gram_kernel
+from .tiles import _Where, _apart, _chunk_dot, _chunks, _load_state, _program, _store_row, _store_state, _tree_dot
 from .prologue import MMA_MIN, gram_prep, gram_steps, one_layer, prep
 from .conv import scalar
 from .rounding import ops as rounding_ops
@@ -52,7 +53,6 @@ ALGORITHMS = ("chain", "gram")
 PRODUCTS = ("fma", "mma")
 PENDING_REPLAYS = ("rows", "split", "carry")
 DOT_FMA = {"none": (False, False), "u": (True, False), "both": (True, True)}  # fused: (u's dot, o's dot)
-HIGHEST = jax.lax.Precision.HIGHEST  # fp32 products in fp32 (the default would be TF32 on a GPU)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,144 +142,14 @@ def tuned_config(N: int, D: int, dtype) -> VerifyConfig:
     return VerifyConfig(**TUNED.get((int(N), int(D), jnp.dtype(dtype).name), {}))
 
 
-class _Where(NamedTuple):
-    """Where one verify program reads its state and writes its tape.
-
-    ``n``, ``hv``, ``h``: request, v-head, q/k head; ``vs``: the V tile's rows. The state is
-    read from ``state[layer, slots[n], hv, vs]`` (zeros where the slot is outside
-    ``[0, S)``, as SGLang reads padding slots); the tape goes to ``tape[lead + (t, hv, vs)]``:
-    ``lead`` is ``(n,)`` for a fresh tape and ``(tape_layer, rows[n])`` into a buffer, where
-    ``row_ok`` says whether that row exists (out-of-range rows write nothing). The outputs go
-    to ``o[olead + (n, t, hv, vs)]``: ``olead`` is ``()`` for fresh outputs and ``(out_layer,)``
-    into a buffer.
-    """
-
-    n: Any
-    hv: Any
-    h: Any
-    vs: Any
-    layer: Any
-    slot: Any
-    slot_ok: Any
-    lead: tuple
-    row_ok: Any
-    olead: tuple = ()
-
-
-def _program(refs, n_inputs: int, into: bool, r: int, BV: int, tiles_first: bool, n_outputs: int = 2,
-             out_into: bool = False):  # fmt: skip
-    """What both verify kernels read first: their input refs (``state``, ``slots``, ``layer``,
-    ``tape_layer`` first), the output refs ``o`` and ``tape``, and the program's :class:`_Where`.
-
-    ``refs`` is ``inputs[, rows, tape buffer (aliased)][, pending inputs][, out_layer, outputs
-    buffer (aliased)], o, tape[, pool]``.
-    """
-    n, hv, j = program_ids(tiles_first)
-    state_ref, slots_ref, layer_ref, tape_layer_ref = refs[:4]
-    slot = slots_ref[n]
-    slot_ok = (slot >= 0) & (slot < state_ref.shape[1])
-    row = refs[n_inputs][n] if into else None
-    o_ref, tape_ref = refs[len(refs) - n_outputs : len(refs) - n_outputs + 2]
-    if into:
-        lead, row_ok = (tape_layer_ref[0], row), (row >= 0) & (row < tape_ref.shape[1])
-    else:
-        lead, row_ok = (n,), None
-    olead = (refs[len(refs) - n_outputs - 2][0],) if out_into else ()
-    where = _Where(n, hv, hv // r, pl.ds(j * BV, BV), layer_ref[0], jnp.where(slot_ok, slot, 0), slot_ok, lead, row_ok,
-                   olead)  # fmt: skip
-    return refs[4:n_inputs], o_ref, tape_ref, state_ref, where
-
-
-def _chunks(K: int, k_chunk: int):
-    """The column slices that hold a ``[BV, K]`` state tile as ``K / C`` tiles ``[BV, C]``."""
-    C = min(K, k_chunk)
-    return [pl.ds(c * C, C) for c in range(K // C)]
-
-
-def _identity(x):
-    return x
-
-
-def _apart(interpret: bool):
-    """Interpret mode: ``optimization_barrier``, which keeps a product apart from the sum it feeds.
-    XLA:CPU contracts ``a * b + c`` into an fma or not, and orders a row's sum, by the fusion it
-    makes of the whole program, and the two record modes are two programs: without it (and
-    :func:`_row_sum`) their outputs differed (XLA:CPU of jax 0.12.1: the Gram form, then the
-    one-pass chain). On a GPU the identity (Triton compiles both modes' body alike)."""
-    return jax.lax.optimization_barrier if interpret else _identity
-
-
-def _row_sum(x, apart=_identity):
-    """``x.sum(axis=1)``; in interpret mode (``apart`` a barrier) a fixed pairwise tree of explicit
-    adds (column j with j + w/2, ...; an odd column left over joins at the end), so that no
-    fusion decides the order."""
-    if apart is _identity:
-        return jnp.sum(x, axis=1)
-    x = apart(x)
-    extra = []
-    while x.shape[1] > 1:
-        w = x.shape[1]
-        if w % 2:
-            extra.append(x[:, w - 1])
-            x = x[:, : w - 1]
-        half = x.shape[1] // 2
-        x = apart(x[:, :half] + x[:, half:])
-    out = x[:, 0]
-    for e in reversed(extra):
-        out = apart(out + e)
-    return out
-
-
-def _chunk_dot(xs, ys, fma=None, apart=_identity):
-    """Sum over K of the elementwise products of two chunked tiles (lists of ``[BV, C]`` and
-    ``[1, C]``): chunk by chunk in registers, then one reduction (a short shuffle tree).
-    With ``fma`` (a pinned fma) each chunk after the first is fused into the running sum:
-    one instruction per element instead of a multiply and an add. ``apart``: :func:`_apart`."""
-    acc = apart(xs[0] * ys[0])
-    for x, y in zip(xs[1:], ys[1:]):
-        acc = apart(acc + apart(x * y)) if fma is None else fma(x, y, acc)
-    return _row_sum(acc, apart)
-
-
-def _tree_dot(xs, ys):
-    """``math="portable"``: :func:`_chunk_dot` in the reference's tree order, every operation
-    correctly rounded. The tree over K pairs element j with j + K/2, ...: chunk c with chunk
-    c + n/2 while the halves are whole chunks, then the tree within the last chunk
-    (:func:`gdn_lossless_jax.portable.pairwise_sum`). K and the chunk are powers of 2."""
-    ps = [rounding.mul_rn(x, y) for x, y in zip(xs, ys)]
-    while len(ps) > 1:
-        half = len(ps) // 2
-        ps = [rounding.add_rn(ps[i], ps[i + half]) for i in range(half)]
-    return portable.pairwise_sum(ps[0])
-
-
-def _state_tile(state_ref, w: _Where, c, evict):
-    """One ``[BV, C]`` chunk of the program's pre-verify state, fp32 (zeros for a padding slot)."""
-    shape = (w.vs.size, c.size)
-    tile = plgpu.load(state_ref.at[w.layer, w.slot, w.hv, w.vs, c], mask=jnp.broadcast_to(w.slot_ok, shape),
-                      other=0.0, eviction_policy=evict)  # fmt: skip
-    return tile.astype(F32)
-
-
-def _load_state(state_ref, w: _Where, cols, evict):
-    """The program's state tile, as fp32 ``[BV, C]`` chunks (read once: ``evict``)."""
-    return [_state_tile(state_ref, w, c, evict) for c in cols]
-
-
-def _store_state(tape_ref, w: _Where, t, cols, S, evict):
-    """Step ``t``'s state (its chunks ``S``) into the snapshot tape."""
-    for c, tile in zip(cols, S):
-        _store_row(tape_ref, w, (*w.lead, t, w.hv, w.vs, c), tile.astype(tape_ref.dtype), evict=evict)
-
-
-def _apply_pending(refs, pending: str, state_ref, pool_ref, w: _Where, cols, S0, form: str, control: str | None = None,
+def _apply_pending(refs, pending, state_ref, pool_ref, w: _Where, cols, S0, form: str, control: str | None = None,
                    replay_mode: str = "split", math: str = "platform"):
     """The previous step's commit of this program's tile, before its verify: the state after the
     accepted step (and the track state, to its slot), both from the pre-verify state ``S0`` with
     the commit's rule (``fma(k, u, rn(S * exp(g)))``, the replay kernel's arithmetic element for
     element) or from the previous snapshots; both stored to the pool (rounded to its dtype).
     Returns the state the verify starts from: the accepted state as the pool now holds it, or
-    ``S0`` where nothing was accepted. The masks are the commit's (``reference._masks``).
+    ``S0`` where nothing was accepted. The masks are the commit's (``reference.commit_masks``).
 
     ``refs``: the pending rows, steps, track slots, track steps ``[N]``, the previous tape's
     layer ``[1]``, then the previous tape's fields (``u, k, g`` or ``states``, ``[L', R', D', ...]``).
@@ -306,7 +176,7 @@ def _apply_pending(refs, pending: str, state_ref, pool_ref, w: _Where, cols, S0,
         for c, tile in zip(cols, tiles):
             pool_ref[w.layer, at, hv, vs, c] = tile.astype(dt)
 
-    if pending == "snapshots":
+    if pending.stores_states:
         (states_ref,) = prev
 
         def snap(t):
@@ -356,7 +226,7 @@ def _apply_pending(refs, pending: str, state_ref, pool_ref, w: _Where, cols, S0,
     def _():
         store(w.slot, acc)
 
-    if pending == "tuples" and late:  # the control: the track state replayed from the advanced state in the pool
+    if not pending.stores_states and late:  # the control: the track state replayed from the advanced state in the pool
         advanced = [jnp.where(accept, a.astype(dt).astype(F32), b) for a, b in zip(acc, S0)]
         steps(0, jnp.where(track, ptstep, -1), advanced, track_store)
 
@@ -367,7 +237,7 @@ def _apply_pending(refs, pending: str, state_ref, pool_ref, w: _Where, cols, S0,
 
 def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bool, row_vectors: bool, one_pass: bool,
             k_chunk: int, loop: bool, evict: str | None, prefetch_q: bool, tiles_first: bool, dot_fma: str,
-            pending: str | None = None, control: str | None = None, stacked: bool = False,
+            pending=None, control: str | None = None, stacked: bool = False,
             out_into: bool = False, pending_replay: str = "split", barrier: bool = True,
             interpret: bool = False, tree: bool = False,
             math: str = "platform"):  # fmt: skip
@@ -425,7 +295,7 @@ def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bo
 
     start = n_in + (2 if into else 0)
     end = len(refs) - n_out - (2 if out_into else 0)
-    if pending == "tuples" and pending_replay == "rows":
+    if pending and not pending.stores_states and pending_replay == "rows":
         # The commit replayed on the whole [BV, K] tile (one chunk: Triton lays it out with the lanes
         # across K, so a step's k is K / 32 registers a lane, where the chain's chunks hold K / 4),
         # then the state the pool now holds, in the chain's chunks, after a barrier: its lanes read
@@ -503,111 +373,6 @@ def tree_tables(parents):
     return jnp.maximum(path, 0).reshape(N, D, D), depth.reshape(N, D)
 
 
-def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bool, k_chunk: int,
-                 evict: str | None, interpret: bool, mma_chunk: int | None, tiles_first: bool,
-                 out_into: bool = False):  # fmt: skip
-    """The Gram form (module docstring) for one (request, v-head, V tile).
-
-    Products of the untouched state against every step's key and query, ``xk_t = S0 k_t`` and
-    ``xq_t = S0 q_t`` (independent of each other: no serial chain through memory or
-    reductions), then per row
-    ``u_t = beta_t (v_t - P_t xk_t) - sum_{s<t} W[t, s] u_s`` and
-    ``o_t = P_t xq_t + sum_{s<=t} C[t, s] u_s``, with the coefficients from
-    :func:`_gram_prep_kernel`. The snapshot mode then builds the states from the same ``u``
-    with the pinned rule, step by step. With ``mma_chunk`` (``products="mma"``) the products
-    are ``tl.dot`` of the state tile against the keys and queries of all steps, chunk by chunk
-    of K (``mma_chunk`` columns), summed (TF32x3; fp32 products in interpret mode, where
-    XLA:CPU has no TF32).
-    """
-    # inputs: state, slots, layer, tape_layer, qn, kn, v, g, W, C, P, beta[, rows, tape buffer][, out_layer, outputs
-    # buffer]; outputs: o, tape
-    (q_ref, k_ref, v_ref, g_ref, W_ref, C_ref, P_ref, beta_ref), o_ref, tape_ref, state_ref, w = _program(
-        refs, 12, into, r, BV, tiles_first, out_into=out_into)
-    n, hv, h, vs = w.n, w.hv, w.h, w.vs
-    mul, fma = rounding_ops(form)
-    cols = _chunks(k_ref.shape[-1], k_chunk)
-
-    def vecs(ref, t):  # q or k of step t, as [1, C] rows of the chunks
-        return [ref[n, t, pl.ds(h, 1), c] for c in cols]
-
-    # With mma the products read the state chunk by chunk; the snapshot mode reads it again for
-    # its states after the recurrence (an L2 hit, not held in registers across the products).
-    mma = mma_chunk is not None
-    S0 = None if mma else _load_state(state_ref, w, cols, evict)
-    sep = _apart(interpret)  # each product apart from the sum it feeds, in interpret mode
-
-    def state(t, S, u):  # step t's state, from the same u, with the pinned rule, and its store
-        alpha = rounding.exp(g_ref[n, t, hv])
-        S = [fma(kc, u[:, None], mul(c, alpha)) for kc, c in zip(vecs(k_ref, t), S)]
-        if interpret:  # XLA:CPU would fuse the whole elementwise chain of integer fmas (compiles for minutes)
-            S = jax.lax.optimization_barrier(S)
-        _store_state(tape_ref, w, t, cols, S, evict)
-        return S
-
-    # Loops (Triton unrolls short ones itself). The steps' products (step t + 1's q and k loaded during step t) go into columns
-    # of [BV, Dp] tiles; the recurrence reads them back (a sum of one value and zeros) and
-    # keeps its u in such a tile as bit patterns (read back by an integer sum: exact, -0.0 included).
-    Dp = gram_steps(D)
-    col = jax.lax.broadcasted_iota(jnp.int32, (BV, Dp), 1)
-    zero = jnp.zeros((BV, Dp), F32)
-
-    def pick(X, t):  # column t of a [BV, Dp] tile (or of the products' [BV, Dm] with mma)
-        c = col if X.shape[1] == Dp else jax.lax.broadcasted_iota(jnp.int32, X.shape, 1)
-        return jnp.sum(jnp.where(c == t, X, 0), axis=1)
-
-    def products(t, carry):
-        XK, XQ, (ks, qs) = carry
-        nxt = jnp.minimum(t + 1, D - 1)
-        nxt = vecs(k_ref, nxt), vecs(q_ref, nxt)  # loaded first: in flight during this step's products
-        XK = jnp.where(col == t, _chunk_dot(S0, ks, apart=sep)[:, None], XK)
-        XQ = jnp.where(col == t, _chunk_dot(S0, qs, apart=sep)[:, None], XQ)
-        return XK, XQ, nxt
-
-    if mma:  # all steps at once, [BV, C] x [C, Dm] per chunk of K on the tensor cores (rows >= D are zeros)
-        Dm = gram_steps(D, "mma")
-        prec = HIGHEST if interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
-        XK = XQ = None
-        for c in _chunks(k_ref.shape[-1], mma_chunk):
-            live = jax.lax.broadcasted_iota(jnp.int32, (Dm, c.size), 0) < D
-            tile = _state_tile(state_ref, w, c, None if snapshots else evict)
-            xk, xq = (
-                jax.lax.dot_general(tile, plgpu.load(ref.at[n, pl.ds(0, Dm), h, c], mask=live, other=0.0),
-                                    (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=F32)
-                for ref in (k_ref, q_ref)
-            )  # fmt: skip
-            XK, XQ = (xk, xq) if XK is None else (XK + xk, XQ + xq)
-    else:
-        XK, XQ, _ = jax.lax.fori_loop(0, D, products, (zero, zero, (vecs(k_ref, 0), vecs(q_ref, 0))))
-
-
-    def recurrence(t, bits):  # step t's u and o
-        U = jax.lax.bitcast_convert_type(bits, F32)  # columns >= t are 0; so are W[t, s >= t], C[t, s > t]
-        P = P_ref[n, hv, t]
-        u = beta_ref[n, hv, t] * (v_ref[n, t, hv, vs].astype(F32) - sep(P * pick(XK, t)))
-        u = u - _row_sum(sep(W_ref[n, hv, t, :][None, :] * U), sep)
-        U = jnp.where(col == t, u[:, None], U)
-        o = sep(P * pick(XQ, t)) + _row_sum(sep(C_ref[n, hv, t, :][None, :] * U), sep)
-        o_ref[(*w.olead, n, t, hv, vs)] = o.astype(o_ref.dtype)
-        if not snapshots:
-            _store_row(tape_ref, w, (*w.lead, t, hv, vs), u)
-        return jnp.where(col == t, jax.lax.bitcast_convert_type(u, jnp.int32)[:, None], bits)
-
-    bits = jax.lax.fori_loop(0, D, recurrence, jnp.zeros((BV, Dp), jnp.int32))
-    if snapshots:
-        S0 = _load_state(state_ref, w, cols, evict) if mma else S0
-        jax.lax.fori_loop(0, D, lambda t, S: state(t, S, jax.lax.bitcast_convert_type(pick(bits, t), F32)), S0)
-
-
-def _store_row(ref, w: _Where, idx, value, evict=None):
-    if w.row_ok is None:  # a fresh tape: rows are the requests themselves
-        store(ref, idx, value, evict)
-        return
-
-    @pl.when(w.row_ok)  # out-of-range rows write nothing
-    def _():
-        store(ref, idx, value, evict)
-
-
 @functools.partial(jax.jit, static_argnames=("config", "form", "interpret", "pending_control"))
 def verify(call: VerifyCall, *, config=None, form, interpret, pending_control=None):
     """See :func:`gdn_lossless_jax.verify`; the call's fields as :class:`~..contract.VerifyCall` has them.
@@ -621,8 +386,6 @@ def verify(call: VerifyCall, *, config=None, form, interpret, pending_control=No
     third output (the chain algorithm only). With ``out``, the outputs go to ``out[out_layer]``,
     in place. Returns ``(outputs, tape[, pool])``.
     """
-    from ...tape import Snapshots, Tuples
-
     state, slots, layer, pending = call.pool, call.slots, call.layer, call.pending
     q, k, v, a, b, A_log, dt_bias = call.inputs
     tape, tape_layer, rows, out, out_layer = call.tape, call.tape_layer, call.rows, call.out, call.out_layer
@@ -653,7 +416,7 @@ def verify(call: VerifyCall, *, config=None, form, interpret, pending_control=No
         raise ValueError(f"pallas verify: V={V} must be a multiple of block_v={cfg.block_v}")
     if K % min(K, cfg.k_chunk):
         raise ValueError(f"pallas verify: K={K} must be a multiple of k_chunk={cfg.k_chunk} (or at most it)")
-    snapshots = record == "snapshots"
+    snapshots = record.stores_states  # the record mode's flag (record: the tape class)
     into = tape is not None
     if pending is not None and cfg.algorithm != "chain":
         raise ValueError("pallas verify: a pending commit needs the chain algorithm")
@@ -699,11 +462,11 @@ def verify(call: VerifyCall, *, config=None, form, interpret, pending_control=No
         out_shape.append(jax.ShapeDtypeStruct((N, D, HV, V, K), state.dtype))
     else:
         out_shape.append(jax.ShapeDtypeStruct((N, D, HV, V), F32))
-    pending_mode = None
+    pending_mode = None  # the pending tape's class: its record mode's flags
     if pending is not None:
         prev_tape = pending.tape
-        pending_mode = "snapshots" if isinstance(prev_tape, Snapshots) else "tuples"
-        if pending_mode == "tuples" and v.ndim == 5 and cfg.pending_slice_v:  # one layer's v, copied by XLA
+        pending_mode = type(prev_tape)
+        if not pending_mode.stores_states and v.ndim == 5 and cfg.pending_slice_v:  # one layer's v, copied by XLA
             v = jax.lax.dynamic_index_in_dim(v, layer[0], 0, keepdims=False)
             inputs[6] = v
         inputs += [pending.rows, pending.steps, pending.track_slots, pending.track_steps, scalar(pending.layer),
@@ -734,12 +497,12 @@ def verify(call: VerifyCall, *, config=None, form, interpret, pending_control=No
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
-        name=f"gdn_verify_{record}",
+        name=f"gdn_verify_{record.mode}",
     )(*inputs)
     if snapshots:
-        new = Snapshots(rec)
+        new = record(rec)
     elif into:
-        new = Tuples(rec, kbuf, gbuf)
+        new = record(rec, kbuf, gbuf)
     else:
-        new = Tuples(rec, kn, g)
+        new = record(rec, kn, g)
     return (outputs, new, *pool)

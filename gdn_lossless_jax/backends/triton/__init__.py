@@ -13,9 +13,9 @@ bit for bit in the other backends on the same device (see ``_lang.py``).
 
 from __future__ import annotations
 
+import warnings
 
-from ...tape import Snapshots, Tuples
-from ..contract import VerifyCall
+from ..contract import Capabilities, VerifyCall
 from .. import BackendUnavailable, platform
 from ._lang import IMPORT_ERROR, import_jax_triton
 from .commit import COMPILER_FORMS, CONTROL_FORMS, FORMS, CommitConfig, commit_snapshots, commit_tuples
@@ -23,13 +23,27 @@ from .commit import replay as _replay
 from .verify import VerifyConfig
 from .verify import verify as _verify
 
-__all__ = ["verify", "replay", "commit", "check_available", "VerifyConfig", "CommitConfig", "FORMS", "CONTROL_FORMS"]
+__all__ = ["name", "capabilities", "verify", "replay", "commit", "check_available", "conv_kernels", "VerifyConfig",
+           "CommitConfig", "FORMS", "CONTROL_FORMS"]  # fmt: skip
+
+name = "triton"
+#: Both record modes; chains only (its verify kernels take no tree); the platform's math.
+capabilities = Capabilities(control_forms=CONTROL_FORMS)
 
 _INSTALL = "pip install 'gdn_lossless_jax[triton]' (jax-triton 0.3.1, for jax 0.11.2 and triton 3.6)"
 _ALTERNATIVES = "Alternatives: 'pallas' (Pallas Triton), 'reference' (pure JAX, any platform), 'auto'."
 
 
-def check_available(op: str) -> None:
+def conv_kernels():
+    """The Pallas backend's conv kernels on a GPU (jax-triton has no conv here), else None (XLA)."""
+    if platform() != "gpu":
+        return None
+    from .. import pallas
+
+    return pallas.conv_kernels()
+
+
+def check_available(op: str, math: str = "platform") -> None:
     """Raise :class:`BackendUnavailable` unless a GPU, triton and jax-triton are all here."""
     p = platform()
     if p != "gpu":
@@ -55,20 +69,26 @@ def verify(call: VerifyCall, *, config: VerifyConfig = VerifyConfig()):
     """See :func:`gdn_lossless_jax.verify`; ``config`` sets the kernel's tile and launch."""
     check_available("verify")
     outputs, fields, *pool = _verify(call, config=config)
-    return (outputs, Snapshots(*fields) if call.record == "snapshots" else Tuples(*fields), *pool)
+    return (outputs, call.record(*fields), *pool)
 
 
 def _form(form: str) -> str:
+    if form == "rule":
+        warnings.warn("triton: form='rule' is now form='pinned' (every backend's name for the rule pinned by the "
+                      "platform's instructions); the old name is removed in the next release", DeprecationWarning,
+                      stacklevel=3)  # fmt: skip
+        return "pinned"
     allowed = FORMS + CONTROL_FORMS + COMPILER_FORMS
     if form not in allowed:
         raise ValueError(f"triton: replay form must be one of {allowed}, got {form!r}")
     return form
 
 
-def replay(state0, tuples, steps, *, config: CommitConfig = CommitConfig(), form: str = "rule"):
+def replay(state0, tuples, steps, *, config: CommitConfig = CommitConfig(), form: str = "pinned",
+           math: str = "platform"):
     """See :func:`gdn_lossless_jax.replay`: the commit kernel on a one-layer pool made of state0.
 
-    ``form`` other than ``"rule"`` (:data:`CONTROL_FORMS`, ``"naive"``) is for tests only.
+    ``form`` other than ``"pinned"`` (:data:`CONTROL_FORMS`, ``"naive"``) is for tests only.
     """
     check_available("replay")
     return _replay(state0, tuples.u, tuples.k, tuples.g, steps, config=config, form=_form(form))
@@ -84,7 +104,8 @@ def commit(
     rows,
     *,
     config: CommitConfig = CommitConfig(),
-    form: str = "rule",
+    form: str = "pinned",
+    math: str = "platform",
 ):
     """See :func:`gdn_lossless_jax.commit`: one launch for all layers, in place on the pool.
 
@@ -92,6 +113,6 @@ def commit(
     """
     check_available("commit")
     idx = (slots, steps, track_slots, track_steps, rows)
-    if isinstance(tape, Snapshots):
+    if tape.stores_states:
         return commit_snapshots(pool, tape.states, *idx, config=config)
     return commit_tuples(pool, tape.u, tape.k, tape.g, *idx, config=config, form=_form(form))

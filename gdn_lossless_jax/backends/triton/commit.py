@@ -11,7 +11,7 @@ the pre-verify state read before either write, so the accepted-first ordering bu
 
 Snapshot tape: a masked gather-scatter, grid ``(blocks of HV*V*K, N, L)``.
 
-Masks (SGLang's ``fused_mamba_state_scatter_with_mask``, :func:`reference._masks`): a
+Masks (SGLang's ``fused_mamba_state_scatter_with_mask``, :func:`reference.commit_masks`): a
 request whose slot or tape row is out of range is skipped entirely (track copy included);
 its accepted write needs ``0 <= steps[n] < D``; its track write needs
 ``0 <= track_steps[n] < D`` and ``0 <= track_slots[n] < S``. ``rows[n]`` is request n's
@@ -49,7 +49,8 @@ __all__ = [
     "commit_snapshots_kernel",
 ]
 
-#: The replay update of the commit kernel. ``rule`` is the library's rule. The control
+#: The replay update of the commit kernel. ``pinned`` is the library's rule, pinned by ``tl.fma``
+#: with fp fusion off (the rule of :data:`gdn_lossless_jax.testing.controls.FORMS`). The control
 #: forms break it by construction, for tests that must catch them: ``twice_rounded`` is
 #: ``rn(rn(S * alpha) + rn(k * u))`` (what XLA:GPU makes of the plain expression) and
 #: ``other_product`` is ``fma(S, alpha, rn(k * u))`` written out (what Triton's fp fusion
@@ -57,10 +58,11 @@ __all__ = [
 #: fusion on, so the compiler decides, which is why it is not among the controls: which product
 #: Triton 3.6 fuses depends on the launch, the pool dtype and jax-triton's pointer
 #: specialisation (scripts/triton_interpret_check.py prints which). Hence the rule is written out.
-FORMS = ("rule",)
+FORMS = ("pinned",)
 CONTROL_FORMS = ("twice_rounded", "other_product")
 COMPILER_FORMS = ("naive",)
-_FORM_CODE = {"rule": 0, "naive": 1, "twice_rounded": 1, "other_product": 2}
+# ("rule": the update forms' name of the rule, testing.controls.FORMS, which tools/amdgcn.py speaks.)
+_FORM_CODE = {"pinned": 0, "rule": 0, "naive": 1, "twice_rounded": 1, "other_product": 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +227,7 @@ def _jitted(name: str):
 
 
 def commit_tuples(
-    pool, u, k, g, slots, steps, track_slots, track_steps, rows, *, config: CommitConfig = CommitConfig(), form="rule"
+    pool, u, k, g, slots, steps, track_slots, track_steps, rows, *, config: CommitConfig = CommitConfig(), form="pinned"
 ):
     """Replay-commit all layers from a tuple tape; returns the new pool ``[L, S, HV, V, K]``."""
     return _jitted("tuples")(pool, u, k, g, slots, steps, track_slots, track_steps, rows, config=config, form=form)
@@ -238,7 +240,7 @@ def commit_snapshots(
     return _jitted("snapshots")(pool, states, slots, steps, track_slots, track_steps, rows, config=config)
 
 
-def replay(state0, u, k, g, steps, *, config: CommitConfig = CommitConfig(), form="rule"):
+def replay(state0, u, k, g, steps, *, config: CommitConfig = CommitConfig(), form="pinned"):
     """The state after ``steps[i]`` for each request (``state0`` where the step is outside ``[0, D)``)."""
     return _jitted("replay")(state0, u, k, g, steps, config=config, form=form)
 

@@ -26,7 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...reference import ksum, pairwise_sum
-from ..model import GDNParams, MLPParams, einsum, matmul, softmax
+# The demo model's attention parameters: a checkpoint's are the same arrays (its q_norm and k_norm
+# zero-centred: rmsnorm scales by 1 + w here).
+from ..model import AttentionParams, GDNParams, MLPParams, einsum, matmul, softmax
 from .config import HFConfig
 
 __all__ = [
@@ -39,20 +41,6 @@ F32 = jnp.float32
 
 def _pytree(cls):
     return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
-
-
-@_pytree
-class AttentionParams:
-    """Gated attention: ``w_q``, ``w_gate [d, nq*hd]``, ``w_k``, ``w_v [d, nkv*hd]``, ``q_norm``,
-    ``k_norm [hd]`` (zero-centred), ``w_o [nq*hd, d]``."""
-
-    w_q: jax.Array
-    w_gate: jax.Array
-    w_k: jax.Array
-    w_v: jax.Array
-    q_norm: jax.Array
-    k_norm: jax.Array
-    w_o: jax.Array
 
 
 @_pytree

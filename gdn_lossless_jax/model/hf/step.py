@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from .. import decode
-from ..decode import DecodeState, KVCache, SpecStep, StepInputs, StepOutputs, _in_range
+from ...reference import in_range as _in_range
+from ..decode import DecodeState, KVCache, SpecStep, StepInputs, StepOutputs
 from . import arch
 from .arch import HFParams
 from .config import HFConfig

@@ -7,7 +7,7 @@ forms; whether subnormals survive) and ``exp.npz`` (the bits of ``exp`` on
 own ``jnp.exp`` as ``"<platform>_xla"`` for every platform present). The notebook compares a
 recorded GPU's ``exp`` with the CPU it runs on, bit for bit.
 
-    python scripts/platform_facts.py --out benchmarks/results/platform
+    python -m gdn_lossless_jax.tools.viz --out benchmarks/results/platform
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from gdn_lossless_jax.tools import viz
+from .. import viz
 
 EXP_POINTS = 16384
 

@@ -1,7 +1,7 @@
 """Sweep every float32 in a range through ``gdn_lossless_jax.portable.exp`` or ``log`` against float64.
 
-    python scripts/portable_accuracy.py exp -104 -0x1p-25     # the decay range's nontrivial part
-    python scripts/portable_accuracy.py log 1 5e8               # softplus's log: 1 + exp(x), x <= 20
+    python -m gdn_lossless_jax.tools.accuracy exp -104 -0x1p-25     # the decay range's nontrivial part
+    python -m gdn_lossless_jax.tools.accuracy log 1 5e8               # softplus's log: 1 + exp(x), x <= 20
 
 Prints the number of inputs, the largest error in ULP of the float32 result (against NumPy's
 float64 function, itself within an ULP of float64: the error stated is that of the float32
@@ -12,18 +12,12 @@ differs), and the worst input. docs/design.md ("Portable mode") quotes its runs.
 from __future__ import annotations
 
 import argparse
-import pathlib
-import sys
 import time
 
 import jax
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from gdn_lossless_jax import portable  # noqa: E402
+from .. import portable
 
 CHUNK = 1 << 22
 
