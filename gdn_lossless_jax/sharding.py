@@ -74,7 +74,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import api, checks
+from . import api, checks, staging
 from . import pool as pool_mod
 from . import reference
 from .config import Geometry
@@ -533,9 +533,9 @@ MeshPlan.commit_and_verify = _per_shard(api.commit_and_verify, "commit_and_verif
 
 
 def _int32(x):
-    """Index arguments as int32 (:func:`gdn_lossless_jax.checks.as_index`: host values stay on the
+    """Index arguments as int32 (:func:`gdn_lossless_jax.staging.as_index`: host values stay on the
     host, which ``jit`` takes as replicated, across processes too)."""
-    return None if x is None else checks.as_index(x)
+    return None if x is None else staging.as_index(x)
 
 
 def _get(args: Mapping, path: str):
@@ -703,8 +703,8 @@ def _run(plan: MeshPlan, name: str, call: _Static, fill_rows, names: tuple, dona
     # mesh of Explicit axes shard_map requires the types to match already.
     given = jax.tree.map(lambda x, s: _place(plan.mesh, x, s), given, in_specs)
     # check_vma=False: Pallas and Triton calls declare no varying mesh axes for their outputs.
-    # checks.unstaged: the index arguments were staged (or not, in a loop body) by _int32 out here.
-    return shard_map(checks.unstaged(local), mesh=plan.mesh, in_specs=(in_specs,), out_specs=out_specs,
+    # staging.unstaged: the index arguments were staged (or not, in a loop body) by _int32 out here.
+    return shard_map(staging.unstaged(local), mesh=plan.mesh, in_specs=(in_specs,), out_specs=out_specs,
                      check_vma=False)(given)  # fmt: skip
 
 
