@@ -277,8 +277,8 @@ def kimi_hub_layout(folder: pathlib.Path, config):
         "head_dim": c.pop("linear_head_dim"), "num_heads": c.pop("linear_num_heads"),
         "short_conv_kernel_size": c.pop("linear_conv_kernel_dim"),
     }  # fmt: skip
-    c.update(first_k_dense_replace=len(dense), moe_layer_freq=1, mla_use_nope=True, moe_router_activation_func="sigmoid",
-             use_grouped_topk=True)  # fmt: skip
+    c.update(first_k_dense_replace=len(dense), moe_layer_freq=1, mla_use_nope=True,
+             moe_router_activation_func="sigmoid", use_grouped_topk=True)  # fmt: skip
     path.write_text(json.dumps(c, indent=2, sort_keys=True) + "\n")
     t = _load_file(folder / "model.safetensors")
     for i in dense:
@@ -334,7 +334,7 @@ def main():
             if model_type in other_configs():  # what was written is what transformers reads
                 again = type(model).from_pretrained(folder, dtype=torch.float32).eval()
                 back = again(input_ids=ids).logits.float().numpy()
-                assert np.array_equal(back, lg32), f"{model_type}: reloaded logits differ by {np.abs(back - lg32).max()}"
+                assert np.array_equal(back, lg32), f"{model_type}: reloaded logits off by {np.abs(back - lg32).max()}"
             out = model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, eos_token_id=None,
                                  pad_token_id=0, output_scores=True, return_dict_in_generate=True)  # fmt: skip
             scores = torch.stack(out.scores, 1).float()
