@@ -29,6 +29,35 @@ Weights: transformers' initialisation with a larger ``initializer_range`` (0.2, 
 a few units wide and greedy top-2 gaps sit far above fp32 noise), and the norms' zero-centred weights,
 the gated norms' weights, ``dt_bias`` and ``A_log`` drawn at random (an all-zero ``weight`` would hide
 a norm applying ``weight`` instead of ``1 + weight``).
+
+The other families (issue 62; no MTP block: their checkpoints ship none):
+
+- ``olmo_hybrid``: ``OlmoHybridForCausalLM`` with ``linear_allow_neg_eigval`` on (beta = 2 sigmoid(b)),
+  no RoPE (``rope_parameters.rope_theta`` null, as the released checkpoints), GDN with H = 2, HV = 4,
+  K = 16, V = 32; saved in bf16. **Post-processed to the Hub's layout**: ``save_pretrained`` splits the
+  conv weight back into ``q_conv1d``/``k_conv1d``/``v_conv1d`` in equal thirds (``torch.chunk``, the
+  reverse of the concatenation transformers loads with), which is not the Hub's split when the key and
+  value widths differ; the script re-splits it by key/key/value width (H*K, H*K, HV*V rows).
+- ``olmo_hybrid_noneg``: the same class with ``linear_allow_neg_eigval`` off (beta = sigmoid(b)), RoPE on
+  (theta 10000), H = HV = 2, K = 16, V = 32; fp32, left as ``save_pretrained`` wrote it (the conv in
+  equal thirds; the norms under the Hub's ``attention_layer_norm`` / ``feedforward_layer_norm`` names,
+  transformers' reverse renaming).
+- ``kimi_linear``: ``KimiLinearForCausalLM``: 3 KDA blocks (H = 2, K = V = 16) and one MLA block (4 heads,
+  no q LoRA, kv rank 32, nope 16 + shared rope part 8, v 16), ``first_k_dense_replace`` 1 (block 0 a dense
+  MLP, blocks 1-3 the sigmoid-routed group-limited MoE: 8 experts in 4 groups, top-2 groups, top-2 experts,
+  a random ``e_score_correction_bias``, one shared expert); saved in bf16, experts one by one
+  (``block_sparse_moe.experts.<e>.w1/w2/w3``, as ``save_pretrained`` writes them). **Post-processed to the
+  Hub's config form**: ``config.json`` carries ``linear_attn_config`` (``kda_layers``, ``full_attn_layers``
+  1-indexed, ``head_dim``, ``num_heads``, ``short_conv_kernel_size``) and ``first_k_dense_replace`` instead
+  of ``layer_types``, ``mlp_layer_types`` and ``linear_*``; and the dense block's MLP is renamed from
+  ``block_sparse_moe.*`` (transformers' reverse renaming applies to every ``mlp.``) to ``mlp.*``, as the Hub
+  stores it.
+
+Every post-processed folder is loaded back with ``from_pretrained`` and must give the same fp32 logits
+(so the layout written is one transformers reads). The KDA and GDN layers run transformers' pure-torch
+chunked and recurrent paths (no ``fla``: the script refuses to run where it is importable).
+
+``--only NAME ...`` writes some fixtures only (the others are left as they are).
 """
 
 from __future__ import annotations
@@ -69,9 +98,67 @@ def configs():
     return {"qwen3_next": nxt, "qwen3_5": q35, "qwen3_5_moe": moe}
 
 
-def build(model_type, config):
-    from transformers import Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
+#: The families beside Qwen (issue 62): tiny configs; pad token 0 (inside the vocabulary), no BOS/EOS.
+OTHER = dict(vocab_size=VOCAB, hidden_size=D_MODEL, num_hidden_layers=4, initializer_range=0.2, pad_token_id=0,
+             bos_token_id=None, eos_token_id=None, tie_word_embeddings=False)  # fmt: skip
+OLMO = dict(OTHER, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+            linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=32, linear_num_key_heads=2,
+            layer_types=["linear_attention"] * 3 + ["full_attention"])  # fmt: skip
+KIMI = dict(OTHER, intermediate_size=64, moe_intermediate_size=16, num_attention_heads=4, num_key_value_heads=4,
+            kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+            num_local_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+            routed_scaling_factor=2.446, norm_topk_prob=True, rms_norm_eps=1e-5, linear_head_dim=16,
+            linear_num_heads=2, linear_conv_kernel_dim=4,
+            layer_types=["linear_attention"] * 3 + ["full_attention"], mlp_layer_types=["dense"] + ["sparse"] * 3)
+#: Which fixtures are saved in bf16 (the fp32 reference then runs on the bf16-rounded weights).
+BF16 = ("qwen3_5", "olmo_hybrid", "kimi_linear")
 
+
+def other_configs():
+    """The olmo_hybrid and kimi_linear fixtures' configs (module docstring)."""
+    from transformers import KimiLinearConfig, OlmoHybridConfig
+
+    nope = dict(rope_type="default", rope_theta=None)  # the released checkpoints: no RoPE
+    return {
+        "olmo_hybrid": OlmoHybridConfig(**OLMO, linear_num_value_heads=4, linear_allow_neg_eigval=True,
+                                        rope_parameters=nope),
+        "olmo_hybrid_noneg": OlmoHybridConfig(**OLMO, linear_num_value_heads=2, linear_allow_neg_eigval=False,
+                                              rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+        "kimi_linear": KimiLinearConfig(**KIMI),
+    }  # fmt: skip
+
+
+def all_configs():
+    return {**configs(), **other_configs()}
+
+
+def _plain_norms(model, g):
+    """The other families' norms multiply by a plain ``weight``: drawn near 1 (not all ones, so that a norm
+    applying ``1 + weight`` or none at all is caught); ``dt_bias``, ``A_log`` and the MoE's correction bias
+    at random."""
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.copy_(1.0 + 0.4 * (torch.rand(p.shape, generator=g) - 0.5))
+        elif name.endswith("dt_bias"):
+            p.copy_(torch.randn(p.shape, generator=g))
+        elif name.endswith("A_log"):
+            p.copy_(torch.log(torch.empty(p.shape).uniform_(0.5, 8.0, generator=g)))
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(0.2 * torch.randn(b.shape, generator=g))
+
+
+def build(model_type, config):
+    from transformers import (KimiLinearForCausalLM, OlmoHybridForCausalLM, Qwen3_5ForConditionalGeneration,
+                              Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM)  # fmt: skip
+
+    other = {"olmo_hybrid": OlmoHybridForCausalLM, "olmo_hybrid_noneg": OlmoHybridForCausalLM,
+             "kimi_linear": KimiLinearForCausalLM}  # fmt: skip
+    if model_type in other:
+        model = other[model_type](config).eval()
+        with torch.no_grad():
+            _plain_norms(model, torch.Generator().manual_seed(SEED + 1))
+        return model
     cls = {"qwen3_next": Qwen3NextForCausalLM, "qwen3_5": Qwen3_5ForConditionalGeneration,
            "qwen3_5_moe": Qwen3_5MoeForCausalLM}[model_type]  # fmt: skip
     model = cls(config).eval()
@@ -150,31 +237,104 @@ def add_mtp(folder: pathlib.Path, tensors):
     index_path.write_text(json.dumps(index, indent=2, sort_keys=True))
 
 
+def _load_file(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def _save_file(tensors, path):
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+
+
+def olmo_hub_conv_split(folder: pathlib.Path, config):
+    """The conv weights re-split by key/key/value width (the Hub's layout; module docstring)."""
+    key, value = config.linear_num_key_heads * config.linear_key_head_dim, (
+        config.linear_num_value_heads * config.linear_value_head_dim)
+    t = _load_file(folder / "model.safetensors")
+    for pre in sorted({k[: -len("q_conv1d.weight")] for k in t if k.endswith("q_conv1d.weight")}):
+        parts = [t.pop(pre + f"{n}_conv1d.weight") for n in "qkv"]
+        full = torch.cat(parts, 0)
+        assert [p.shape[0] for p in parts] == [p.shape[0] for p in full.chunk(3, 0)]  # what save_pretrained wrote
+        for n, part in zip("qkv", full.split([key, key, value], 0)):
+            t[pre + f"{n}_conv1d.weight"] = part
+    _save_file(t, folder / "model.safetensors")
+
+
+def kimi_hub_layout(folder: pathlib.Path, config):
+    """The Hub's config form (``linear_attn_config``, ``first_k_dense_replace``) and ``mlp.*`` names for the
+    dense blocks (module docstring)."""
+    path = folder / "config.json"
+    c = json.loads(path.read_text())
+    types, mlp_types = c.pop("layer_types"), c.pop("mlp_layer_types")
+    dense = [i for i, t in enumerate(mlp_types) if t == "dense"]
+    assert dense == list(range(len(dense))), mlp_types  # first_k_dense_replace describes it
+    c["linear_attn_config"] = {
+        "kda_layers": [i + 1 for i, t in enumerate(types) if t == "linear_attention"],
+        "full_attn_layers": [i + 1 for i, t in enumerate(types) if t == "full_attention"],
+        "head_dim": c.pop("linear_head_dim"), "num_heads": c.pop("linear_num_heads"),
+        "short_conv_kernel_size": c.pop("linear_conv_kernel_dim"),
+    }  # fmt: skip
+    c.update(first_k_dense_replace=len(dense), moe_layer_freq=1, mla_use_nope=True,
+             moe_router_activation_func="sigmoid", use_grouped_topk=True)  # fmt: skip
+    path.write_text(json.dumps(c, indent=2, sort_keys=True) + "\n")
+    t = _load_file(folder / "model.safetensors")
+    for i in dense:
+        for n in ("gate_proj", "up_proj", "down_proj"):
+            t[f"model.layers.{i}.mlp.{n}.weight"] = t.pop(f"model.layers.{i}.block_sparse_moe.{n}.weight")
+    _save_file(t, folder / "model.safetensors")
+
+
+#: Post-processing to the Hub's layout, per fixture (module docstring).
+POST = {"olmo_hybrid": olmo_hub_conv_split, "kimi_linear": kimi_hub_layout}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parents[1] / "tests/fixtures/hf"))
+    ap.add_argument("--only", nargs="+", metavar="NAME", help="write these fixtures only")
     args = ap.parse_args()
+    import importlib.util
+
+    if importlib.util.find_spec("fla") is not None:
+        raise SystemExit("make_hf_fixtures: flash-linear-attention (fla) is importable; the fixtures are written by "
+                         "transformers' pure-torch GDN/KDA paths: run in an environment without it")  # fmt: skip
     torch.manual_seed(SEED)
     rng = np.random.default_rng(SEED)
     prompts = rng.integers(1, VOCAB, size=(PROMPTS, PROMPT_LEN)).astype(np.int64)
-    for model_type, config in configs().items():
+    todo = all_configs()
+    if args.only:
+        unknown = sorted(set(args.only) - set(todo))
+        if unknown:
+            raise SystemExit(f"make_hf_fixtures: unknown fixture(s) {unknown}; known: {sorted(todo)}")
+        todo = {k: v for k, v in todo.items() if k in args.only}
+    for model_type, config in todo.items():
         torch.manual_seed(SEED)
         folder = pathlib.Path(args.out) / model_type
         folder.mkdir(parents=True, exist_ok=True)
         for f in folder.iterdir():
             f.unlink()
         model = build(model_type, config)
-        save_dtype = torch.bfloat16 if model_type == "qwen3_5" else torch.float32
+        save_dtype = torch.bfloat16 if model_type in BF16 else torch.float32
         if save_dtype == torch.bfloat16:  # the fp32 reference runs on the bf16-rounded weights too
             model = model.to(torch.bfloat16).to(torch.float32)
         # qwen3_next: sharded (a small max_shard_size), so the loader reads an index file.
         shard = "200KB" if model_type == "qwen3_next" else "50MB"
         model.to(save_dtype).save_pretrained(folder, max_shard_size=shard)
         model = model.to(torch.float32)
-        add_mtp(folder, mtp_weights(config, model_type, save_dtype, D_MODEL))
+        if model_type in POST:
+            POST[model_type](folder, config)
+        elif model_type.startswith("qwen3"):
+            add_mtp(folder, mtp_weights(config, model_type, save_dtype, D_MODEL))
         ids = torch.from_numpy(prompts)
         with torch.no_grad():
             lg32 = model(input_ids=ids).logits.float().numpy()
+            if model_type in other_configs():  # what was written is what transformers reads
+                again = type(model).from_pretrained(folder, dtype=torch.float32).eval()
+                back = again(input_ids=ids).logits.float().numpy()
+                assert np.array_equal(back, lg32), f"{model_type}: reloaded logits off by {np.abs(back - lg32).max()}"
             out = model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, eos_token_id=None,
                                  pad_token_id=0, output_scores=True, return_dict_in_generate=True)  # fmt: skip
             scores = torch.stack(out.scores, 1).float()

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from ...config import Geometry
 
-__all__ = ["HFConfig", "MODEL_TYPES", "read_config"]
+__all__ = ["HFConfig", "MODEL_TYPES", "FAMILY_TYPES", "read_config"]
 
 #: ``model_type`` values that load, and the family each belongs to. ``*_text`` is what
 #: ``save_pretrained`` writes for the text-only classes; ``qwen3_5`` and ``qwen3_5_moe`` nest the
@@ -21,7 +21,11 @@ MODEL_TYPES = {
     "qwen3_5_text": "qwen3_5",
     "qwen3_5_moe": "qwen3_5_moe",
     "qwen3_5_moe_text": "qwen3_5_moe",
+    "olmo_hybrid": "olmo_hybrid",
+    "kimi_linear": "kimi_linear",
 }
+#: Families whose linear layers are not yet through the state pool (full-sequence logits only; issue 62).
+FAMILY_TYPES = ("olmo_hybrid", "kimi_linear")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,227 @@
+"""What the OLMo-Hybrid and Kimi Linear checkpoints share: reading tensors under the Hub's names, the
+plain-weight norms, the causal conv, and :class:`FamilyModel` (full-sequence logits).
+
+These families load through :func:`~gdn_lossless_jax.model.hf.load_pretrained` beside Qwen's, but
+their linear layers do not go through the state pool yet: :meth:`FamilyModel.logits` runs each GDN
+(:mod:`~gdn_lossless_jax.model.hf.olmo_hybrid`) or KDA (:mod:`~gdn_lossless_jax.model.hf.kimi_linear`)
+layer as one full-sequence chain from an empty state, with the library's reference rule
+(:func:`gdn_lossless_jax.reference.chain`, :func:`gdn_lossless_jax.kda.chain`). Speculative decoding
+through the pool needs the pool and the backends to take OLMo's beta scale and KDA's tape (issue 62,
+phase 2); until then :meth:`FamilyModel.generate` refuses and :meth:`FamilyModel.greedy_reference`
+decodes greedily by recomputing the whole forward for every token (a reference for tests, O(T^2)).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ...reference import ksum
+from .weights import Checkpoint, _Reader
+
+__all__ = ["FamilyModel", "load_family", "Reader", "plain_rmsnorm", "causal_conv_silu", "conv_weight", "refuse", "get"]
+
+F32 = jnp.float32
+
+
+def refuse(file: str, what: str):
+    raise ValueError(f"load_pretrained: {file}: {what}")
+
+
+def get(cfg: dict, keys: tuple[str, ...] | str, file: str, default: Any = None, required: bool = False):
+    """The first of ``keys`` present in ``cfg`` (a config may use transformers' name or the Hub's); else
+    ``default``, or an error naming the file and the key when ``required``."""
+    keys = (keys,) if isinstance(keys, str) else keys
+    for k in keys:
+        if k in cfg:
+            return cfg[k]
+    if required:
+        refuse(file, f"no key {' or '.join(repr(k) for k in keys)}, which is required")
+    return default
+
+
+class Reader(_Reader):
+    """:class:`~gdn_lossless_jax.model.hf.weights._Reader` under transformers' names: each stored name is
+    mapped by ``renames`` (``(pattern, replacement)`` regular expressions, applied in order, as
+    transformers' conversion mapping renames a Hub checkpoint's tensors on load). Errors name the stored
+    tensor, its file and the name it was read as."""
+
+    def __init__(self, ckpt: Checkpoint, dtype, renames: tuple[tuple[str, str], ...]):
+        super().__init__(ckpt, dtype)
+        self.stored: dict[str, str] = {}
+        for n in sorted(ckpt.names()):
+            c = n
+            for pattern, repl in renames:
+                c = re.sub(pattern, repl, c)
+            if c in self.stored:
+                refuse(ckpt.path, f"tensors {self.stored[c]!r} and {n!r} are both read as {c!r}; keep one")
+            self.stored[c] = n
+
+    def _where(self, name: str) -> str:
+        s = self.stored[name]
+        return f"tensor {s!r} (in {self.ckpt.where[s]}{'' if s == name else f', read as {name!r}'})"
+
+    def has(self, name: str) -> bool:
+        return name in self.stored
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.ckpt.shape(self.stored[name]))
+
+    def raw(self, name: str, shape) -> np.ndarray:
+        if name not in self.stored:
+            refuse(self.ckpt.path, f"tensor {name!r} is missing (expected shape {list(shape)})")
+        got = self.shape(name)
+        if got != tuple(shape):
+            refuse(self.ckpt.path, f"{self._where(name)} has shape {list(got)}, expected {list(shape)}")
+        self.used.add(self.stored[name])
+        return self.ckpt.get(self.stored[name])
+
+    def any_of(self, name: str, shapes: list[tuple[int, ...]]) -> np.ndarray:
+        """A tensor that may have one of ``shapes`` (e.g. ``A_log [H]`` or ``[1, 1, H, 1]``)."""
+        if self.has(name) and self.shape(name) in [tuple(s) for s in shapes]:
+            return self.raw(name, self.shape(name))
+        want = " or ".join(str(list(s)) for s in shapes)
+        if not self.has(name):
+            refuse(self.ckpt.path, f"tensor {name!r} is missing (expected shape {want})")
+        refuse(self.ckpt.path, f"{self._where(name)} has shape {list(self.shape(name))}, expected {want}")
+
+    def check_all_used(self, model_type: str):
+        """Every tensor of the checkpoint was read, or an error naming the first unexpected one and its file."""
+        rest = sorted(set(self.ckpt.names()) - self.used)
+        if rest:
+            refuse(self.ckpt.path, f"unexpected tensor {rest[0]!r} (shape {list(self.ckpt.shape(rest[0]))}, in "
+                                   f"{self.ckpt.where[rest[0]]}) for model_type {model_type!r} ({len(rest)} such "
+                                   f"tensor(s))")  # fmt: skip
+
+
+def _chunks(n: int, parts: int = 3) -> tuple[int, ...]:
+    """``torch.chunk``'s sizes: ``ceil(n / parts)`` each, the last what is left."""
+    c = -(-n // parts)
+    sizes, left = [], n
+    while left > 0:
+        sizes.append(min(c, left))
+        left -= sizes[-1]
+    return tuple(sizes)
+
+
+def conv_weight(r: Reader, prefix: str, widths: tuple[int, int, int], Kc: int) -> np.ndarray:
+    """The depthwise conv over ``[q | k | v]`` as ``[conv_dim, Kc]``.
+
+    Stored either fused (``conv1d.weight [conv_dim, 1, Kc]``, transformers' in-memory name) or as
+    ``q_conv1d``/``k_conv1d``/``v_conv1d`` (the Hub's): split by the key/key/value widths, as the Hub's
+    checkpoints store it, or in ``torch.chunk``'s equal thirds, as ``save_pretrained`` writes it back
+    (transformers loads either by concatenating the three). Any other split is an error naming the tensors.
+    """
+    total = sum(widths)
+    if r.has(prefix + "conv1d.weight"):
+        return r.raw(prefix + "conv1d.weight", (total, 1, Kc))[:, 0]
+    names = [prefix + f"{n}_conv1d.weight" for n in "qkv"]
+    missing = [n for n in names if not r.has(n)]
+    if missing:
+        refuse(r.ckpt.path, f"tensor {prefix + 'conv1d.weight'!r} (or {', '.join(map(repr, names))}) is missing: "
+                            f"no {missing[0]!r} (expected rows {list(widths)}, {Kc} taps)")  # fmt: skip
+    rows = tuple(r.shape(n)[0] for n in names)
+    if rows not in (tuple(widths), _chunks(total)):
+        refuse(r.ckpt.path, f"tensors {', '.join(map(repr, names))} split the conv's {total} channels as {list(rows)}; "
+                            f"expected the key/key/value widths {list(widths)} (the Hub's) or equal thirds "
+                            f"{list(_chunks(total))} (what save_pretrained writes)")  # fmt: skip
+    return np.concatenate([r.raw(n, (m, 1, Kc))[:, 0] for n, m in zip(names, rows)], axis=0)
+
+
+def plain_rmsnorm(x, weight, eps, *, round_first: bool = False):
+    """RMSNorm times a plain ``weight`` (not ``1 + weight``), its mean in a fixed order.
+
+    ``round_first=False`` (OLMo): ``(weight * y).to(dtype)`` with ``y`` in fp32; ``True`` (Kimi):
+    ``weight * y.to(dtype)``, the product in the model's dtype (as transformers' two classes do)."""
+    dt = x.dtype
+    xf = x.astype(F32)
+    y = xf * jax.lax.rsqrt(ksum(xf * xf)[..., None] / x.shape[-1] + eps)
+    if round_first:
+        return weight.astype(dt) * y.astype(dt)
+    return (weight.astype(F32) * y).astype(dt)
+
+
+def causal_conv_silu(x, w):
+    """transformers' ``causal_conv1d_fn`` from an empty state, then SiLU: ``x [N, T, C]``, ``w [C, Kc]``;
+    the taps summed in fp32 in a fixed order, rounded to x's dtype, SiLU in fp32, rounded again."""
+    N, T, C = x.shape
+    Kc = w.shape[-1]
+    xp = jnp.pad(x, ((0, 0), (Kc - 1, 0), (0, 0)))
+    win = jnp.stack([xp[:, j : j + T] for j in range(Kc)], axis=-1)  # [N, T, C, Kc]
+    y = ksum(win.astype(F32) * w.astype(F32)).astype(x.dtype)
+    return jax.nn.silu(y.astype(F32)).astype(x.dtype)
+
+
+class FamilyModel:
+    """A loaded OLMo-Hybrid or Kimi Linear checkpoint: ``config``, ``params``, ``path``, ``report``.
+
+    ``forward(params, config, ids [B, T]) -> fp32 logits [B, T, vocab]`` is the family's full-sequence
+    forward (module docstring), a sequence of jitted per-block programs."""
+
+    def __init__(self, config, params, forward: Callable, *, path: str = "", report: dict | None = None,
+                 backend: str = "auto"):  # fmt: skip
+        self.config, self.params, self.forward = config, params, forward
+        self.path, self.report, self.backend = path, report or {}, backend
+
+    def __repr__(self) -> str:
+        return f"FamilyModel({self.config.describe()})"
+
+    def _ids(self, fn: str, ids) -> np.ndarray:
+        ids = np.asarray(ids)
+        if ids.ndim != 2 or ids.shape[1] < 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"{fn}: argument 'ids' must be an integer array [B, T] with T >= 1, got "
+                             f"{ids.dtype} {list(ids.shape)}")  # fmt: skip
+        if ids.min() < 0 or ids.max() >= self.config.vocab:
+            raise ValueError(f"{fn}: argument 'ids' must be token ids in [0, {self.config.vocab}), got values "
+                             f"{ids.min()}..{ids.max()}")  # fmt: skip
+        return ids.astype(np.int32)
+
+    def logits(self, ids) -> jax.Array:
+        """``ids [B, T]`` -> fp32 logits ``[B, T, vocab]``: the full forward from empty states."""
+        return self.forward(self.params, self.config, jnp.asarray(self._ids("logits", ids)))
+
+    def greedy_reference(self, ids, max_new_tokens: int) -> np.ndarray:
+        """Greedy decoding by a full forward per token (every layer is causal, so the logits at a position
+        do not depend on the zeros padded after it: one compiled shape serves every step). A reference for
+        tests, O(T^2); ``generate`` through the pool comes with issue 62's phase 2."""
+        ids = self._ids("greedy_reference", ids)
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"greedy_reference: argument 'max_new_tokens' must be a positive integer, got "
+                             f"{max_new_tokens!r}")  # fmt: skip
+        B, T = ids.shape
+        buf = np.zeros((B, T + max_new_tokens), np.int32)
+        buf[:, :T] = ids
+        for t in range(T, T + max_new_tokens):
+            lg = self.forward(self.params, self.config, jnp.asarray(buf))
+            buf[:, t] = np.asarray(jnp.argmax(lg[:, t - 1], axis=-1))
+        return buf
+
+    def generate(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"generate: speculative decoding of a {self.config.model_type} checkpoint through the state pool is not "
+            f"available yet: the pool and the backends do not take "
+            f"{'its beta scale' if self.config.model_type == 'olmo_hybrid' else 'the KDA tape'} (issue 62, phase 2); "
+            f"logits() and greedy_reference() work"
+        )
+
+
+def load_family(path: str, full: dict, dtype: str, *, draft: str = "auto", draft_layers: int | None = None,
+                backend: str = "auto") -> FamilyModel:
+    """:func:`~gdn_lossless_jax.model.hf.load_pretrained` for ``olmo_hybrid`` and ``kimi_linear`` (``full``: the
+    folder's ``config.json``; ``dtype`` resolved). These checkpoints have no draft yet: ``draft`` must be
+    ``"auto"`` and ``draft_layers`` None."""
+    import os
+
+    from . import kimi_linear, olmo_hybrid
+
+    mt = full["model_type"]
+    if draft != "auto" or draft_layers is not None:
+        raise ValueError(f"load_pretrained: arguments draft={draft!r}, draft_layers={draft_layers!r}: a {mt} "
+                         f"checkpoint has no draft yet (issue 62, phase 2); leave them at 'auto' and None")  # fmt: skip
+    family = {"olmo_hybrid": olmo_hybrid, "kimi_linear": kimi_linear}[mt]
+    return family.load(Checkpoint(path), full, dtype=dtype, name=os.path.basename(os.path.normpath(path)),
+                       file=os.path.join(path, "config.json"), backend=backend)  # fmt: skip
