@@ -11,7 +11,7 @@ from jax.experimental.pallas import triton as plgpu
 from ... import rounding
 from .prologue import gram_steps
 from .rounding import ops as rounding_ops
-from .tiles import _apart, _chunk_dot, _chunks, _load_state, _program, _row_sum, _state_tile, _store_row, _store_state
+from .tiles import _apart, _times, _chunk_dot, _chunks, _load_state, _program, _row_sum, _state_tile, _store_row, _store_state
 
 F32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST  # fp32 products in fp32 (the default would be TF32 on a GPU)
@@ -49,6 +49,7 @@ def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, int
     mma = mma_chunk is not None
     S0 = None if mma else _load_state(state_ref, w, cols, evict)
     sep = _apart(interpret)  # each product apart from the sum it feeds, in interpret mode
+    times = _times(sep)
 
     def state(t, S, u):  # step t's state, from the same u, with the pinned rule, and its store
         alpha = rounding.exp(g_ref[n, t, hv])
@@ -97,10 +98,10 @@ def _gram_kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, int
     def recurrence(t, bits):  # step t's u and o
         U = jax.lax.bitcast_convert_type(bits, F32)  # columns >= t are 0; so are W[t, s >= t], C[t, s > t]
         P = P_ref[n, hv, t]
-        u = beta_ref[n, hv, t] * (v_ref[n, t, hv, vs].astype(F32) - sep(P * pick(XK, t)))
-        u = u - _row_sum(sep(W_ref[n, hv, t, :][None, :] * U), sep)
+        u = beta_ref[n, hv, t] * (v_ref[n, t, hv, vs].astype(F32) - sep(times(P, pick(XK, t))))
+        u = u - _row_sum(sep(times(W_ref[n, hv, t, :][None, :], U)), sep)
         U = jnp.where(col == t, u[:, None], U)
-        o = sep(P * pick(XQ, t)) + _row_sum(sep(C_ref[n, hv, t, :][None, :] * U), sep)
+        o = sep(times(P, pick(XQ, t))) + _row_sum(sep(times(C_ref[n, hv, t, :][None, :], U)), sep)
         o_ref[(*w.olead, n, t, hv, vs)] = o.astype(o_ref.dtype)
         if not snapshots:
             _store_row(tape_ref, w, (*w.lead, t, hv, vs), u)

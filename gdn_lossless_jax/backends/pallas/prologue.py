@@ -15,6 +15,7 @@ from jax.experimental.pallas import triton as plgpu
 from ... import portable, rounding
 from ...reference import L2NORM_EPS, gates
 from ...reference import stacked as is_stacked
+from .tiles import _apart, _row_sum, _times
 
 __all__ = ["prep", "gram_prep", "gram_steps", "gram_prep_warps", "one_layer", "MMA_MIN"]
 
@@ -23,9 +24,12 @@ HIGHEST = jax.lax.Precision.HIGHEST  # fp32 products in fp32 (the default would 
 MMA_MIN = 16  # Triton's smallest tl.dot tile side
 
 
-def _unit_rows(x):
-    """l2norm of each row of a ``[rows, K]`` tile (``reference.l2norm``'s formula)."""
-    return x / jnp.sqrt(jnp.sum(x * x, axis=1)[:, None] + L2NORM_EPS)
+def _unit_rows(x, interpret: bool = False):
+    """l2norm of each row of a ``[rows, K]`` tile (``reference.l2norm``'s formula). In interpret
+    mode the squares (:func:`~.tiles._times`) summed in a fixed tree (:func:`~.tiles._row_sum`),
+    as the kernels' dots are: no fusion decides the norms' bits."""
+    apart = _apart(interpret)
+    return x / jnp.sqrt(_row_sum(apart(_times(apart)(x, x)), apart)[:, None] + L2NORM_EPS)
 
 
 def gram_steps(D: int, products: str = "fma") -> int:
@@ -35,7 +39,7 @@ def gram_steps(D: int, products: str = "fma") -> int:
 
 
 def _prep_kernel(*refs, H: int, HV: int, hb: int, scale: float, into: bool, stacked: tuple = (False,) * 6,
-                 math: str = "platform"):
+                 math: str = "platform", interpret: bool = False):
     """Per (request, step, group of ``hb`` q/k heads): the q/k l2 norms of those heads and the
     gates of their v-heads.
 
@@ -68,7 +72,7 @@ def _prep_kernel(*refs, H: int, HV: int, hb: int, scale: float, into: bool, stac
             y = portable.l2norm(xt, L2NORM_EPS)
             y = y if mult is None else rounding.mul_rn(y, jnp.asarray(mult, F32))
         else:
-            y = _unit_rows(xt)
+            y = _unit_rows(xt, interpret)
             y = y if mult is None else y * jnp.asarray(mult, F32)
         plgpu.store(dst.at[n, t, hs, :], y, mask=heads)
         if into and mult is None:
@@ -108,7 +112,7 @@ def prep(q, k, a, b, A_log, dt_bias, *, scale, interpret: bool, heads: int = 0, 
         aliases = {len(inputs) - 2: 4, len(inputs) - 1: 5}
     return pl.pallas_call(
         functools.partial(_prep_kernel, H=H, HV=HV, hb=hb, scale=scale, into=into is not None, stacked=stacked,
-                          math=math),
+                          math=math, interpret=interpret),
         out_shape=out_shape,
         grid=(N, D, pl.cdiv(H, hb)),
         input_output_aliases=aliases,
@@ -124,7 +128,7 @@ def _dot(a, b, *, trans_b=False):
 
 
 def _gram_prep_kernel(q_ref, k_ref, a_ref, b_ref, A_log_ref, dt_bias_ref, qn_ref, kn_ref, g_ref, *coef_refs, D: int,
-                      Dp: int, r: int, scale: float):  # fmt: skip
+                      Dp: int, r: int, scale: float, interpret: bool = False):  # fmt: skip
     """Per (request, q/k head): the norms of its D queries and keys, and for each of its r
     v-heads the gates and the coefficients of :func:`_gram_kernel`'s recurrence.
 
@@ -142,7 +146,7 @@ def _gram_prep_kernel(q_ref, k_ref, a_ref, b_ref, A_log_ref, dt_bias_ref, qn_ref
     rows = jax.lax.broadcasted_iota(jnp.int32, (Dp, K), 0) < D
 
     def unit(ref):  # l2norm of the D rows (reference.l2norm)
-        return _unit_rows(plgpu.load(ref.at[n, steps, h, :], mask=rows, other=0.0).astype(F32))
+        return _unit_rows(plgpu.load(ref.at[n, steps, h, :], mask=rows, other=0.0).astype(F32), interpret)
 
     qn, kn = unit(q_ref) * jnp.asarray(scale, F32), unit(k_ref)
     plgpu.store(qn_ref.at[n, steps, h, :], qn, mask=rows)
@@ -193,7 +197,7 @@ def gram_prep(q, k, a, b, A_log, dt_bias, *, scale, Dp: int, interpret: bool, pa
         q, k, a, b, A_log, dt_bias = one_layer(xlayer[0], q=q, k=k, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
     N, D, H, K = q.shape
     HV = a.shape[-1]
-    kernel = functools.partial(_gram_prep_kernel, D=D, Dp=Dp, r=HV // H, scale=scale)
+    kernel = functools.partial(_gram_prep_kernel, D=D, Dp=Dp, r=HV // H, scale=scale, interpret=interpret)
     # The kernel reads and writes whole [Dp] step tiles (masked past D): the step axis is padded to
     # Dp, so that every slice is in bounds (jax 0.12 checks them), and the outputs cut back to D.
     pad = lambda x: jnp.pad(x, [(0, 0), (0, Dp - D)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731

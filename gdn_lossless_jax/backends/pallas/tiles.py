@@ -76,12 +76,26 @@ def _identity(x):
 
 
 def _apart(interpret: bool):
-    """Interpret mode: ``optimization_barrier``, which keeps a product apart from the sum it feeds.
-    XLA:CPU contracts ``a * b + c`` into an fma or not, and orders a row's sum, by the fusion it
-    makes of the whole program, and the two record modes are two programs: without it (and
-    :func:`_row_sum`) their outputs differed (XLA:CPU of jax 0.12.1: the Gram form, then the
-    one-pass chain). On a GPU the identity (Triton compiles both modes' body alike)."""
+    """Interpret mode: ``optimization_barrier``, which keeps a row's sum in :func:`_row_sum`'s
+    order. XLA:CPU orders a row's sum, and contracts ``a * b + c`` into an fma or not, by the
+    fusion it makes of the whole program, and the two record modes are two programs (even one
+    program computes a value twice: the loop's first step before it, the others inside). On a
+    GPU the identity (Triton compiles both modes' body alike). The barrier is not enough for the
+    products: see :func:`_times`."""
     return jax.lax.optimization_barrier if interpret else _identity
+
+
+def _times(apart=_identity):
+    """The product of a dot's terms, ``x * y``; in interpret mode (``apart`` a barrier) with
+    integer operations (``rounding``'s ``mul_rn``, the same correctly rounded value): XLA:CPU of
+    jax 0.12.1 contracted a plain product into the add it feeds across an
+    ``optimization_barrier``, in the one-pass chain's ``k . q`` of the first step (computed
+    before the step loop) and not in the others'. An integer product has nothing to contract."""
+    return _mul if apart is _identity else rounding._mul_rn
+
+
+def _mul(x, y):
+    return x * y
 
 
 def _row_sum(x, apart=_identity):
@@ -110,9 +124,10 @@ def _chunk_dot(xs, ys, fma=None, apart=_identity):
     ``[1, C]``): chunk by chunk in registers, then one reduction (a short shuffle tree).
     With ``fma`` (a pinned fma) each chunk after the first is fused into the running sum:
     one instruction per element instead of a multiply and an add. ``apart``: :func:`_apart`."""
-    acc = apart(xs[0] * ys[0])
+    times = _times(apart)
+    acc = apart(times(xs[0], ys[0]))
     for x, y in zip(xs[1:], ys[1:]):
-        acc = apart(acc + apart(x * y)) if fma is None else fma(x, y, acc)
+        acc = apart(acc + apart(times(x, y))) if fma is None else fma(x, y, acc)
     return _row_sum(acc, apart)
 
 

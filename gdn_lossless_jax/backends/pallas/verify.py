@@ -40,7 +40,7 @@ from ..contract import VerifyCall
 from ..launch import VerifyLaunch
 from ._refs import grid
 from .gram import _gram_kernel
-from .tiles import _Where, _apart, _chunk_dot, _chunks, _load_state, _program, _store_row, _store_state, _tree_dot
+from .tiles import _Where, _apart, _times, _chunk_dot, _chunks, _load_state, _program, _store_row, _store_state, _tree_dot
 from .prologue import MMA_MIN, gram_prep, gram_steps, one_layer, prep
 from .conv import scalar
 from .rounding import ops as rounding_ops
@@ -283,7 +283,7 @@ def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bo
         if math == "portable":
             o = _tree_dot(S, qs)
         else:
-            o = sq + apart(u * kq) if one_pass else _chunk_dot(S, qs, fuse_o, apart)
+            o = sq + apart(_times(apart)(u, kq)) if one_pass else _chunk_dot(S, qs, fuse_o, apart)
         o_ref[(*w.olead, n, t, hv, vs)] = o.astype(o_ref.dtype)
         if snapshots:
             # (interpret mode: the barrier changes no value; without it XLA:CPU compiles the in-place
