@@ -112,12 +112,13 @@ def _check_config(config, seed, shape):
 @st.composite
 def _launches(draw):
     """A verify launch and a problem it takes: the algorithm, the one-pass chain, the V tile, the K
-    chunk, the grid's order; N, D, the heads' grouping, K = V."""
+    chunk, the grid's order (None: the modes' defaults, tiles first for snapshots and requests first
+    for tuples, two loops around one body); N, D, the heads' grouping, K = V."""
     K = draw(st.sampled_from([8, 16]))
     algorithm = draw(st.sampled_from(["chain", "gram"]))
     cfg = dict(algorithm=algorithm, block_v=draw(st.sampled_from([4, 8])), num_warps=1,
                k_chunk=draw(st.sampled_from([k for k in (4, 8, 16) if k <= K])),
-               order=draw(st.sampled_from(["tiles", "requests"])))  # fmt: skip
+               order=draw(st.sampled_from([None, "tiles", "requests"])))  # fmt: skip
     if algorithm == "chain":
         cfg["one_pass"] = draw(st.booleans())
     H = draw(st.sampled_from([1, 2]))
