@@ -44,8 +44,10 @@ def verify(
     out: jax.Array | None = None,
     checked: bool = False,
     math: str = "platform",
+    decay: str | None = None,
+    beta_scale: float | None = None,
 ) -> tuple[jax.Array, Tape]:
-    """Run D draft tokens through one GDN layer without touching the state.
+    """Run D draft tokens through one GDN (or KDA) layer without touching the state.
 
     Args:
       state0: the pre-verify states (never modified; float32 or bfloat16, upcast to fp32 on
@@ -102,6 +104,17 @@ def verify(
         too (the decay's ``exp`` must be verify's). Backends: ``"reference"``, and ``"pallas"``
         in interpret mode (the CPU); the others raise
         :class:`~gdn_lossless_jax.backends.BackendUnavailable` for ``"portable"``.
+      decay: ``"scalar"`` (GDN, the default: one decay per v-head and step) or ``"channel"`` (KDA,
+        :mod:`gdn_lossless_jax.kda`: one decay per key channel; then ``a [N, D, HV, K]`` is the
+        forget gate's projection before its bias, ``dt_bias [HV, K]``, and the tuple tape is a
+        :class:`~gdn_lossless_jax.tape.KDATuples` with ``g [N, D, HV, K]``: ``record="tuples"``
+        picks it). None: from the ``tape`` buffer's class where it tells, else ``"scalar"``.
+        Backends: ``"reference"`` (``"auto"`` picks it); the others refuse it by name. No draft
+        trees (``parents``) with it.
+      beta_scale: beta's factor, a static float (None: 1.0): OLMo-Hybrid's
+        ``linear_allow_neg_eigval`` makes beta ``2 sigmoid(b)`` (``beta_scale=2.0``), applied
+        after the sigmoid; the tape is unchanged (``u`` carries beta). Backends: ``"reference"``
+        and ``"pallas"``; ``"triton"`` and ``"mosaic"`` refuse it by name.
     Returns:
       ``(outputs [N, D, HV, V], tape)`` (with ``out``, the outputs buffer, updated); the tape
       is :class:`Tuples` (``u [N, D, HV, V]``, ``k [N, D, H, K]``, ``g [N, D, HV]``, fp32) or :class:`Snapshots`
@@ -129,7 +142,8 @@ def verify(
     """
     call = checks.verify_args(
         "verify", state0, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, out_dtype=out_dtype,
-        slots=slots, layer=layer, tape=tape, rows=rows, parents=parents, topk=topk, out=out, math=math,
+        slots=slots, layer=layer, tape=tape, rows=rows, parents=parents, topk=topk, out=out, math=math, decay=decay,
+        beta_scale=beta_scale,
     )  # fmt: skip
     if checked and call.parents is not None:
         tree.checkify_parents("verify", call.parents, topk)
@@ -143,7 +157,7 @@ def run_verify(call: VerifyCall, backend: Any = "auto", fn: str = "verify"):
     arguments already (the pool). Returns what the backend returns. The call must fit the
     backend's capabilities (:func:`gdn_lossless_jax.backends.check_call`: a draft tree needs
     ``capabilities.trees``, and so on)."""
-    impl = backends.resolve(backend, "verify", call.math)
+    impl = backends.resolve(backend, "verify", call.math, backends.call_needs(call.decay, call.beta_scale))
     backends.check_call(impl, fn, call)
     return autodiff.verify(impl, call)
 
@@ -179,7 +193,8 @@ def replay(
     Args:
       state0: ``[N, HV, V, K]`` float32 or bfloat16 (upcast; the result is rounded back).
       tuples: a :class:`Tuples` tape from :func:`verify` (``u [N, D, HV, V]``,
-        ``k [N, D, H, K]``, ``g [N, D, HV]``).
+        ``k [N, D, H, K]``, ``g [N, D, HV]``), or a KDA layer's
+        :class:`~gdn_lossless_jax.tape.KDATuples` (``g [N, D, HV, K]``).
       steps: ``[N]`` int, 0-based: the last draft step to apply, *not* an accepted length
         (a request that accepted n drafts has step n - 1). A value outside ``[0, D)`` (a
         negative step) means no step: state0 is returned for that request, so a length
@@ -205,7 +220,7 @@ def replay(
     raw = (path, steps, steps, parents)
     state0, tuples, steps = checks.replay_args(fn, state0, tuples, steps)
     checks.check_math(fn, math)
-    impl = backends.resolve(backend, "replay", math)
+    impl = backends.resolve(backend, "replay", math, lambda c: c.takes(type(tuples)))
     backends.check_math(impl, fn, math)
     _check_record(impl, fn, tuples)
     if path is not None:
@@ -245,7 +260,8 @@ def commit(
     Args:
       pool: ``[L, S, HV, V, K]`` float32 or bfloat16, all GDN layers' states.
       tape: from :func:`verify` per layer, stacked with a leading layer axis:
-        :class:`Tuples` (``u [L, R, D, HV, V]``, ``k [L, R, D, H, K]``, ``g [L, R, D, HV]``)
+        :class:`Tuples` (``u [L, R, D, HV, V]``, ``k [L, R, D, H, K]``, ``g [L, R, D, HV]``),
+        :class:`~gdn_lossless_jax.tape.KDATuples` (KDA layers: ``g [L, R, D, HV, K]``)
         or :class:`Snapshots` (``[L, R, D, HV, V, K]``, the pool's dtype); R >= rows used.
       slots: ``[N]`` int, the pool slot of each request (holds its pre-verify state).
       steps: ``[N]`` int, the last accepted draft step (0-based); negative: nothing written.
@@ -300,7 +316,7 @@ def commit(
     raw = (path, steps, track_steps, parents)
     pool, tape, ints = checks.commit_args(fn, pool, tape, slots, steps, track_slots, track_steps, rows)
     checks.check_math(fn, math)
-    impl = backends.resolve(backend, "commit", math)
+    impl = backends.resolve(backend, "commit", math, lambda c: c.takes(type(tape)))
     _check_record(impl, fn, tape)
     if tape.stores_states:  # a commit that copies states has no math in it
         math = "platform"
@@ -324,10 +340,8 @@ def commit(
 
 
 def _check_record(impl, fn: str, tape: Tape) -> None:
-    """The backend takes ``tape``'s record mode (``capabilities.records``)."""
-    if type(tape) not in impl.capabilities.records:
-        raise backends.BackendUnavailable(f"{fn}: backend {backends.contract.backend_name(impl)!r} does not take "
-                                          f"{type(tape).mode!r} tapes")  # fmt: skip
+    """The backend takes ``tape``'s record mode and decay (``capabilities.takes``)."""
+    backends.check_tape(impl, fn, type(tape))
 
 
 _along_path = jax.jit(reference.along_path)  # (one dispatch, not one a jnp op, in an eager commit)
@@ -357,6 +371,8 @@ def commit_and_verify(
     topk: int = 1,
     checked: bool = False,
     math: str = "platform",
+    decay: str | None = None,
+    beta_scale: float | None = None,
 ) -> tuple[jax.Array, Tape, jax.Array]:
     """Apply the previous step's commit and verify the next drafts, reading each state once.
 
@@ -386,7 +402,8 @@ def commit_and_verify(
         with ``checked=True`` where traced (as :func:`commit` checks a path without
         ``parents``: the pending commit has no tree to check it against).
       q, k, v, a, b, A_log, dt_bias, slots, layer, tape, rows, record, scale, backend,
-        out_dtype, out, parents, topk, checked, math: as in :func:`verify` (``slots`` required:
+        out_dtype, out, parents, topk, checked, math, decay, beta_scale: as in :func:`verify`
+        (``decay`` None: from the tape buffer's or the pending tape's class where it tells; ``slots`` required:
         request n's state is ``pool[layer, slots[n]]``; the inputs may be stacked over the
         pool's layers). A tree verify (``parents``) runs on ``"reference"`` and ``"pallas"``.
     Returns:
@@ -401,7 +418,7 @@ def commit_and_verify(
     call = checks.commit_and_verify_args(
         "commit_and_verify", pool, pending, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale,
         out_dtype=out_dtype, slots=slots, layer=layer, tape=tape, rows=rows, out=out, parents=parents, topk=topk,
-        math=math, checked=checked,
+        math=math, checked=checked, decay=decay, beta_scale=beta_scale,
     )  # fmt: skip
     if checked and call.parents is not None:
         tree.checkify_parents("commit_and_verify", call.parents, topk)

@@ -65,7 +65,7 @@ def _compute_dtype(*trees) -> jnp.dtype:
     return dtype
 
 
-def _plain_gates(a, b, A_log, dt_bias, dtype):
+def _plain_gates(a, b, A_log, dt_bias, dtype, beta_scale: float = 1.0):
     """:func:`gdn_lossless_jax.reference.gates` with derivatives that stay finite.
 
     ``log(1 + exp(x))`` and ``1 / (1 + exp(-b))`` are right in value but their derivatives
@@ -75,9 +75,10 @@ def _plain_gates(a, b, A_log, dt_bias, dtype):
     """
     x = a.astype(dtype) + dt_bias.astype(dtype)
     sp = jnp.where(x > reference.SOFTPLUS_THRESHOLD, x, jax.nn.softplus(x))
-    g = -jnp.exp(A_log.astype(dtype)) * sp
+    A = jnp.exp(A_log.astype(dtype))
+    g = -(A[..., None] if jnp.ndim(a) > jnp.ndim(b) else A) * sp  # a per-channel decay: A per head over K
     beta = jax.nn.sigmoid(b.astype(dtype))
-    return g, beta
+    return g, (beta if beta_scale == 1.0 else beta * jnp.asarray(beta_scale, dtype))
 
 
 def plain_verify(
@@ -95,6 +96,7 @@ def plain_verify(
     out_dtype: Any = None,
     parents: Any = None,
     math: str = "platform",
+    beta_scale: float = 1.0,
 ) -> tuple[jax.Array, Tape]:
     """The plain-float formulation of :func:`gdn_lossless_jax.verify`, differentiable by JAX.
 
@@ -111,7 +113,7 @@ def plain_verify(
     scale = K**-0.5 if scale is None else scale
     qn = reference.l2norm(q.astype(dtype)) * jnp.asarray(scale, dtype)
     kn = reference.l2norm(k.astype(dtype))
-    g, beta = _plain_gates(a, b, A_log, dt_bias, dtype)
+    g, beta = _plain_gates(a, b, A_log, dt_bias, dtype, beta_scale)
     if parents is not None:  # a draft tree (gdn_lossless_jax.tree)
         return reference.tree_chain(state0, qn, kn, v, g, beta, parents, record=record, out_dtype=out_dtype or q.dtype,
                                     step=_plain_step)  # fmt: skip

@@ -20,7 +20,7 @@ import numpy as np
 from . import _deprecated, reference, tree
 from .backends.contract import VerifyCall
 from .staging import as_index
-from .tape import RECORD_MODES, RECORDS, STATE_DTYPE, Pending, Tape, record_type
+from .tape import RECORD_MODES, STATE_DTYPE, TAPES, Pending, Tape, record_type
 
 MATH_MODES = reference.MATH_MODES
 
@@ -225,15 +225,15 @@ def check_layer_index(fn: str, layer, L: int, what: str):
         raise TypeError(f"{fn}: argument 'layer' must be an int or an integer scalar, got {dtype_of(layer)} {fmt_shape(shape_of(layer))}")
 
 
-def stacked_inputs(fn: str, state0, inputs: dict, slots, layer) -> dict:
+def stacked_inputs(fn: str, state0, inputs: dict, slots, layer, decay: str = "scalar") -> dict:
     """Which inputs are stacked over the pool's layers (rank one above one layer's; the
     kernels read them at ``layer``), checked: they need the pool form with layers and
     ``layer``, and a leading axis of the pool's L. Returns ``{name: stacked}``."""
-    stacked = {n: reference.stacked(n, x) for n, x in inputs.items()}
+    stacked = {n: reference.stacked(n, x, decay) for n, x in inputs.items()}
     if not any(stacked.values()):
         return stacked
     names = [n for n, st in stacked.items() if st]
-    rank = {n: reference.INPUT_RANKS[n] + 1 for n in names}
+    rank = {n: reference.input_ranks(decay)[n] + 1 for n in names}
     pool = shape_of(state0)
     if slots is None or len(pool) != 5:
         if not stacked["q"]:  # one wrong shape, most likely: the usual checks name it
@@ -255,7 +255,7 @@ def stacked_inputs(fn: str, state0, inputs: dict, slots, layer) -> dict:
 
 
 def _tape_names() -> str:
-    return " or ".join(cls.__name__ for cls in RECORDS.values())
+    return " or ".join(cls.__name__ for cls in TAPES)
 
 
 def check_tape(fn: str, tape: Tape, lead: tuple[int, ...], lead_dims: str, *, prefix: str, HV: int, V: int, K: int,
@@ -291,15 +291,19 @@ def check_tape(fn: str, tape: Tape, lead: tuple[int, ...], lead_dims: str, *, pr
     return D
 
 
-def check_tape_buffer(fn: str, tape, record, N: int, D: int, H: int, HV: int, V: int, K: int, state_dtype, layer):
+def check_tape_buffer(fn: str, tape, record, N: int, D: int, H: int, HV: int, V: int, K: int, state_dtype, layer,
+                      decay: str = "scalar"):  # fmt: skip
     """The preallocated tape of ``verify(..., tape=)``, in any record mode; returns ``(its tape
     class, layered)``."""
     if not isinstance(tape, Tape):
         raise TypeError(f"{fn}: argument 'tape' must be a {_tape_names()} buffer, got {type(tape).__name__}")
     cls = type(tape)
-    if record is not None and record_type(record, fn) is not cls:
-        raise ValueError(f"{fn}: record={record_type(record).mode!r} but the tape buffer is a {cls.__name__} tape "
-                         f"({cls.mode!r})")  # fmt: skip
+    if decay not in cls.decays:
+        raise ValueError(f"{fn}: decay={decay!r} but the tape buffer is a {cls.__name__} tape, which records a "
+                         f"{'/'.join(cls.decays)} decay")  # fmt: skip
+    if record is not None and record_type(record, fn, decay) is not cls:
+        raise ValueError(f"{fn}: record={record_type(record, fn, decay).mode!r} but the tape buffer is a "
+                         f"{cls.__name__} tape ({cls.mode!r})")  # fmt: skip
     first, f0 = next(iter(cls.layout(H=H, HV=HV, V=V, K=K).items()))
     field, t = getattr(tape, first), len(f0.shape)
     rank = len(shape_of(field))
@@ -336,6 +340,38 @@ def check_out_buffer(fn: str, out, out_dtype, N: int, D: int, HV: int, V: int, l
     return jnp.dtype(out.dtype), layered
 
 
+def resolve_decay(fn: str, decay, *tapes) -> str:
+    """The ``decay=`` form of a call (:data:`gdn_lossless_jax.reference.DECAYS`, a static string):
+    ``decay`` where given; None: the first tape's among ``tapes`` whose class records one decay only
+    (a :class:`~gdn_lossless_jax.tape.KDATuples` buffer tells ``"channel"``), else ``"scalar"``."""
+    check_static(fn, "decay", decay)
+    if decay is None:
+        for t in tapes:
+            if isinstance(t, Tape) and len(type(t).decays) == 1:
+                return type(t).decays[0]
+        return "scalar"
+    if not isinstance(decay, str) or decay not in reference.DECAYS:
+        raise ValueError(f"{fn}: decay must be one of {reference.DECAYS} ('scalar': GDN, one decay per v-head; "
+                         f"'channel': KDA, one per key channel), got {decay!r}")  # fmt: skip
+    return decay
+
+
+def as_beta_scale(fn: str, beta_scale) -> float:
+    """beta's factor as a Python float (None: 1.0): static, finite and positive."""
+    check_static(fn, "beta_scale", beta_scale)
+    if beta_scale is None:
+        return 1.0
+    try:
+        value = float(beta_scale)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{fn}: argument 'beta_scale' must be a real number or None, got "
+                        f"{type(beta_scale).__name__} {beta_scale!r}") from e  # fmt: skip
+    if not np.isfinite(value) or value <= 0:
+        raise ValueError(f"{fn}: argument 'beta_scale' must be finite and positive (OLMo-Hybrid's negative "
+                         f"eigenvalues: 2.0), got {beta_scale!r}")  # fmt: skip
+    return value
+
+
 def check_math(fn: str, math) -> str:
     """``math`` is one of :data:`MATH_MODES` (a static string: a traced value cannot pick the math)."""
     if not isinstance(math, str) or math not in MATH_MODES:
@@ -344,17 +380,19 @@ def check_math(fn: str, math) -> str:
 
 
 def verify_args(fn, state0, q, k, v, a, b, A_log, dt_bias, *, record=None, scale=None, out_dtype=None, slots=None,
-                layer=None, tape=None, rows=None, parents=None, topk=1, out=None,
-                math="platform") -> VerifyCall:  # fmt: skip
+                layer=None, tape=None, rows=None, parents=None, topk=1, out=None, math="platform", decay=None,
+                beta_scale=None) -> VerifyCall:  # fmt: skip
     """Every check of :func:`gdn_lossless_jax.verify`; returns the backend's :class:`VerifyCall`."""
-    record = None if record is None else record_type(record, fn)  # the API's edge: the name becomes its class
+    decay = resolve_decay(fn, decay, tape)
+    beta_scale = as_beta_scale(fn, beta_scale)
+    record = None if record is None else record_type(record, fn, decay)  # the API's edge: the name becomes its class
     check_math(fn, math)
     check_static(fn, "scale", scale)
     state0, q, k, v, a, b, A_log, dt_bias = as_arrays(
         fn, state0=state0, q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias
     )
     full = dict(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
-    stacked = stacked_inputs(fn, state0, full, slots, layer)
+    stacked = stacked_inputs(fn, state0, full, slots, layer, decay)
     if any(stacked.values()):  # the checks below run on one layer's shapes
         q, k, v, a, b, A_log, dt_bias = (jax.ShapeDtypeStruct(shape_of(x)[1:], dtype_of(x)) if stacked[n] else x
                                          for n, x in full.items())  # fmt: skip
@@ -383,19 +421,28 @@ def verify_args(fn, state0, q, k, v, a, b, A_log, dt_bias, *, record=None, scale
             state, pool_layer = state0[None], 0
     check_shape(fn, "k", k, (N, D, H, K), "[N, D, H, K]", "from state0 and q")
     check_shape(fn, "v", v, (N, D, HV, V), "[N, D, HV, V]", "from state0 and q")
-    check_shape(fn, "a", a, (N, D, HV), "[N, D, HV]", "from state0 and q")
+    if decay == "channel":  # KDA: one decay per key channel
+        check_shape(fn, "a", a, (N, D, HV, K), "[N, D, HV, K]", "from state0 and q; decay='channel'")
+    else:
+        check_shape(fn, "a", a, (N, D, HV), "[N, D, HV]", "from state0 and q")
     check_shape(fn, "b", b, (N, D, HV), "[N, D, HV]", "from state0 and q")
     check_shape(fn, "A_log", A_log, (HV,), "[HV]", "from state0")
-    check_shape(fn, "dt_bias", dt_bias, (HV,), "[HV]", "from state0")
+    if decay == "channel":
+        check_shape(fn, "dt_bias", dt_bias, (HV, K), "[HV, K]", "from state0; decay='channel'")
+    else:
+        check_shape(fn, "dt_bias", dt_bias, (HV,), "[HV]", "from state0")
     for name, x in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias)):
         check_float(fn, name, x)
     if D < 1:
         raise ValueError(f"{fn}: need at least one draft step, got D={D} (q has shape {fmt_shape(shape_of(q))})")
     check_heads(fn, H, HV)
     parents = check_tree(fn, parents, topk, N, D)
+    if parents is not None and decay == "channel":
+        raise ValueError(f"{fn}: argument 'parents': draft trees of a per-channel decay (KDA, decay='channel') are not "
+                         "supported; verify a chain (parents=None)")  # fmt: skip
     buf = tape_layer = None
     if tape is not None:
-        record, layered = check_tape_buffer(fn, tape, record, N, D, H, HV, V, K, state0.dtype, layer)
+        record, layered = check_tape_buffer(fn, tape, record, N, D, H, HV, V, K, state0.dtype, layer, decay)
         buf, tape_layer = (tape, layer) if layered else (jax.tree.map(lambda x: x[None], tape), 0)
         if rows is None:
             rows = np.arange(N, dtype=np.int32)
@@ -409,8 +456,8 @@ def verify_args(fn, state0, q, k, v, a, b, A_log, dt_bias, *, record=None, scale
         out_dtype, layered = check_out_buffer(fn, out, out_dtype, N, D, HV, V, layer)
         obuf, out_layer = (out, layer) if layered else (out[None], 0)
     q, k, v, a, b, A_log, dt_bias = full.values()  # the backends take the stacks
-    fields = dict(record=record or RECORDS["tuples"], scale=as_scale(fn, scale, K),
-                  out_dtype=jnp.dtype(out_dtype or q.dtype), math=math)
+    fields = dict(record=record or record_type("tuples", fn, decay), scale=as_scale(fn, scale, K),
+                  out_dtype=jnp.dtype(out_dtype or q.dtype), math=math, decay=decay, beta_scale=beta_scale)
     if buf is not None:
         fields.update(tape=buf, tape_layer=as_index(tape_layer), rows=rows)
     if obuf is not None:
@@ -459,7 +506,8 @@ def commit_index_args(fn: str, slots, steps, track_slots=None, track_steps=None,
     return [as_index(x) for x in (slots, steps, track_slots, track_steps, rows)]
 
 
-def check_pending(fn: str, pending: Pending, N: int, H: int, HV: int, V: int, K: int, state_dtype, pool_layers):
+def check_pending(fn: str, pending: Pending, N: int, H: int, HV: int, V: int, K: int, state_dtype, pool_layers,
+                  decay: str = "scalar"):  # fmt: skip
     """The pending commit's tape and indices; returns ``(tape with a layer axis, its layer or None)``."""
     if not isinstance(pending, Pending):
         raise TypeError(f"{fn}: argument 'pending' must be a gdn_lossless_jax.Pending, got {type(pending).__name__}")
@@ -469,6 +517,9 @@ def check_pending(fn: str, pending: Pending, N: int, H: int, HV: int, V: int, K:
     lead = 1 if pool_layers is None else 2
     if not isinstance(t, Tape):
         raise TypeError(f"{fn}: argument 'pending.tape' must be {_tape_names()}, got {type(t).__name__}")
+    if decay not in type(t).decays:
+        raise ValueError(f"{fn}: decay={decay!r} but the pending tape is a {type(t).__name__} tape, which records a "
+                         f"{'/'.join(type(t).decays)} decay")  # fmt: skip
     first, f0 = next(iter(type(t).layout(H=H, HV=HV, V=V, K=K).items()))
     lead_dims = "L, R" if lead == 2 else "R"
     check_rank(fn, f"pending.tape.{first}", getattr(t, first), lead + 1 + len(f0.shape), f"[{lead_dims}, D, {f0.dims}]")
@@ -488,7 +539,7 @@ def replay_args(fn: str, state0, tuples, steps):
     check_state_dtype(fn, "state0", state0)
     N, HV, V, K = shape_of(state0)
     if not isinstance(tuples, Tape) or tuples.stores_states:
-        replays = " or ".join(c.__name__ for c in RECORDS.values() if not c.stores_states)
+        replays = " or ".join(c.__name__ for c in TAPES if not c.stores_states)
         raise TypeError(f"{fn}: the tape must be a {replays} tape here (one that replays), got {type(tuples).__name__}")
     check_tape(fn, tuples, (N,), "N", prefix="tuples", HV=HV, V=V, K=K, source="HV, V from the state")
     check_index(fn, "steps", steps, N)
@@ -600,7 +651,8 @@ def commit_args(fn: str, pool, tape, slots, steps, track_slots=None, track_steps
 
 def commit_and_verify_args(fn: str, pool, pending, q, k, v, a, b, A_log, dt_bias, *, slots, layer=None, tape=None,
                            rows=None, record=None, scale=None, out_dtype=None, out=None, parents=None,
-                           topk=1, math="platform", checked=False) -> VerifyCall:  # fmt: skip
+                           topk=1, math="platform", checked=False, decay=None,
+                           beta_scale=None) -> VerifyCall:  # fmt: skip
     """The checks of :func:`gdn_lossless_jax.commit_and_verify`: verify's (:func:`verify_args`) and the
     pending commit's (:func:`check_pending`; a pending path's values by :func:`check_path_indices`,
     traced ones with ``checked``); returns the :class:`VerifyCall` with its
@@ -616,10 +668,11 @@ def commit_and_verify_args(fn: str, pool, pending, q, k, v, a, b, A_log, dt_bias
     check_state_dtype(fn, "pool", pool)
     HV, V, K = shape_of(pool)[-3:]
     L = shape_of(pool)[0] if len(shape_of(pool)) == 5 else None
-    prev, layered = check_pending(fn, pending, N, H, HV, V, K, pool.dtype, L)
+    decay = resolve_decay(fn, decay, tape, getattr(pending, "tape", None))
+    prev, layered = check_pending(fn, pending, N, H, HV, V, K, pool.dtype, L, decay)
     call = verify_args(fn, pool, q, k, v, a, b, A_log, dt_bias, record=record, scale=scale, out_dtype=out_dtype,
                        slots=slots, layer=layer, tape=tape, rows=rows, out=out, parents=parents, topk=topk,
-                       math=math)  # fmt: skip
+                       math=math, decay=decay, beta_scale=beta_scale)  # fmt: skip
     pend = [as_index(getattr(pending, n)) for n in ("rows", "steps", "track_slots", "track_steps")]
     player = as_index(layer if layered else 0)
     if pending.path is not None:  # a tree's accepted path: the chain commit it is (reference.along_path)

@@ -28,15 +28,15 @@ rounds each element's decay as verify did: one rounded multiply by that element'
 ``exp(g[c])``, then one fma.
 
 The tape per head and step is ``V + 2K`` fp32 values against ``V * K`` for a snapshot: 384 against
-16,384 at K = V = 128 (42.7x smaller). This module is the specification the backends will be tested
-against (verify, replay, commit, with SGLang's masking rules as :func:`gdn_lossless_jax.reference.commit`);
-it is not wired into the pool or the backends yet (the tape is to become one more record variant).
+16,384 at K = V = 128 (42.7x smaller). This module is the specification the backends are tested
+against (verify, replay, commit, with SGLang's masking rules as :func:`gdn_lossless_jax.reference.commit`).
+Its tape is the record variant :class:`~gdn_lossless_jax.tape.KDATuples`, which the API takes
+(:func:`gdn_lossless_jax.verify` with ``decay="channel"``): the reference backend runs it.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Callable, ClassVar
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +44,7 @@ from jax import lax
 
 from . import rounding
 from .reference import SOFTPLUS_THRESHOLD, ksum, l2norm
-from .tape import Snapshots
+from .tape import KDATuples, Snapshots
 
 __all__ = [
     "KDATuples",
@@ -62,31 +62,6 @@ __all__ = [
 ]
 
 F32 = jnp.float32
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class KDATuples:
-    """The lossless KDA tape: what replay needs to rebuild every draft step's state.
-
-    Attributes:
-      u: ``[..., N, D, H, V]`` float32, ``beta_t * (v_t - rn(S_{t-1} * exp(g_t)) @ k_t)``.
-      k: ``[..., N, D, H, K]`` float32, the l2-normalised key.
-      g: ``[..., N, D, H, K]`` float32, the per-channel log-decay ``-exp(A_log) * softplus(f + dt_bias)``.
-    """
-
-    u: jax.Array
-    k: jax.Array
-    g: jax.Array
-    _trailing: ClassVar[int] = 2  # u [..., N, D, H, V]
-
-    @property
-    def num_steps(self) -> int:
-        return self.u.shape[-1 - self._trailing]
-
-    @property
-    def num_rows(self) -> int:
-        return self.u.shape[-2 - self._trailing]
 
 
 def tape_floats(H: int, K: int, V: int) -> int:

@@ -509,6 +509,9 @@ def gates(a, b, A_log, dt_bias):
     ex, enb, eA = e[: x.size].reshape(x.shape), e[x.size : x.size + nb.size].reshape(nb.shape), e[x.size + nb.size :]
     one_plus = _add(_f(1.0), jnp.concatenate([ex.ravel(), enb.ravel()]))
     sp = jnp.where(x > _f(SOFTPLUS_THRESHOLD), x, log(one_plus[: x.size].reshape(x.shape)))
-    g = _mul(_neg(eA.reshape(A.shape)), sp)
+    eA = eA.reshape(A.shape)
+    if jnp.ndim(a) > jnp.ndim(b):  # a per-channel decay (KDA): A_log [HV] over dt_bias [HV, K]
+        eA = eA[..., None]
+    g = _mul(_neg(eA), sp)
     return g, div(_f(1.0), one_plus[x.size :].reshape(nb.shape))
 

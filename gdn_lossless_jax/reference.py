@@ -59,6 +59,9 @@ __all__ = [
     "read_slots",
     "write_rows",
     "verify_form",
+    "scale_beta",
+    "DECAYS",
+    "input_ranks",
 ]
 
 F32 = jnp.float32
@@ -75,24 +78,41 @@ def exp_fn(math: str = "platform") -> Callable:
     return portable.exp if math == "portable" else rounding.exp
 
 
-def gates(a, b, A_log, dt_bias, *, math: str = "platform"):
+def gates(a, b, A_log, dt_bias, *, math: str = "platform", beta_scale: float = 1.0):
     """Decay and write gates, in fp32 (step 1 of the module docstring).
 
     ``g = -exp(A_log) * softplus(a + dt_bias)`` with softplus ``log(1 + exp(x))`` up to
-    ``x > 20`` and ``x`` above; ``beta = 1 / (1 + exp(-b))``, kept in fp32.
+    ``x > 20`` and ``x`` above; ``beta = 1 / (1 + exp(-b))`` times ``beta_scale`` (:func:`scale_beta`), kept
+    in fp32.
 
     Args:
-      a, b: ``[..., HV]``. A_log, dt_bias: ``[HV]``.
+      a, b: ``[..., HV]``; or, for a per-channel decay (KDA, :mod:`gdn_lossless_jax.kda`), a
+        ``[..., HV, K]`` (one axis more than ``b``: each key channel its own decay).
+      A_log: ``[HV]``. dt_bias: ``[HV]`` (``[HV, K]`` with a per-channel decay).
+      beta_scale: a static factor of beta (OLMo-Hybrid's ``linear_allow_neg_eigval``: 2.0, beta
+        in (0, 2)); applied after the sigmoid, exactly for a power of two.
     Returns:
-      ``(g, beta)``, both ``[..., HV]`` float32.
+      ``(g, beta)``: g shaped like ``a``, beta like ``b``, float32.
     """
     if math == "portable":
-        return portable.gates(a, b, A_log, dt_bias)
-    x = a.astype(F32) + dt_bias.astype(F32)
-    sp = jnp.where(x > SOFTPLUS_THRESHOLD, x, rounding.log(1.0 + rounding.exp(x)))
-    g = -rounding.exp(A_log.astype(F32)) * sp
-    beta = 1.0 / (1.0 + rounding.exp(-b.astype(F32)))
-    return g, beta
+        g, beta = portable.gates(a, b, A_log, dt_bias)
+    else:
+        x = a.astype(F32) + dt_bias.astype(F32)
+        sp = jnp.where(x > SOFTPLUS_THRESHOLD, x, rounding.log(1.0 + rounding.exp(x)))
+        A = rounding.exp(A_log.astype(F32))
+        g = -(A[..., None] if jnp.ndim(a) > jnp.ndim(b) else A) * sp
+        beta = 1.0 / (1.0 + rounding.exp(-b.astype(F32)))
+    return g, scale_beta(beta, beta_scale, math)
+
+
+def scale_beta(beta, beta_scale: float, math: str = "platform"):
+    """``beta * beta_scale`` (a static Python float; 1.0 leaves beta as it is, no multiply). One
+    rounded multiply (``math="portable"``: :func:`gdn_lossless_jax.rounding.mul_rn`); exact for a power
+    of two."""
+    if beta_scale == 1.0:
+        return beta
+    scale = jnp.asarray(beta_scale, F32)
+    return rounding.mul_rn(beta, scale) if math == "portable" else beta * scale
 
 
 def ksum(x):
@@ -149,19 +169,20 @@ def l2norm(x, *, math: str = "platform"):
     return x / jnp.sqrt(ksum(x * x)[..., None] + L2NORM_EPS)
 
 
-def prepare(q, k, a, b, A_log, dt_bias, scale, *, math: str = "platform"):
-    """Everything outside the state chain: normalised q (scaled), k, and the gates.
+def prepare(q, k, a, b, A_log, dt_bias, scale, *, math: str = "platform", beta_scale: float = 1.0):
+    """Everything outside the state chain: normalised q (scaled), k, and the gates (:func:`gates`).
 
-    Returns ``(qn [N, D, H, K], kn [N, D, H, K], g [N, D, HV], beta [N, D, HV])``, fp32.
+    Returns ``(qn [N, D, H, K], kn [N, D, H, K], g [N, D, HV] (or [N, D, HV, K]: a per-channel
+    decay), beta [N, D, HV])``, fp32.
     """
     if math == "portable":  # q and k normed as one array: one compiled norm
         qn, kn = l2norm(jnp.stack([portable.to_float32(q), portable.to_float32(k)]), math=math)
         qn = rounding.mul_rn(qn, jnp.asarray(scale, F32))
-        g, beta = gates(a, b, A_log, dt_bias, math=math)
+        g, beta = gates(a, b, A_log, dt_bias, math=math, beta_scale=beta_scale)
         return qn, kn, g, beta
     qn = l2norm(q) * jnp.asarray(scale, F32)
     kn = l2norm(k)
-    g, beta = gates(a, b, A_log, dt_bias)
+    g, beta = gates(a, b, A_log, dt_bias, beta_scale=beta_scale)
     return qn, kn, g, beta
 
 
@@ -176,7 +197,8 @@ def gdn_step(S, x, *, mul: Callable = rounding.mul_rn, fma: Callable = rounding.
     Args:
       S: ``[..., HV, V, K]`` float32 state before the step.
       x: ``(q, k, v, g, beta)`` with q, k ``[..., HV, K]`` (normalised, q scaled),
-        v ``[..., HV, V]``, g and beta ``[..., HV]``, all float32.
+        v ``[..., HV, V]``, g and beta ``[..., HV]`` (g ``[..., HV, K]``: a per-channel decay,
+        KDA's; :func:`gdn_lossless_jax.rounding.decay_factor`), all float32.
       mul, fma: the rounding primitives (the portable, pinned ones by default).
       math: ``"portable"``: the decay by :func:`gdn_lossless_jax.portable.exp`, every other
         operation correctly rounded too (``mul_rn``, ``add_rn``, the sums by
@@ -189,7 +211,7 @@ def gdn_step(S, x, *, mul: Callable = rounding.mul_rn, fma: Callable = rounding.
     if math == "portable":
         return _portable_step(S, x)
     alpha = rounding.exp(g)
-    Sd = rounding.decay(S, alpha[..., None, None], mul=mul)
+    Sd = rounding.decay(S, rounding.decay_factor(S, alpha), mul=mul)
     u = beta[..., None] * (v - ksum(Sd * k[..., None, :]))
     S_new = rounding.update(Sd, k, u, fma=fma)
     o = ksum(S_new * q[..., None, :])
@@ -199,14 +221,14 @@ def gdn_step(S, x, *, mul: Callable = rounding.mul_rn, fma: Callable = rounding.
 def _portable_step(S, x):
     """:func:`gdn_step` with ``math="portable"``: the same bits on every platform."""
     q, k, v, g, beta = x
-    Sd = rounding.decay(S, portable.exp(g)[..., None, None])
+    Sd = rounding.decay(S, rounding.decay_factor(S, portable.exp(g)))
     u = rounding.mul_rn(beta[..., None], rounding.add_rn(v, portable.neg(portable.dot(Sd, k))))
     S_new = rounding.update(Sd, k, u)
     return S_new, (portable.dot(S_new, q), u)
 
 
 def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record: str | type[Tape] = Tuples, scale: float, out_dtype=None,
-           parents=None, math: str = "platform"):  # fmt: skip
+           parents=None, math: str = "platform", beta_scale: float = 1.0):  # fmt: skip
     """Run the D draft steps as a ``lax.scan`` of :func:`gdn_step`; ``state0`` is not modified.
 
     Returns ``(outputs [N, D, HV, V], tape)``: the tape of the record mode ``record`` (its class,
@@ -216,9 +238,12 @@ def verify(state0, q, k, v, a, b, A_log, dt_bias, *, record: str | type[Tape] = 
     the steps. The outputs do not depend on ``record``. With ``parents``
     (``[N, D]`` int32, :mod:`gdn_lossless_jax.tree`) the D drafts are the nodes of a tree
     (:func:`tree_chain`); None is the linear chain. ``math``: one of :data:`MATH_MODES`
-    (:func:`gdn_lossless_jax.verify`).
+    (:func:`gdn_lossless_jax.verify`). A per-channel decay (KDA: ``a [N, D, HV, K]``, ``dt_bias
+    [HV, K]``) records ``g [N, D, HV, K]``, its tuples a :class:`~gdn_lossless_jax.tape.KDATuples`
+    tape (``record`` the class, or ``"tuples"`` resolved for the decay by the API);
+    ``beta_scale`` multiplies beta (:func:`gates`).
     """
-    qn, kn, g, beta = prepare(q, k, a, b, A_log, dt_bias, scale, math=math)
+    qn, kn, g, beta = prepare(q, k, a, b, A_log, dt_bias, scale, math=math, beta_scale=beta_scale)
     step = gdn_step if math == "platform" else functools.partial(gdn_step, math=math)
     if parents is not None:
         return tree_chain(state0, qn, kn, v, g, beta, parents, record=record, out_dtype=out_dtype or q.dtype, step=step)
@@ -294,11 +319,21 @@ def tree_chain(state0, qn, kn, v, g, beta, parents, *, record: str | type[Tape],
 #: Each verify input's rank for one layer (in verify's argument order); one more means the input
 #: is stacked over the pool's layers and read at ``layer`` (:func:`gdn_lossless_jax.verify`).
 INPUT_RANKS = {"q": 4, "k": 4, "v": 4, "a": 3, "b": 3, "A_log": 1, "dt_bias": 1}
+#: The ``decay=`` forms: ``"scalar"`` (GDN: one decay per v-head and step) and ``"channel"`` (KDA:
+#: one per key channel, ``a [N, D, HV, K]``, ``dt_bias [HV, K]``, the tape's ``g [..., HV, K]``).
+DECAYS = ("scalar", "channel")
+#: :data:`INPUT_RANKS` of a per-channel decay.
+CHANNEL_INPUT_RANKS = {**INPUT_RANKS, "a": 4, "dt_bias": 2}
 
 
-def stacked(name: str, x) -> bool:
+def input_ranks(decay: str = "scalar") -> dict[str, int]:
+    """:data:`INPUT_RANKS` for the ``decay=`` form (:data:`DECAYS`)."""
+    return CHANNEL_INPUT_RANKS if decay == "channel" else INPUT_RANKS
+
+
+def stacked(name: str, x, decay: str = "scalar") -> bool:
     """Whether verify input ``name`` carries a leading layer axis (rank one above one layer's)."""
-    return jnp.ndim(x) == INPUT_RANKS[name] + 1
+    return jnp.ndim(x) == input_ranks(decay)[name] + 1
 
 
 def read_slots(pool, layer, slots):
@@ -332,8 +367,9 @@ def verify_form(call, *, verify_fn: Callable = verify, commit_fn: Callable | Non
     commit_fn = commit_fn or commit
     pool, layer = call.pool, jnp.reshape(call.layer, ())
     # inputs stacked over the pool's layers (one axis more than one layer's): this layer's
+    decay = getattr(call, "decay", "scalar")
     q, k, v, a, b, A_log, dt_bias = (
-        lax.dynamic_index_in_dim(x, layer, 0, keepdims=False) if stacked(n, x) else x
+        lax.dynamic_index_in_dim(x, layer, 0, keepdims=False) if stacked(n, x, decay) else x
         for n, x in zip(INPUT_RANKS, call.inputs)
     )
     p = call.pending
@@ -342,8 +378,9 @@ def verify_form(call, *, verify_fn: Callable = verify, commit_fn: Callable | Non
     # a plain state0 (a one-layer pool whose slot n is request n) is read as it is: no gather to partition
     state = read_slots(pool, layer, call.slots) if call.pool_form else pool[0]
     tree = {} if getattr(call, "parents", None) is None else {"parents": call.parents}
+    beta = {} if getattr(call, "beta_scale", 1.0) == 1.0 else {"beta_scale": call.beta_scale}
     outputs, new = verify_fn(state, q, k, v, a, b, A_log, dt_bias, record=call.record, scale=call.scale,
-                             out_dtype=call.out_dtype, **tree, **_math_kw(call))  # fmt: skip
+                             out_dtype=call.out_dtype, **tree, **_math_kw(call), **beta)  # fmt: skip
     if call.tape is not None:
         new = write_rows(call.tape, call.tape_layer, call.rows, new)
     if call.out is not None:
@@ -375,7 +412,9 @@ def replay_two(state0, tuples: Tuples, steps, track_steps, *, rule: Callable = r
 
     Args:
       state0: ``[N, HV, V, K]`` (float32 or bfloat16; upcast, results rounded back).
-      tuples: ``u [N, D, HV, V]``, ``k [N, D, H, K]``, ``g [N, D, HV]``.
+      tuples: ``u [N, D, HV, V]``, ``k [N, D, H, K]``, ``g [N, D, HV]`` (:class:`Tuples`) or
+        ``g [N, D, HV, K]`` (:class:`~gdn_lossless_jax.tape.KDATuples`: each key channel's decay
+        applied to its column, :func:`gdn_lossless_jax.rounding.decay_factor`).
       steps, track_steps: ``[N]`` int; a value outside ``[0, D)`` means no step (state0).
       rule: the update form (the library's rule; tests pass the controls of
         :data:`gdn_lossless_jax.testing.controls.CONTROLS`).

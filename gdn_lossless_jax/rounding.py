@@ -48,6 +48,7 @@ __all__ = [
     "mul_rn",
     "add_rn",
     "apply_rule",
+    "decay_factor",
 ]
 
 _U32 = jnp.uint32
@@ -406,16 +407,30 @@ def update(Sd, k, u, *, fma: Op = fma_rn):
     return fma(k[..., None, :], u[..., :, None], Sd)
 
 
+def decay_factor(S, alpha):
+    """``alpha`` shaped to multiply the state ``S [..., V, K]`` elementwise, by its rank.
+
+    ``alpha [...]`` (two axes fewer than S): one decay per state, GDN's, broadcast over V and K.
+    ``alpha [..., K]`` (one axis fewer): one decay per key channel, KDA's (:mod:`gdn_lossless_jax.kda`),
+    broadcast over the V rows: element ``[v, c]`` decays by ``alpha[c]``. The shapes of a tape
+    tell which (``g [..., HV]`` or ``[..., HV, K]``), so the rule and every form below take either.
+    """
+    if jnp.ndim(alpha) == jnp.ndim(S) - 1:
+        return jnp.expand_dims(alpha, -2)
+    return alpha[..., None, None]
+
+
 def apply_rule(S, alpha, k, u, *, mul: Op = mul_rn, fma: Op = fma_rn):
     """One replayed state update: ``fma(k, u, rn(S * alpha))``.
 
     Args:
       S: ``[..., V, K]`` float32 state.
-      alpha: ``[...]`` float32 decay ``exp(g)`` (broadcast over V and K).
+      alpha: float32 decay ``exp(g)``: ``[...]`` (GDN: broadcast over V and K) or ``[..., K]`` (KDA:
+        one per key channel, broadcast over V; :func:`decay_factor`).
       k: ``[..., K]`` float32 l2-normalised key.
       u: ``[..., V]`` float32 ``beta * (v - Sd @ k)``.
     """
-    return update(decay(S, alpha[..., None, None], mul=mul), k, u, fma=fma)
+    return update(decay(S, decay_factor(S, alpha), mul=mul), k, u, fma=fma)
 
 
 __getattr__ = _deprecated.alias(__name__, {

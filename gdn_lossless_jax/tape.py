@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Tape", "Tuples", "Snapshots", "RECORDS", "RECORD_MODES", "record_type", "FieldLayout", "STATE_DTYPE",
-           "Pending", "stack_tapes", "replace_fields"]
+__all__ = ["Tape", "Tuples", "KDATuples", "Snapshots", "TAPES", "RECORDS", "RECORD_MODES", "record_type", "FieldLayout",
+           "STATE_DTYPE", "Pending", "stack_tapes", "replace_fields"]
 
 
 def replace_fields(obj: Any, fields: dict[str, Any]) -> Any:
@@ -47,12 +47,17 @@ STATE_DTYPE = "state"
 
 class Tape:
     """A record mode: what verify keeps of its D draft steps, so that commit can write the
-    accepted state. Each mode is one frozen pytree dataclass, a subclass of this one, registered
-    in :data:`RECORDS` under its ``record=`` name; everything the library does with a tape that
-    depends on the mode is a method or a flag here, so a new mode is one class.
+    accepted state. Each mode is one frozen pytree dataclass, a subclass of this one, listed in
+    :data:`TAPES` (and, the GDN class of each ``record=`` name, in :data:`RECORDS`); everything the
+    library does with a tape that depends on the mode is a method or a flag here, so a new mode is
+    one class.
 
     Class attributes (a subclass sets them):
-      mode: its ``record=`` name (``"tuples"``, ``"snapshots"``).
+      mode: its ``record=`` name (``"tuples"``, ``"snapshots"``); :class:`KDATuples` is ``"tuples"``
+        too: ``record="tuples"`` of a KDA layer (``decay="channel"``) is that class (:func:`record_type`).
+      decays: the ``decay=`` forms it records (:data:`gdn_lossless_jax.reference.DECAYS`):
+        ``"scalar"`` (GDN, one decay per v-head), ``"channel"`` (KDA, one per key channel), or
+        both (a mode that stores states does not depend on the decay).
       stores_states: the kernels' flag: the tape holds the state after every step (commit copies
         it) rather than what a replay needs (commit replays). A backend declares the modes its
         kernels take in its ``capabilities.records`` (:mod:`gdn_lossless_jax.backends.contract`).
@@ -65,6 +70,7 @@ class Tape:
     """
 
     mode: ClassVar[str]
+    decays: ClassVar[tuple[str, ...]] = ("scalar",)
     stores_states: ClassVar[bool]
     noun: ClassVar[str]
     _trailing: ClassVar[int]  # the first field's axes after the step axis
@@ -189,6 +195,7 @@ class Snapshots(Tape):
 
     states: jax.Array
     mode: ClassVar[str] = "snapshots"
+    decays: ClassVar[tuple[str, ...]] = ("scalar", "channel")
     stores_states: ClassVar[bool] = True
     noun: ClassVar[str] = "snapshot"
     _trailing: ClassVar[int] = 3  # states [..., N, D, HV, V, K]
@@ -212,22 +219,66 @@ class Snapshots(Tape):
         return self, rows, at(steps), at(track_steps)
 
 
-#: The record modes, by their ``record=`` name: adding a mode is its class and one entry here.
-RECORDS: dict[str, type[Tape]] = {cls.mode: cls for cls in (Tuples, Snapshots)}
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KDATuples(Tuples):
+    """The lossless tape of a per-channel decay (KDA, :mod:`gdn_lossless_jax.kda`): :class:`Tuples`
+    with one log-decay per key channel, so a replay decays each column of the ``[V, K]`` state by
+    its own channel's factor, one rounded multiply per element as verify did, then the fma.
+
+    Attributes:
+      u: ``[..., N, D, HV, V]`` float32, ``beta_t * (v_t - rn(S_{t-1} * exp(g_t)) @ k_t)``.
+      k: ``[..., N, D, H, K]`` float32, the l2-normalised key.
+      g: ``[..., N, D, HV, K]`` float32, the per-channel log-decay ``-exp(A_log) * softplus(f + dt_bias)``.
+
+    ``HV (V + 2K)`` values a layer, request and step against ``HV V K`` for a snapshot (42.7x fewer
+    at K = V = 128). Its replay is the reference's (:func:`gdn_lossless_jax.reference.replay_two`)
+    with the decay broadcast by the tape's rank (:func:`gdn_lossless_jax.rounding.decay_factor`);
+    commit and a tree's path are :class:`Tuples`'.
+    """
+
+    mode: ClassVar[str] = "tuples"
+    decays: ClassVar[tuple[str, ...]] = ("channel",)
+    noun: ClassVar[str] = "KDA tuple"
+
+    @classmethod
+    def layout(cls, *, H, HV, V, K):
+        f32 = jnp.dtype(jnp.float32)
+        return {"u": FieldLayout((HV, V), f32, "HV, V"), "k": FieldLayout((H, K), f32, "H, K"),
+                "g": FieldLayout((HV, K), f32, "HV, K")}  # fmt: skip
+
+
+#: Every tape class: adding a mode (or a decay's variant of one) is its class and one entry here.
+TAPES: tuple[type[Tape], ...] = (Tuples, Snapshots, KDATuples)
+#: The record modes by their ``record=`` name, each its GDN class (a scalar decay; :func:`record_type`
+#: picks the class of another decay).
+RECORDS: dict[str, type[Tape]] = {cls.mode: cls for cls in TAPES if "scalar" in cls.decays}
 #: The ``record=`` names (:data:`RECORDS`' keys).
 RECORD_MODES = tuple(RECORDS)
 
 
 def _tape_names() -> str:
-    return " or ".join(cls.__name__ for cls in RECORDS.values())
+    return " or ".join(cls.__name__ for cls in TAPES)
 
 
-def record_type(record: "str | type[Tape]", fn: str = "record") -> type[Tape]:
-    """The tape class of a record mode, from its ``record=`` name (the API's edge) or the class itself."""
-    if isinstance(record, type) and issubclass(record, Tape) and record in RECORDS.values():
+def record_type(record: "str | type[Tape]", fn: str = "record", decay: str | None = None) -> type[Tape]:
+    """The tape class of a record mode, from its ``record=`` name (the API's edge) or the class itself.
+
+    ``decay`` (``"scalar"``, ``"channel"``; None: any for a class, ``"scalar"`` for a name): a name
+    is resolved to its class that records that decay (``record="tuples"`` with ``decay="channel"``
+    is :class:`KDATuples`); a class must record it.
+    """
+    if isinstance(record, type) and issubclass(record, Tape) and record in TAPES:
+        if decay is not None and decay not in record.decays:
+            raise ValueError(f"{fn}: a {record.__name__} tape records a {'/'.join(record.decays)} decay, not "
+                             f"decay={decay!r}")  # fmt: skip
         return record
     if isinstance(record, str) and record in RECORDS:
-        return RECORDS[record]
+        want = decay or "scalar"
+        for cls in TAPES:
+            if cls.mode == record and want in cls.decays:
+                return cls
+        raise ValueError(f"{fn}: no {record!r} tape records decay={decay!r}")
     raise ValueError(f"{fn}: record must be one of {RECORD_MODES}, got {record!r}")
 
 
@@ -278,7 +329,8 @@ def stack_tapes(tapes: Sequence[Tape]) -> Tape:
     Args:
       tapes: one tape per GDN layer, all from :func:`gdn_lossless_jax.verify` in one record
         mode and of one shape: :class:`Tuples` (``u [N, D, HV, V]``, ``k [N, D, H, K]``,
-        ``g [N, D, HV]``) or :class:`Snapshots` (``states [N, D, HV, V, K]``).
+        ``g [N, D, HV]``), :class:`KDATuples` (``g [N, D, HV, K]``) or :class:`Snapshots`
+        (``states [N, D, HV, V, K]``).
     Returns:
       The same kind of tape with every field stacked: ``[L, N, ...]`` for L tapes
       (``jnp.stack``; dtypes kept).

@@ -16,8 +16,8 @@ import jax
 
 from .contract import Backend, BackendUnavailable, as_backend, backend_name
 
-__all__ = ["BACKENDS", "resolve", "resolve_name", "lookup", "platform", "is_rocm", "check_math", "check_call",
-           "check_trees", "BackendUnavailable", "Backend"]  # fmt: skip
+__all__ = ["BACKENDS", "resolve", "resolve_name", "call_needs", "lookup", "platform", "is_rocm", "check_math",
+           "check_call", "check_trees", "check_tape", "BackendUnavailable", "Backend"]  # fmt: skip
 
 #: The built-in backends: ``gdn_lossless_jax.backends.<name>`` (registering one is a name here).
 BACKENDS = ("reference", "pallas", "triton", "mosaic")
@@ -36,10 +36,11 @@ def is_rocm(device=None) -> bool:
     return "rocm" in text.lower()
 
 
-def _auto(op: str = "verify", math: str = "platform") -> str:
-    # The fastest exact backend for the platform that implements ``math`` there: the Pallas
-    # kernels on a GPU (math="platform"; "portable" runs in their interpret mode only), else the
-    # reference, which implements every mode on every platform.
+def _auto(op: str = "verify", math: str = "platform", needs=None) -> str:
+    # The fastest exact backend for the platform that implements ``math`` there and whose
+    # capabilities satisfy ``needs`` (a per-channel decay, a beta scale): the Pallas kernels on a
+    # GPU (math="platform"; "portable" runs in their interpret mode only), else the reference,
+    # which implements every mode and decay on every platform.
     if platform() != "gpu":
         return "reference"
     if math != "platform":
@@ -47,13 +48,21 @@ def _auto(op: str = "verify", math: str = "platform") -> str:
             check_math(lookup("pallas"), op, math)
         except (BackendUnavailable, ImportError):
             return "reference"
+    if needs is not None and not needs(lookup("pallas").capabilities):
+        return "reference"
     return "pallas"
 
 
-def resolve_name(name, math: str = "platform") -> str:
-    """The backend ``name`` stands for (``"auto"`` picks one for ``math``); the name is not
-    checked (a backend object of your own is returned as it is)."""
-    return _auto("verify", math) if isinstance(name, str) and name == "auto" else name
+def resolve_name(name, math: str = "platform", needs=None) -> str:
+    """The backend ``name`` stands for (``"auto"`` picks one for ``math`` and ``needs``, as
+    :func:`resolve`); the name is not checked (a backend object of your own is returned as it is)."""
+    return _auto("verify", math, needs) if isinstance(name, str) and name == "auto" else name
+
+
+def call_needs(decay: str = "scalar", beta_scale: float = 1.0):
+    """The capabilities a call's static fields need, as :func:`resolve`'s ``needs``: its ``decay=``
+    form among ``capabilities.decays`` and, for a beta scale other than 1, ``capabilities.beta_scale``."""
+    return lambda c: decay in c.decays and (beta_scale == 1.0 or c.beta_scale)
 
 
 def lookup(name) -> Backend:
@@ -68,9 +77,10 @@ def lookup(name) -> Backend:
     return importlib.import_module(f"{__name__}.{name}")
 
 
-def resolve(name, op: str, math: str = "platform") -> Backend:
+def resolve(name, op: str, math: str = "platform", needs=None) -> Backend:
     """The backend implementing ``op`` for ``name`` (``"auto"`` picks the fastest that
-    implements the ``math=`` mode ``math`` on this platform), once it can run ``op`` here
+    implements the ``math=`` mode ``math`` on this platform and whose capabilities satisfy
+    ``needs``, a predicate: :func:`call_needs`, or a tape class's ``takes``), once it can run ``op`` here
     (its ``check_available``). ``name`` may also be a backend object
     (:class:`~gdn_lossless_jax.backends.contract.Backend`; an object of the earlier contract is
     adapted, :func:`~gdn_lossless_jax.backends.contract.as_backend`)."""
@@ -79,7 +89,7 @@ def resolve(name, op: str, math: str = "platform") -> Backend:
         backend.check_available(op)
         return backend
     if name == "auto":
-        name = _auto(op, math)
+        name = _auto(op, math, needs)
     if name not in BACKENDS:
         raise ValueError(f"{op}: unknown backend {name!r}; choose one of {('auto', *BACKENDS)}")
     try:
@@ -131,18 +141,42 @@ def check_trees(backend: Backend, fn: str) -> None:
         )
 
 
+def _names(what) -> str:
+    return ", ".join(repr(n) for n in _takers(what)) or "none"
+
+
+def check_tape(backend: Backend, fn: str, tape: type) -> None:
+    """Refuse a tape class ``backend`` does not take (``capabilities.takes``: its record mode and
+    decay), naming the backend and those that take it."""
+    caps, name = backend.capabilities, backend_name(backend)
+    if caps.takes(tape):
+        return
+    if tape in caps.records:  # the mode, not its decay: a KDA tape on a GDN-only backend
+        raise BackendUnavailable(f"{fn}: backend {name!r} does not run KDA layers (a per-channel decay: "
+                                 f"{tape.__name__} tapes, decay='channel'); the backends that do: "
+                                 f"{_names(lambda c: c.takes(tape))}")  # fmt: skip
+    raise BackendUnavailable(f"{fn}: backend {name!r} does not take {tape.mode!r} tapes; the backends that do: "
+                             f"{_names(lambda c: c.takes(tape))}")  # fmt: skip
+
+
 def check_call(backend: Backend, fn: str, call) -> None:
     """Refuse a :class:`~gdn_lossless_jax.backends.contract.VerifyCall` outside ``backend``'s
     capabilities, before it runs, naming the backend and those that take it: a record mode it
-    does not record, a draft tree, a ``math=`` mode, a state dtype, more draft steps than it
-    takes, or (where its kernels compile) a shape off its multiples."""
+    does not record, a decay form (KDA's per-channel decay), a beta scale, a draft tree, a
+    ``math=`` mode, a state dtype, more draft steps than it takes, or (where its kernels compile)
+    a shape off its multiples."""
     caps, name = backend.capabilities, backend_name(backend)
+    if call.decay not in caps.decays:
+        raise BackendUnavailable(f"{fn}: backend {name!r} does not run KDA layers (decay={call.decay!r}: one decay "
+                                 f"per key channel); the backends that do: "
+                                 f"{_names(lambda c: call.decay in c.decays)}")  # fmt: skip
+    if call.beta_scale != 1.0 and not caps.beta_scale:
+        raise BackendUnavailable(f"{fn}: backend {name!r} does not scale beta (beta_scale={call.beta_scale}, "
+                                 f"OLMo-Hybrid's negative eigenvalues); the backends that do: "
+                                 f"{_names(lambda c: c.beta_scale)}")  # fmt: skip
     if call.parents is not None:
         check_trees(backend, fn)
-    if call.record not in caps.records:
-        which = ", ".join(repr(n) for n in _takers(lambda c: call.record in c.records))
-        raise BackendUnavailable(f"{fn}: backend {name!r} does not record {call.record.mode!r} tapes; the backends "
-                                 f"that do: {which}")  # fmt: skip
+    check_tape(backend, fn, call.record)
     check_math(backend, fn, call.math)
     dtype = call.pool.dtype
     if dtype not in caps.state_dtypes:

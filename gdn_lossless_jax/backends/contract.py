@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import reference
-from ..tape import RECORDS, Pending, Tape, Tuples, record_type
+from ..tape import TAPES, Pending, Tape, Tuples, record_type
 
 __all__ = ["Backend", "Capabilities", "ConvKernels", "VerifyCall", "Pending", "BackendUnavailable", "run_verify",
            "as_backend", "backend_name"]  # fmt: skip
@@ -57,7 +57,8 @@ class Capabilities:
 
     Attributes:
       records: the record modes its verify records and its commit takes (tape classes,
-        :data:`gdn_lossless_jax.tape.RECORDS`).
+        :data:`gdn_lossless_jax.tape.TAPES`; a class is taken where one of its decays is in ``decays``
+        too: :meth:`takes`).
       trees: its verify takes draft trees (``VerifyCall.parents``).
       math_modes: the ``math=`` modes it implements somewhere (``"platform"`` always);
         ``check_available(op, math)`` refuses one where it cannot run it here.
@@ -71,9 +72,16 @@ class Capabilities:
       control_forms: for tests: the ``replay(..., form=)`` forms that break the rule on purpose
         (:data:`gdn_lossless_jax.testing.controls.CONTROLS`' names), which the equivalence suite
         must catch (:func:`gdn_lossless_jax.testing.equivalence.control_replays`).
+      decays: the ``decay=`` forms its verify runs and its commit replays
+        (:data:`gdn_lossless_jax.reference.DECAYS`): ``"scalar"`` (GDN) and, where declared,
+        ``"channel"`` (KDA's per-channel decay: ``a [N, D, HV, K]``, the
+        :class:`~gdn_lossless_jax.tape.KDATuples` tape). A tape is taken where its record mode is
+        in ``records`` and one of its decays here.
+      beta_scale: its verify applies ``VerifyCall.beta_scale`` (beta times a static factor,
+        OLMo-Hybrid's 2.0); False: a call with a scale other than 1.0 is refused.
     """
 
-    records: tuple[type[Tape], ...] = tuple(RECORDS.values())
+    records: tuple[type[Tape], ...] = TAPES
     trees: bool = False
     math_modes: tuple[str, ...] = ("platform",)
     state_dtypes: tuple[Any, ...] = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -81,6 +89,13 @@ class Capabilities:
     max_drafts: int | None = None
     multiples: Mapping[str, int] = dataclasses.field(default_factory=dict)
     control_forms: tuple[str, ...] = ()
+    decays: tuple[str, ...] = ("scalar",)
+    beta_scale: bool = False
+
+    def takes(self, tape: type[Tape]) -> bool:
+        """Whether its verify records and its commit takes ``tape`` (a tape class): the record mode
+        declared and one of its decays too."""
+        return tape in self.records and any(d in self.decays for d in tape.decays)
 
 
 class ConvKernels(NamedTuple):
@@ -141,7 +156,8 @@ class VerifyCall:
         ``[N, HV, V, K]`` state0 arrives as a one-layer pool whose slot n is request n.
       slots: ``[N]`` int32; layer: int32 scalar.
       q, k, v, a, b, A_log, dt_bias: one layer's inputs, or any of them stacked over the pool's
-        layers (one leading axis more; read at ``layer``).
+        layers (one leading axis more; read at ``layer``). With ``decay="channel"`` (KDA),
+        ``a [N, D, HV, K]`` and ``dt_bias [HV, K]``.
       tape, tape_layer, rows: a tape buffer ``[L', R, Dmax, ...]`` to write request n's steps
         into at ``[tape_layer, rows[n], :D]``, or None (a fresh ``[N, D, ...]`` tape).
       out, out_layer: an outputs buffer ``[L', N, D, HV, V]`` written at ``out_layer``, or None.
@@ -153,6 +169,10 @@ class VerifyCall:
       scale, out_dtype: static: the query scale, the outputs' dtype.
       pool_form: static: whether the caller passed a pool (with ``slots``) rather than state0.
       math: static: ``"platform"`` or ``"portable"`` (:func:`gdn_lossless_jax.verify`).
+      decay: static: ``"scalar"`` (GDN: ``g [..., HV]``) or ``"channel"`` (KDA: ``g [..., HV, K]``,
+        each key channel its own decay; the tuple tape a :class:`~gdn_lossless_jax.tape.KDATuples`).
+      beta_scale: static: beta's factor (1.0; OLMo-Hybrid's ``linear_allow_neg_eigval``: 2.0),
+        applied in the gates (:func:`gdn_lossless_jax.reference.gates`).
     """
 
     pool: jax.Array
@@ -177,10 +197,12 @@ class VerifyCall:
     out_dtype: Any = dataclasses.field(default=jnp.dtype(jnp.float32), metadata=dict(static=True))
     pool_form: bool = dataclasses.field(default=True, metadata=dict(static=True))
     math: str = dataclasses.field(default="platform", metadata=dict(static=True))
+    decay: str = dataclasses.field(default="scalar", metadata=dict(static=True))
+    beta_scale: float = dataclasses.field(default=1.0, metadata=dict(static=True))
 
     def __post_init__(self):
         if isinstance(self.record, str):  # the API's edge: a name becomes its class
-            object.__setattr__(self, "record", record_type(self.record, "VerifyCall"))
+            object.__setattr__(self, "record", record_type(self.record, "VerifyCall", self.decay))
 
     @property
     def inputs(self) -> tuple[jax.Array, ...]:

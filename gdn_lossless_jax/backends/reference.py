@@ -10,9 +10,9 @@ from .contract import Capabilities, VerifyCall
 __all__ = ["name", "capabilities", "check_available", "verify", "replay", "commit", "conv_kernels"]
 
 name = "reference"
-#: Every record mode and math mode, draft trees (:func:`gdn_lossless_jax.reference.tree_chain`):
-#: the specification is this backend.
-capabilities = Capabilities(trees=True, math_modes=ref.MATH_MODES)
+#: Every record mode, math mode and decay (KDA's per-channel one included), the beta scale, draft trees
+#: (:func:`gdn_lossless_jax.reference.tree_chain`): the specification is this backend.
+capabilities = Capabilities(trees=True, math_modes=ref.MATH_MODES, decays=ref.DECAYS, beta_scale=True)
 
 
 def check_available(op: str, math: str = "platform") -> None:

@@ -23,7 +23,7 @@ from typing import Callable
 import jax.numpy as jnp
 
 from ..reference import commit
-from ..rounding import add_rn, apply_rule, fma_rn, mul_rn
+from ..rounding import add_rn, apply_rule, decay_factor, fma_rn, mul_rn
 from ..tape import Tuples
 
 __all__ = ["CONTROLS", "FORMS", "naive_update", "twice_rounded_update", "other_product_update",
@@ -48,18 +48,18 @@ def naive_update(S, alpha, k, u):
     """Not a control: the one-expression form ``S * alpha + k * u``, rounded as the compiler
     decides (XLA:GPU rounds twice, XLA:CPU under jit contracts one product into an fma; which
     one changed between jax releases). For measuring a platform, never for a test's control."""
-    return S * alpha[..., None, None] + k[..., None, :] * u[..., :, None]
+    return S * decay_factor(S, alpha) + k[..., None, :] * u[..., :, None]
 
 
 def twice_rounded_update(S, alpha, k, u):
     """Control: ``rn(rn(S * alpha) + rn(k * u))``, each step pinned (what XLA:GPU does)."""
-    Sd = mul_rn(S, alpha[..., None, None])
+    Sd = mul_rn(S, decay_factor(S, alpha))
     return add_rn(Sd, mul_rn(k[..., None, :], u[..., :, None]))
 
 
 def other_product_update(S, alpha, k, u):
     """Control: ``fma(S, alpha, rn(k * u))``, the product Triton's fp fusion fuses."""
-    return fma_rn(S, alpha[..., None, None], mul_rn(k[..., None, :], u[..., :, None]))
+    return fma_rn(S, decay_factor(S, alpha), mul_rn(k[..., None, :], u[..., :, None]))
 
 
 #: The wrong update forms ``(S, alpha, k, u) -> S'`` a bit-exactness test must catch, each

@@ -27,11 +27,13 @@ __all__ = ["name", "capabilities", "verify", "replay", "commit", "check_availabl
            "VerifyConfig", "CommitConfig", "FORMS", "ISAS", "conv_verify", "conv_commit", "kernel_form"]  # fmt: skip
 
 name = "pallas"
-#: Both record modes; draft trees (each node's parent state replayed from the program's own tuples,
-#: no state stored a node: ``verify._tree_loop``); ``math="portable"`` in interpret mode (the CPU) only:
-#: on a GPU the kernels' prologue and chain would need the portable functions lowered by Pallas
-#: Triton (not done; :func:`check_math` refuses).
-capabilities = Capabilities(trees=True, math_modes=("platform", "portable"), control_forms=CONTROL_FORMS)
+#: Both record modes; the beta scale (OLMo-Hybrid's, applied in the gate prologue); draft trees (each
+#: node's parent state replayed from the program's own tuples, no state stored a node:
+#: ``verify._tree_loop``); ``math="portable"`` in interpret mode (the CPU) only: on a GPU the kernels'
+#: prologue and chain would need the portable functions lowered by Pallas Triton (not done;
+#: :func:`check_math` refuses). Not KDA's per-channel decay (``decays`` is GDN's only).
+capabilities = Capabilities(trees=True, math_modes=("platform", "portable"), control_forms=CONTROL_FORMS,
+                            beta_scale=True)  # fmt: skip
 
 
 def _interpret() -> bool:

@@ -39,7 +39,7 @@ def gram_steps(D: int, products: str = "fma") -> int:
 
 
 def _prep_kernel(*refs, H: int, HV: int, hb: int, scale: float, into: bool, stacked: tuple = (False,) * 6,
-                 math: str = "platform", interpret: bool = False):
+                 math: str = "platform", interpret: bool = False, beta_scale: float = 1.0):
     """Per (request, step, group of ``hb`` q/k heads): the q/k l2 norms of those heads and the
     gates of their v-heads.
 
@@ -48,6 +48,7 @@ def _prep_kernel(*refs, H: int, HV: int, hb: int, scale: float, into: bool, stac
     and ``g`` also go straight into the tape buffers at ``[tape_layer, rows[n], t]`` (aliased:
     no copy after the kernel; an out-of-range row writes nothing). ``stacked``: which of the six
     inputs are stacked over layers, read at the layer in the ``[1]`` input after them.
+    ``beta_scale``: beta's factor (:func:`gdn_lossless_jax.reference.gates`).
     """
     # inputs: q, k, a, b, A_log, dt_bias[, layer][, rows, tape_layer, k buffer, g buffer];
     # outputs: qn, kn, g, beta[, buffers]
@@ -86,7 +87,7 @@ def _prep_kernel(*refs, H: int, HV: int, hb: int, scale: float, into: bool, stac
         return plgpu.load(ref.at[(*idx, hvs)], mask=vheads, other=0.0)
 
     g, beta = gates(load(a_ref, *at_a, n, t), load(b_ref, *at_b, n, t), load(A_log_ref, *at_A), load(dt_bias_ref, *at_dt),
-                    math=math)
+                    math=math, beta_scale=beta_scale)  # fmt: skip
     plgpu.store(g_ref.at[n, t, hvs], g, mask=vheads)
     plgpu.store(beta_ref.at[n, t, hvs], beta, mask=vheads)
     if into:
@@ -94,11 +95,12 @@ def _prep_kernel(*refs, H: int, HV: int, hb: int, scale: float, into: bool, stac
 
 
 def prep(q, k, a, b, A_log, dt_bias, *, scale, interpret: bool, heads: int = 0, into=None, xlayer=None,
-         math: str = "platform"):
+         math: str = "platform", beta_scale: float = 1.0):
     """``(qn, kn, g, beta)`` as ``reference.prepare`` computes them, in one launch: grid
     ``(N, D, H / heads)``, ``heads`` q/k heads per program (0: all of them). ``into``:
     ``(rows, tape_layer, k buffer, g buffer)``; then the updated buffers are returned too.
-    ``xlayer`` (a ``[1]`` index): the layer of the inputs stacked over layers (by their rank)."""
+    ``xlayer`` (a ``[1]`` index): the layer of the inputs stacked over layers (by their rank).
+    ``beta_scale``: beta's factor."""
     named = {"q": q, "k": k, "a": a, "b": b, "A_log": A_log, "dt_bias": dt_bias}
     stacked = tuple(is_stacked(n, x) for n, x in named.items())
     N, D, H, K = q.shape[-4:]
@@ -112,7 +114,7 @@ def prep(q, k, a, b, A_log, dt_bias, *, scale, interpret: bool, heads: int = 0, 
         aliases = {len(inputs) - 2: 4, len(inputs) - 1: 5}
     return pl.pallas_call(
         functools.partial(_prep_kernel, H=H, HV=HV, hb=hb, scale=scale, into=into is not None, stacked=stacked,
-                          math=math, interpret=interpret),
+                          math=math, interpret=interpret, beta_scale=beta_scale),
         out_shape=out_shape,
         grid=(N, D, pl.cdiv(H, hb)),
         input_output_aliases=aliases,
@@ -128,7 +130,8 @@ def _dot(a, b, *, trans_b=False):
 
 
 def _gram_prep_kernel(q_ref, k_ref, a_ref, b_ref, A_log_ref, dt_bias_ref, qn_ref, kn_ref, g_ref, *coef_refs, D: int,
-                      Dp: int, r: int, scale: float, interpret: bool = False):  # fmt: skip
+                      Dp: int, r: int, scale: float, interpret: bool = False,
+                      beta_scale: float = 1.0):  # fmt: skip
     """Per (request, q/k head): the norms of its D queries and keys, and for each of its r
     v-heads the gates and the coefficients of :func:`_gram_kernel`'s recurrence.
 
@@ -160,7 +163,7 @@ def _gram_prep_kernel(q_ref, k_ref, a_ref, b_ref, A_log_ref, dt_bias_ref, qn_ref
         hv = h * r + i
         a = plgpu.load(a_ref.at[n, steps, hv], mask=live, other=0.0)
         b = plgpu.load(b_ref.at[n, steps, hv], mask=live, other=0.0)
-        g, beta = gates(a, b, A_log_ref[hv], dt_bias_ref[hv])
+        g, beta = gates(a, b, A_log_ref[hv], dt_bias_ref[hv], beta_scale=beta_scale)
         g, beta = jnp.where(live, g, 0.0), jnp.where(live, beta, 0.0)
         plgpu.store(g_ref.at[n, steps, hv], g, mask=live)
         upto = jnp.where(s_ <= t_, g[None, :], 0.0)  # [t, j]: g_j for j <= t
@@ -187,17 +190,18 @@ def one_layer(layer, **named):
 
 
 def gram_prep(q, k, a, b, A_log, dt_bias, *, scale, Dp: int, interpret: bool, packed: int = 0, into=None,
-               xlayer=None):  # fmt: skip
+               xlayer=None, beta_scale: float = 1.0):  # fmt: skip
     """``(qn, kn, g, W, C, P, beta)`` for the Gram form, in one launch (grid ``(N, H)``); with
     ``packed`` (rows, at least ``2 + 2 Dp``): ``(qn, kn, g, coef)``, ``coef [N, HV, packed, Dp]``
     (:func:`_gram_prep_kernel`). ``into`` and ``xlayer`` as :func:`prep` takes them, done by XLA
     here: the stacked inputs' layer sliced out, the tape's k and g scattered into the buffers
-    (returned last; an out-of-range row writes nothing)."""
+    (returned last; an out-of-range row writes nothing). ``beta_scale``: beta's factor (in ``W`` too)."""
     if xlayer is not None:
         q, k, a, b, A_log, dt_bias = one_layer(xlayer[0], q=q, k=k, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
     N, D, H, K = q.shape
     HV = a.shape[-1]
-    kernel = functools.partial(_gram_prep_kernel, D=D, Dp=Dp, r=HV // H, scale=scale, interpret=interpret)
+    kernel = functools.partial(_gram_prep_kernel, D=D, Dp=Dp, r=HV // H, scale=scale, interpret=interpret,
+                               beta_scale=beta_scale)
     # The kernel reads and writes whole [Dp] step tiles (masked past D): the step axis is padded to
     # Dp, so that every slice is in bounds (jax 0.12 checks them), and the outputs cut back to D.
     pad = lambda x: jnp.pad(x, [(0, 0), (0, Dp - D)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731

@@ -392,6 +392,7 @@ def verify(call: VerifyCall, *, config=None, form, interpret, pending_control=No
     record, scale, out_dtype = call.record, call.scale, jnp.dtype(call.out_dtype)
     # inputs stacked over the pool's layers (by rank): read at `layer` by the kernels
     stacked = any(is_stacked(n, x) for n, x in zip(INPUT_RANKS, call.inputs))
+    beta_scale = call.beta_scale
     D, H = q.shape[-3], q.shape[-2]
     i32 = jnp.int32
     N = q.shape[-4]
@@ -433,7 +434,7 @@ def verify(call: VerifyCall, *, config=None, form, interpret, pending_control=No
                              f"and K >= {MMA_MIN} a multiple of max({MMA_MIN}, k_chunk) (got K={K}, k_chunk={cfg.k_chunk})")  # fmt: skip
         pre = (rows, tape_layer, tape.k, tape.g) if into and not snapshots else None  # k and g into the tape
         qn, kn, g, W, C, P, beta, *bufs = gram_prep(q, k, a, b, A_log, dt_bias, scale=scale, Dp=gram_steps(D),
-                                                     interpret=interpret, into=pre)  # fmt: skip
+                                                     interpret=interpret, into=pre, beta_scale=beta_scale)  # fmt: skip
         if bufs:
             kbuf, gbuf = bufs
         # The mma products read whole [Dm] step tiles of q and k (masked past D): pad them to Dm so
@@ -445,7 +446,7 @@ def verify(call: VerifyCall, *, config=None, form, interpret, pending_control=No
         pre = (rows, tape_layer, tape.k, tape.g) if into and not snapshots else None
         qn, kn, g, beta, *bufs = prep(q, k, a, b, A_log, dt_bias, scale=scale, interpret=interpret,
                                        heads=cfg.prep_heads, into=pre, xlayer=layer if stacked else None,
-                                       math=math)  # fmt: skip
+                                       math=math, beta_scale=beta_scale)  # fmt: skip
         if bufs:
             kbuf, gbuf = bufs
         inputs = [state, slots, layer, tape_layer, qn, kn, v, g, beta]

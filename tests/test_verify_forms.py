@@ -1,0 +1,164 @@
+"""The verify contract's two family fields: ``beta_scale`` (OLMo-Hybrid) and ``decay="channel"`` (KDA).
+
+- beta_scale=2.0 (OLMo-Hybrid's ``linear_allow_neg_eigval``): the reference and Pallas (interpret mode) outputs
+  and tapes equal the specification (the reference chain with beta doubled, as the family's forward computes it)
+  bit for bit; a tuple commit equals the snapshot commit bit for bit. Controls: beta left at 1 (the scale
+  ignored) changes the outputs; the twice-rounded replay changes the committed states. Mosaic and Triton refuse
+  the scale by name; ``backend="auto"`` picks one that takes it.
+- decay="channel" (KDA): ``gdn_lossless_jax.verify`` records a :class:`~gdn_lossless_jax.tape.KDATuples` tape
+  equal to :func:`gdn_lossless_jax.kda.verify`'s bit for bit, and ``gdn_lossless_jax.commit`` of it equals the
+  snapshot commit bit for bit. Controls (:mod:`gdn_lossless_jax.testing.kda_controls`): the per-channel decay
+  applied as one factor per head, and the update rounded twice. Pallas refuses KDA by name; trees are refused.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gdn_lossless_jax as gl
+from gdn_lossless_jax import backends, kda, reference
+from gdn_lossless_jax.tape import KDATuples, Snapshots, Tuples
+from gdn_lossless_jax.testing import assert_bitwise_differs, assert_bitwise_equal
+from gdn_lossless_jax.testing.controls import twice_rounded_update
+from gdn_lossless_jax.testing.kda_controls import CONTROLS as KDA_CONTROLS
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+N, D, H, HV, K, V = 3, 4, 2, 4, 16, 16
+
+
+def _gdn_inputs(seed):
+    rng = np.random.default_rng(seed)
+    n = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    return dict(state0=jnp.asarray(0.5 * n(N, HV, V, K), F32), q=jnp.asarray(n(N, D, H, K), BF16),
+                k=jnp.asarray(n(N, D, H, K), BF16), v=jnp.asarray(n(N, D, HV, V), BF16),
+                a=jnp.asarray(n(N, D, HV), BF16), b=jnp.asarray(2 * n(N, D, HV), BF16),
+                A_log=jnp.asarray(np.log(rng.uniform(0.2, 4.0, HV)), F32), dt_bias=jnp.asarray(n(HV), F32))  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _spec(x, beta_scale):
+    """OLMo-Hybrid's GDN as its forward computes it: the reference's gates, beta times the scale, the chain
+    (compiled, as the reference backend is: XLA:CPU fuses op by op otherwise)."""
+    qn, kn, g, beta = reference.prepare(x["q"], x["k"], x["a"], x["b"], x["A_log"], x["dt_bias"], K**-0.5)
+    beta = beta * np.float32(beta_scale)
+    return {r: reference.chain(x["state0"], qn, kn, x["v"], g, beta, record=r, out_dtype=BF16)
+            for r in ("tuples", "snapshots")}  # fmt: skip
+
+
+def jax_leaves(tape):
+    return (tape.u, tape.k, tape.g) if isinstance(tape, Tuples) else (tape.states,)
+
+
+_kda_verify = jax.jit(kda.verify, static_argnames=("record",))
+_control_commit = jax.jit(reference.commit, static_argnames=("rule", "math"))
+
+
+def _commit_all(pool, tape, rule=None):
+    """Every request's state after each step: D commits of the one-layer tape into a pool of N slots."""
+    slots = jnp.arange(N, dtype=jnp.int32)
+    out = []
+    for t in range(D):
+        steps = jnp.full((N,), t, jnp.int32)
+        if rule is None:
+            out.append(gl.commit(pool, gl.stack_tapes([tape]), slots, steps, backend="reference"))
+        else:
+            none = jnp.full((N,), -1, jnp.int32)
+            out.append(_control_commit(pool, gl.stack_tapes([tape]), slots, steps, none, none, slots, rule=rule))
+    return np.stack([np.asarray(o) for o in out])
+
+
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+def test_beta_scale_matches_the_spec(backend):
+    x = _gdn_inputs(0)
+    spec = _spec(x, 2.0)
+    args = [x[n] for n in ("state0", "q", "k", "v", "a", "b", "A_log", "dt_bias")]
+    for record in ("tuples", "snapshots"):
+        o, tape = gl.verify(*args, record=record, backend=backend, beta_scale=2.0)
+        so, stape = spec[record]
+        assert_bitwise_equal(o, so, f"{backend} {record} outputs")
+        for got, want in zip(jax_leaves(tape), jax_leaves(stape)):
+            assert_bitwise_equal(got, want, f"{backend} {record} tape")
+    o1, _ = gl.verify(*args, backend=backend)
+    assert_bitwise_differs(o1, spec["tuples"][0], "control: beta_scale ignored")
+
+
+def test_beta_scale_commit_and_controls():
+    x = _gdn_inputs(1)
+    spec = _spec(x, 2.0)
+    pool = x["state0"][None]
+    tup, snp = spec["tuples"][1], spec["snapshots"][1]
+    by_tuples, by_snapshots = _commit_all(pool, tup), _commit_all(pool, snp)
+    assert_bitwise_equal(by_tuples, by_snapshots, "beta_scale=2: tuple commit == snapshot commit")
+    assert_bitwise_differs(_commit_all(pool, tup, twice_rounded_update), by_snapshots, "control: twice rounded")
+
+
+def test_beta_scale_refusals_and_auto():
+    x = _gdn_inputs(2)
+    args = [x[n] for n in ("state0", "q", "k", "v", "a", "b", "A_log", "dt_bias")]
+    refused = (r"backend 'mosaic' does not scale beta \(beta_scale=2.0, OLMo-Hybrid's .*the backends that do: "
+               r"'reference', 'pallas'")
+    with pytest.raises(backends.BackendUnavailable, match=refused):
+        gl.verify(*args, backend="mosaic", beta_scale=2.0)
+    with pytest.raises(ValueError, match=r"verify: argument 'beta_scale' must be finite and positive .* got -1.0"):
+        gl.verify(*args, beta_scale=-1.0)
+    with pytest.raises(TypeError, match=r"verify: argument 'beta_scale' must be a real number or None, got str 'x'"):
+        gl.verify(*args, beta_scale="x")
+    needs = backends.call_needs("scalar", 2.0)
+    assert needs(backends.lookup("pallas").capabilities) and not needs(backends.lookup("mosaic").capabilities)
+    assert not needs(backends.contract.Capabilities()), "a backend that declares nothing refuses the scale"
+    assert backends.resolve_name("auto", needs=needs) == ("pallas" if backends.platform() == "gpu" else "reference")
+
+
+def _kda_inputs(seed):
+    rng = np.random.default_rng(seed)
+    n = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    return dict(state0=jnp.asarray(0.5 * n(N, HV, V, K), F32), q=jnp.asarray(n(N, D, HV, K), BF16),
+                k=jnp.asarray(n(N, D, HV, K), BF16), v=jnp.asarray(n(N, D, HV, V), BF16),
+                f=jnp.asarray(n(N, D, HV, K), BF16), b=jnp.asarray(n(N, D, HV), BF16),
+                A_log=jnp.asarray(np.log(rng.uniform(0.2, 4.0, HV)), F32),
+                dt_bias=jnp.asarray(n(HV, K), F32))  # fmt: skip
+
+
+def test_kda_through_the_api():
+    x = _kda_inputs(3)
+    args = [x[n] for n in ("state0", "q", "k", "v", "f", "b", "A_log", "dt_bias")]
+    tapes = {}
+    for record in ("tuples", "snapshots"):
+        o, tape = gl.verify(*args, record=record, decay="channel", backend="reference")
+        so, stape = _kda_verify(*args, record=record)
+        assert type(tape) is (KDATuples if record == "tuples" else Snapshots)
+        assert_bitwise_equal(o, so, f"KDA {record} outputs")
+        for got, want in zip(jax_leaves(tape), jax_leaves(stape)):
+            assert_bitwise_equal(got, want, f"KDA {record} tape")
+        tapes[record] = tape
+    pool = x["state0"][None]
+    by_tuples, by_snapshots = _commit_all(pool, tapes["tuples"]), _commit_all(pool, tapes["snapshots"])
+    assert_bitwise_equal(by_tuples, by_snapshots, "KDA: tuple commit == snapshot commit")
+    for name in ("scalar_decay", "twice_rounded"):
+        assert_bitwise_differs(_commit_all(pool, tapes["tuples"], KDA_CONTROLS[name]), by_snapshots,
+                               f"control: {name}")  # fmt: skip
+    # the GDN rule of the library takes the per-channel decay by the tape's rank: the same bits as kda.rule
+    assert_bitwise_equal(_commit_all(pool, tapes["tuples"], kda.rule), by_snapshots, "kda.rule")
+
+
+def test_kda_refusals():
+    x = _kda_inputs(4)
+    args = [x[n] for n in ("state0", "q", "k", "v", "f", "b", "A_log", "dt_bias")]
+    with pytest.raises(backends.BackendUnavailable, match=r"verify: backend 'pallas' does not run KDA layers "
+                                                          r"\(decay='channel'.*the backends that do: 'reference'"):
+        gl.verify(*args, decay="channel", backend="pallas")
+    _, tape = gl.verify(*args, decay="channel", backend="reference")
+    with pytest.raises(backends.BackendUnavailable, match=r"commit: backend 'pallas' does not run KDA layers"):
+        gl.commit(x["state0"][None], gl.stack_tapes([tape]), jnp.arange(N), jnp.zeros(N, jnp.int32), backend="pallas")
+    with pytest.raises(ValueError, match=r"verify: argument 'a' must have shape \[N, D, HV, K\] = \[3, 4, 4, 16\] "
+                                         r".*got \[3, 4, 4\]"):
+        gl.verify(*args[:4], args[4][..., 0], *args[5:], decay="channel")
+    with pytest.raises(ValueError, match=r"verify: argument 'parents': draft trees of a per-channel decay"):
+        gl.verify(*args, decay="channel", parents=np.array([-1, 0, 0, 1]), topk=2)
+    with pytest.raises(ValueError, match=r"verify: decay must be one of \('scalar', 'channel'\).* got 'rows'"):
+        gl.verify(*args, decay="rows")
