@@ -27,9 +27,11 @@ class Geometry:
       conv_kernel: Kc, the causal conv1d width.
       layers: all decoder layers (GDN and full attention).
       kv_heads, kv_head_dim: the full-attention layers' KV cache geometry.
+      kv_tensors: tensors cached per KV head and token: 2 (K and V), 1 for MLA (Kimi Linear: the
+        normalised latent and the shared rope key, one ``kv_head_dim`` vector).
       linear_attention: the linear-attention layer type, ``"gdn"`` (Gated DeltaNet) or
-        ``"kda"`` (Kimi Delta Attention). Only GDN can be verified and replayed here; a KDA
-        geometry can be described but the pool and the memory accounting reject it.
+        ``"kda"`` (Kimi Delta Attention: H == HV, one decay per key channel; the pool records its
+        tuples as :class:`~gdn_lossless_jax.tape.KDATuples`, ``decay="channel"``).
     """
 
     name: str
@@ -43,6 +45,7 @@ class Geometry:
     kv_heads: int = 2
     kv_head_dim: int = 256
     linear_attention: str = "gdn"
+    kv_tensors: int = 2
 
     def __post_init__(self):
         for f in ("gdn_layers", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_kernel"):
@@ -58,6 +61,14 @@ class Geometry:
                 f"Geometry {self.name!r}: linear_attention must be one of {LINEAR_ATTENTION_TYPES}, "
                 f"got {self.linear_attention!r}"
             )
+        if self.linear_attention == "kda" and self.num_v_heads != self.num_k_heads:
+            raise ValueError(f"Geometry {self.name!r}: a KDA geometry has as many v-heads as q/k heads, got "
+                             f"num_k_heads={self.num_k_heads}, num_v_heads={self.num_v_heads}")  # fmt: skip
+
+    @property
+    def decay(self) -> str:
+        """The ``decay=`` form of its linear layers: ``"scalar"`` (GDN) or ``"channel"`` (KDA)."""
+        return "channel" if self.linear_attention == "kda" else "scalar"
 
     @property
     def full_attention_layers(self) -> int:

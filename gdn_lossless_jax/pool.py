@@ -71,18 +71,16 @@ def _positive(fn: str, **values: int) -> None:
 def check_supported(fn: str, geometry: Geometry, *, drafts: int = 1, topk: int = 1, parents: Any = None) -> None:
     """Reject what the pool cannot hold, before anything is allocated.
 
-    A non-GDN (KDA) layer type, heads that do not divide, or a draft tree that is not one
-    (``parents`` ``[drafts]`` or ``[R, drafts]``, each parent in ``[-1, d)``, at most ``topk``
-    children a node; :func:`gdn_lossless_jax.checks.check_tree`). ``topk > 1`` without
-    ``parents`` is a pool for trees given per step.
+    Heads that do not divide, a draft tree that is not one (``parents`` ``[drafts]`` or
+    ``[R, drafts]``, each parent in ``[-1, d)``, at most ``topk`` children a node;
+    :func:`gdn_lossless_jax.checks.check_tree`), or a draft tree of KDA layers (chains only).
+    ``topk > 1`` without ``parents`` is a pool for trees given per step.
     """
     if not isinstance(geometry, Geometry):
         raise TypeError(f"{fn}: argument 'geometry' must be a Geometry, got {type(geometry).__name__}")
-    if geometry.linear_attention != "gdn":
-        raise ValueError(
-            f"{fn}: geometry {geometry.name!r} has linear_attention={geometry.linear_attention!r} layers; "
-            "only Gated DeltaNet ('gdn') layers are supported"
-        )
+    if geometry.linear_attention == "kda" and (topk > 1 or parents is not None):
+        raise ValueError(f"{fn}: geometry {geometry.name!r} has KDA layers: draft trees (topk={topk}, parents) are "
+                         "not supported for them; verify chains (topk=1, parents=None)")  # fmt: skip
     check_heads(fn, geometry.num_k_heads, geometry.num_v_heads)
     if parents is None:  # (topk > 1: trees given per step; only its type and sign are checked)
         checks.check_topk(fn, topk)
@@ -225,7 +223,10 @@ def allocate(
     if record == "seed_ring":
         raise ValueError(f"{fn}: record must be one of {POOL_RECORD_MODES}, got {record!r} (seed_ring, the pull "
                          "request's layout, is counted by gdn_lossless_jax.memory, not allocated)")  # fmt: skip
-    record = record_type(record, fn)
+    record = record_type(record, fn, geometry.decay)  # a KDA geometry's "tuples": KDATuples
+    if defer_commit and geometry.linear_attention == "kda":
+        raise ValueError(f"{fn}: defer_commit=True is not supported for geometry {geometry.name!r} (KDA layers); "
+                         "commit each step (defer_commit=False)")  # fmt: skip
     if jnp.dtype(state_dtype) not in checks.STATE_DTYPES:
         raise TypeError(f"{fn}: state_dtype must be float32 or bfloat16, got {jnp.dtype(state_dtype)}")
     if not jnp.issubdtype(conv_dtype, jnp.floating):
@@ -386,8 +387,9 @@ def verify_layer(
     parents: Any = None,
     topk: int = 1,
     checked: bool = False,
+    beta_scale: float | None = None,
 ) -> tuple[jax.Array, StatePool]:
-    """Verify D draft tokens through one GDN layer, from the pool; record into scratch rows.
+    """Verify D draft tokens through one GDN (or KDA) layer, from the pool; record into scratch rows.
 
     The conv runs over the slot's conv state (:func:`gdn_lossless_jax.conv.verify_from_pool`),
     its output is split into ``[q | k | v]``, and :func:`gdn_lossless_jax.verify` runs from
@@ -402,14 +404,17 @@ def verify_layer(
       mixed_qkv: ``[N, D, conv_dim]``, the layer's pre-conv ``[q | k | v]`` projections
         (``conv_dim = 2*H*K + HV*V``), D <= the pool's ``drafts``.
       a, b: ``[N, D, HV]``. conv_weight ``[conv_dim, Kc]``, conv_bias ``[conv_dim]`` or None,
-        A_log and dt_bias ``[HV]``: the layer's parameters. Any of these arrays and
+        A_log and dt_bias ``[HV]``: the layer's parameters. A KDA geometry's layers (one decay
+        per key channel, :mod:`gdn_lossless_jax.kda`) take ``a [N, D, HV, K]`` (the forget
+        gate's projection before its bias) and ``dt_bias [HV, K]``. Any of these arrays and
         ``mixed_qkv`` may instead be stacked over all the pool's layers (a leading axis of
         ``gdn_layers``): the kernels read layer ``layer`` of it in place, so a ``lax.scan`` over
         the layers that passes the stacks and its counter slices nothing.
       slots: ``[N]`` int, each request's mamba slot; a slot outside ``[0, S]`` (padding)
         reads zero states, as in SGLang, and is skipped by commit.
       rows: ``[N]`` int or None, each request's scratch row (default i).
-      scale, backend, parents, topk, checked: as in :func:`gdn_lossless_jax.verify`. With a
+      scale, backend, parents, topk, checked, beta_scale: as in :func:`gdn_lossless_jax.verify`
+        (``beta_scale``: OLMo-Hybrid's 2.0; the decay form is the geometry's, :attr:`Geometry.decay`). With a
         draft tree (``parents``) each node's conv window is along its root path
         (:func:`gdn_lossless_jax.conv.tree_columns`) and the tape holds one entry a node;
         commit it with :func:`commit`'s ``path``. Trees verify on ``"reference"`` and ``"pallas"``.
@@ -450,31 +455,35 @@ def verify_layer(
             full = (L, *want) if len(shape_of(x)) == len(want) + 1 else want
             check_shape(fn, name, x, full, dims if full == want else f"[L, {dims[1:]}", f"conv_dim, Kc of {g.name}")
             checks.check_float(fn, name, x)
-    HV = g.num_v_heads
-    for name, x, want, dims in (("a", a, (N, D, HV), "[N, D, HV]"), ("b", b, (N, D, HV), "[N, D, HV]"),
-                                ("A_log", A_log, (HV,), "[HV]"), ("dt_bias", dt_bias, (HV,), "[HV]")):  # fmt: skip
+    HV, K = g.num_v_heads, g.head_k_dim
+    a_want, dt_want = ((N, D, HV, K), (HV, K)) if g.decay == "channel" else ((N, D, HV), (HV,))
+    for name, x, want, dims in (("a", a, a_want, f"[N, D, HV{', K' * (g.decay == 'channel')}]"),
+                                ("b", b, (N, D, HV), "[N, D, HV]"), ("A_log", A_log, (HV,), "[HV]"),
+                                ("dt_bias", dt_bias, dt_want, f"[HV{', K' * (g.decay == 'channel')}]")):  # fmt: skip
         x = checks.as_array(fn, name, x)
         full = (L, *want) if len(shape_of(x)) == len(want) + 1 else want
         check_shape(fn, name, x, full, dims if full == want else f"[L, {dims[1:]}", f"from mixed_qkv and {g.name}")
         checks.check_float(fn, name, x)
     scale = checks.as_scale(fn, scale, g.head_k_dim)
+    beta_scale = checks.as_beta_scale(fn, beta_scale)
     return _verify_layer(
         pool, _layer_arg(pool, layer), mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias,
-        as_index(slots), rows, parents, scale=scale, backend=backend,
+        as_index(slots), rows, parents, scale=scale, backend=backend, beta_scale=beta_scale,
     )  # fmt: skip
 
 
-@functools.partial(jax.jit, donate_argnums=0, static_argnames=("scale", "backend"))
+@functools.partial(jax.jit, donate_argnums=0, static_argnames=("scale", "backend", "beta_scale"))
 @unstaged  # verify_layer staged its index arguments where its caller traces
 def _verify_layer(pool, layer, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, slots, rows, parents=None, *,
-                  scale, backend):  # fmt: skip
+                  scale, backend, beta_scale=1.0):  # fmt: skip
     # The kernels read each request's conv and SSM states from the pool by slot and write the
     # windows and the tape into the scratch rows in place (verify_from_pool, verify's slots=/
     # tape= form): no gathered states, no copies of the tape or of [q | k | v] slices.
     g = pool.geometry
     N, D, _ = mixed_qkv.shape[-3:]
     HK = g.num_k_heads * g.head_k_dim
-    impl = backends.resolve(backend, "verify", pool.math)  # resolved once: the conv's kernels and the verify's
+    needs = backends.call_needs(g.decay, beta_scale)
+    impl = backends.resolve(backend, "verify", pool.math, needs)  # resolved once: the conv's kernels and the verify's
     (q, k, v), windows = verify_from_pool(
         pool.conv, layer, slots, mixed_qkv, conv_weight, conv_bias, windows=pool.conv_windows, rows=rows,
         splits=(HK, HK, g.num_v_heads * g.head_v_dim), backend=impl, parents=parents,
@@ -485,7 +494,8 @@ def _verify_layer(pool, layer, mixed_qkv, a, b, conv_weight, conv_bias, A_log, d
     d = pool.deferred
     # verify_layer checked every argument: the backend's call directly (api.verify would check again)
     call = VerifyCall(pool.ssm, slots, layer, q, k, v, a, b, A_log, dt_bias, rows=rows, tape_layer=layer, scale=scale,
-                      record=type(pool.tape), out_dtype=jnp.dtype(q.dtype), parents=parents, math=pool.math)  # fmt: skip
+                      record=type(pool.tape), out_dtype=jnp.dtype(q.dtype), parents=parents, math=pool.math,
+                      decay=g.decay, beta_scale=beta_scale)  # fmt: skip
     if d is None:
         outputs, tape = api.run_verify(call.replace(tape=pool.tape), impl)
         return outputs, dataclasses.replace(pool, tape=tape, conv_windows=windows)

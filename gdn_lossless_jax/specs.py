@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import Geometry
-from .tape import RECORD_MODES, RECORDS, Tuples
+from .tape import RECORD_MODES, RECORDS, Tuples, record_type
 
 __all__ = ["ArraySpec", "POOL_RECORD_MODES", "SeedRing", "SCRATCH", "SCRATCH_MODES", "scratch_rows", "state_specs",
            "tape_specs", "conv_window_spec", "device_free_bytes", "check_fits"]  # fmt: skip
@@ -79,12 +79,18 @@ def tape_specs(geometry: Geometry, rows: int, drafts: int, record, *, state_dtyp
 
     ``snapshots``: ``states [L, rows, D, HV, V, K]`` in the state dtype. ``tuples`` (ours):
     ``u [L, rows, D, HV, V]``, ``k [L, rows, D, H, K]``, ``g [L, rows, D, HV]``, float32.
-    ``seed_ring`` (accounting only, :class:`SeedRing`): as ``tuples`` but ``k`` per v-head.
+    ``seed_ring`` (accounting only, :class:`SeedRing`): as ``tuples`` but ``k`` per v-head. A KDA
+    geometry's ``tuples`` are :class:`~gdn_lossless_jax.tape.KDATuples` (``g [L, rows, D, HV, K]``).
     """
+    g = geometry
     cls = record if isinstance(record, type) else SCRATCH.get(record)
     if cls is None:
         raise ValueError(f"tape_specs: record must be one of {SCRATCH_MODES}, got {record!r}")
-    g = geometry
+    if isinstance(record, str) and record in RECORDS:
+        cls = record_type(record, "tape_specs", g.decay)
+    elif g.decay not in cls.decays:
+        raise ValueError(f"tape_specs: a {cls.__name__} tape records no {g.decay} decay (geometry {g.name!r}: "
+                         f"{g.linear_attention} layers)")  # fmt: skip
     specs = cls.specs((g.gdn_layers, rows, drafts), H=g.num_k_heads, HV=g.num_v_heads, V=g.head_v_dim,
                       K=g.head_k_dim, state_dtype=state_dtype)  # fmt: skip
     return {name: ArraySpec(shape, dtype) for name, (shape, dtype) in specs.items()}

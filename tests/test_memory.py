@@ -10,7 +10,7 @@ import pytest
 
 from gdn_lossless_jax import pool as P
 from gdn_lossless_jax.tools import memory
-from gdn_lossless_jax.config import MODELS, get_geometry
+from gdn_lossless_jax.config import MODELS, Geometry, get_geometry
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -134,9 +134,13 @@ def test_seed_table_reproduced_to_the_printed_digits():
 
 
 def test_rejections():
-    kda = dataclasses.replace(get_geometry("qwen3.6-35b-a3b"), linear_attention="kda")
-    with pytest.raises(ValueError, match=r"scratch_bytes: geometry .* has linear_attention='kda' layers"):
-        memory.scratch_bytes(kda, 4, "tuples")
+    with pytest.raises(ValueError, match=r"a KDA geometry has as many v-heads as q/k heads, got num_k_heads=16, "
+                                         r"num_v_heads=32"):  # fmt: skip
+        dataclasses.replace(get_geometry("qwen3.6-35b-a3b"), linear_attention="kda")
+    kda = Geometry("kda", gdn_layers=2, num_k_heads=2, num_v_heads=2, linear_attention="kda")
+    with pytest.raises(ValueError, match=r"tape_specs: a SeedRing tape records no channel decay \(geometry 'kda': "
+                                         r"kda layers\)"):  # fmt: skip
+        memory.scratch_bytes(kda, 4, "seed_ring")
     with pytest.raises(ValueError, match=r"scratch_bytes: record must be one of \('tuples', 'snapshots', 'seed_ring'\)"):
         memory.scratch_bytes(get_geometry("qwen3.8-27b"), 4, "ring")
     with pytest.raises(ValueError, match=r"memory_report: argument 'requests' must be a positive integer, got 0"):
@@ -209,3 +213,4 @@ def test_memory_command_takes_a_tree(capsys):
     assert "top-4 depth-4 (4 nodes a depth, EAGLE-style): 16 nodes" in out and "D=16 draft tokens" in out
     assert cli.main(["memory", "--topk", "4"]) == 2
     assert "--topk and --depth go together" in capsys.readouterr().err
+

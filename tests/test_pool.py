@@ -11,6 +11,7 @@ import gdn_lossless_jax as gdn
 from gdn_lossless_jax import conv, pool as P, testing
 from gdn_lossless_jax.testing.cases import commit_indices
 from gdn_lossless_jax.config import Geometry, get_geometry
+from gdn_lossless_jax.tape import KDATuples, Snapshots
 
 # Reduced Qwen3.6-35B-A3B: 2 GDN layers, H=2, HV=4, K=V=16 (conv_dim 128), Kc = 4.
 SMALL = get_geometry("qwen3.6-35b-a3b").reduced(gdn_layers=2, heads_divisor=8, head_dim=16)
@@ -61,10 +62,16 @@ def test_rejected_before_any_allocation(kwargs, match):
         P.allocate(get_geometry("qwen3.8-27b"), **args)
 
 
-def test_kda_and_non_dividing_heads_rejected():
-    kda = dataclasses.replace(get_geometry("qwen3-next-80b-a3b"), name="Kimi-Linear-like", linear_attention="kda")
-    with pytest.raises(ValueError, match=r"allocate: geometry 'Kimi-Linear-like' has linear_attention='kda' layers; only Gated DeltaNet"):
-        P.allocate(kda, **HUGE)
+def test_kda_pools_and_non_dividing_heads():
+    kda = Geometry("Kimi-Linear-like", gdn_layers=2, num_k_heads=2, num_v_heads=2, head_k_dim=8, head_v_dim=8,
+                   linear_attention="kda")  # fmt: skip
+    with pytest.raises(ValueError, match=r"allocate: geometry 'Kimi-Linear-like' has KDA layers: draft trees "
+                                         r"\(topk=2, parents\) are not supported"):  # fmt: skip
+        P.allocate(kda, slots=2, requests=2, drafts=4, topk=2)
+    with pytest.raises(ValueError, match=r"allocate: defer_commit=True is not supported for geometry 'Kimi-Linear-"):
+        P.allocate(kda, slots=2, requests=2, drafts=4, defer_commit=True)
+    assert type(P.allocate(kda, slots=2, requests=2, drafts=4).tape) is KDATuples
+    assert type(P.allocate(kda, slots=2, requests=2, drafts=4, record="snapshots").tape) is Snapshots
     with pytest.raises(ValueError, match=r"num_k_heads H=3 must divide num_v_heads HV=32"):
         Geometry("odd", gdn_layers=2, num_k_heads=3, num_v_heads=32)
     with pytest.raises(ValueError, match=r"linear_attention must be one of \('gdn', 'kda'\), got 'mamba2'"):

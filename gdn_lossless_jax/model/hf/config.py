@@ -24,7 +24,8 @@ MODEL_TYPES = {
     "olmo_hybrid": "olmo_hybrid",
     "kimi_linear": "kimi_linear",
 }
-#: Families whose linear layers are not yet through the state pool (full-sequence logits only; issue 62).
+#: The families loaded as a :class:`~gdn_lossless_jax.model.hf.family.FamilyModel` (their own forward and decoder,
+#: not Qwen's engine: no MTP draft, no device loop, no trees).
 FAMILY_TYPES = ("olmo_hybrid", "kimi_linear")
 
 

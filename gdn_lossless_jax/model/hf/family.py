@@ -1,13 +1,13 @@
 """What the OLMo-Hybrid and Kimi Linear checkpoints share: reading tensors under the Hub's names, the
-plain-weight norms, the causal conv, and :class:`FamilyModel` (full-sequence logits).
+plain-weight norms, the causal conv, and :class:`FamilyModel` (full-sequence logits, and decoding through the
+state pool).
 
-These families load through :func:`~gdn_lossless_jax.model.hf.load_pretrained` beside Qwen's, but
-their linear layers do not go through the state pool yet: :meth:`FamilyModel.logits` runs each GDN
-(:mod:`~gdn_lossless_jax.model.hf.olmo_hybrid`) or KDA (:mod:`~gdn_lossless_jax.model.hf.kimi_linear`)
-layer as one full-sequence chain from an empty state, with the library's reference rule
-(:func:`gdn_lossless_jax.reference.chain`, :func:`gdn_lossless_jax.kda.chain`). Speculative decoding
-through the pool needs the pool and the backends to take OLMo's beta scale and KDA's tape (issue 62,
-phase 2); until then :meth:`FamilyModel.generate` refuses and :meth:`FamilyModel.greedy_reference`
+These families load through :func:`~gdn_lossless_jax.model.hf.load_pretrained` beside Qwen's.
+:meth:`FamilyModel.logits` runs each GDN (:mod:`~gdn_lossless_jax.model.hf.olmo_hybrid`) or KDA
+(:mod:`~gdn_lossless_jax.model.hf.kimi_linear`) layer as one full-sequence chain from an empty state, with the
+library's reference rule (:func:`gdn_lossless_jax.reference.chain`, :func:`gdn_lossless_jax.kda.chain`).
+:meth:`FamilyModel.generate` decodes through the state pool, speculatively, each linear layer verified and
+committed by the library (:mod:`~gdn_lossless_jax.model.hf.family_decode`); :meth:`FamilyModel.greedy_reference`
 decodes greedily by recomputing the whole forward for every token (a reference for tests, O(T^2)).
 """
 
@@ -187,7 +187,7 @@ class FamilyModel:
     def greedy_reference(self, ids, max_new_tokens: int) -> np.ndarray:
         """Greedy decoding by a full forward per token (every layer is causal, so the logits at a position
         do not depend on the zeros padded after it: one compiled shape serves every step). A reference for
-        tests, O(T^2); ``generate`` through the pool comes with issue 62's phase 2."""
+        tests, O(T^2); :meth:`generate` decodes through the pool."""
         ids = self._ids("greedy_reference", ids)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"greedy_reference: argument 'max_new_tokens' must be a positive integer, got "
@@ -200,13 +200,20 @@ class FamilyModel:
             buf[:, t] = np.asarray(jnp.argmax(lg[:, t - 1], axis=-1))
         return buf
 
-    def generate(self, *args, **kwargs):
-        raise NotImplementedError(
-            f"generate: speculative decoding of a {self.config.model_type} checkpoint through the state pool is not "
-            f"available yet: the pool and the backends do not take "
-            f"{'its beta scale' if self.config.model_type == 'olmo_hybrid' else 'the KDA tape'} (issue 62, phase 2); "
-            f"logits() and greedy_reference() work"
-        )
+    def generate(self, ids, max_new_tokens: int, *, drafts: int = 4, record: str = "tuples",
+                 draft: Callable | None = None, backend: str | None = None) -> np.ndarray:
+        """Greedy decoding of ``ids [B, T]`` through the state pool, speculative with ``drafts - 1`` drafts a
+        step (``drafts=1``: one token a step): ``[B, T + max_new_tokens]``. ``draft(contexts, n) -> [B, n]``
+        proposes (default: prompt lookup); the tokens do not depend on it, nor on ``record`` (``"tuples"``,
+        ``"snapshots"``). See :class:`~gdn_lossless_jax.model.hf.family_decode.FamilyDecoder`."""
+        from .family_decode import FamilyDecoder
+
+        ids = self._ids("generate", ids)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"generate: argument 'max_new_tokens' must be a positive integer, got {max_new_tokens!r}")
+        dec = FamilyDecoder(self, requests=ids.shape[0], drafts=drafts, record=record, backend=backend,
+                            max_len=ids.shape[1] + max_new_tokens + drafts - 1)  # fmt: skip
+        return dec.generate(ids, max_new_tokens, draft)
 
 
 def load_family(path: str, full: dict, dtype: str, *, draft: str = "auto", draft_layers: int | None = None,

@@ -41,12 +41,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from ... import kda
+from ...config import Geometry
 from ..model import MLPParams, einsum, matmul, softmax
 from .arch import mlp
 from .family import FamilyModel, Reader, causal_conv_silu, conv_weight, get, plain_rmsnorm, refuse
 
 __all__ = ["KimiLinearConfig", "KDAParams", "MLAParams", "KimiMoEParams", "KimiBlock", "KimiLinearParams",
-           "config_from_dict", "load_params", "forward", "load", "RENAMES", "route"]  # fmt: skip
+           "config_from_dict", "load_params", "forward", "load", "RENAMES", "route", "linear_inputs", "linear_output",
+           "linear_weights", "attention", "block", "head", "geometry"]  # fmt: skip
 
 F32 = jnp.float32
 #: transformers' conversion mapping for kimi_linear (Hub name -> in-memory name); the experts' per-expert
@@ -301,15 +303,19 @@ def load_params(r: Reader, c: KimiLinearConfig) -> KimiLinearParams:
     return KimiLinearParams(embed, tuple(blocks), r.vector("model.norm.weight", d), head)
 
 
-def _kda_layer(p: KDAParams, c: KimiLinearConfig, x):
-    """The KDA mixer over ``x [N, T, d]`` (normalised), the recurrence from an empty state."""
+def linear_inputs(p: KDAParams, c: KimiLinearConfig, x):
+    """The KDA mixer's inputs over ``x [N, T, d]`` (normalised): ``([q | k | v] [N, T, 3*H*K]`` before the conv,
+    the forget gate's ``f [N, T, H, K]`` before its bias, ``b [N, T, H])``."""
+    N, T, _ = x.shape
+    mixed = jnp.concatenate([matmul(x, p.w_q), matmul(x, p.w_k), matmul(x, p.w_v)], -1)
+    f = matmul(matmul(x, p.w_fa), p.w_fb).reshape(N, T, c.num_heads, c.head_dim)
+    return mixed, f, matmul(x, p.w_b)
+
+
+def linear_output(p: KDAParams, c: KimiLinearConfig, x, o):
+    """The KDA mixer's output from the recurrence's ``o [N, T, H, V]``: the sigmoid-gated norm, ``o_proj``."""
     N, T, _ = x.shape
     H, K = c.num_heads, c.head_dim
-    mixed = causal_conv_silu(jnp.concatenate([matmul(x, p.w_q), matmul(x, p.w_k), matmul(x, p.w_v)], -1), p.conv)
-    q, k, v = (mixed[..., i * H * K : (i + 1) * H * K].reshape(N, T, H, K) for i in range(3))
-    f = matmul(matmul(x, p.w_fa), p.w_fb).reshape(N, T, H, K)
-    qn, kn, g, beta = kda.prepare(q, k, f, matmul(x, p.w_b), p.A_log, p.dt_bias, K**-0.5)
-    o, _ = kda.chain(jnp.zeros((N, H, K, K), F32), qn, kn, v, g, beta, record="tuples", out_dtype=x.dtype)
     gate = matmul(matmul(x, p.w_ga), p.w_gb).reshape(N, T, H, K)
     of = o.astype(F32)
     y = of * jax.lax.rsqrt(kda.ksum(of * of)[..., None] / K + c.rms_eps) * p.norm.astype(F32)
@@ -317,7 +323,19 @@ def _kda_layer(p: KDAParams, c: KimiLinearConfig, x):
     return matmul(y.reshape(N, T, H * K), p.w_o)
 
 
-def _mla_layer(p: MLAParams, c: KimiLinearConfig, x):
+def _kda_layer(p: KDAParams, c: KimiLinearConfig, x):
+    """The KDA mixer over ``x [N, T, d]`` (normalised), the recurrence from an empty state."""
+    N, T, _ = x.shape
+    H, K = c.num_heads, c.head_dim
+    pre, f, b = linear_inputs(p, c, x)
+    mixed = causal_conv_silu(pre, p.conv)
+    q, k, v = (mixed[..., i * H * K : (i + 1) * H * K].reshape(N, T, H, K) for i in range(3))
+    qn, kn, g, beta = kda.prepare(q, k, f, b, p.A_log, p.dt_bias, K**-0.5)
+    o, _ = kda.chain(jnp.zeros((N, H, K, K), F32), qn, kn, v, g, beta, record="tuples", out_dtype=x.dtype)
+    return linear_output(p, c, x, o)
+
+
+def attention(p: MLAParams, c: KimiLinearConfig, x):
     """MLA without RoPE over ``x [N, T, d]``, causal."""
     N, T, _ = x.shape
     nh, rank, nope, rope, vd = c.attn_heads, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
@@ -381,7 +399,7 @@ def _dense(p: MLPParams, c: KimiLinearConfig, x):
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _head(params: KimiLinearParams, c: KimiLinearConfig, h):
+def head(params: KimiLinearParams, c: KimiLinearConfig, h):
     h = _norm(h, params.final_norm, c)
     w = params.embed.T if params.head is None else params.head
     return matmul(h, w, preferred_element_type=F32)
@@ -392,9 +410,30 @@ def forward(params: KimiLinearParams, c: KimiLinearConfig, ids):
     :func:`_sublayer`)."""
     h = params.embed[jnp.asarray(ids)]
     for blk in params.blocks:
-        h = _sublayer(_kda_layer if isinstance(blk.mixer, KDAParams) else _mla_layer, blk.mixer, c, h, blk.norm1)
+        h = _sublayer(_kda_layer if isinstance(blk.mixer, KDAParams) else attention, blk.mixer, c, h, blk.norm1)
         h = _sublayer(_moe_layer if isinstance(blk.mlp, KimiMoEParams) else _dense, blk.mlp, c, h, blk.norm2)
-    return _head(params, c, h)
+    return head(params, c, h)
+
+
+def block(blk: KimiBlock, c: KimiLinearConfig, h, mixer, kind: str):
+    """One block over ``h``, its mixer ``mixer(x) -> y`` given (called on the normalised ``h``; both kinds
+    pre-norm), then its MLP (dense or MoE)."""
+    h = h + mixer(_norm(h, blk.norm1, c))
+    return h + (_moe_layer if isinstance(blk.mlp, KimiMoEParams) else _dense)(blk.mlp, c, _norm(h, blk.norm2, c))
+
+
+def linear_weights(p: KDAParams) -> tuple:
+    """``(conv [3*H*K, Kc], conv bias or None, A_log [H], dt_bias [H, K])`` of a KDA mixer, as the pool takes them."""
+    return p.conv, None, p.A_log, p.dt_bias
+
+
+def geometry(c: KimiLinearConfig) -> Geometry:
+    """The pool's geometry of the checkpoint's KDA layers (``linear_attention="kda"``; the MLA cache's latent
+    as one KV head of ``kv_lora_rank + qk_rope_head_dim``)."""
+    return Geometry(c.name, gdn_layers=c.layer_types.count("linear_attention"), num_k_heads=c.num_heads,
+                    num_v_heads=c.num_heads, head_k_dim=c.head_dim, head_v_dim=c.head_dim, conv_kernel=c.conv_kernel,
+                    layers=len(c.layer_types), kv_heads=1, kv_head_dim=c.kv_lora_rank + c.qk_rope_head_dim,
+                    linear_attention="kda")  # fmt: skip
 
 
 def load(ckpt, full: dict, *, dtype: str, name: str, file: str, backend: str = "auto") -> FamilyModel:

@@ -31,12 +31,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from ... import reference
+from ...config import Geometry
 from ..model import MLPParams, einsum, matmul, softmax
 from .arch import gated_rmsnorm, mlp
 from .family import FamilyModel, Reader, causal_conv_silu, conv_weight, get, plain_rmsnorm, refuse
 
 __all__ = ["OlmoHybridConfig", "OlmoGDNParams", "OlmoAttentionParams", "OlmoBlock", "OlmoHybridParams",
-           "config_from_dict", "load_params", "forward", "load", "RENAMES"]  # fmt: skip
+           "config_from_dict", "load_params", "forward", "load", "RENAMES", "linear_inputs", "linear_output",
+           "linear_weights", "attention", "block", "head", "geometry"]  # fmt: skip
 
 F32 = jnp.float32
 #: transformers' conversion mapping for olmo_hybrid (Hub name -> in-memory name).
@@ -233,20 +235,34 @@ def load_params(r: Reader, c: OlmoHybridConfig) -> OlmoHybridParams:
     return OlmoHybridParams(embed, tuple(blocks), r.vector("model.norm.weight", d), head)
 
 
+def linear_inputs(p: OlmoGDNParams, c: OlmoHybridConfig, x):
+    """The GDN mixer's inputs over ``x [N, T, d]`` (normalised): ``([q | k | v] [N, T, conv_dim]`` before the
+    conv, ``a``, ``b [N, T, HV])``."""
+    mixed = jnp.concatenate([matmul(x, p.w_q), matmul(x, p.w_k), matmul(x, p.w_v)], -1)
+    return mixed, matmul(x, p.w_a), matmul(x, p.w_b)
+
+
+def linear_output(p: OlmoGDNParams, c: OlmoHybridConfig, x, o):
+    """The GDN mixer's output from the recurrence's ``o [N, T, HV, V]``: the gated norm, ``o_proj``."""
+    N, T, _ = x.shape
+    z = matmul(x, p.w_g).reshape(N, T, c.num_v_heads, c.head_v_dim)
+    return matmul(gated_rmsnorm(o, z, p.norm, GATED_NORM_EPS), p.w_o)
+
+
 def _gdn_layer(p: OlmoGDNParams, c: OlmoHybridConfig, x):
     """The GDN mixer over ``x [N, T, d]`` (normalised), the recurrence from an empty state."""
     N, T, _ = x.shape
     H, HV, K, V = c.num_k_heads, c.num_v_heads, c.head_k_dim, c.head_v_dim
-    mixed = causal_conv_silu(jnp.concatenate([matmul(x, p.w_q), matmul(x, p.w_k), matmul(x, p.w_v)], -1), p.conv)
+    pre, a, b = linear_inputs(p, c, x)
+    mixed = causal_conv_silu(pre, p.conv)
     q = mixed[..., : H * K].reshape(N, T, H, K)
     k = mixed[..., H * K : 2 * H * K].reshape(N, T, H, K)
     v = mixed[..., 2 * H * K :].reshape(N, T, HV, V)
-    qn, kn, g, beta = reference.prepare(q, k, matmul(x, p.w_a), matmul(x, p.w_b), p.A_log, p.dt_bias, K**-0.5)
+    qn, kn, g, beta = reference.prepare(q, k, a, b, p.A_log, p.dt_bias, K**-0.5)
     beta = beta * np.float32(c.beta_scale)  # exact: 1 or 2
     state0 = jnp.zeros((N, HV, V, K), F32)
     o, _ = reference.chain(state0, qn, kn, v, g, beta, record="tuples", out_dtype=x.dtype)
-    z = matmul(x, p.w_g).reshape(N, T, HV, V)
-    return matmul(gated_rmsnorm(o, z, p.norm, GATED_NORM_EPS), p.w_o)
+    return linear_output(p, c, x, o)
 
 
 def _rope(x, c: OlmoHybridConfig):
@@ -261,7 +277,7 @@ def _rope(x, c: OlmoHybridConfig):
     return (xf * jnp.cos(emb) + rot * jnp.sin(emb)).astype(x.dtype)
 
 
-def _attention_layer(p: OlmoAttentionParams, c: OlmoHybridConfig, x):
+def attention(p: OlmoAttentionParams, c: OlmoHybridConfig, x):
     """Full causal GQA over ``x [N, T, d]`` (the block's input: attention blocks are post-norm)."""
     N, T, _ = x.shape
     nq, nkv, hd = c.attn_heads, c.kv_heads, c.attn_head_dim
@@ -278,20 +294,28 @@ def _attention_layer(p: OlmoAttentionParams, c: OlmoHybridConfig, x):
     return matmul(out.reshape(N, T, nq * hd), p.w_o)
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _gdn_block(blk: OlmoBlock, c: OlmoHybridConfig, h):
-    h = h + _gdn_layer(blk.mixer, c, plain_rmsnorm(h, blk.norm1, c.rms_eps))
-    return h + mlp(blk.mlp, plain_rmsnorm(h, blk.norm2, c.rms_eps))
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _attention_block(blk: OlmoBlock, c: OlmoHybridConfig, h):
-    h = h + plain_rmsnorm(_attention_layer(blk.mixer, c, h), blk.norm1, c.rms_eps)
+def block(blk: OlmoBlock, c: OlmoHybridConfig, h, mixer, kind: str):
+    """One block over ``h``, its mixer ``mixer(x) -> y`` given: GDN blocks (``kind`` ``"linear_attention"``)
+    pre-norm, the mixer called on the normalised ``h``; attention blocks post-norm, called on ``h``."""
+    if kind == "linear_attention":
+        h = h + mixer(plain_rmsnorm(h, blk.norm1, c.rms_eps))
+        return h + mlp(blk.mlp, plain_rmsnorm(h, blk.norm2, c.rms_eps))
+    h = h + plain_rmsnorm(mixer(h), blk.norm1, c.rms_eps)
     return h + plain_rmsnorm(mlp(blk.mlp, h), blk.norm2, c.rms_eps)
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _head(params: OlmoHybridParams, c: OlmoHybridConfig, h):
+def _gdn_block(blk: OlmoBlock, c: OlmoHybridConfig, h):
+    return block(blk, c, h, lambda x: _gdn_layer(blk.mixer, c, x), "linear_attention")
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _attention_block(blk: OlmoBlock, c: OlmoHybridConfig, h):
+    return block(blk, c, h, lambda x: attention(blk.mixer, c, x), "full_attention")
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def head(params: OlmoHybridParams, c: OlmoHybridConfig, h):
     h = plain_rmsnorm(h, params.final_norm, c.rms_eps)
     w = params.embed.T if params.head is None else params.head
     return matmul(h, w, preferred_element_type=F32)
@@ -303,7 +327,20 @@ def forward(params: OlmoHybridParams, c: OlmoHybridConfig, ids):
     h = params.embed[jnp.asarray(ids)]
     for blk, t in zip(params.blocks, c.layer_types):
         h = (_gdn_block if t == "linear_attention" else _attention_block)(blk, c, h)
-    return _head(params, c, h)
+    return head(params, c, h)
+
+
+def linear_weights(p: OlmoGDNParams) -> tuple:
+    """``(conv [conv_dim, Kc], conv bias or None, A_log [HV], dt_bias [HV])`` of a GDN mixer, as the pool takes them."""
+    return p.conv, None, p.A_log, p.dt_bias
+
+
+def geometry(c: OlmoHybridConfig) -> Geometry:
+    """The pool's geometry of the checkpoint's GDN layers."""
+    return Geometry(c.name, gdn_layers=c.layer_types.count("linear_attention"), num_k_heads=c.num_k_heads,
+                    num_v_heads=c.num_v_heads, head_k_dim=c.head_k_dim, head_v_dim=c.head_v_dim,
+                    conv_kernel=c.conv_kernel, layers=len(c.layer_types), kv_heads=c.kv_heads,
+                    kv_head_dim=c.attn_head_dim)  # fmt: skip
 
 
 def load(ckpt, full: dict, *, dtype: str, name: str, file: str, backend: str = "auto") -> FamilyModel:

@@ -1,0 +1,152 @@
+"""OLMo-Hybrid and Kimi Linear decoding through the state pool (gdn_lossless_jax.model.hf.family_decode).
+
+Against the committed fixtures (transformers' greedy ``generate``, tests/fixtures/hf): speculative decoding in
+both record modes gives transformers' tokens, and the two pools end with the same states bit for bit (the
+linear layers' SSM states and conv states). The draft is transformers' own continuation with every fifth
+position changed, so that steps accept 0 to D - 1 drafts. Controls the tuples == snapshots comparison must
+catch: OLMo's commit replaying with the update rounded twice; Kimi's with the per-channel decay applied as
+one factor per head (testing.kda_controls.scalar_decay). Full set: greedy through the pool (one token a step)
+equals transformers' for all three fixtures, speculative equals greedy, and OLMo's beta scale ignored changes
+the tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import full_only
+from gdn_lossless_jax import pool, reference
+from gdn_lossless_jax.backends import reference as reference_backend
+from gdn_lossless_jax.model import load_pretrained
+from gdn_lossless_jax.model.hf.family import FamilyModel
+from gdn_lossless_jax.model.hf import family_decode
+from gdn_lossless_jax.model.hf.family_decode import FamilyDecoder, prompt_lookup
+from gdn_lossless_jax.tape import KDATuples, Snapshots, Tuples
+from gdn_lossless_jax.testing import assert_bitwise_differs, assert_bitwise_equal
+from gdn_lossless_jax.testing.controls import twice_rounded_update
+from gdn_lossless_jax.testing.kda_controls import scalar_decay
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
+D = 4
+_MODELS: dict = {}
+
+
+def _model(name: str) -> FamilyModel:
+    if name not in _MODELS:
+        _MODELS[name] = load_pretrained(FIXTURES / name, "float32")
+    return _MODELS[name]
+
+
+def _expected(name: str):
+    e = np.load(FIXTURES / name / "expected.npz")
+    return e["prompts"], e["generated"]
+
+
+def _draft(generated):
+    """transformers' continuation, every fifth position changed (a wrong proposal there)."""
+
+    def draft(contexts, n):
+        out = np.zeros((len(contexts), n), np.int32)
+        for i, ctx in enumerate(contexts):
+            t = len(ctx)
+            want = np.resize(generated[i, t : t + n], n) if t < generated.shape[1] else np.zeros(n, np.int32)
+            out[i] = np.where((t + np.arange(n)) % 5 == 2, (want + 1) % 256, want)
+        return out
+
+    return draft
+
+
+class ControlBackend:
+    """The reference backend whose commit replays with a wrong update form ``rule``."""
+
+    name = "control"
+    capabilities = reference_backend.capabilities
+    check_available = staticmethod(reference_backend.check_available)
+    conv_kernels = staticmethod(reference_backend.conv_kernels)
+    verify = staticmethod(reference_backend.verify)
+    replay = staticmethod(reference_backend.replay)
+
+    def __init__(self, rule):
+        self.commit = jax.jit(functools.partial(reference.commit, rule=rule), static_argnames=("math",))
+
+
+def _decode(name, record, new, *, drafts=D, model=None):
+    prompts, generated = _expected(name)
+    dec = FamilyDecoder(model or _model(name), requests=prompts.shape[0], drafts=drafts, record=record,
+                        max_len=prompts.shape[1] + new + drafts - 1)  # fmt: skip (generate's: one compiled step)
+    got = dec.generate(prompts, new, _draft(generated) if drafts > 1 else None)
+    return got, dec
+
+
+@pytest.mark.parametrize("name,control", [("olmo_hybrid", twice_rounded_update), ("kimi_linear", scalar_decay)])
+def test_speculative_record_modes_agree(name, control, monkeypatch):
+    new = 16
+    prompts, generated = _expected(name)
+    T = prompts.shape[1]
+    want = generated[:, : T + new]
+    got_t, tup = _decode(name, "tuples", new)
+    got_s, snp = _decode(name, "snapshots", new)
+    assert type(tup.pool.tape) is (KDATuples if name == "kimi_linear" else Tuples)
+    assert type(snp.pool.tape) is Snapshots
+    np.testing.assert_array_equal(got_t, want, err_msg=f"{name}: speculative (tuples) != transformers' generate")
+    np.testing.assert_array_equal(got_s, want, err_msg=f"{name}: speculative (snapshots) != transformers' generate")
+    assert tup.steps < new, f"{name}: no draft was accepted ({tup.steps} steps for {new} tokens)"
+    assert_bitwise_equal(tup.pool.ssm, snp.pool.ssm, f"{name}: SSM states, tuples vs snapshots")
+    assert_bitwise_equal(tup.pool.conv, snp.pool.conv, f"{name}: conv states, tuples vs snapshots")
+    wrong = ControlBackend(control)  # the commit only: the verify (and its compiled step) unchanged
+    commit = pool.commit
+    monkeypatch.setattr(family_decode.pool_mod, "commit", lambda *a, backend, **k: commit(*a, backend=wrong, **k))
+    _, ctl = _decode(name, "tuples", new)
+    monkeypatch.undo()
+    assert_bitwise_differs(ctl.pool.ssm, snp.pool.ssm, f"control {control.__name__}: caught by tuples vs snapshots")
+
+
+def test_generate_and_errors():
+    m = _model("olmo_hybrid")
+    prompts, generated = _expected("olmo_hybrid")
+    got = m.generate(prompts, 16, drafts=D)  # the default draft: prompt lookup
+    np.testing.assert_array_equal(got, generated[:, : prompts.shape[1] + 16])
+    assert prompt_lookup([np.array([5, 6, 7, 5, 6])], 3).tolist() == [[7, 5, 6]]
+    assert prompt_lookup([np.array([1, 2, 3])], 2).tolist() == [[3, 3]]
+    with pytest.raises(ValueError, match=r"generate: argument 'max_new_tokens' must be a positive integer, got 0"):
+        m.generate(prompts, 0)
+    with pytest.raises(ValueError, match=r"FamilyDecoder: argument 'drafts' must be a positive integer, got 0"):
+        FamilyDecoder(m, requests=1, drafts=0, max_len=8)
+    dec = FamilyDecoder(m, requests=2, drafts=2, max_len=20)
+    with pytest.raises(ValueError, match=r"generate: argument 'ids' must have B=2 rows .*got 4"):
+        dec.generate(prompts, 4)
+    with pytest.raises(ValueError, match=r"need max_len >= 21, got 20"):
+        dec.generate(prompts[:2], 8)
+    dec.steps = 1
+    with pytest.raises(ValueError, match=r"generate: this FamilyDecoder has decoded already"):
+        dec.generate(prompts[:2], 4)
+
+
+@full_only
+@pytest.mark.parametrize("name", ["olmo_hybrid", "olmo_hybrid_noneg", "kimi_linear"])
+def test_greedy_and_speculative_match_transformers(name):
+    """Greedy through the pool (one token a step) equals transformers' generate on all 64 tokens, and the
+    speculative run in both record modes equals greedy."""
+    prompts, generated = _expected(name)
+    new = generated.shape[1] - prompts.shape[1]
+    greedy, _ = _decode(name, "tuples", new, drafts=1)
+    np.testing.assert_array_equal(greedy, generated, err_msg=f"{name}: greedy through the pool != transformers")
+    for record in ("tuples", "snapshots"):
+        spec, _ = _decode(name, record, new)
+        np.testing.assert_array_equal(spec, greedy, err_msg=f"{name}: speculative ({record}) != greedy")
+
+
+@full_only
+def test_control_beta_scale_ignored():
+    """OLMo-Hybrid decoded with beta_scale 1 where the checkpoint has 2: other tokens than transformers'."""
+    m = _model("olmo_hybrid")
+    wrong = FamilyModel(dataclasses.replace(m.config, beta_scale=1.0), m.params, m.forward)
+    prompts, generated = _expected("olmo_hybrid")
+    got, _ = _decode("olmo_hybrid", "tuples", 16, model=wrong)
+    assert (got != generated[:, : got.shape[1]]).any(), "control: beta scale ignored left every token unchanged"
