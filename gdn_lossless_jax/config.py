@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["Geometry", "MODELS", "LINEAR_ATTENTION_TYPES", "get_geometry"]
+__all__ = ["Geometry", "MODELS", "FAMILY_MODELS", "LINEAR_ATTENTION_TYPES", "get_geometry"]
 
 LINEAR_ATTENTION_TYPES = ("gdn", "kda")
 
@@ -140,6 +140,20 @@ MODELS: dict[str, Geometry] = {
     "qwen3-next-80b-a3b": Geometry("Qwen3-Next-80B-A3B", gdn_layers=36, num_k_heads=16, num_v_heads=32, layers=48),
     "qwen3.6-35b-a3b": Geometry("Qwen3.5/3.6-35B-A3B", gdn_layers=30, num_k_heads=16, num_v_heads=32, layers=40),
     "qwen3.8-27b": Geometry("Qwen3.5/3.8-27B", gdn_layers=48, num_k_heads=16, num_v_heads=48, layers=64, kv_heads=4),
+}
+# The other families' released models (issue 62), by model_type: not in MODELS, whose tools (the seed's
+# table, --tp, trees) are Qwen's GDN ones.
+# - Olmo-Hybrid-7B (allenai): 32 layers, layer_types [linear x 3, full] x 8 (24 GDN, 8 attention),
+#   linear heads 30/30, linear_key_head_dim 96, linear_value_head_dim 192, conv 4; 30 attention heads, 30 KV
+#   heads of 128 (hidden 3840 / 30).
+# - Kimi-Linear-48B-A3B (moonshotai): 27 layers, full_attn_layers [4, 8, 12, 16, 20, 24, 27] (20 KDA, 7 MLA),
+#   KDA num_heads 32, head_dim 128, short_conv_kernel_size 4; MLA kv_lora_rank 512 + qk_rope_head_dim 64 cached
+#   per token (one latent for K and V).
+FAMILY_MODELS: dict[str, Geometry] = {
+    "olmo_hybrid": Geometry("Olmo-Hybrid-7B", gdn_layers=24, num_k_heads=30, num_v_heads=30, head_k_dim=96,
+                            head_v_dim=192, layers=32, kv_heads=30, kv_head_dim=128),
+    "kimi_linear": Geometry("Kimi-Linear-48B-A3B", gdn_layers=20, num_k_heads=32, num_v_heads=32, layers=27,
+                            kv_heads=1, kv_head_dim=576, kv_tensors=1, linear_attention="kda"),
 }
 _ALIASES = {"qwen3.5-35b-a3b": "qwen3.6-35b-a3b", "qwen3.5-27b": "qwen3.8-27b"}
 

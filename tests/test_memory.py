@@ -10,7 +10,7 @@ import pytest
 
 from gdn_lossless_jax import pool as P
 from gdn_lossless_jax.tools import memory
-from gdn_lossless_jax.config import MODELS, Geometry, get_geometry
+from gdn_lossless_jax.config import FAMILY_MODELS, MODELS, Geometry, get_geometry
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -214,3 +214,31 @@ def test_memory_command_takes_a_tree(capsys):
     assert cli.main(["memory", "--topk", "4"]) == 2
     assert "--topk and --depth go together" in capsys.readouterr().err
 
+
+@pytest.mark.parametrize("family", sorted(FAMILY_MODELS))
+def test_family_geometries(family, capsys):
+    """The other families' released geometries (gdn_lossless_jax/config.py gives the sources): the scratch of
+    each record mode by formula (a KDA layer's tuples keep g per key channel, ``[HV, K]``), and the report that
+    ``gdn-lossless memory --family`` prints."""
+    from gdn_lossless_jax.tools.cli import main
+
+    g, D = FAMILY_MODELS[family], 4
+    L, H, HV, K, V = g.gdn_layers, g.num_k_heads, g.num_v_heads, g.head_k_dim, g.head_v_dim
+    want = {"olmo_hybrid": dict(L=24, H=30, HV=30, K=96, V=192, layers=32, kv=8 * 2 * 30 * 128 * 2),
+            "kimi_linear": dict(L=20, H=32, HV=32, K=128, V=128, layers=27, kv=7 * 576 * 2)}[family]  # fmt: skip
+    assert (L, H, HV, K, V, g.layers) == tuple(want[k] for k in ("L", "H", "HV", "K", "V", "layers"))
+    assert memory.kv_bytes_per_token(g) == want["kv"]
+    g_floats = HV * K if family == "kimi_linear" else HV
+    assert memory.scratch_bytes(g, D, "tuples") == L * D * (HV * V + H * K + g_floats) * 4
+    assert memory.scratch_bytes(g, D, "snapshots") == L * D * HV * V * K * 4
+    r = memory.memory_report(g, drafts=D, requests=25)
+    assert main(["memory", "--family", family]) == 0
+    out = capsys.readouterr().out
+    assert out.strip() == memory.format_report(r).strip()
+    ratio = f"{r.total['snapshots'] / r.total['tuples']:.1f}x"
+    assert ratio == {"olmo_hybrid": "63.8x", "kimi_linear": "42.7x"}[family] and ratio in out
+    assert any(line.startswith("seed's ring") for line in out.splitlines()) == (family == "olmo_hybrid")
+    assert main(["memory", "--family", family, "--model", "qwen3.8-27b"]) == 2
+    assert "gdn-lossless memory: error: give --model or --family, not both" in capsys.readouterr().err
+    assert main(["memory", "--family", family, "--tp"]) == 2
+    assert "--family prints one report: --tp, --tree" in capsys.readouterr().err

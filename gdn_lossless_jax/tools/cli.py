@@ -79,9 +79,13 @@ def _check(args) -> int:
 def _memory(args) -> int:
     import jax.numpy as jnp
 
-    from ..config import get_geometry
+    from ..config import FAMILY_MODELS, get_geometry
     from .memory import GIB, format_report, format_seed_table, format_tp_table, memory_report, tp_table
 
+    if args.family is not None and (args.tp is not None or args.tree is not None or args.topk is not None
+                                    or args.depth is not None or args.seed_table):  # fmt: skip
+        raise ValueError("--family prints one report: --tp, --tree, --topk, --depth and --seed-table are Qwen's "
+                         "GDN geometries' (--model)")  # fmt: skip
     if args.tree is not None or args.topk is not None or args.depth is not None:
         return _memory_tree(args)
     if args.tp is not None:
@@ -93,8 +97,10 @@ def _memory(args) -> int:
             print()
             print(format_seed_table())
         return 0
+    if args.family is not None and args.model is not None:
+        raise ValueError("give --model or --family, not both")
     report = memory_report(
-        get_geometry(args.model or "qwen3.6-35b-a3b"),
+        FAMILY_MODELS[args.family] if args.family is not None else get_geometry(args.model or "qwen3.6-35b-a3b"),
         drafts=args.drafts,
         requests=args.requests,
         state_dtype=jnp.dtype(args.state_dtype),
@@ -137,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``gdn-lossless`` parser; subcommands share the option types above."""
     from ..backends import BACKENDS
     from ..testing.cases import KINDS
-    from ..config import MODELS
+    from ..config import FAMILY_MODELS, MODELS
 
     p = _Parser(prog="gdn-lossless", description=__doc__)
     p.add_argument("--version", action="version", version=version_string())
@@ -175,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument("--model", type=model_name, default=None,
                    help=f"model geometry ({', '.join(MODELS)}; default qwen3.6-35b-a3b, or all of them with --tp)")
+    m.add_argument("--family", choices=sorted(FAMILY_MODELS), default=None,
+                   help="another family's released model instead of --model: olmo_hybrid (Olmo-Hybrid-7B, GDN with "
+                        "K=96, V=192) or kimi_linear (Kimi-Linear-48B-A3B, KDA: the tuples' g per key channel)")
     m.add_argument("--drafts", "-D", type=positive_int, default=4, help="D draft tokens per request (default 4)")
     m.add_argument("--requests", "-R", type=positive_int, default=25, help="R running requests (default 25)")
     m.add_argument("--budget", type=positive_gib, default=None, metavar="GIB",

@@ -34,7 +34,8 @@ import dataclasses
 import jax.numpy as jnp
 
 from ..config import MODELS, Geometry, get_geometry
-from ..pool import SCRATCH_MODES, _positive, check_supported, conv_window_spec, scratch_rows, state_specs, tape_specs
+from ..pool import (POOL_RECORD_MODES, SCRATCH, SCRATCH_MODES, _positive, check_supported, conv_window_spec,
+                    scratch_rows, state_specs, tape_specs)  # fmt: skip
 
 __all__ = [
     "GIB",
@@ -102,13 +103,14 @@ def conv_window_bytes(geometry: Geometry, drafts: int, *, requests: int | None =
 
 
 def kv_bytes_per_token(geometry: Geometry, *, kv_dtype=jnp.bfloat16) -> int:
-    """KV cache bytes per token: ``full_attention_layers * 2 (K and V) * kv_heads * kv_head_dim * itemsize``.
+    """KV cache bytes per token: ``full_attention_layers * kv_tensors (2: K and V) * kv_heads * kv_head_dim *
+    itemsize``.
 
     >>> kv_bytes_per_token(get_geometry("qwen3.6-35b-a3b"))  # 10 layers x 2 x 2 heads x 256 x 2 bytes
     20480
     """
     g = geometry
-    return g.full_attention_layers * 2 * g.kv_heads * g.kv_head_dim * jnp.dtype(kv_dtype).itemsize
+    return g.full_attention_layers * g.kv_tensors * g.kv_heads * g.kv_head_dim * jnp.dtype(kv_dtype).itemsize
 
 
 def kv_tokens(geometry: Geometry, nbytes: int, *, kv_dtype=jnp.bfloat16) -> int:
@@ -167,8 +169,10 @@ def memory_report(
     ``budget``: bytes for the speculative scratch plus the KV cache (optional).
     """
     _checked("memory_report", geometry, drafts, requests)
-    per = {m: scratch_bytes(geometry, drafts, m, state_dtype=state_dtype) for m in SCRATCH_MODES}
-    tot = {m: scratch_bytes(geometry, drafts, m, requests=requests, state_dtype=state_dtype) for m in SCRATCH_MODES}
+    # every record mode (a KDA geometry's tuples: KDATuples); the seed's ring where it records the decay (GDN)
+    modes = [m for m in SCRATCH_MODES if m in POOL_RECORD_MODES or geometry.decay in SCRATCH[m].decays]
+    per = {m: scratch_bytes(geometry, drafts, m, state_dtype=state_dtype) for m in modes}
+    tot = {m: scratch_bytes(geometry, drafts, m, requests=requests, state_dtype=state_dtype) for m in modes}
     return MemoryReport(
         geometry=geometry,
         drafts=drafts,
@@ -245,14 +249,15 @@ def format_report(r: MemoryReport) -> str:
     g = r.geometry
     snap = r.total["snapshots"]
     names = {"snapshots": "snapshots", "tuples": "tuples (ours)", "seed_ring": "seed's ring"}
+    kind = "KDA" if g.linear_attention == "kda" else "GDN"
     lines = [
-        f"model         {g.name}: {g.gdn_layers} GDN layers of {g.gdn_layers + g.full_attention_layers}, "
+        f"model         {g.name}: {g.gdn_layers} {kind} layers of {g.gdn_layers + g.full_attention_layers}, "
         f"H={g.num_k_heads}, HV={g.num_v_heads}, K={g.head_k_dim}, V={g.head_v_dim}, conv_dim={g.conv_dim}, Kc={g.conv_kernel}",
         f"setup         D={r.drafts} draft tokens, {r.requests} requests ({r.rows} scratch rows), "
         f"state {r.state_dtype}, conv {r.conv_dtype}",
         f"{'record mode':<14}{'per request':>14}{'total':>12}{'vs snapshots':>14}",
     ]
-    for m in ("snapshots", "tuples", "seed_ring"):
+    for m in (m for m in ("snapshots", "tuples", "seed_ring") if m in r.total):
         lines.append(
             f"{names[m]:<14}{r.per_request[m] / MIB:>10.2f} MiB{r.total[m] / GIB:>8.2f} GiB"
             f"{snap / r.total[m]:>13.1f}x"
@@ -260,13 +265,19 @@ def format_report(r: MemoryReport) -> str:
     lines.append(f"{'conv windows':<14}{r.conv_per_request / MIB:>10.2f} MiB{r.conv_total / GIB:>8.2f} GiB  (both modes)")
     lines.append(
         f"KV cache      {r.kv_per_token / 1024:.1f} KiB per token ({g.full_attention_layers} full-attention layers"
-        f" x 2 x {g.kv_heads} KV heads x {g.kv_head_dim} x {r.kv_dtype})"
+        f" x {g.kv_tensors} x {g.kv_heads} KV heads x {g.kv_head_dim} x {r.kv_dtype})"
     )
+    ring = (f" (seed's ring: {gib(r.freed('seed_ring'))} GiB = {r.tokens_freed('seed_ring'):,})"
+            if "seed_ring" in r.total else "")  # fmt: skip
     lines.append(
-        f"freed         snapshots -> tuples: {gib(r.freed('tuples'))} GiB = {r.tokens_freed('tuples'):,} KV tokens"
-        f" (seed's ring: {gib(r.freed('seed_ring'))} GiB = {r.tokens_freed('seed_ring'):,})"
+        f"freed         snapshots -> tuples: {gib(r.freed('tuples'))} GiB = {r.tokens_freed('tuples'):,} KV "
+        f"tokens{ring}"
     )
-    lines.append("note          seed's ring: the ring of SGLang's lossless-verify pull request, k once per v-head")
+    if "seed_ring" in r.total:
+        lines.append("note          seed's ring: the ring of SGLang's lossless-verify pull request, k once per v-head")
+    else:
+        lines.append(f"note          {kind} tuples: u [HV, V], k [H, K], g [HV, K] fp32 a layer, request and step "
+                     "(one decay per key channel); the seed's ring is GDN's only")  # fmt: skip
     if r.budget is not None:
         lines.append(_format_budget(r))
     return "\n".join(lines)
