@@ -8,7 +8,8 @@
 - decay="channel" (KDA): ``gdn_lossless_jax.verify`` records a :class:`~gdn_lossless_jax.tape.KDATuples` tape
   equal to :func:`gdn_lossless_jax.kda.verify`'s bit for bit, and ``gdn_lossless_jax.commit`` of it equals the
   snapshot commit bit for bit. Controls (:mod:`gdn_lossless_jax.testing.kda_controls`): the per-channel decay
-  applied as one factor per head, and the update rounded twice. Pallas refuses KDA by name; trees are refused.
+  applied as one factor per head, and the update rounded twice. The fused step (``commit_and_verify``) with a KDA
+  tape pending equals the commit, then the verify. Pallas refuses KDA by name; trees are refused.
 """
 
 from __future__ import annotations
@@ -162,3 +163,27 @@ def test_kda_refusals():
         gl.verify(*args, decay="channel", parents=np.array([-1, 0, 0, 1]), topk=2)
     with pytest.raises(ValueError, match=r"verify: decay must be one of \('scalar', 'channel'\).* got 'rows'"):
         gl.verify(*args, decay="rows")
+
+
+def test_kda_commit_and_verify():
+    """The fused step with a KDA tape pending (``commit_and_verify``; the decay read from the pending tape's class):
+    the same bits as the commit, then the verify."""
+    x, y = _kda_inputs(5), _kda_inputs(6)
+    names = ("q", "k", "v", "f", "b", "A_log", "dt_bias")
+    slots = jnp.arange(N, dtype=jnp.int32)
+    pool = x["state0"][None]
+    _, tape = gl.verify(pool, *[x[n] for n in names], slots=slots, layer=0, decay="channel")
+    assert type(tape) is KDATuples
+    steps = jnp.array([2, 0, 3], jnp.int32)
+    none = jnp.full((N,), -1, jnp.int32)
+    pending = gl.Pending(gl.stack_tapes([tape]), slots, steps, none, none)
+    o, new_tape, new_pool = gl.commit_and_verify(pool, pending, *[y[n] for n in names], slots=slots, layer=0)
+    committed = gl.commit(pool, gl.stack_tapes([tape]), slots, steps)
+    o2, tape2 = gl.verify(committed, *[y[n] for n in names], slots=slots, layer=0, decay="channel")
+    assert_bitwise_equal(new_pool, committed, "fused commit")
+    wrong = _control_commit(pool, gl.stack_tapes([tape]), slots, steps, none, none, slots,
+                            rule=KDA_CONTROLS["scalar_decay"])  # fmt: skip
+    assert_bitwise_differs(new_pool, wrong, "control: the fused commit against a scalar-decay commit")
+    assert_bitwise_equal(o, o2, "fused verify outputs")
+    for got, want in zip(jax_leaves(new_tape), jax_leaves(tape2)):
+        assert_bitwise_equal(got, want, "fused verify tape")

@@ -125,8 +125,9 @@ class FamilyDecoder:
         self.backend = backend or getattr(model, "backend", "auto")
         fam = family_module(self.c.model_type)
         self.geometry = fam.geometry(self.c)
-        self.pool = pool_mod.allocate(self.geometry, slots=requests, requests=requests, drafts=drafts, record=record,
-                                      state_dtype=jnp.float32, conv_dtype=self.c.jnp_dtype, free_bytes=None)  # fmt: skip
+        self.pool = pool_mod.allocate(self.geometry, slots=requests, requests=requests, drafts=drafts,
+                                      record=record, state_dtype=jnp.float32, conv_dtype=self.c.jnp_dtype,
+                                      free_bytes=None)  # fmt: skip
         d = self.c.d_model
         n_attn = self.c.layer_types.count("full_attention")
         self.attn = tuple(jnp.zeros((requests, max_len, d), self.c.jnp_dtype) for _ in range(n_attn))
