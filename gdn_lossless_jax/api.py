@@ -157,7 +157,8 @@ def run_verify(call: VerifyCall, backend: Any = "auto", fn: str = "verify"):
     arguments already (the pool). Returns what the backend returns. The call must fit the
     backend's capabilities (:func:`gdn_lossless_jax.backends.check_call`: a draft tree needs
     ``capabilities.trees``, and so on)."""
-    impl = backends.resolve(backend, "verify", call.math, backends.call_needs(call.decay, call.beta_scale))
+    needs = backends.call_needs(call.decay, call.beta_scale, backends.call_sizes(call))
+    impl = backends.resolve(backend, "verify", call.math, needs)
     backends.check_call(impl, fn, call)
     return autodiff.verify(impl, call)
 
@@ -220,8 +221,11 @@ def replay(
     raw = (path, steps, steps, parents)
     state0, tuples, steps = checks.replay_args(fn, state0, tuples, steps)
     checks.check_math(fn, math)
-    impl = backends.resolve(backend, "replay", math, lambda c: c.takes(type(tuples)))
+    sizes = {"K": state0.shape[-1], "V": state0.shape[-2], "HV": state0.shape[-3]}
+    needs = backends.call_needs(type(tuples).decays[0], sizes=sizes)
+    impl = backends.resolve(backend, "replay", math, lambda c: c.takes(type(tuples)) and needs(c))
     backends.check_math(impl, fn, math)
+    backends.check_sizes(impl, fn, sizes)
     _check_record(impl, fn, tuples)
     if path is not None:
         N, D = state0.shape[0], tuples.num_steps
@@ -316,8 +320,11 @@ def commit(
     raw = (path, steps, track_steps, parents)
     pool, tape, ints = checks.commit_args(fn, pool, tape, slots, steps, track_slots, track_steps, rows)
     checks.check_math(fn, math)
-    impl = backends.resolve(backend, "commit", math, lambda c: c.takes(type(tape)))
+    sizes = {"K": pool.shape[-1], "V": pool.shape[-2], "HV": pool.shape[-3]}
+    needs = backends.call_needs(type(tape).decays[0], sizes=sizes)
+    impl = backends.resolve(backend, "commit", math, lambda c: c.takes(type(tape)) and needs(c))
     _check_record(impl, fn, tape)
+    backends.check_sizes(impl, fn, sizes)
     if tape.stores_states:  # a commit that copies states has no math in it
         math = "platform"
     else:

@@ -482,7 +482,8 @@ def _verify_layer(pool, layer, mixed_qkv, a, b, conv_weight, conv_bias, A_log, d
     g = pool.geometry
     N, D, _ = mixed_qkv.shape[-3:]
     HK = g.num_k_heads * g.head_k_dim
-    needs = backends.call_needs(g.decay, beta_scale)
+    sizes = {"H": g.num_k_heads, "HV": g.num_v_heads, "K": g.head_k_dim, "V": g.head_v_dim}
+    needs = backends.call_needs(g.decay, beta_scale, sizes)
     impl = backends.resolve(backend, "verify", pool.math, needs)  # resolved once: the conv's kernels and the verify's
     (q, k, v), windows = verify_from_pool(
         pool.conv, layer, slots, mixed_qkv, conv_weight, conv_bias, windows=pool.conv_windows, rows=rows,

@@ -187,3 +187,18 @@ def test_kda_commit_and_verify():
     assert_bitwise_equal(o, o2, "fused verify outputs")
     for got, want in zip(jax_leaves(new_tape), jax_leaves(tape2)):
         assert_bitwise_equal(got, want, "fused verify tape")
+
+
+def test_pallas_needs_k_a_power_of_two_on_a_gpu(monkeypatch):
+    """Pallas Triton loads whole [K] rows, power-of-two arrays only: on a GPU Olmo-Hybrid-7B's K = 96 is refused by
+    name and ``"auto"`` picks the reference for it (the platform is pretended here: no kernel runs)."""
+    monkeypatch.setattr(backends, "platform", lambda: "gpu")
+    olmo = {"H": 30, "HV": 30, "K": 96, "V": 192}
+    assert backends.resolve_name("auto", needs=backends.call_needs("scalar", 2.0, olmo)) == "reference"
+    assert backends.resolve_name("auto", needs=backends.call_needs("scalar", 2.0, {**olmo, "K": 128})) == "pallas"
+    with pytest.raises(backends.BackendUnavailable, match=r"verify: backend 'pallas' needs K=96 a power of two on this "
+                                                          r"platform; the backends that take it: 'reference'"):
+        backends.check_sizes(backends.lookup("pallas"), "verify", olmo)
+    backends.check_sizes(backends.lookup("reference"), "verify", olmo)
+    monkeypatch.undo()
+    backends.check_sizes(backends.lookup("pallas"), "verify", olmo)  # interpret mode takes any shape

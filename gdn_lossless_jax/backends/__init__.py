@@ -16,8 +16,9 @@ import jax
 
 from .contract import Backend, BackendUnavailable, as_backend, backend_name
 
-__all__ = ["BACKENDS", "resolve", "resolve_name", "call_needs", "lookup", "platform", "is_rocm", "check_math",
-           "check_call", "check_trees", "check_tape", "BackendUnavailable", "Backend"]  # fmt: skip
+__all__ = ["BACKENDS", "resolve", "resolve_name", "call_needs", "call_sizes", "lookup", "platform", "is_rocm",
+           "check_math", "check_call", "check_sizes", "check_trees", "check_tape", "BackendUnavailable",
+           "Backend"]  # fmt: skip
 
 #: The built-in backends: ``gdn_lossless_jax.backends.<name>`` (registering one is a name here).
 BACKENDS = ("reference", "pallas", "triton", "mosaic")
@@ -59,10 +60,28 @@ def resolve_name(name, math: str = "platform", needs=None) -> str:
     return _auto("verify", math, needs) if isinstance(name, str) and name == "auto" else name
 
 
-def call_needs(decay: str = "scalar", beta_scale: float = 1.0):
-    """The capabilities a call's static fields need, as :func:`resolve`'s ``needs``: its ``decay=``
-    form among ``capabilities.decays`` and, for a beta scale other than 1, ``capabilities.beta_scale``."""
-    return lambda c: decay in c.decays and (beta_scale == 1.0 or c.beta_scale)
+def _off_powers(c, sizes) -> list[str]:
+    """The sizes ``c.powers_of_two`` names that are not powers of two, where kernels compile (a GPU)."""
+    if not sizes or platform() != "gpu":
+        return []
+    return [f"{d}={sizes[d]}" for d in c.powers_of_two if d in sizes and sizes[d] & (sizes[d] - 1)]
+
+
+def call_needs(decay: str = "scalar", beta_scale: float = 1.0, sizes=None):
+    """The capabilities a call needs, as :func:`resolve`'s ``needs``: its ``decay=`` form among
+    ``capabilities.decays``, for a beta scale other than 1 ``capabilities.beta_scale``, and on a GPU
+    ``sizes`` (``{"H", "HV", "K", "V"}``: ints) powers of two where ``capabilities.powers_of_two`` says."""
+    return lambda c: decay in c.decays and (beta_scale == 1.0 or c.beta_scale) and not _off_powers(c, sizes)
+
+
+def check_sizes(backend: Backend, fn: str, sizes) -> None:
+    """Refuse sizes ``backend`` cannot compile here (``capabilities.powers_of_two``, on a GPU), naming
+    the backends that take them."""
+    bad = _off_powers(backend.capabilities, sizes)
+    if bad:
+        raise BackendUnavailable(f"{fn}: backend {backend_name(backend)!r} needs {', '.join(bad)} a power of two on "
+                                 f"this platform; the backends that take it: "
+                                 f"{_names(lambda c: not _off_powers(c, sizes))}")  # fmt: skip
 
 
 def lookup(name) -> Backend:
@@ -159,12 +178,18 @@ def check_tape(backend: Backend, fn: str, tape: type) -> None:
                              f"{_names(lambda c: c.takes(tape))}")  # fmt: skip
 
 
+def call_sizes(call) -> dict[str, int]:
+    """``{"H", "HV", "K", "V"}`` of a :class:`~gdn_lossless_jax.backends.contract.VerifyCall`."""
+    H, K = call.q.shape[-2:]
+    return {"H": H, "HV": call.pool.shape[-3], "K": K, "V": call.pool.shape[-2]}
+
+
 def check_call(backend: Backend, fn: str, call) -> None:
     """Refuse a :class:`~gdn_lossless_jax.backends.contract.VerifyCall` outside ``backend``'s
     capabilities, before it runs, naming the backend and those that take it: a record mode it
     does not record, a decay form (KDA's per-channel decay), a beta scale, a draft tree, a
     ``math=`` mode, a state dtype, more draft steps than it takes, or (where its kernels compile)
-    a shape off its multiples."""
+    a shape off its multiples or its powers of two."""
     caps, name = backend.capabilities, backend_name(backend)
     if call.decay not in caps.decays:
         raise BackendUnavailable(f"{fn}: backend {name!r} does not run KDA layers (decay={call.decay!r}: one decay "
@@ -185,6 +210,7 @@ def check_call(backend: Backend, fn: str, call) -> None:
     D = call.q.shape[-3]
     if caps.max_drafts is not None and D > caps.max_drafts:
         raise BackendUnavailable(f"{fn}: backend {name!r} verifies at most {caps.max_drafts} draft steps, got D={D}")
+    check_sizes(backend, fn, call_sizes(call))
     if caps.multiples and platform() == "gpu":
         H, K = call.q.shape[-2:]
         HV, V = call.pool.shape[-3], call.pool.shape[-2]

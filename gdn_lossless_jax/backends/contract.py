@@ -69,6 +69,8 @@ class Capabilities:
       multiples: shape limits where its kernels compile (on a GPU; interpret mode takes any
         shape): ``{"V": 64}`` means V must be a multiple of 64. Keys: ``"H"``, ``"HV"``, ``"K"``,
         ``"V"``.
+      powers_of_two: sizes that must be powers of two where its kernels compile (on a GPU):
+        ``("K",)`` means K must be one (Pallas Triton loads whole ``[K]`` rows). Keys as ``multiples``.
       control_forms: for tests: the ``replay(..., form=)`` forms that break the rule on purpose
         (:data:`gdn_lossless_jax.testing.controls.CONTROLS`' names), which the equivalence suite
         must catch (:func:`gdn_lossless_jax.testing.equivalence.control_replays`).
@@ -88,6 +90,7 @@ class Capabilities:
     fused: bool = True
     max_drafts: int | None = None
     multiples: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    powers_of_two: tuple[str, ...] = ()
     control_forms: tuple[str, ...] = ()
     decays: tuple[str, ...] = ("scalar",)
     beta_scale: bool = False
