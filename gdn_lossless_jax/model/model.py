@@ -38,6 +38,7 @@ import numpy as np
 
 from ..config import Geometry
 from ..reference import ksum
+from . import numerics
 from .numerics import (  # noqa: F401  (the invariant mode's primitives, re-exported)
     INVARIANT_ROWS,
     _blocked_matmul,
@@ -62,19 +63,12 @@ __all__ = [
     "init_params",
     "rmsnorm",
     "gated_rmsnorm",
-    "softmax",
-    "transcendental",
-    "dot_precision",
-    "INVARIANT_ROWS",
-    "rows_mesh",
-    "matmul",
-    "einsum",
     "mlp",
     "gdn_mixer",
     "attention",
     "tree_attention",
-    "per_query_attention",
     "logits",
+    *numerics.__all__,
 ]
 
 F32 = jnp.float32
