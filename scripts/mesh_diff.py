@@ -108,6 +108,7 @@ class Taps:
         self.meta: dict = {}  # key -> (names of the leaves, their conv-channel axes)
         self.tp, self.geometry = 1, None
         self.enabled = True  # False: named scopes only (for --hlo)
+        self.opaque = 0  # > 0: inside an opaque tapped call (its loop's calls are not tapped)
         self.current_w_qkv = []
 
     def reset_trace(self):
@@ -128,7 +129,7 @@ class Taps:
             self.stack.pop()
 
     def record(self, key: str, names, leaves, axes):
-        if not self.enabled:
+        if not self.enabled or self.opaque:
             return
         if key not in self.meta:
             self.order.append(key)
@@ -158,15 +159,20 @@ def _arrays(args, prefix):
     return [(f"{prefix}{i}", a) for i, a in enumerate(args) if isinstance(a, jax.Array)]
 
 
-def _tapped(name, fn, conv_axes=None, results=None):
+def _tapped(name, fn, conv_axes=None, results=None, opaque=False):
     """``fn`` with its array operands and result tapped; ``conv_axes(args, leaves)``: the
     conv-channel axis of each leaf (operands, then results), or None; ``results``: how many
-    leading results to tap (None: all)."""
+    leading results to tap (None: all); ``opaque``: the calls inside ``fn`` are not tapped (they
+    run in a loop, once per query: a tap there would run once per iteration)."""
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         with TAPS.scope(name) as key:
-            out = fn(*args, **kwargs)
+            TAPS.opaque += opaque
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                TAPS.opaque -= opaque
             ins = _arrays(args, "in")
             res = jax.tree.leaves(out if results is None else tuple(out)[:results])
             outs = [(f"out{i}", x) for i, x in enumerate(res) if isinstance(x, jax.Array)]
@@ -189,8 +195,11 @@ def instrument():
     """Wrap the model's functions (in model.py and where decode.py imported them)."""
     for name in ("matmul", "einsum"):
         setattr(model_mod, name, _tapped(name, getattr(model_mod, name), _matmul_axes if name == "matmul" else None))
-    for name in ("rmsnorm", "gated_rmsnorm", "softmax", "_rope", "logits", "mlp", "attention", "tree_attention"):
-        w = _tapped(name, getattr(model_mod, name))
+    for name in ("rmsnorm", "gated_rmsnorm", "softmax", "transcendental", "_rope", "logits", "mlp", "attention",
+                 "tree_attention", "per_query_attention"):
+        if not hasattr(model_mod, name):  # (an older model)
+            continue
+        w = _tapped(name, getattr(model_mod, name), opaque=name == "per_query_attention")
         setattr(model_mod, name, w)
         if hasattr(decode_mod, name):
             setattr(decode_mod, name, w)
@@ -279,6 +288,186 @@ def instructions(text: str, key: str) -> list:
     return out
 
 
+# ---------------------------------------------------------------------------------
+# --against A: the D-token program against the A-token one (draft lengths), position by position.
+# ---------------------------------------------------------------------------------
+def token_views(x: np.ndarray, y: np.ndarray, tx: int, ty: int, position: int, max_len: int):
+    """The parts of two tapped leaves that belong to one position: ``x`` of the D-token run (the
+    position its token ``tx``), ``y`` of the A-token run (token ``ty``). Where their shapes differ
+    (on one axis: the tokens of a step) each is sliced at its token; on an axis of the KV cache's
+    length (``max_len``) only the positions up to ``position`` are kept (later ones are masked, and
+    the two runs have written other ones there). None: not comparable (more than one axis differs)."""
+    if x.shape != y.shape:
+        axes = [i for i, (m, n) in enumerate(zip(x.shape, y.shape)) if m != n]
+        if x.ndim != y.ndim or len(axes) != 1:
+            return None
+        x, y = np.take(x, [tx], axis=axes[0]), np.take(y, [ty], axis=axes[0])
+    for ax in [i for i, n in enumerate(x.shape) if n == max_len]:
+        x, y = np.take(x, np.arange(position + 1), axis=ax), np.take(y, np.arange(position + 1), axis=ax)
+    return x, y
+
+
+def _ulps(x: np.ndarray, y: np.ndarray) -> str:
+    """The largest distance in units in the last place of two float32 or bfloat16 arrays, as text."""
+    if x.dtype.name not in ("float32", "bfloat16"):
+        return ""
+    ints = np.int32 if x.dtype.itemsize == 4 else np.int16
+    return f", up to {int(np.abs(x.view(ints).astype(np.int64) - y.view(ints).astype(np.int64)).max())} ULP"
+
+
+def bisect_positions(D: int, A: int, tokens: int, max_len: int) -> list:
+    """Compare the D-token run's taps with the A-token run's position by position: for every
+    position p of the forced phase, execution ``p // D`` of a tapped call in the D run at its token
+    ``p % D`` against execution ``p // A`` of the A run at token ``p % A`` (:func:`token_views`).
+    Prints the origins (operands equal, a result not), innermost, first in the A run's execution
+    order, and returns them as ``(seq, key, position, what differs)``."""
+    wide, narrow = TAPS.values.get("D", {}), TAPS.values.get("A", {})
+    origins, first_diff, compared, skipped = [], None, 0, set()
+    for key in TAPS.order:
+        a, b = wide.get(key, []), narrow.get(key, [])
+        if not a or not b:
+            continue  # e.g. the draft (in the D run only)
+        if len(a) != tokens // D or len(b) != tokens // A:  # not once a step: inside a loop
+            skipped.add(key)
+            continue
+        names, _ = TAPS.meta[key]
+        for p in range(tokens):
+            _, xa = a[p // D]
+            seq, xb = b[p // A]
+            views = [token_views(x, y, p % D, p % A, p, max_len) for x, y in zip(xa, xb)]
+            if any(v is None for v in views):
+                skipped.add(key)
+                continue
+            compared += 1
+            same = [x.shape == y.shape and x.tobytes() == y.tobytes() for x, y in views]
+            ins = [s for n, s in zip(names, same) if n.startswith("in")]
+            outs = [s for n, s in zip(names, same) if n.startswith("out")]
+            if not all(outs) and (first_diff is None or seq < first_diff[0]):
+                first_diff = (seq, key, p)
+            if all(ins) and not all(outs):
+                diff = [f"{n} {list(x.shape)} {x.dtype}: {int(np.sum(x != y))} of {x.size} differ{_ulps(x, y)}"
+                        for n, s, (x, y) in zip(names, same, views) if not s and n.startswith("out")]  # fmt: skip
+                shapes = ", ".join(f"{n} {list(x.shape)} | {list(y.shape)}" for n, x, y in zip(names, xa, xb)
+                                   if n.startswith("in"))  # fmt: skip
+                origins.append((seq, key, p, f"(operands D | {A}: {shapes}): " + "; ".join(diff)))
+    origins.sort()
+    inner = [o for o in origins
+             if not any(q is not o and q[1].startswith(o[1] + "/") and q[2] == o[2] for q in origins)]
+    print(f"taps: {len(TAPS.order)} tapped calls, {compared} (call, position) pairs compared"
+          + (f" ({len(skipped)} calls not comparable: {sorted(skipped)[:4]})" if skipped else "")
+          + f"; {len(origins)} with equal operands and other results ({len(inner)} innermost)")  # fmt: skip
+    if first_diff:
+        print(f"  the first tapped result that differs (in the {A}-token run's order): {first_diff[1]} "
+              f"(position {first_diff[2]})")  # fmt: skip
+    by_key = collections.defaultdict(list)
+    for o in inner:
+        by_key[o[1]].append(o)
+    for key, os_ in list(by_key.items())[:12]:
+        seq, _, p, what = os_[0]
+        more = f" and {len(os_) - 1} more positions" if len(os_) > 1 else ""
+        print(f"  origin: {key} at position {p}{more}: {what}")
+    return inner
+
+
+def against_main(a, config) -> int:
+    """``--against A``: the same prompts as D-token chunks and as A-token ones (A = 1: plain
+    decoding), one device; every position's top-2 gap and prediction, the final states, then
+    ``--taps`` / ``--hlo`` as for a mesh."""
+    D, A = a.drafts, a.against
+    if A < 1 or D <= A or D % A:
+        raise SystemExit(f"--against {A}: must be a positive divisor of --drafts {D}, smaller than it")
+    N, steps = a.rows, a.steps
+    tokens = steps * D  # every step of the D run is a prompt chunk: nothing drafted, only the target
+    rng = np.random.default_rng(a.seed)
+    prompts = [[int(t) for t in rng.integers(0, config.vocab, tokens)] for _ in range(N)]
+    params = init_params(config, a.seed)
+    slots, tslots, rows, n_slots, n_requests = layout(N, 1)
+    # the KV cache's length: none of the model's other sizes, so that token_views finds its axis
+    max_len = tokens + 1
+    sizes = {config.vocab, config.d_model, config.mlp_dim, config.attn_head_dim, config.head_k_dim, config.head_v_dim,
+             config.num_v_heads, config.num_k_heads, config.attn_heads, config.kv_heads, config.conv_kernel,
+             config.geometry.conv_dim, N, D, A}  # fmt: skip
+    while max_len in sizes:
+        max_len += 1
+    steppers = {"D": SpecStep(config, D, track_interval=a.track_interval, backend=a.backend),
+                "A": SpecStep(config, A, track_interval=a.track_interval, backend=a.backend)}  # fmt: skip
+    n_steps = {"D": steps, "A": tokens // A}
+
+    def new(label):
+        return allocate_state(config, slots=n_slots, requests=n_requests, drafts=steppers[label].drafts,
+                              record="tuples", max_len=max_len)  # fmt: skip
+
+    def run(label, enabled):
+        TAPS.label, TAPS.enabled = label, enabled
+        seen = []
+        _, outs, state = decode_steps(steppers[label], params, new(label), prompts, slots, rows, tslots,
+                                      n_steps[label], on_step=lambda t, inputs, out: seen.append(inputs))  # fmt: skip
+        return outs, state, seen
+
+    def per_position(outs, width, field):
+        return np.concatenate([np.asarray(getattr(o, field))[:, :width] for o in outs], axis=1)[:, :tokens]
+
+    def compare(wide, narrow, quiet=False):
+        bad = {}
+        for f in ("predictions", "gaps"):
+            x, y = per_position(wide, D, f), per_position(narrow, A, f)
+            neq = x.view(np.uint32) != y.view(np.uint32) if f == "gaps" else x != y
+            if neq.any():
+                bad[f] = np.argwhere(neq)
+                if not quiet:
+                    r, p = bad[f][0]
+                    print(f"{f}: {int(neq.sum())} of {neq.size} (row, position) differ; first at position {p} (row "
+                          f"{r}, step {p // D} token {p % D} of the {D}-token run): {x[r, p]!r} vs {y[r, p]!r}")  # fmt: skip
+        return bad
+
+    wide, wide_state, inputs_seen = run("D", False)
+    narrow, narrow_state, _ = run("A", False)
+    print(f"{a.size} ({config.dtype}, invariant={config.invariant}: {config.invariant_dots}), {N} rows, {tokens} "
+          f"given tokens each: {steps} steps of D={D} against {tokens // A} of D={A}, jax {jax.__version__}")  # fmt: skip
+    bad = compare(wide, narrow)
+    if not bad:
+        print(f"every position's prediction and top-2 gap identical bit for bit ({N} x {tokens})")
+    print("final pool:", compare_bitwise(jax.device_get(wide_state.pool.ssm), jax.device_get(narrow_state.pool.ssm)),
+          "(SSM);", compare_bitwise(jax.device_get(wide_state.pool.conv), jax.device_get(narrow_state.pool.conv)),
+          "(conv)")  # fmt: skip
+    print("final KV:", compare_bitwise(jax.device_get(wide_state.kv), jax.device_get(narrow_state.kv)))
+
+    origins = []
+    if a.taps:
+        if not bad:
+            print("taps: nothing differs to bisect")
+        else:
+            jax.clear_caches()  # the steps were traced without taps
+            tw, _, _ = run("D", True)
+            tn, _, _ = run("A", True)
+            still = compare(tw, tn, quiet=True)
+            print("with taps the positions " + ("still differ" if still else "are IDENTICAL (the taps changed the "
+                                                                              "programs)"))  # fmt: skip
+            origins = bisect_positions(D, A, tokens, max_len)
+    if a.hlo:
+        os.makedirs(a.hlo, exist_ok=True)
+        TAPS.enabled = False
+        jax.clear_caches()
+        texts = {}
+        for label in ("D", "A"):
+            TAPS.reset_trace()
+            x = jax.tree.map(jax.numpy.asarray, inputs_seen[0])
+            if label == "A":
+                x = dataclasses.replace(x, tokens=x.tokens[:, :A], n_given=np.minimum(x.n_given, A))
+            texts[label] = hlo_of(steppers[label], params, new(label), x)
+            path = os.path.join(a.hlo, f"step_D{steppers[label].drafts}.hlo.txt")
+            with open(path, "w") as f:
+                f.write(texts[label])
+            print(f"HLO (D={steppers[label].drafts}): {path}")
+        for key in list(dict.fromkeys(o[1] for o in origins))[:3]:
+            for label in ("D", "A"):
+                ins = instructions(texts[label], key)
+                print(f"--- {key} in the D={steppers[label].drafts} program: {len(ins)} instruction(s)")
+                for line in ins[:12]:
+                    print("   ", line)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -297,6 +486,9 @@ def main() -> int:
     ap.add_argument("--track-interval", type=int, default=16)
     ap.add_argument("--invariant", choices=("default", "on", "off"), default="default",
                     help="the model's invariant mode for both runs (default: the config's)")
+    ap.add_argument("--against", type=int, default=None, metavar="A",
+                    help="compare the D-token step with the A-token one (A = 1: plain decoding) position by position "
+                         "on one device instead of a mesh (see above)")
     ap.add_argument("--taps", action="store_true", help="bisect op by op (see above)")
     ap.add_argument("--hlo", metavar="DIR", default=None, help="write both compiled programs' HLO here; with "
                     "--taps, print the first origin's instructions in each")  # fmt: skip
@@ -307,6 +499,10 @@ def main() -> int:
         config = dataclasses.replace(config, dtype=a.dtype)
     if a.invariant != "default":
         config = dataclasses.replace(config, invariant=a.invariant == "on")
+    if a.against is not None:
+        if a.taps or a.hlo:
+            instrument()
+        return against_main(a, config)
     plan = make_plan(tp, dp)
     rng = np.random.default_rng(a.seed)
     lengths = [int(n) for n in a.prompt_lengths.split(",")] if a.prompt_lengths else [a.forced_tokens] * a.rows

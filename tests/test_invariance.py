@@ -19,6 +19,7 @@ block, 4 q/k heads so that a tensor axis of 4 fits); more examples with GDN_FULL
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 
@@ -26,14 +27,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import seed as hseed
 from hypothesis import strategies as st
 
-from conftest import FULL_TESTS, ON_GPU, examples
+from conftest import FULL_TESTS, ON_GPU, examples, full_only
 from gdn_lossless_jax import sharding
-from gdn_lossless_jax.model import SpecStep, allocate_state, init_params
+from gdn_lossless_jax.model import SpecStep, allocate_state, get_config, init_params
 from gdn_lossless_jax.model import model as model_mod
+from gdn_lossless_jax.model import numerics
+from gdn_lossless_jax.model import treestep
+from gdn_lossless_jax.model.treestep import TreeStep
 from gdn_lossless_jax.model.decode import decode_steps, place_on_mesh, pool_from_mesh
 from gdn_lossless_jax.testing import assert_bitwise_differs, assert_bitwise_equal
 
@@ -172,7 +176,7 @@ def test_mesh_invariance_control(monkeypatch):
     """The control: the invariant mode's blocked dot replaced by one whose order depends on how
     many rows it gets (per device on a mesh: half of them over a data axis of 2) must differ."""
     prompts = {0: [5, 6, 7], 1: [9], 2: [1, 2, 3, 4, 5], 3: [8, 8]}
-    monkeypatch.setattr(model_mod, "_blocked_matmul", control_matmul)
+    monkeypatch.setattr(numerics, "_blocked_matmul", control_matmul)
     config = dataclasses.replace(CONFIG, name="inv-control")  # its own compile
     # D = 1: the dots get 4 rows on one device (a multiple of 4), 2 per device on the mesh
     want = decode(config, 1, prompts, Batch([0, 1, 2, 3]))
@@ -236,3 +240,156 @@ def test_invariant_mode_switch_and_errors():
     got = model_mod.matmul(x, w, invariant=True)
     assert got.shape == (3, 5, 9)
     np.testing.assert_allclose(np.asarray(got), np.asarray(x @ w), rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------
+# Speculative == plain greedy decoding, logits included (one device).
+# ---------------------------------------------------------------------------------
+#: Draft trees of at most 8 nodes (D = 1 + the tree's nodes).
+TREES = [(1,), (2,), (3,), (1, 1), (1, 2), (2, 1), (2, 2), (3, 1), (1, 1, 1), (2, 1, 1), (1, 1, 1, 1)]
+SPEC_STEPS = 3
+
+
+def greedy_positions(config, step, prompts: dict, batch: Batch, n_steps: int, seed: int = 0):
+    """``decode_steps`` of ``step`` (a chain's or a tree's) for ``n_steps``: ``{request: (tokens,
+    gaps, predictions)}``, the last two per position of the request (its prompt's and its generated
+    tokens'), in the order the positions were accepted: a step's ``gaps[i, :m]`` are the target's
+    top-2 logit gaps at the m positions it accepted (a tree step's along its accepted path)."""
+    slots, tracks, rows, n_slots, n_requests = batch.indices()
+    params = init_params(config, seed)
+    state = allocate_state(config, slots=n_slots, requests=n_requests, drafts=step.drafts, record="tuples",
+                           max_len=MAX_LEN)  # fmt: skip
+    row_prompts = [prompts[r] if r is not None else [0] for r in batch.filled]
+    seqs, outs, _ = decode_steps(step, params, state, row_prompts, slots, rows, tracks, n_steps)
+    out = {}
+    for i, r in enumerate(batch.filled):
+        if r is not None:
+            take = lambda f: np.concatenate([np.asarray(getattr(o, f))[i, : int(o.accepted[i])] for o in outs])  # noqa: E731
+            out[r] = (seqs[i], take("gaps"), take("predictions"))
+    return out
+
+
+def assert_spec_is_plain(config, spec_step, prompts: dict, batch: Batch, seed: int, what: str):
+    """Speculative decoding (``spec_step``, SPEC_STEPS steps) against plain greedy decoding (D = 1,
+    the same batch, as many steps as the longest speculative sequence needs): every request's
+    tokens, and the top-2 logit gap and the prediction at every position the speculative run
+    accepted, bit for bit. Returns the drafted tokens the speculative run accepted."""
+    spec = greedy_positions(config, spec_step, prompts, batch, SPEC_STEPS, seed)
+    longest = max(len(s[0]) for s in spec.values())
+    plain = greedy_positions(config, SpecStep(config, 1, track_interval=TRACK), prompts, batch, longest - 1, seed)
+    drafted = 0
+    for r, (tokens, gaps, preds) in spec.items():
+        p_tokens, p_gaps, p_preds = plain[r]
+        assert tokens == p_tokens[: len(tokens)], f"{what}: request {r}'s tokens, speculative vs plain greedy"
+        P = len(gaps)
+        assert len(p_gaps) >= P
+        assert_bitwise_equal(gaps, p_gaps[:P], f"{what}: request {r}'s top-2 logit gaps at its {P} positions, "
+                             "speculative vs plain greedy")  # fmt: skip
+        assert_bitwise_equal(preds, p_preds[:P], f"{what}: request {r}'s predictions")
+        drafted += max(0, P - len(prompts[r]))
+    return drafted
+
+
+def draw_spec_case(data):
+    """A chain of D = 1..8 or a tree of at most 8 nodes, float32 or bfloat16, 1-3 requests (prompts
+    of 1-9 tokens) in drawn rows of a batch of 4 (the rest empty), a parameter seed."""
+    dtype = data.draw(st.sampled_from(["float32", "bfloat16"]), label="dtype")
+    tree = data.draw(st.none() | st.sampled_from(TREES), label="tree (None: a chain)")
+    D = treestep.tree_nodes(tree) if tree else data.draw(st.integers(1, 8), label="D")
+    n = data.draw(st.integers(1, 3), label="requests")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31 - 1), label="prompt seed"))
+    prompts = {r: [int(t) for t in rng.integers(0, CONFIG.vocab, int(rng.integers(1, 10)))] for r in range(n)}
+    order = data.draw(st.permutations(range(4)), label="rows")  # request r in row order[r]
+    filled = [None] * 4
+    for r in prompts:
+        filled[order[r]] = r
+    seed = data.draw(st.integers(0, 2**16), label="parameter seed")
+    config = dataclasses.replace(CONFIG, dtype=dtype)
+    step = TreeStep(config, D, track_interval=TRACK, tree=tree) if tree else SpecStep(config, D, track_interval=TRACK)
+    return config, step, prompts, Batch(filled), seed
+
+
+@cpu_only
+@hseed(GDN_SEED)
+@settings(max_examples=examples(20 if FULL_TESTS else 3))
+@given(st.data())
+def test_speculative_is_plain_greedy_property(data):
+    """Speculative greedy decoding (a chain of drawn D or a drawn tree) == plain greedy decoding by
+    construction: every request's tokens, and the logits' top-2 gaps at every accepted position bit
+    for bit (tokens alone would pass by luck away from near-ties)."""
+    config, step, prompts, batch, seed = draw_spec_case(data)
+    tree = getattr(step, "tree", None)
+    drafted = assert_spec_is_plain(config, step, prompts, batch, seed, f"{'tree ' + str(tree) if tree else 'chain'} "
+                                   f"D={step.drafts}, rows {batch.filled}, {config.dtype}")  # fmt: skip
+    event("drafted tokens accepted" if drafted else "no drafted token accepted")
+
+
+#: The control's case: two requests of 12 prompt tokens verified as three chunks of D = 4 (in a
+#: batch of two rows: the draft proposes nothing until the prompts are in).
+CONTROL_PROMPTS = {0: [int(t) for t in np.random.default_rng(0).integers(0, 512, 12)],
+                   1: [int(t) for t in np.random.default_rng(1).integers(0, 512, 12)]}  # fmt: skip
+
+
+def _spec_differs(config, step=None):
+    step = step or SpecStep(config, 4, track_interval=TRACK)
+    with pytest.raises(AssertionError, match="top-2 logit gaps|tokens"):
+        assert_spec_is_plain(config, step, CONTROL_PROMPTS, Batch([0, 1]), 0, f"control ({config.name})")
+
+
+@cpu_only
+def test_speculative_is_plain_greedy_control_mode_off():
+    """The control: with the invariant mode off, the 4-token verify's logits are not the one-token
+    decode's (XLA:CPU's attention dots depend on how many queries a step has)."""
+    _spec_differs(dataclasses.replace(get_config("tiny"), name="tiny-spec-off", invariant=False))
+
+
+def batched_attention(q, cache_k, cache_v, positions, tree=None):
+    """The control: the invariant mode's attention before per-query attention, a row's T queries in
+    one dot (``model.einsum(invariant=True)``: one batch row at a time)."""
+    assert tree is None
+    hd, Tmax = q.shape[-1], cache_k.shape[1]
+    ein = functools.partial(model_mod.einsum, preferred_element_type=jnp.float32, invariant=True)
+    scores = ein("ntgrh,nsgh->ngrts", q, cache_k) / math.sqrt(hd)
+    mask = jnp.arange(Tmax)[None, None, :] <= positions[:, :, None]
+    probs = model_mod.softmax(jnp.where(mask[:, None, None], scores, -jnp.inf))
+    return ein("ngrts,nsgh->ntgrh", probs.astype(cache_v.dtype), cache_v)
+
+
+@cpu_only
+@full_only  # the mode-off control runs in the default set
+def test_speculative_is_plain_greedy_control_batched_attention(monkeypatch):
+    """The control: the invariant mode with the attention's T queries in one dot a row (the mode's
+    first version) gives the 4-token verify other logits than the one-token decode."""
+    monkeypatch.setattr(model_mod, "per_query_attention", batched_attention)
+    _spec_differs(dataclasses.replace(get_config("tiny"), name="tiny-spec-batched"))
+
+
+def concatenated_tree_attention(q, cache_k, cache_v, positions, tree=None):
+    """The control for trees: each node's query alone, but over the cache and the tree's T nodes
+    after it (``tree_attention``'s layout outside the mode: ``Tmax + T`` keys, not the cache's
+    ``Tmax`` with the root path at its positions as in plain decoding)."""
+    if tree is None:
+        return _PER_QUERY_ATTENTION(q, cache_k, cache_v, positions)
+    k, v, anc = tree
+    keys, vals = jnp.concatenate([cache_k, k], axis=1), jnp.concatenate([cache_v, v], axis=1)
+    N, T, Tmax = q.shape[0], q.shape[1], cache_k.shape[1]
+    root = positions[:, :1, None]  # the root's position: the committed prefix ends before it
+    prefix = jnp.broadcast_to(jnp.arange(Tmax)[None, None, :] < root, (N, T, Tmax))
+    mask = jnp.concatenate([prefix, anc], axis=-1)
+    hd = q.shape[-1]
+    scores = jnp.einsum("ntgrh,nsgh->ngrts", q, keys, preferred_element_type=jnp.float32) / math.sqrt(hd)
+    probs = model_mod.softmax(jnp.where(mask[:, None, None], scores, -jnp.inf), invariant=True)
+    return jnp.einsum("ngrts,nsgh->ntgrh", probs.astype(vals.dtype), vals, preferred_element_type=jnp.float32)
+
+
+_PER_QUERY_ATTENTION = model_mod.per_query_attention
+
+
+@cpu_only
+def test_speculative_is_plain_greedy_control_tree_keys_after_the_cache(monkeypatch):
+    """The control for trees: a [2, 2] tree step whose attention takes the nodes' keys after the
+    cache (T more of them) gives its positions other logits than plain decoding (the prompts go in
+    as chains of 7: the same layout)."""
+    monkeypatch.setattr(model_mod, "per_query_attention", concatenated_tree_attention)
+    config = dataclasses.replace(get_config("tiny"), name="tiny-spec-tree-concat")
+    _spec_differs(config, TreeStep(config, 7, track_interval=TRACK, tree=(2, 2)))

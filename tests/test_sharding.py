@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import importlib.util
 import os
 import re
@@ -575,11 +576,28 @@ def test_model_spec_step_on_a_mesh_gives_identical_tokens(tp, dp, backend, seed,
     assert p.ssm.sharding.is_equivalent_to(plan.sharding("pool_state", 5), 5)
     if ON_GPU:  # the control shows XLA:CPU's choice; XLA:GPU chooses its own way
         return
-    monkeypatch.setattr(model_mod, "softmax", lambda x: jax.nn.softmax(x, axis=-1))
+    monkeypatch.setattr(model_mod, "per_query_attention", _batched_attention_nn_softmax)
     (_, want_out, _), (_, got_out, _) = both(dataclasses.replace(config, name="tiny-control"))  # its own compile
     assert_bitwise_differs([o.gaps for o in want_out], [o.gaps for o in got_out],
-                           "control (jax.nn.softmax in the attention): if this no longer differs, XLA:CPU now gives "
-                           "both programs' softmax one order and the test above no longer exercises the case")  # fmt: skip
+                           "control (a row's queries in one dot, jax.nn.softmax): if this no longer differs, XLA:CPU "
+                           "now gives both programs' softmax one order and the test above no longer exercises the "
+                           "case")  # fmt: skip
+
+
+def _batched_attention_nn_softmax(q, cache_k, cache_v, positions, tree=None):
+    """The control's attention: a row's queries in one dot and ``jax.nn.softmax``, whose max and sum
+    XLA:CPU orders per program (the mesh's and one device's differ), for the invariant mode's
+    per-query attention (``model.per_query_attention``)."""
+    import math
+
+    from gdn_lossless_jax.model import model as model_mod
+
+    assert tree is None
+    ein = functools.partial(model_mod.einsum, preferred_element_type=jnp.float32, invariant=True)
+    scores = ein("ntgrh,nsgh->ngrts", q, cache_k) / math.sqrt(q.shape[-1])
+    mask = jnp.arange(cache_k.shape[1])[None, None, :] <= positions[:, :, None]
+    probs = jax.nn.softmax(jnp.where(mask[:, None, None], scores, -jnp.inf), axis=-1)
+    return ein("ngrts,nsgh->ntgrh", probs.astype(cache_v.dtype), cache_v)
 
 
 @needs_devices(2)

@@ -545,9 +545,9 @@ class SpecStep:
     def _block(self, blk, h, mixer):
         # On a mesh every activation outside the GDN layers is split by row only (inside the device
         # loop's while body XLA otherwise split a matmul's contraction over the tensor axis: other bits).
-        r = self._rows_only
-        h = r(h + r(mixer(r(rmsnorm(h, blk.norm1)))))
-        return r(h + r(mlp(blk.mlp, r(rmsnorm(h, blk.norm2)), invariant=self.config.invariant_dots)))
+        r, inv = self._rows_only, self.config.invariant_dots
+        h = r(h + r(mixer(r(rmsnorm(h, blk.norm1, invariant=inv)))))
+        return r(h + r(mlp(blk.mlp, r(rmsnorm(h, blk.norm2, invariant=inv)), invariant=inv)))
 
     def _verify(self, params: Params, state: DecodeState, x, inputs: StepInputs):
         """The target over ``x [N, D]``: logits ``[N, D, vocab]``, the pool with this step's

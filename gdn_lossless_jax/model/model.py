@@ -28,8 +28,6 @@ blocks, which target and draft share.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 import math
@@ -39,7 +37,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import Geometry
-from ..reference import ksum, pairwise_sum
+from ..reference import ksum
+from . import numerics
+from .numerics import (  # noqa: F401  (the invariant mode's primitives, re-exported)
+    INVARIANT_ROWS,
+    _blocked_matmul,
+    _per_device,
+    dot_precision,
+    einsum,
+    matmul,
+    per_query_attention,
+    rows_mesh,
+    softmax,
+    transcendental,
+)
 
 __all__ = [
     "ModelConfig",
@@ -52,17 +63,12 @@ __all__ = [
     "init_params",
     "rmsnorm",
     "gated_rmsnorm",
-    "softmax",
-    "dot_precision",
-    "INVARIANT_ROWS",
-    "rows_mesh",
-    "matmul",
-    "einsum",
     "mlp",
     "gdn_mixer",
     "attention",
     "tree_attention",
     "logits",
+    *numerics.__all__,
 ]
 
 F32 = jnp.float32
@@ -394,16 +400,17 @@ def _mean_sq(x: jax.Array) -> jax.Array:
     return ksum(x * x)[..., None] / x.shape[-1]
 
 
-def rmsnorm(x: jax.Array, weight: jax.Array) -> jax.Array:
+def rmsnorm(x: jax.Array, weight: jax.Array, *, invariant: bool = False) -> jax.Array:
     """``x / sqrt(mean(x^2) + eps) * weight`` over the last axis, in fp32; x's dtype out.
 
-    The mean in a fixed order (:func:`_mean_sq`), as in :func:`gated_rmsnorm`."""
+    The mean in a fixed order (:func:`_mean_sq`), as in :func:`gated_rmsnorm`; ``invariant``: the
+    reciprocal square root in float64 (:func:`transcendental`)."""
     xf = x.astype(F32)
-    y = xf * jax.lax.rsqrt(_mean_sq(xf) + RMS_EPS)
+    y = xf * transcendental("rsqrt", _mean_sq(xf) + RMS_EPS, invariant)
     return (y * weight.astype(F32)).astype(x.dtype)
 
 
-def gated_rmsnorm(o: jax.Array, z: jax.Array, weight: jax.Array, dtype) -> jax.Array:
+def gated_rmsnorm(o: jax.Array, z: jax.Array, weight: jax.Array, dtype, *, invariant: bool = False) -> jax.Array:
     """Qwen3-Next's output gate: ``rmsnorm(o) * weight * silu(z)`` per v-head.
 
     The mean of ``o * o`` over V is summed in a fixed order (:func:`gdn_lossless_jax.reference.pairwise_sum`),
@@ -417,152 +424,13 @@ def gated_rmsnorm(o: jax.Array, z: jax.Array, weight: jax.Array, dtype) -> jax.A
     so that XLA:CPU cannot contract one of them into the first add, an FMA where both land in
     one fusion, which is again the program's choice.)
 
-    Args: o, z ``[N, T, HV, V]``; weight ``[V]``. Returns ``[N, T, HV * V]`` in ``dtype``.
+    Args: o, z ``[N, T, HV, V]``; weight ``[V]``; invariant: the reciprocal square root and the
+    SiLU in float64 (:func:`transcendental`). Returns ``[N, T, HV * V]`` in ``dtype``.
     """
     of = o.astype(F32)
-    y = of * jax.lax.rsqrt(_mean_sq(of) + RMS_EPS) * weight.astype(F32)
-    y = y * jax.nn.silu(z.astype(F32))
+    y = of * transcendental("rsqrt", _mean_sq(of) + RMS_EPS, invariant) * weight.astype(F32)
+    y = y * transcendental("silu", z.astype(F32), invariant)
     return y.reshape(*y.shape[:-2], -1).astype(dtype)
-
-
-def softmax(x: jax.Array) -> jax.Array:
-    """Softmax over the last axis (fp32 in, fp32 out), its sum in a fixed order.
-
-    ``jax.nn.softmax`` leaves two choices to XLA, and XLA:CPU made them per program: in the
-    demo's attention (scores ``[N, nkv, r, T, Tmax]``, Tmax = 64) one device's step (N = 4)
-    handed the max to YNNPACK in one fusion with the subtract and the ``exp`` behind it, and the
-    sum of the exponentials to YNNPACK whole; a step on a mesh with a data axis of 2 (N = 2 per
-    device) computed the max as a 32-wide ``reduce-window`` and a ``reduce``, the ``exp`` in an
-    XLA loop fusion and the sum again split in two. So the ``exp`` came from two implementations
-    and the sum in two orders: other bits in the probabilities, the logits and the top-2 gaps.
-    Here the max goes through an optimization barrier (the max is exact in any order, but the
-    barrier keeps the ``exp`` out of its fusion: the barrier that made the 1 x 2 and 2 x 2
-    meshes identical to one device), the exponentials through another (computed once, and no
-    later fusion takes them in: a precaution), and they are summed as a fixed pairwise tree
-    (:func:`gdn_lossless_jax.reference.pairwise_sum`). A row must have a finite entry (the
-    attention's always has: position 0).
-    """
-    m = jax.lax.optimization_barrier(jnp.max(x, axis=-1, keepdims=True))
-    e = jax.lax.optimization_barrier(jnp.exp(x - m))
-    return e / pairwise_sum(e)[..., None]
-
-
-def dot_precision(*operands) -> jax.lax.Precision | None:
-    """The precision of a matmul of ``operands``: ``Precision.HIGHEST`` when they are all float32,
-    else None (the default).
-
-    JAX's default precision lets a GPU multiply float32 operands in TF32 (or bf16 passes): a
-    float32 model's logits then moved by up to 3.85 against transformers' on an H200. HIGHEST
-    keeps float32 products in float32 on every platform (XLA:CPU computes float32 dots in float32
-    either way); bf16 operands keep the default, as a bf16 model wants.
-    """
-    return jax.lax.Precision.HIGHEST if all(jnp.result_type(x) == F32 for x in operands) else None
-
-
-#: Rows of the fixed-shape blocks of the invariant mode's matmuls (:func:`matmul`): every row of
-#: ``a`` is computed in a ``[INVARIANT_ROWS, K] x [K, N]`` dot, whatever the number of rows.
-INVARIANT_ROWS = 8
-
-
-_ROWS_MESH: contextvars.ContextVar = contextvars.ContextVar("gdn_lossless_jax_rows_mesh", default=None)
-
-
-@contextlib.contextmanager
-def rows_mesh(mesh: jax.sharding.Mesh | None, axis: str | None):
-    """While tracing inside: the invariant mode's dots (:func:`matmul`, :func:`einsum` with
-    ``invariant=True``) run per device under ``shard_map`` over all of ``mesh``'s axes, their
-    leading (row) axis split over ``axis`` (when it divides; else every device computes all rows)
-    and everything else whole: XLA's partitioner can then split neither a dot's contraction
-    (partial sums and an all-reduce) nor its columns (a narrower dot: another blocking) over the
-    other axes; an operand split over them is gathered first. :class:`~gdn_lossless_jax.model.decode.SpecStep`
-    traces its body inside this on a mesh. ``mesh=None``: no effect."""
-    token = _ROWS_MESH.set(None if mesh is None else (mesh, axis))
-    try:
-        yield
-    finally:
-        _ROWS_MESH.reset(token)
-
-
-def _per_device(fn, rows: tuple, whole: tuple = ()):
-    """``fn(*rows, *whole)`` under :func:`rows_mesh`'s ``shard_map`` (``rows``: split by their
-    leading axis; ``whole``: on every device whole), or as it is outside one."""
-    ctx = _ROWS_MESH.get()
-    if ctx is None:
-        return fn(*rows, *whole)
-    from ..sharding import shard_map
-
-    mesh, axis = ctx
-    P = jax.sharding.PartitionSpec
-    split = P(axis) if axis is not None and rows[0].shape[0] % mesh.shape[axis] == 0 else P()
-    return shard_map(fn, mesh=mesh, in_specs=(split,) * len(rows) + (P(),) * len(whole), out_specs=split,
-                     check_vma=False)(*rows, *whole)  # fmt: skip
-
-
-def matmul(a: jax.Array, b: jax.Array, *, invariant: bool = False, **kwargs) -> jax.Array:
-    """``a @ b`` at :func:`dot_precision` (float32 products in float32); ``kwargs`` to ``jnp.matmul``.
-
-    ``invariant=True`` (the model's invariant mode, :attr:`ModelConfig.invariant_dots`; ``b`` a
-    matrix ``[K, N]``): each row of ``a`` is computed in the same dot whatever the number of rows.
-    XLA:CPU picks a dot's blocking (YNNPACK's, Eigen's) per shape, and so the order of each
-    element's sum over K: a row of a ``[2, 64] x [64, 4]`` dot got other bits than the same row
-    of a ``[4, 64] x [64, 4]`` one (jax 0.12.1). Here the rows of ``a`` (all leading axes, M of
-    them) are padded with zeros to whole blocks of :data:`INVARIANT_ROWS` and the blocks run one
-    at a time in a loop (``lax.map``), each block's dot ``[INVARIANT_ROWS, K] x [K, N]`` between
-    optimization barriers (no fusion takes a producer or consumer into it): one shape, so one
-    blocking, for every row of every call. A row's bits then depend on the row and ``b`` only
-    (in the runs: not on its place in the block or the other rows), not on M. Inside
-    :func:`rows_mesh` (a step on a mesh) the blocks run per device, the rows split over the data
-    axis, so that the partitioner cannot split a block's dot either.
-    """
-    if invariant:
-        if np.ndim(a) < 2:
-            return _blocked_matmul(a, b, **kwargs)
-        return _per_device(lambda x, w: _blocked_matmul(x, w, **kwargs), (a,), (b,))
-    return jnp.matmul(a, b, precision=dot_precision(a, b), **kwargs)
-
-
-def _blocked_matmul(a: jax.Array, b: jax.Array, **kwargs) -> jax.Array:
-    if np.ndim(b) != 2 or np.ndim(a) < 1 or a.shape[-1] != b.shape[0]:
-        raise ValueError(f"matmul(invariant=True): arguments must be [..., K] and [K, N], got shapes "
-                         f"{list(np.shape(a))} and {list(np.shape(b))}")  # fmt: skip
-    lead, (K, N), B = a.shape[:-1], b.shape, INVARIANT_ROWS
-    M = math.prod(lead)
-    blocks = max(1, -(-M // B))
-    x = jnp.pad(a.reshape(M, K), ((0, blocks * B - M), (0, 0))).reshape(blocks, B, K)
-    precision = dot_precision(a, b)
-
-    def block(xb):
-        xb = jax.lax.optimization_barrier(xb)
-        return jax.lax.optimization_barrier(jnp.matmul(xb, b, precision=precision, **kwargs))
-
-    y = jax.lax.map(block, x)
-    return y.reshape(blocks * B, N)[:M].reshape(*lead, N)
-
-
-def einsum(spec: str, a: jax.Array, b: jax.Array, *, invariant: bool = False, **kwargs) -> jax.Array:
-    """``jnp.einsum`` of two operands at :func:`dot_precision`.
-
-    ``invariant=True``: the leading axis of both operands and the result must be one batch axis
-    (the model's rows: ``"ntgrh,nsgh->ngrts"``); the einsum runs one row at a time in a loop
-    (``lax.map``, each row's einsum between optimization barriers), so each row's dot has one
-    shape whatever the number of rows (see :func:`matmul`; inside :func:`rows_mesh` per device too)."""
-    if not invariant:
-        return jnp.einsum(spec, a, b, precision=dot_precision(a, b), **kwargs)
-    ins, _, out = spec.replace(" ", "").partition("->")
-    sa, _, sb = ins.partition(",")
-    if not (out and sa and sb and sa[0] == sb[0] == out[0]) or sa[0] in sa[1:] + sb[1:] + out[1:]:
-        raise ValueError(f"einsum(invariant=True): the operands and the result must share their leading axis (the "
-                         f"rows), as in 'ntgrh,nsgh->ngrts'; got {spec!r}")  # fmt: skip
-    if a.shape[0] != b.shape[0]:
-        raise ValueError(f"einsum(invariant=True): the operands' leading axes differ: shapes {list(a.shape)} and "
-                         f"{list(b.shape)}")  # fmt: skip
-    row_spec, precision = f"{sa[1:]},{sb[1:]}->{out[1:]}", dot_precision(a, b)
-
-    def row(xy):
-        x, y = jax.lax.optimization_barrier(xy)
-        return jax.lax.optimization_barrier(jnp.einsum(row_spec, x, y, precision=precision, **kwargs))
-
-    return _per_device(lambda x, y: jax.lax.map(row, (x, y)), (a, b))
 
 
 def _settle(x: jax.Array, config: ModelConfig) -> jax.Array:
@@ -574,9 +442,15 @@ def _settle(x: jax.Array, config: ModelConfig) -> jax.Array:
 
 
 def mlp(p: MLPParams, x: jax.Array, *, invariant: bool = False) -> jax.Array:
-    """SwiGLU: ``(silu(x Wg) * (x Wu)) Wd``; ``x [N, T, d]``; ``invariant``: :func:`matmul`'s."""
+    """SwiGLU: ``(silu(x Wg) * (x Wu)) Wd``; ``x [N, T, d]``; ``invariant``: :func:`matmul`'s, and the
+    gate ``silu(x Wg) * (x Wu)`` in fp32 from the SiLU in float64 (:func:`transcendental`), rounded to
+    the model's dtype once (not the dtype's own elementwise ops, which XLA may or may not round
+    between: excess precision)."""
     mm = functools.partial(matmul, invariant=invariant)
-    return mm(jax.nn.silu(mm(x, p.w_gate)) * mm(x, p.w_up), p.w_down)
+    if not invariant:
+        return mm(jax.nn.silu(mm(x, p.w_gate)) * mm(x, p.w_up), p.w_down)
+    g, u = mm(x, p.w_gate), mm(x, p.w_up)
+    return mm((transcendental("silu", g.astype(F32), True) * u.astype(F32)).astype(g.dtype), p.w_down)
 
 
 def gdn_mixer(p: GDNParams, config: ModelConfig, x: jax.Array, core, rows=None) -> jax.Array:
@@ -598,29 +472,38 @@ def gdn_mixer(p: GDNParams, config: ModelConfig, x: jax.Array, core, rows=None) 
     mm = functools.partial(matmul, invariant=c.invariant_dots)
     o = _settle(core(mm(x, p.w_qkv), mm(x, p.w_a), mm(x, p.w_b), p), c)
     z = mm(x, p.w_z).reshape(N, T, c.num_v_heads, c.head_v_dim)
-    y = gated_rmsnorm(o, z, p.norm, x.dtype)
+    y = gated_rmsnorm(o, z, p.norm, x.dtype, invariant=c.invariant_dots)
     return mm(y if rows is None else rows(y), p.w_out)
 
 
-def _rope(x: jax.Array, positions: jax.Array) -> jax.Array:
-    """Rotary embedding (rotate-half form) of ``x [N, T, heads, hd]`` at ``positions [N, T]``."""
+def _rope(x: jax.Array, positions: jax.Array, invariant: bool = False) -> jax.Array:
+    """Rotary embedding (rotate-half form) of ``x [N, T, heads, hd]`` at ``positions [N, T]``.
+
+    ``invariant``: cos and sin in float64 (:func:`transcendental`), and the four products behind an
+    optimization barrier, so that no program contracts one of them into the add or subtract after
+    it (an FMA: XLA:CPU makes one where a multiply and an add land in one fusion)."""
     hd = x.shape[-1]
     inv = 1.0 / (ROPE_THETA ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
     ang = positions.astype(F32)[..., None, None] * jnp.asarray(inv)  # [N, T, 1, hd/2]
-    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    cos, sin = transcendental("cos", ang, invariant), transcendental("sin", ang, invariant)
     xf = x.astype(F32)
     x1, x2 = xf[..., : hd // 2], xf[..., hd // 2 :]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    products = (x1 * cos, x2 * sin, x2 * cos, x1 * sin)
+    if invariant:
+        products = jax.lax.optimization_barrier(products)
+    a, b, c, d = products
+    return jnp.concatenate([a - b, c + d], axis=-1).astype(x.dtype)
 
 
 def _qkv(p: AttentionParams, c: ModelConfig, x: jax.Array, positions: jax.Array):
     """The attention's queries, keys (normalised, rotated to ``positions``) and values of ``x [N, T, d]``."""
     N, T, _ = x.shape
-    mm = functools.partial(matmul, invariant=c.invariant_dots)
-    q = _settle(rmsnorm(mm(x, p.w_q).reshape(N, T, c.attn_heads, c.attn_head_dim), p.q_norm), c)
-    k = _settle(rmsnorm(mm(x, p.w_k).reshape(N, T, c.kv_heads, c.attn_head_dim), p.k_norm), c)
+    inv = c.invariant_dots
+    mm = functools.partial(matmul, invariant=inv)
+    q = _settle(rmsnorm(mm(x, p.w_q).reshape(N, T, c.attn_heads, c.attn_head_dim), p.q_norm, invariant=inv), c)
+    k = _settle(rmsnorm(mm(x, p.w_k).reshape(N, T, c.kv_heads, c.attn_head_dim), p.k_norm, invariant=inv), c)
     v = mm(x, p.w_v).reshape(N, T, c.kv_heads, c.attn_head_dim)
-    return _rope(q, positions), _rope(k, positions), v
+    return _rope(q, positions, inv), _rope(k, positions, inv), v
 
 
 def attention(
@@ -654,12 +537,15 @@ def attention(
     Tmax = cache_k.shape[1]
     qg = q.reshape(N, T, nkv, nq // nkv, hd)
     inv = c.invariant_dots
-    scores = einsum("ntgrh,nsgh->ngrts", qg, cache_k, preferred_element_type=F32, invariant=inv) / math.sqrt(hd)
-    mask = jnp.arange(Tmax)[None, None, :] <= positions[:, :, None]  # [N, T, Tmax]
-    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-    probs = softmax(scores)
-    out = einsum("ngrts,nsgh->ntgrh", probs.astype(cache_v.dtype), cache_v, preferred_element_type=F32, invariant=inv)
-    out = out.reshape(N, T, nq * hd) * jax.nn.sigmoid(matmul(x, p.w_gate, invariant=inv).astype(F32))
+    if inv:
+        out = per_query_attention(qg, cache_k, cache_v, positions)
+    else:
+        scores = einsum("ntgrh,nsgh->ngrts", qg, cache_k, preferred_element_type=F32) / math.sqrt(hd)
+        mask = jnp.arange(Tmax)[None, None, :] <= positions[:, :, None]  # [N, T, Tmax]
+        scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+        probs = softmax(scores)
+        out = einsum("ngrts,nsgh->ntgrh", probs.astype(cache_v.dtype), cache_v, preferred_element_type=F32)
+    out = out.reshape(N, T, nq * hd) * transcendental("sigmoid", matmul(x, p.w_gate, invariant=inv).astype(F32), inv)
     return matmul(out.astype(x.dtype), p.w_o, invariant=inv), (cache_k, cache_v)
 
 
@@ -691,19 +577,26 @@ def tree_attention(
     nq, nkv, hd = c.attn_heads, c.kv_heads, c.attn_head_dim
     q, k, v = _qkv(p, c, x, positions)
     k, v = k.astype(cache_k.dtype), v.astype(cache_v.dtype)
-    keys, vals = jnp.concatenate([cache_k, k], axis=1), jnp.concatenate([cache_v, v], axis=1)
     Tmax = cache_k.shape[1]
     qg = q.reshape(N, T, nkv, nq // nkv, hd)
     inv = c.invariant_dots
-    scores = einsum("ntgrh,nsgh->ngrts", qg, keys, preferred_element_type=F32, invariant=inv) / math.sqrt(hd)
-    prefix = jnp.broadcast_to(jnp.arange(Tmax)[None, None, :] < pos[:, None, None], (N, T, Tmax))
-    mask = jnp.concatenate([prefix, ancestors], axis=-1)  # [N, T, Tmax + T]
-    probs = softmax(jnp.where(mask[:, None, None], scores, -jnp.inf))
-    out = einsum("ngrts,nsgh->ntgrh", probs.astype(vals.dtype), vals, preferred_element_type=F32, invariant=inv)
-    out = out.reshape(N, T, nq * hd) * jax.nn.sigmoid(matmul(x, p.w_gate, invariant=inv).astype(F32))
+    if inv:
+        # each node attends as a chain's query at its position does: over the cache with its root path
+        # written at positions pos .. pos + depth (the cache's length, so the dots of plain decoding)
+        out = per_query_attention(qg, cache_k, cache_v, positions, tree=(k, v, ancestors))
+    else:
+        keys, vals = jnp.concatenate([cache_k, k], axis=1), jnp.concatenate([cache_v, v], axis=1)
+        scores = einsum("ntgrh,nsgh->ngrts", qg, keys, preferred_element_type=F32) / math.sqrt(hd)
+        prefix = jnp.broadcast_to(jnp.arange(Tmax)[None, None, :] < pos[:, None, None], (N, T, Tmax))
+        mask = jnp.concatenate([prefix, ancestors], axis=-1)  # [N, T, Tmax + T]
+        probs = softmax(jnp.where(mask[:, None, None], scores, -jnp.inf))
+        out = einsum("ngrts,nsgh->ntgrh", probs.astype(vals.dtype), vals, preferred_element_type=F32)
+    out = out.reshape(N, T, nq * hd) * transcendental("sigmoid", matmul(x, p.w_gate, invariant=inv).astype(F32), inv)
     return matmul(out.astype(x.dtype), p.w_o, invariant=inv), k, v
 
 
 def logits(params: Params, h: jax.Array, *, invariant: bool = False) -> jax.Array:
-    """``[N, T, d] -> [N, T, vocab]`` fp32 logits (final norm, LM head); ``invariant``: :func:`matmul`'s."""
-    return matmul(rmsnorm(h, params.final_norm), params.head, preferred_element_type=F32, invariant=invariant)
+    """``[N, T, d] -> [N, T, vocab]`` fp32 logits (final norm, LM head); ``invariant``: :func:`matmul`'s
+    and :func:`rmsnorm`'s."""
+    return matmul(rmsnorm(h, params.final_norm, invariant=invariant), params.head, preferred_element_type=F32,
+                  invariant=invariant)
