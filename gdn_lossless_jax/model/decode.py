@@ -241,9 +241,7 @@ def pool_from_mesh(pool, geometry, tp: int):
                                conv_windows=sharding.from_tp_layout(host.conv_windows, geometry, tp, -2))  # fmt: skip
 
 
-def _in_range(idx, n):
-    """Indices outside ``[0, n)`` become ``n``: dropped by scatters, filled by gathers."""
-    return jnp.where((idx >= 0) & (idx < n), idx, n)
+_in_range = reference.in_range  # indices outside [0, n) become n: dropped by scatters, filled by gathers
 
 
 def split_qkv(y: jax.Array, config: ModelConfig):
@@ -549,16 +547,13 @@ class SpecStep:
         h = r(h + r(mixer(r(rmsnorm(h, blk.norm1, invariant=inv)))))
         return r(h + r(mlp(blk.mlp, r(rmsnorm(h, blk.norm2, invariant=inv)), invariant=inv)))
 
-    def _verify(self, params: Params, state: DecodeState, x, inputs: StepInputs):
-        """The target over ``x [N, D]``: logits ``[N, D, vocab]``, the pool with this step's
-        tape in its scratch rows, and the KV cache with this step's entries."""
-        c, D = self.config, self.drafts
-        pool, kv = state.pool, state.kv
-        positions = inputs.pos[:, None] + jnp.arange(D, dtype=I32)[None, :]
-        s_kv = _in_range(inputs.slots, kv.k.shape[1])
-        h = params.embed[x]
+    def _layers(self, blocks, kinds, h, pool: StatePool, inputs: StepInputs, gdn_block, attention_block):
+        """The target's blocks in order over ``h``: ``(h, pool)``. A GDN block runs
+        ``gdn_block(blk, h, core)``, ``core`` verifying its layer through the pool (the layer's index
+        among the GDN blocks); an attention block ``attention_block(blk, h, layer)`` (its index among
+        the attention blocks). Shared by this model and the checkpoint models."""
         gdn_i = attn_i = 0
-        for blk, kind in zip(params.blocks, c.kinds):
+        for blk, kind in zip(blocks, kinds):
             if kind == "gdn":
 
                 def core(mixed, a, b, p, layer=gdn_i):
@@ -566,24 +561,40 @@ class SpecStep:
                     o, pool = self._verify_layer(pool, layer, mixed, a, b, p, inputs)
                     return o
 
-                h = self._block(blk, h, functools.partial(gdn_mixer, blk.mixer, c, core=core, rows=self._rows_only))
+                h = gdn_block(blk, h, core)
                 gdn_i += 1
             else:
-
-                def mixer(xn, blk=blk, layer=attn_i):
-                    nonlocal kv
-                    rows_k = kv.k.at[layer, s_kv].get(mode="fill", fill_value=0)
-                    rows_v = kv.v.at[layer, s_kv].get(mode="fill", fill_value=0)
-                    out, (rows_k, rows_v) = attention(blk.mixer, c, xn, rows_k, rows_v, positions)
-                    # Only this step's entries go back (the rest of each row is unchanged).
-                    new_k = jnp.take_along_axis(rows_k, positions[:, :, None, None], axis=1, mode="clip")
-                    new_v = jnp.take_along_axis(rows_v, positions[:, :, None, None], axis=1, mode="clip")
-                    idx = (layer, s_kv[:, None], positions)
-                    kv = KVCache(kv.k.at[idx].set(new_k, mode="drop"), kv.v.at[idx].set(new_v, mode="drop"))
-                    return out
-
-                h = self._block(blk, h, mixer)
+                h = attention_block(blk, h, attn_i)
                 attn_i += 1
+        return h, pool
+
+    def _verify(self, params: Params, state: DecodeState, x, inputs: StepInputs):
+        """The target over ``x [N, D]``: logits ``[N, D, vocab]``, the pool with this step's
+        tape in its scratch rows, and the KV cache with this step's entries."""
+        c, D = self.config, self.drafts
+        kv = state.kv
+        positions = inputs.pos[:, None] + jnp.arange(D, dtype=I32)[None, :]
+        s_kv = _in_range(inputs.slots, kv.k.shape[1])
+
+        def gdn_block(blk, h, core):
+            return self._block(blk, h, functools.partial(gdn_mixer, blk.mixer, c, core=core, rows=self._rows_only))
+
+        def attention_block(blk, h, layer):
+            def mixer(xn):
+                nonlocal kv
+                rows_k = kv.k.at[layer, s_kv].get(mode="fill", fill_value=0)
+                rows_v = kv.v.at[layer, s_kv].get(mode="fill", fill_value=0)
+                out, (rows_k, rows_v) = attention(blk.mixer, c, xn, rows_k, rows_v, positions)
+                # Only this step's entries go back (the rest of each row is unchanged).
+                new_k = jnp.take_along_axis(rows_k, positions[:, :, None, None], axis=1, mode="clip")
+                new_v = jnp.take_along_axis(rows_v, positions[:, :, None, None], axis=1, mode="clip")
+                idx = (layer, s_kv[:, None], positions)
+                kv = KVCache(kv.k.at[idx].set(new_k, mode="drop"), kv.v.at[idx].set(new_v, mode="drop"))
+                return out
+
+            return self._block(blk, h, mixer)
+
+        h, pool = self._layers(params.blocks, c.kinds, params.embed[x], state.pool, inputs, gdn_block, attention_block)
         return logits(params, h, invariant=c.invariant_dots), pool, kv
 
 

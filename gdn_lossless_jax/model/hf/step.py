@@ -72,30 +72,22 @@ class HFSpecStep(SpecStep):
     def _hidden(self, params: HFParams, state: DecodeState, x, inputs: StepInputs):
         """The target's blocks over ``x [N, D]``: ``(h [N, D, d] before the final norm, pool, kv)``."""
         c, D = self.config, x.shape[1]
-        pool, kv = state.pool, state.kv
+        kv = state.kv
         positions = inputs.pos[:, None] + jnp.arange(D, dtype=I32)[None, :]
         s_kv = _in_range(inputs.slots, kv.k.shape[1])
-        h = params.embed[x]
-        gdn_i = attn_i = 0
-        for blk, kind in zip(params.blocks, c.kinds):
-            if kind == "gdn":
 
-                def core(mixed, a, b, p, layer=gdn_i):
-                    nonlocal pool
-                    o, pool = self._verify_layer(pool, layer, mixed, a, b, p, inputs)
-                    return o
+        def gdn_block(blk, h, core):
+            return arch.block(blk, c, h, lambda xn: arch.gdn_mixer(blk.mixer, c, xn, core))
 
-                h = arch.block(blk, c, h, lambda xn, blk=blk, core=core: arch.gdn_mixer(blk.mixer, c, xn, core))
-                gdn_i += 1
-            else:
+        def attention_block(blk, h, layer):
+            def mixer(xn):
+                nonlocal kv
+                kv, out = _attend(blk.mixer, c, xn, kv, layer, s_kv, positions)
+                return out
 
-                def mixer(xn, blk=blk, layer=attn_i):
-                    nonlocal kv
-                    kv, out = _attend(blk.mixer, c, xn, kv, layer, s_kv, positions)
-                    return out
+            return arch.block(blk, c, h, mixer)
 
-                h = arch.block(blk, c, h, mixer)
-                attn_i += 1
+        h, pool = self._layers(params.blocks, c.kinds, params.embed[x], state.pool, inputs, gdn_block, attention_block)
         return h, pool, kv
 
     def _verify(self, params: HFParams, state: DecodeState, x, inputs: StepInputs):
@@ -171,7 +163,7 @@ class MTPSpecStep(HFSpecStep):
         return arch.rmsnorm(u, m.norm, c.rms_eps), *kv["rows"]
 
     def _draft_mtp(self, params: HFParams, state: MTPState, inputs: StepInputs):
-        c, D = self.config, self.drafts
+        D = self.drafts
         tokens, n_given = inputs.tokens.astype(I32), inputs.n_given
         if D == 1:
             return tokens
