@@ -20,7 +20,7 @@ import numpy as np
 from . import _deprecated, reference, tree
 from .backends.contract import VerifyCall
 from .staging import as_index
-from .tape import RECORD_MODES, STATE_DTYPE, TAPES, Pending, Tape, record_type
+from .tape import RECORD_MODES, STATE_DTYPE, TAPES, Pending, Tape, _tape_names, record_type
 
 MATH_MODES = reference.MATH_MODES
 
@@ -254,10 +254,6 @@ def stacked_inputs(fn: str, state0, inputs: dict, slots, layer, decay: str = "sc
     return stacked
 
 
-def _tape_names() -> str:
-    return " or ".join(cls.__name__ for cls in TAPES)
-
-
 def check_tape(fn: str, tape: Tape, lead: tuple[int, ...], lead_dims: str, *, prefix: str, HV: int, V: int, K: int,
                H: int | None = None, state_dtype=None, what: str = "pool", source: str = "",
                steps: str = "D") -> int:  # fmt: skip
@@ -296,7 +292,8 @@ def check_tape_buffer(fn: str, tape, record, N: int, D: int, H: int, HV: int, V:
     """The preallocated tape of ``verify(..., tape=)``, in any record mode; returns ``(its tape
     class, layered)``."""
     if not isinstance(tape, Tape):
-        raise TypeError(f"{fn}: argument 'tape' must be a {_tape_names()} buffer, got {type(tape).__name__}")
+        raise TypeError(f"{fn}: argument 'tape' must be a tape buffer (one of {_tape_names()}), got "
+                        f"{type(tape).__name__}")
     cls = type(tape)
     if decay not in cls.decays:
         raise ValueError(f"{fn}: decay={decay!r} but the tape buffer is a {cls.__name__} tape, which records a "
@@ -516,7 +513,7 @@ def check_pending(fn: str, pending: Pending, N: int, H: int, HV: int, V: int, K:
     t = pending.tape
     lead = 1 if pool_layers is None else 2
     if not isinstance(t, Tape):
-        raise TypeError(f"{fn}: argument 'pending.tape' must be {_tape_names()}, got {type(t).__name__}")
+        raise TypeError(f"{fn}: argument 'pending.tape' must be one of {_tape_names()}, got {type(t).__name__}")
     if decay not in type(t).decays:
         raise ValueError(f"{fn}: decay={decay!r} but the pending tape is a {type(t).__name__} tape, which records a "
                          f"{'/'.join(type(t).decays)} decay")  # fmt: skip
@@ -640,7 +637,7 @@ def commit_args(fn: str, pool, tape, slots, steps, track_slots=None, track_steps
     L, _, HV, V, K = shape_of(pool)
     ints = commit_index_args(fn, slots, steps, track_slots, track_steps, rows)
     if not isinstance(tape, Tape):
-        raise TypeError(f"{fn}: tape must be {_tape_names()}, got {type(tape).__name__}")
+        raise TypeError(f"{fn}: tape must be one of {_tape_names()}, got {type(tape).__name__}")
     first, f0 = next(iter(type(tape).layout(H=None, HV=HV, V=V, K=K).items()))
     check_rank(fn, f"tape.{first}", getattr(tape, first), 3 + len(f0.shape), f"[L, R, D, {f0.dims}]")
     R = shape_of(getattr(tape, first))[1]

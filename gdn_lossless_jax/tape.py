@@ -258,7 +258,8 @@ RECORD_MODES = tuple(RECORDS)
 
 
 def _tape_names() -> str:
-    return " or ".join(cls.__name__ for cls in TAPES)
+    """``"Tuples, Snapshots, KDATuples"``: every tape class, for messages."""
+    return ", ".join(cls.__name__ for cls in TAPES)
 
 
 def record_type(record: "str | type[Tape]", fn: str = "record", decay: str | None = None) -> type[Tape]:
@@ -340,7 +341,7 @@ def stack_tapes(tapes: Sequence[Tape]) -> Tape:
         raise ValueError("stack_tapes: need at least one layer's tape, got an empty sequence")
     kind = type(tapes[0])
     if not isinstance(tapes[0], Tape):
-        raise TypeError(f"stack_tapes: layer 0 must be a {_tape_names()} tape, got {kind.__name__}")
+        raise TypeError(f"stack_tapes: layer 0 must be a tape (one of {_tape_names()}), got {kind.__name__}")
     for layer, tape in enumerate(tapes[1:], start=1):
         if type(tape) is not kind:
             raise TypeError(

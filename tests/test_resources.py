@@ -142,7 +142,7 @@ def test_commit_rejects_a_tape_of_another_record_mode_or_dtype():
         layer = jax.tree.map(lambda x: x[0], t)
         with pytest.raises(ValueError, match=rf"commit: argument 'tape.{field}' must have rank {rank}"):
             gl.commit(_pool().ssm, layer, *IDX)
-    with pytest.raises(TypeError, match=r"commit: tape must be Tuples or Snapshots, got ArrayImpl"):
+    with pytest.raises(TypeError, match=r"commit: tape must be one of Tuples, Snapshots, KDATuples, got ArrayImpl"):
         gl.commit(_pool().ssm, _pool("snapshots").tape.states, *IDX)
 
 
