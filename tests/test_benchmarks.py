@@ -20,7 +20,7 @@ if str(ROOT) not in sys.path:  # `benchmarks` lives at the repository root, besi
 from benchmarks import cases as bc  # noqa: E402
 from benchmarks import peer_sglang, traffic  # noqa: E402
 from benchmarks.run import main  # noqa: E402
-from conftest import FULL_TESTS, ON_GPU  # noqa: E402
+from conftest import FULL_TESTS, ON_GPU, full_only  # noqa: E402
 from gdn_lossless_jax.testing.cases import CommitIndices, Shape  # noqa: E402
 
 RECORDS = ("tuples", "snapshots")
@@ -130,6 +130,7 @@ def test_cpu_small_run_writes_every_row(tmp_path):
 
 
 @pytest.mark.slow
+@full_only  # the suite's time: the Pallas kernels' interpret mode is covered by their own tests
 @pytest.mark.skipif(ON_GPU, reason="Pallas runs in interpret mode on the CPU only")
 def test_cpu_small_run_with_pallas_interpret(tmp_path):
     _, res = _run(tmp_path, "--backends", "pallas", "--configs", "2x2", "--trials", "2")
