@@ -288,6 +288,22 @@ def instructions(text: str, key: str) -> list:
     return out
 
 
+def save_and_show(folder: str, texts: dict, origins) -> None:
+    """Write each program's HLO (``texts``: name -> text) to ``folder/step_<name>.hlo.txt`` and print
+    the instructions of the first three differing operations (``origins``) in each program."""
+    for name, text in texts.items():
+        path = os.path.join(folder, f"step_{name.replace('=', '')}.hlo.txt")
+        with open(path, "w") as f:
+            f.write(text)
+        print(f"HLO ({name}): {path}")
+    for key in list(dict.fromkeys(o[1] for o in origins))[:3]:
+        for name, text in texts.items():
+            ins = instructions(text, key)
+            print(f"--- {key} in the {name} program: {len(ins)} instruction(s)")
+            for line in ins[:12]:
+                print("   ", line)
+
+
 # ---------------------------------------------------------------------------------
 # --against A: the D-token program against the A-token one (draft lengths), position by position.
 # ---------------------------------------------------------------------------------
@@ -455,16 +471,7 @@ def against_main(a, config) -> int:
             if label == "A":
                 x = dataclasses.replace(x, tokens=x.tokens[:, :A], n_given=np.minimum(x.n_given, A))
             texts[label] = hlo_of(steppers[label], params, new(label), x)
-            path = os.path.join(a.hlo, f"step_D{steppers[label].drafts}.hlo.txt")
-            with open(path, "w") as f:
-                f.write(texts[label])
-            print(f"HLO (D={steppers[label].drafts}): {path}")
-        for key in list(dict.fromkeys(o[1] for o in origins))[:3]:
-            for label in ("D", "A"):
-                ins = instructions(texts[label], key)
-                print(f"--- {key} in the D={steppers[label].drafts} program: {len(ins)} instruction(s)")
-                for line in ins[:12]:
-                    print("   ", line)
+        save_and_show(a.hlo, {f"D={steppers[label].drafts}": text for label, text in texts.items()}, origins)
     return 0
 
 
@@ -593,16 +600,7 @@ def main() -> int:
         ):
             TAPS.reset_trace()
             texts[label] = hlo_of(step, p, s, x)
-            path = os.path.join(a.hlo, f"step_{label}.hlo.txt")
-            with open(path, "w") as f:
-                f.write(texts[label])
-            print(f"HLO ({label}): {path}")
-        for key in list(dict.fromkeys(o[1] for o in origins))[:3]:
-            for label in ("one", "mesh"):
-                ins = instructions(texts[label], key)
-                print(f"--- {key} in the {label} program: {len(ins)} instruction(s)")
-                for line in ins[:12]:
-                    print("   ", line)
+        save_and_show(a.hlo, texts, origins)
     return 0
 
 
