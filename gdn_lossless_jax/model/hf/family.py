@@ -156,6 +156,18 @@ def causal_conv_silu(x, w):
     return jax.nn.silu(y.astype(F32)).astype(x.dtype)
 
 
+def token_ids(fn: str, ids, vocab: int) -> np.ndarray:
+    """``ids`` as int32 ``[B, T]`` token ids of a ``vocab``-token model, or a ValueError naming ``fn``."""
+    ids = np.asarray(ids)
+    if ids.ndim != 2 or ids.shape[1] < 1 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"{fn}: argument 'ids' must be an integer array [B, T] with T >= 1, got "
+                         f"{ids.dtype} {list(ids.shape)}")  # fmt: skip
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise ValueError(f"{fn}: argument 'ids' must be token ids in [0, {vocab}), got values "
+                         f"{ids.min()}..{ids.max()}")  # fmt: skip
+    return ids.astype(np.int32)
+
+
 class FamilyModel:
     """A loaded OLMo-Hybrid or Kimi Linear checkpoint: ``config``, ``params``, ``path``, ``report``.
 
@@ -171,14 +183,7 @@ class FamilyModel:
         return f"FamilyModel({self.config.describe()})"
 
     def _ids(self, fn: str, ids) -> np.ndarray:
-        ids = np.asarray(ids)
-        if ids.ndim != 2 or ids.shape[1] < 1 or not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"{fn}: argument 'ids' must be an integer array [B, T] with T >= 1, got "
-                             f"{ids.dtype} {list(ids.shape)}")  # fmt: skip
-        if ids.min() < 0 or ids.max() >= self.config.vocab:
-            raise ValueError(f"{fn}: argument 'ids' must be token ids in [0, {self.config.vocab}), got values "
-                             f"{ids.min()}..{ids.max()}")  # fmt: skip
-        return ids.astype(np.int32)
+        return token_ids(fn, ids, self.config.vocab)
 
     def logits(self, ids) -> jax.Array:
         """``ids [B, T]`` -> fp32 logits ``[B, T, vocab]``: the full forward from empty states."""

@@ -15,7 +15,7 @@ from ..decode import DecodeState, StepInputs, allocate_state
 from ..loop import DecodeLoop, LoopInputs
 from .arch import HFParams
 from .config import FAMILY_TYPES, HFConfig, config_from_dict, read_config
-from .family import FamilyModel, load_family
+from .family import FamilyModel, load_family, token_ids
 from .step import HFSpecStep, MTPSpecStep, MTPState
 from .weights import Checkpoint, has_mtp, load_params
 
@@ -70,14 +70,7 @@ class PretrainedModel:
         return f"PretrainedModel({self.config.describe()})"
 
     def _ids(self, fn: str, ids) -> np.ndarray:
-        ids = np.asarray(ids)
-        if ids.ndim != 2 or ids.shape[1] < 1 or not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"{fn}: argument 'ids' must be an integer array [B, T] with T >= 1, got "
-                             f"{ids.dtype} {list(ids.shape)}")  # fmt: skip
-        if ids.min() < 0 or ids.max() >= self.config.vocab:
-            raise ValueError(f"{fn}: argument 'ids' must be token ids in [0, {self.config.vocab}), got values "
-                             f"{ids.min()}..{ids.max()}")  # fmt: skip
-        return ids.astype(np.int32)
+        return token_ids(fn, ids, self.config.vocab)
 
     def step(self, drafts: int, *, draft: str | None = None, commit=None) -> HFSpecStep:
         """The jitted step verifying ``drafts`` inputs (the checkpoint's draft, or ``draft``); ``commit``
