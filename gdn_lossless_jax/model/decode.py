@@ -487,12 +487,26 @@ class SpecStep:
 
     def _draft(self, params: Params, pool: StatePool, inputs: StepInputs):
         """``[N, D]`` inputs: the given ones, then the draft's greedy chain."""
+        c = self.config
+
+        def layer(l, h, core):
+            blk = params.blocks[l]
+            return self._block(blk, h, functools.partial(gdn_mixer, blk.mixer, c, core=core, rows=self._rows_only))
+
+        head = lambda h: logits(params, h, invariant=c.invariant_dots)[:, 0]  # noqa: E731
+        return self._draft_chain(params.embed, pool, inputs, layer, head)
+
+    def _draft_chain(self, embed, pool: StatePool, inputs: StepInputs, layer, head):
+        """The self-draft's chain over the first ``config.draft_layers`` GDN blocks: ``[N, D]``, the
+        given inputs, then its greedy proposals. ``layer(l, h, core)`` runs block ``l`` over ``h``
+        with ``core`` as its GDN core; ``head(h)`` gives ``[N, vocab]`` logits. The draft carries its
+        states in fp32 from the committed ones whatever the pool's dtype (its chain only proposes
+        tokens); nothing is written back. Shared by this model and the checkpoint models."""
         c, D = self.config, self.drafts
         tokens, n_given = inputs.tokens.astype(I32), inputs.n_given
         if D == 1:
             return tokens
         s = _in_range(inputs.slots, pool.ssm.shape[1])
-        # The draft runs its states in fp32 whatever the pool's dtype (its chain only proposes tokens).
         ssm0 = tuple(self._rows_only(self._committed(pool, l, inputs.slots)).astype(jnp.float32)
                      for l in range(c.draft_layers))  # fmt: skip
         conv0 = tuple(self._rows_only(pool.conv.at[l, s].get(mode="fill", fill_value=0)) for l in range(c.draft_layers))
@@ -500,7 +514,7 @@ class SpecStep:
         def body(carry, xs):
             ssm, convs, tok = carry
             j, given_next = xs
-            h = params.embed[tok][:, None]
+            h = embed[tok][:, None]
             new_ssm, new_conv = [], []
             for l in range(c.draft_layers):
 
@@ -510,9 +524,8 @@ class SpecStep:
                     new_conv.append(window)
                     return o
 
-                blk = params.blocks[l]
-                h = self._block(blk, h, functools.partial(gdn_mixer, blk.mixer, c, core=core, rows=self._rows_only))
-            proposal = jnp.argmax(logits(params, h, invariant=c.invariant_dots)[:, 0], axis=-1).astype(I32)
+                h = layer(l, h, core)
+            proposal = jnp.argmax(head(h), axis=-1).astype(I32)
             nxt = jnp.where(j + 1 < n_given, given_next, proposal)
             return (tuple(new_ssm), tuple(new_conv), nxt), nxt
 

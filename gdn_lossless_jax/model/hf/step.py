@@ -95,39 +95,15 @@ class HFSpecStep(SpecStep):
         return arch.head_logits(params, arch.final_hidden(params, self.config, h)), pool, kv
 
     def _draft(self, params: HFParams, pool, inputs: StepInputs):
-        """``[N, D]`` inputs: the given ones, then the self-draft's greedy chain (its GDN states carried
-        in fp32 from the committed ones, nothing written back: as SpecStep's draft)."""
-        c, D = self.config, self.drafts
-        tokens, n_given = inputs.tokens.astype(I32), inputs.n_given
-        if D == 1:
-            return tokens
-        s = _in_range(inputs.slots, pool.ssm.shape[1])
-        ssm0 = tuple(pool.ssm.at[l, s].get(mode="fill", fill_value=0).astype(F32) for l in range(c.draft_layers))
-        conv0 = tuple(pool.conv.at[l, s].get(mode="fill", fill_value=0) for l in range(c.draft_layers))
+        """``[N, D]`` inputs: the given ones, then the self-draft's greedy chain (as SpecStep's draft)."""
+        c = self.config
 
-        def body(carry, xs):
-            ssm, convs, tok = carry
-            j, given_next = xs
-            h = params.embed[tok][:, None]
-            new_ssm, new_conv = [], []
-            for l in range(c.draft_layers):
+        def layer(l, h, core):
+            blk = params.blocks[l]
+            return arch.block(blk, c, h, lambda xn: arch.gdn_mixer(blk.mixer, c, xn, core))
 
-                def core(mixed, a, b, p, l=l):
-                    o, S, window = decode._draft_gdn(c, ssm[l], convs[l], mixed, a, b, p)
-                    new_ssm.append(S)
-                    new_conv.append(window)
-                    return o
-
-                blk = params.blocks[l]
-                h = arch.block(blk, c, h, lambda xn, blk=blk, core=core: arch.gdn_mixer(blk.mixer, c, xn, core))
-            lg = arch.head_logits(params, arch.final_hidden(params, c, h))
-            proposal = jnp.argmax(lg[:, 0], axis=-1).astype(I32)
-            nxt = jnp.where(j + 1 < n_given, given_next, proposal)
-            return (tuple(new_ssm), tuple(new_conv), nxt), nxt
-
-        xs = (jnp.arange(D - 1, dtype=I32), tokens[:, 1:].T)
-        _, chain = jax.lax.scan(body, (ssm0, conv0, tokens[:, 0]), xs)
-        return jnp.concatenate([tokens[:, :1], chain.T], axis=1)
+        head = lambda h: arch.head_logits(params, arch.final_hidden(params, c, h))[:, 0]  # noqa: E731
+        return self._draft_chain(params.embed, pool, inputs, layer, head)
 
 
 @dataclasses.dataclass(frozen=True)
