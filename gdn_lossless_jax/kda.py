@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import rounding
+from . import reference, rounding
 from .reference import SOFTPLUS_THRESHOLD, ksum, l2norm
 from .tape import KDATuples, Snapshots
 
@@ -194,22 +194,8 @@ def replay_two(state0, tuples: KDATuples, steps, track_steps, *, form: Callable 
     Returns:
       ``(state after steps, state after track_steps)``, both in state0's dtype.
     """
-    D = tuples.u.shape[1]
-    xs = (jnp.moveaxis(tuples.u, 1, 0), jnp.moveaxis(tuples.k, 1, 0), jnp.moveaxis(tuples.g, 1, 0),
-          jnp.arange(D, dtype=jnp.int32))  # fmt: skip
-    S0 = state0.astype(F32)
-    steps, track_steps = jnp.asarray(steps, jnp.int32), jnp.asarray(track_steps, jnp.int32)
-    sel = lambda t, idx: (t == idx)[:, None, None, None]  # noqa: E731
-
-    def body(carry, x):
-        S, final, track = carry
-        u, k, g, t = x
-        # As in reference.replay_two: the barrier keeps XLA from fusing the integer fma graph into its consumers.
-        S = lax.optimization_barrier(form(S, rounding.exp(g), k, u))
-        return (S, jnp.where(sel(t, steps), S, final), jnp.where(sel(t, track_steps), S, track)), None
-
-    (_, final, track), _ = lax.scan(body, (S0, S0, S0), xs)
-    return final.astype(state0.dtype), track.astype(state0.dtype)
+    # The reference's scan: its rule applies a [..., K] decay to each key channel's column, as ``form`` does.
+    return reference.replay_two(state0, tuples, steps, track_steps, rule=form)
 
 
 def replay(state0, tuples: KDATuples, steps, *, form: Callable = rule):
