@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import sys
 from pathlib import Path
@@ -137,7 +138,12 @@ def main(argv=None) -> int:
                         clock.log(f"{cfg.label} {backend} {record} {name}: "
                                   + ("no device time" if ms is None else f"{ms:.3f} ms")
                                   + ("" if floor is None else f", floor {floor:.3f} ms, ratio {last['ratio']:.2f}"))
+                # Each backend's rows own their pools (a second one for the direct rows): free them before the next
+                # backend's, or a large configuration's second backend runs out of memory on an 80 GB card.
+                timed = r = None
+                gc.collect()
         del inp
+        gc.collect()
     result = {
         "command": "python -m benchmarks.floor " + " ".join(sys.argv[1:] if argv is None else argv),
         "env": {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
