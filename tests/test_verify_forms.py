@@ -2,7 +2,7 @@
 
 - beta_scale=2.0 (OLMo-Hybrid's ``linear_allow_neg_eigval``): the reference and Pallas (interpret mode) outputs
   and tapes equal the specification (the reference chain with beta doubled, as the family's forward computes it)
-  bit for bit; a tuple commit equals the snapshot commit bit for bit. Controls: beta left at 1 (the scale
+  bit for bit (on a GPU, Pallas its own snapshot path: replayed tuples equal the snapshots); a tuple commit equals the snapshot commit bit for bit. Controls: beta left at 1 (the scale
   ignored) changes the outputs; the twice-rounded replay changes the committed states. Mosaic and Triton refuse
   the scale by name; ``backend="auto"`` picks one that takes it.
 - decay="channel" (KDA): ``gdn_lossless_jax.verify`` records a :class:`~gdn_lossless_jax.tape.KDATuples` tape
@@ -75,17 +75,28 @@ def _commit_all(pool, tape, rule=None):
 
 @pytest.mark.parametrize("backend", ["reference", "pallas"])
 def test_beta_scale_matches_the_spec(backend):
+    """The reference everywhere, and Pallas in interpret mode, equal the specification bit for bit; on a GPU Pallas
+    is held to its own snapshot path, as the equivalence suite holds every backend (its exp, sqrt and division are
+    the platform's: its tapes differ from the reference's by a few ULP at beta_scale=1 as well)."""
     x = _gdn_inputs(0)
     spec = _spec(x, 2.0)
     args = [x[n] for n in ("state0", "q", "k", "v", "a", "b", "A_log", "dt_bias")]
+    exact = backend == "reference" or backends.platform() != "gpu"
+    got = {}
     for record in ("tuples", "snapshots"):
-        o, tape = gl.verify(*args, record=record, backend=backend, beta_scale=2.0)
-        so, stape = spec[record]
-        assert_bitwise_equal(o, so, f"{backend} {record} outputs")
-        for got, want in zip(jax_leaves(tape), jax_leaves(stape)):
-            assert_bitwise_equal(got, want, f"{backend} {record} tape")
+        got[record] = o, tape = gl.verify(*args, record=record, backend=backend, beta_scale=2.0)
+        if exact:
+            so, stape = spec[record]
+            assert_bitwise_equal(o, so, f"{backend} {record} outputs")
+            for leaf, want in zip(jax_leaves(tape), jax_leaves(stape)):
+                assert_bitwise_equal(leaf, want, f"{backend} {record} tape")
+    (o, tup), (o_snap, snp) = got["tuples"], got["snapshots"]
+    assert_bitwise_equal(o_snap, o, f"{backend}: outputs, snapshots == tuples")
+    for step in range(D):
+        replayed = gl.replay(x["state0"], tup, jnp.full((N,), step, jnp.int32), backend=backend)
+        assert_bitwise_equal(snp.states[:, step], replayed, f"{backend}: step {step}, replayed tuples == snapshot")
     o1, _ = gl.verify(*args, backend=backend)
-    assert_bitwise_differs(o1, spec["tuples"][0], "control: beta_scale ignored")
+    assert_bitwise_differs(o1, o, "control: beta_scale ignored")
 
 
 def test_beta_scale_commit_and_controls():
@@ -201,4 +212,5 @@ def test_pallas_needs_k_a_power_of_two_on_a_gpu(monkeypatch):
         backends.check_sizes(backends.lookup("pallas"), "verify", olmo)
     backends.check_sizes(backends.lookup("reference"), "verify", olmo)
     monkeypatch.undo()
-    backends.check_sizes(backends.lookup("pallas"), "verify", olmo)  # interpret mode takes any shape
+    if backends.platform() != "gpu":
+        backends.check_sizes(backends.lookup("pallas"), "verify", olmo)  # interpret mode takes any shape
