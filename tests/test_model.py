@@ -341,3 +341,29 @@ def test_bf16_state_pool_gives_identical_tokens_in_both_modes(seed):
     assert runs["tuples"][0] == runs["snapshots"][0]
     assert_bitwise_equal(runs["snapshots"][1], runs["tuples"][1], "bf16 pool: final states")
     assert runs["tuples"][1][0].dtype == jnp.bfloat16
+
+
+def test_draft_recurrence_through_a_kernel(monkeypatch):
+    """The draft's GDN step (``decode._draft_gdn``) with a kernel backend runs the one-token verify and takes its
+    snapshot: Pallas (interpret mode) gives the reference backend's bits, and both the plain fp32 step's values to
+    its rounding (the plumbing: the conv, the q/k/v split, the scale). Control: a wrong query scale is not close."""
+    from gdn_lossless_jax import api
+    from gdn_lossless_jax.model import decode
+
+    c = get_config("tiny")
+    p = init_params(c, 3).blocks[0].mixer
+    g = c.geometry
+    rng = np.random.default_rng(11)
+    N = 3
+    arr = lambda shape, dtype, s=1.0: jax.numpy.asarray(s * rng.standard_normal(shape), dtype)  # noqa: E731
+    S = arr((N, g.num_v_heads, g.head_v_dim, g.head_k_dim), "float32", 0.3)
+    conv_state = arr((N, g.conv_dim, c.conv_kernel - 1), c.jnp_dtype)
+    mixed, a, b = arr((N, 1, g.conv_dim), c.jnp_dtype), arr((N, 1, g.num_v_heads), c.jnp_dtype), arr((N, 1, g.num_v_heads), c.jnp_dtype)
+    run = lambda **kw: decode._draft_gdn(c, S, conv_state, mixed, a, b, p, **kw)  # noqa: E731
+    by_pallas, by_reference, plain = run(kernel="pallas"), run(kernel="reference"), run()
+    assert_bitwise_equal(by_reference, by_pallas, "draft step: Pallas == reference")
+    close = lambda x, y: np.allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=2e-2, atol=1e-4)  # noqa: E731
+    assert all(close(got, want) for got, want in zip(by_pallas, plain)), "the kernel's draft step is the plain step's"
+    verify = api.verify
+    monkeypatch.setattr(api, "verify", lambda *args, scale=None, **kw: verify(*args, scale=1.0, **kw))
+    assert not close(run(kernel="reference")[0], plain[0]), "control: the query scale 1 not caught"

@@ -137,7 +137,7 @@ class TreeStep(SpecStep):
         ssm = [self._committed(pool, l, inputs.slots).astype(jnp.float32) for l in range(c.draft_layers)]
         convs = [pool.conv.at[l, s].get(mode="fill", fill_value=0) for l in range(c.draft_layers)]
         level = inputs.tokens[:, :1].astype(I32)  # [N, W]
-        out, W = [level], 1
+        out, W, kernel = [level], 1, self._draft_kernel
         for k in self.tree:
             tok = level.reshape(N * W)
             h = params.embed[tok][:, None]
@@ -145,7 +145,7 @@ class TreeStep(SpecStep):
             for l in range(c.draft_layers):
 
                 def core(mixed, a, b, p, l=l):
-                    o, S, window = _draft_gdn(c, ssm[l], convs[l], mixed, a, b, p)
+                    o, S, window = _draft_gdn(c, ssm[l], convs[l], mixed, a, b, p, kernel=kernel)
                     new_ssm.append(S)
                     new_conv.append(window)
                     return o
