@@ -113,8 +113,8 @@ def verify(
         trees (``parents``) with it.
       beta_scale: beta's factor, a static float (None: 1.0): OLMo-Hybrid's
         ``linear_allow_neg_eigval`` makes beta ``2 sigmoid(b)`` (``beta_scale=2.0``), applied
-        after the sigmoid; the tape is unchanged (``u`` carries beta). Backends: ``"reference"``
-        and ``"pallas"``; ``"triton"`` and ``"mosaic"`` refuse it by name.
+        after the sigmoid; the tape is unchanged (``u`` carries beta). Backends: ``"reference"``,
+        ``"pallas"`` and ``"mosaic"``; ``"triton"`` refuses it by name.
     Returns:
       ``(outputs [N, D, HV, V], tape)`` (with ``out``, the outputs buffer, updated); the tape
       is :class:`Tuples` (``u [N, D, HV, V]``, ``k [N, D, H, K]``, ``g [N, D, HV]``, fp32) or :class:`Snapshots`

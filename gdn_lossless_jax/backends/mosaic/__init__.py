@@ -43,7 +43,9 @@ name = "mosaic"
 #: Both record modes (a pending snapshot commit is the Pallas scatter, then the verify: not fused);
 #: chains only; the platform's math; on a GPU the kernel's tiles need V a multiple of 64, K of 32
 #: (of 64 for a bfloat16 pool: checked by the kernel) and HV of 4.
-capabilities = Capabilities(multiples={"V": 64, "K": 32, "HV": 4}, control_forms=CONTROL_FORMS)
+# beta_scale and powers_of_two: the prologue is the Pallas backend's (Pallas Triton loads whole [K] rows).
+capabilities = Capabilities(multiples={"V": 64, "K": 32, "HV": 4}, control_forms=CONTROL_FORMS, beta_scale=True,
+                            powers_of_two=("K",))  # fmt: skip
 
 SMEM_PER_SM = 227 * 1024  # Hopper (sm_90): the shared memory an SM offers its CTAs
 GPU_ROWS = 64  # rows of a tile: the WGMMA layout's
@@ -269,12 +271,12 @@ def _verify(call: VerifyCall, *, config, thread_pool=False):
         if config.verify == "gram":  # the Gram prologue ("beta": the coefficients; stacked reads, tape writes by XLA)
             rows_c, Dp = coef_shape(D)
             qn, kn, g, beta, *bufs = gram_prep(q, k, a, b, A_log, dt_bias, scale=scale, Dp=Dp, interpret=interpret,
-                                                packed=rows_c, into=pre,
-                                                xlayer=layer[None] if stacked else None)  # fmt: skip
+                                                packed=rows_c, into=pre, xlayer=layer[None] if stacked else None,
+                                                beta_scale=call.beta_scale)  # fmt: skip
         else:
             qn, kn, g, beta, *bufs = prep(
                 q, k, a, b, A_log, dt_bias, scale=scale, interpret=interpret, heads=_pallas.VerifyConfig().prep_heads,
-                into=pre, xlayer=layer[None] if stacked else None,
+                into=pre, xlayer=layer[None] if stacked else None, beta_scale=call.beta_scale,
             )  # fmt: skip
 
     # per request: its slot, tape row and pending commit, with the commit's masks (reference.commit_masks)
