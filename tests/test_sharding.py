@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import importlib.util
 import os
 import re
@@ -35,7 +34,8 @@ import gdn_lossless_jax as gl
 from conftest import FULL_TESTS, ON_GPU, full_only, requires_gpu
 from equivalence import Case, check_commit, check_outputs, check_replay_every_step
 from gdn_lossless_jax import pool as gpool
-from gdn_lossless_jax import reference, rounding, sharding
+from gdn_lossless_jax import reference, sharding
+from gdn_lossless_jax.model import numerics
 from gdn_lossless_jax.testing.cases import Shape, commit_indices, verify_inputs
 from gdn_lossless_jax.testing import assert_bitwise_differs, assert_bitwise_equal, ulp_stats
 from gdn_lossless_jax.testing import controls
@@ -535,12 +535,10 @@ def test_model_spec_step_on_a_mesh_gives_identical_tokens(tp, dp, backend, seed,
     commit with prefix-cache track copies) on a 2 x 2 mesh (GDN heads over the tensor axis, batch
     rows, slots and scratch rows over the data axis; on GPUs also 2 x 1 and 1 x 2) == one device:
     the same tokens and accept counts (no near-tie excuse), and bit-identical final states (SSM, conv,
-    KV); on the CPU the top-2 gaps too. The attention's softmax fixes its order (``model.softmax``); the control,
-    ``jax.nn.softmax`` there, must differ: XLA:CPU handed one device's max (with the ``exp``
-    behind it) and sum over the 64 positions to YNNPACK, and the mesh's, on half the rows per
-    device, to its own ``reduce-window`` and ``reduce`` and a loop fusion."""
+    KV); on the CPU the top-2 gaps too. On the CPU (the invariant mode) with a data axis, the control
+    must differ: the mode's matmul replaced by one whose order of the sum over K depends on how many
+    rows a device gets (a data axis of 2 gives each half of them)."""
     from gdn_lossless_jax.model import SpecStep, allocate_state, get_config, init_params
-    from gdn_lossless_jax.model import model as model_mod
     from gdn_lossless_jax.model.decode import pool_from_mesh
 
     config, D = get_config("tiny"), 4
@@ -574,30 +572,27 @@ def test_model_spec_step_on_a_mesh_gives_identical_tokens(tp, dp, backend, seed,
     assert_bitwise_equal(want_state.pool, pool_from_mesh(p, config.geometry, tp), "the pool after 10 steps")
     assert_bitwise_equal(want_state.kv, got_state.kv, "the KV cache after 10 steps")
     assert p.ssm.sharding.is_equivalent_to(plan.sharding("pool_state", 5), 5)
-    if ON_GPU:  # the control shows XLA:CPU's choice; XLA:GPU chooses its own way
+    if ON_GPU or dp == 1:  # the invariant mode is the CPU's; with one data shard a device gets every row
         return
-    monkeypatch.setattr(model_mod, "per_query_attention", _batched_attention_nn_softmax)
+    monkeypatch.setattr(numerics, "_blocked_matmul", _row_count_matmul)
     (_, want_out, _), (_, got_out, _) = both(dataclasses.replace(config, name="tiny-control"))  # its own compile
     assert_bitwise_differs([o.gaps for o in want_out], [o.gaps for o in got_out],
-                           "control (a row's queries in one dot, jax.nn.softmax): if this no longer differs, XLA:CPU "
-                           "now gives both programs' softmax one order and the test above no longer exercises the "
-                           "case")  # fmt: skip
+                           "control (a matmul whose order over K depends on the rows a device gets)")  # fmt: skip
 
 
-def _batched_attention_nn_softmax(q, cache_k, cache_v, positions, tree=None):
-    """The control's attention: a row's queries in one dot and ``jax.nn.softmax``, whose max and sum
-    XLA:CPU orders per program (the mesh's and one device's differ), for the invariant mode's
-    per-query attention (``model.per_query_attention``)."""
+def _row_count_matmul(a, b, **kwargs):
+    """The control's matmul, different by construction on a data axis of 2: the invariant mode's blocked
+    dot (``numerics._blocked_matmul``) replaced by one whose sum over K runs in three chunks, associated
+    ``(p0 + p1) + p2`` where the call has a multiple of 16 rows (one device's 4 requests x 4 tokens), else
+    ``p0 + (p1 + p2)`` (a device of the mesh gets half of them)."""
     import math
 
-    from gdn_lossless_jax.model import model as model_mod
-
-    assert tree is None
-    ein = functools.partial(model_mod.einsum, preferred_element_type=jnp.float32, invariant=True)
-    scores = ein("ntgrh,nsgh->ngrts", q, cache_k) / math.sqrt(q.shape[-1])
-    mask = jnp.arange(cache_k.shape[1])[None, None, :] <= positions[:, :, None]
-    probs = jax.nn.softmax(jnp.where(mask[:, None, None], scores, -jnp.inf), axis=-1)
-    return ein("ngrts,nsgh->ntgrh", probs.astype(cache_v.dtype), cache_v)
+    M, K = math.prod(a.shape[:-1]), a.shape[-1]
+    chunks = [slice(0, K // 3), slice(K // 3, 2 * K // 3), slice(2 * K // 3, K)]
+    prec = numerics.dot_precision(a, b)
+    p = [jnp.matmul(a[..., c], b[c], precision=prec, preferred_element_type=jnp.float32) for c in chunks]
+    out = (p[0] + p[1]) + p[2] if M % 16 == 0 else p[0] + (p[1] + p[2])
+    return out.astype(kwargs.get("preferred_element_type") or a.dtype)
 
 
 @needs_devices(2)
