@@ -141,7 +141,7 @@ MODELS: dict[str, Geometry] = {
     "qwen3.6-35b-a3b": Geometry("Qwen3.5/3.6-35B-A3B", gdn_layers=30, num_k_heads=16, num_v_heads=32, layers=40),
     "qwen3.8-27b": Geometry("Qwen3.5/3.8-27B", gdn_layers=48, num_k_heads=16, num_v_heads=48, layers=64, kv_heads=4),
 }
-# The other families' released models (issue 62), by model_type: not in MODELS, whose tools (the seed's
+# The other families' released models, by model_type: not in MODELS, whose tools (the seed's
 # table, --tp, trees) are Qwen's GDN ones.
 # - Olmo-Hybrid-7B (allenai): 32 layers, layer_types [linear x 3, full] x 8 (24 GDN, 8 attention),
 #   linear heads 30/30, linear_key_head_dim 96, linear_value_head_dim 192, conv 4; 30 attention heads, 30 KV

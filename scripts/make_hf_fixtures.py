@@ -30,7 +30,7 @@ a few units wide and greedy top-2 gaps sit far above fp32 noise), and the norms'
 the gated norms' weights, ``dt_bias`` and ``A_log`` drawn at random (an all-zero ``weight`` would hide
 a norm applying ``weight`` instead of ``1 + weight``).
 
-The other families (issue 62; no MTP block: their checkpoints ship none):
+The other families (no MTP block: their checkpoints ship none):
 
 - ``olmo_hybrid``: ``OlmoHybridForCausalLM`` with ``linear_allow_neg_eigval`` on (beta = 2 sigmoid(b)),
   no RoPE (``rope_parameters.rope_theta`` null, as the released checkpoints), GDN with H = 2, HV = 4,
@@ -98,7 +98,7 @@ def configs():
     return {"qwen3_next": nxt, "qwen3_5": q35, "qwen3_5_moe": moe}
 
 
-#: The families beside Qwen (issue 62): tiny configs; pad token 0 (inside the vocabulary), no BOS/EOS.
+#: The families beside Qwen: tiny configs; pad token 0 (inside the vocabulary), no BOS/EOS.
 OTHER = dict(vocab_size=VOCAB, hidden_size=D_MODEL, num_hidden_layers=4, initializer_range=0.2, pad_token_id=0,
              bos_token_id=None, eos_token_id=None, tie_word_embeddings=False)  # fmt: skip
 OLMO = dict(OTHER, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,

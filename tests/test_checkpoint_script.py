@@ -1,4 +1,4 @@
-"""``scripts/random_checkpoint.py`` and ``scripts/checkpoint_run.py`` (the H200 checkpoint run, issue 51)
+"""``scripts/random_checkpoint.py`` and ``scripts/checkpoint_run.py`` (the H200 checkpoint run)
 on a tiny random checkpoint: the writer's files load with ``load_pretrained`` as the Hub's
 Qwen3.6-35B-A3B layout (nested ``text_config``, ``model.language_model.``, fused experts, ``mtp.*``),
 and the run's checks pass."""

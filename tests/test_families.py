@@ -1,4 +1,4 @@
-"""OLMo-Hybrid and Kimi Linear checkpoints (issue 62, phase 1): ``load_pretrained`` against transformers.
+"""OLMo-Hybrid and Kimi Linear checkpoints: ``load_pretrained`` against transformers.
 
 The fixtures (``tests/fixtures/hf/{olmo_hybrid,olmo_hybrid_noneg,kimi_linear}``) are tiny random checkpoints that
 transformers 5.25.0 wrote (``scripts/make_hf_fixtures.py``, which documents each one's layout), with its logits and

@@ -134,7 +134,7 @@ def test_ksum_fixed_order_gives_each_shard_shape_the_same_bits(seed):
     and on the rows a shard of a mesh holds (so ``l2norm`` and ``prepare`` give a shard the whole's
     bits too). Control (CPU): ``jnp.sum`` of the same terms gives some shard's rows other bits than the
     whole's: XLA:CPU chose the order by shape (YNNPACK's one reduce for the whole, a 32-wide
-    reduce-window and a reduce for a slice), the fault of issue 49 on an 8-way mesh."""
+    reduce-window and a reduce for a slice), the fault once seen on an 8-way mesh."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((2, 8, 8, 128), dtype=np.float32)
     y = rng.standard_normal((2, 8, 8, 128), dtype=np.float32)

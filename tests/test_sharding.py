@@ -383,7 +383,7 @@ def test_shard_controls_are_caught(seed):
 # The real head size (K = V = 128), D = 8, tensor axes of 2, 4 and 8.
 # ---------------------------------------------------------------------------------
 # H = 8 q/k heads of 2 v-heads each: an 8-way tensor axis leaves one q/k head per device (as the
-# gpu size's 16 on 8 devices, issue 49), the 4 x 2 mesh two q/k heads and one request per device.
+# gpu size's 16 on 8 devices), the 4 x 2 mesh two q/k heads and one request per device.
 HEAD128 = Shape(N=2, D=8, H=8, HV=16, K=128, V=128)
 MESHES_128 = [(2, 1), (4, 1), (8, 1), (4, 2)]
 # Where XLA:CPU, left to choose (jnp.sum), summed a shard's K terms in another order than one
@@ -399,7 +399,7 @@ def test_shard_verify_and_commit_at_head_size_128(tp, dp, backend, seed, monkeyp
     has. The snapshot tape on the 8-way mesh (the outputs do not depend on the mode). Controls (CPU):
     the K sums left to XLA (``jnp.sum``) on the mesh must differ from one device's; and on the
     meshes of ``XLA_SPLITS_128`` the code before the fix (``jnp.sum`` on both sides) must differ
-    too: issue 49's fault, which the fixed order removes."""
+    too: the fault the fixed order removes."""
     plan, s = make_plan(tp, dp), HEAD128
     x = verify_inputs(seed, s, kind="mixed")
     want = {}
@@ -425,7 +425,7 @@ def test_shard_verify_and_commit_at_head_size_128(tp, dp, backend, seed, monkeyp
         assert_bitwise_differs(want["tuples"], on_mesh, f"control: the K sums by jnp.sum on the {tp}x{dp} mesh")
         if (tp, dp) in XLA_SPLITS_128:
             assert_bitwise_differs(jax.jit(xla_order)(x), on_mesh,
-                                   f"control: jnp.sum on one device and on the {tp}x{dp} mesh (issue 49): if this no "
+                                   f"control: jnp.sum on one device and on the {tp}x{dp} mesh: if this no "
                                    "longer differs, XLA:CPU now sums both shapes in one order and the test above no "
                                    "longer exercises the case")  # fmt: skip
 
@@ -633,7 +633,7 @@ def test_model_spec_loop_on_a_2x1_mesh_equals_one_device(seed):
 @needs_mesh
 def test_model_spec_step_on_an_8_way_mesh_at_head_size_128_is_identical(seed, monkeypatch):
     """The demo model's step with K = V = 128 heads over an 8-way tensor axis (one q/k head and its
-    two v-heads per device, as the gpu size's 16 heads on 8 devices: issue 49) and D = 8: the step
+    two v-heads per device, as the gpu size's 16 heads on 8 devices) and D = 8: the step
     outputs (on the CPU the top-2 gaps too) and the final states (SSM, conv, KV) are one device's bit
     for bit, tokens with no near-tie excuse. The reference's K sums (verify, and the draft's step) and the
     model's norms are fixed pairwise trees. Control (CPU): the reference's K sums left to XLA
@@ -810,7 +810,7 @@ def test_demo_mesh_errors_name_the_argument_and_sizes(capsys):
 
 
 # ---------------------------------------------------------------------------------
-# One device: the sharded code path equals the unsharded one (the GPU run of issue 21's "costs
+# One device: the sharded code path equals the unsharded one (the GPU check that it "costs
 # no more than 3%" is benchmarks/step.py --kinds scan,scan-mesh,pool-scan,pool-scan-mesh).
 # ---------------------------------------------------------------------------------
 def _ops(compiled) -> collections.Counter:

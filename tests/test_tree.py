@@ -412,7 +412,7 @@ def test_tree_gradients(seed):
 
 
 # ------------------------------------------------------------------------------------------
-# Path checks in every form (issue 57): every concrete index argument (NumPy or a jax array that
+# Path checks in every form: every concrete index argument (NumPy or a jax array that
 # is not a tracer, such as path_to's) is checked at call time, traced ones with checked=True;
 # commit, replay and pool.commit alike, for a chain and a tree
 # ------------------------------------------------------------------------------------------
@@ -526,7 +526,7 @@ def test_the_paths_are_the_nodes(target, kind):
 
 
 def _old_gate(x, raw=None):
-    """The host check's gate before issue 57: NumPy values only (a jax array, concrete or not, skipped it)."""
+    """The host check's earlier gate: NumPy values only (a jax array, concrete or not, skipped it)."""
     for v in (raw, x):
         if isinstance(v, (np.ndarray, list)):
             return np.asarray(v)

@@ -224,7 +224,8 @@ class FamilyModel:
 def load_family(path: str, full: dict, dtype: str, *, draft: str = "auto", draft_layers: int | None = None,
                 backend: str = "auto") -> FamilyModel:
     """:func:`~gdn_lossless_jax.model.hf.load_pretrained` for ``olmo_hybrid`` and ``kimi_linear`` (``full``: the
-    folder's ``config.json``; ``dtype`` resolved). These checkpoints have no draft yet: ``draft`` must be
+    folder's ``config.json``; ``dtype`` resolved): the family module's config, parameters and forward; every tensor
+    used, or an error naming the first unexpected one. These checkpoints have no draft yet: ``draft`` must be
     ``"auto"`` and ``draft_layers`` None."""
     import os
 
@@ -233,7 +234,17 @@ def load_family(path: str, full: dict, dtype: str, *, draft: str = "auto", draft
     mt = full["model_type"]
     if draft != "auto" or draft_layers is not None:
         raise ValueError(f"load_pretrained: arguments draft={draft!r}, draft_layers={draft_layers!r}: a {mt} "
-                         f"checkpoint has no draft yet (issue 62, phase 2); leave them at 'auto' and None")  # fmt: skip
+                         f"checkpoint has no draft yet; leave them at 'auto' and None")  # fmt: skip
     family = {"olmo_hybrid": olmo_hybrid, "kimi_linear": kimi_linear}[mt]
-    return family.load(Checkpoint(path), full, dtype=dtype, name=os.path.basename(os.path.normpath(path)),
-                       file=os.path.join(path, "config.json"), backend=backend)  # fmt: skip
+    ckpt = Checkpoint(path)
+    c = family.config_from_dict(full, dtype=dtype, name=os.path.basename(os.path.normpath(path)),
+                                file=os.path.join(path, "config.json"))  # fmt: skip
+    r = Reader(ckpt, c.jnp_dtype, family.RENAMES)
+    params = family.load_params(r, c)
+    if c.tie_embeddings and r.has("lm_head.weight"):
+        stored = r.raw("lm_head.weight", (c.vocab, c.d_model))
+        if not np.array_equal(np.asarray(stored), np.asarray(ckpt.get("model.embed_tokens.weight"))):
+            refuse(ckpt.path, "tie_word_embeddings is true, but tensor 'lm_head.weight' differs from "
+                              "'model.embed_tokens.weight'")  # fmt: skip
+    r.check_all_used(mt)
+    return FamilyModel(c, params, family.forward, path=ckpt.path, report={"skipped": {}, "mtp": False}, backend=backend)

@@ -44,10 +44,10 @@ from ... import kda
 from ...config import Geometry
 from ..model import MLPParams, einsum, matmul, softmax
 from .arch import mlp
-from .family import FamilyModel, Reader, causal_conv_silu, conv_weight, get, plain_rmsnorm, refuse
+from .family import Reader, causal_conv_silu, conv_weight, get, plain_rmsnorm, refuse
 
 __all__ = ["KimiLinearConfig", "KDAParams", "MLAParams", "KimiMoEParams", "KimiBlock", "KimiLinearParams",
-           "config_from_dict", "load_params", "forward", "load", "RENAMES", "route", "linear_inputs", "linear_output",
+           "config_from_dict", "load_params", "forward", "RENAMES", "route", "linear_inputs", "linear_output",
            "linear_weights", "attention", "block", "head", "geometry"]  # fmt: skip
 
 F32 = jnp.float32
@@ -434,13 +434,3 @@ def geometry(c: KimiLinearConfig) -> Geometry:
                     num_v_heads=c.num_heads, head_k_dim=c.head_dim, head_v_dim=c.head_dim, conv_kernel=c.conv_kernel,
                     layers=len(c.layer_types), kv_heads=1, kv_head_dim=c.kv_lora_rank + c.qk_rope_head_dim,
                     linear_attention="kda")  # fmt: skip
-
-
-def load(ckpt, full: dict, *, dtype: str, name: str, file: str, backend: str = "auto") -> FamilyModel:
-    """A checkpoint folder's :class:`~gdn_lossless_jax.model.hf.family.FamilyModel` (every tensor used, or an
-    error naming the first unexpected one)."""
-    c = config_from_dict(full, dtype=dtype, name=name, file=file)
-    r = Reader(ckpt, c.jnp_dtype, RENAMES)
-    params = load_params(r, c)
-    r.check_all_used("kimi_linear")
-    return FamilyModel(c, params, forward, path=ckpt.path, report={"skipped": {}, "mtp": False}, backend=backend)

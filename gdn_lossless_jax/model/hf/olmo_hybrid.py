@@ -34,10 +34,10 @@ from ... import reference
 from ...config import Geometry
 from ..model import MLPParams, einsum, matmul, softmax
 from .arch import gated_rmsnorm, mlp
-from .family import FamilyModel, Reader, causal_conv_silu, conv_weight, get, plain_rmsnorm, refuse
+from .family import Reader, causal_conv_silu, conv_weight, get, plain_rmsnorm, refuse
 
 __all__ = ["OlmoHybridConfig", "OlmoGDNParams", "OlmoAttentionParams", "OlmoBlock", "OlmoHybridParams",
-           "config_from_dict", "load_params", "forward", "load", "RENAMES", "linear_inputs", "linear_output",
+           "config_from_dict", "load_params", "forward", "RENAMES", "linear_inputs", "linear_output",
            "linear_weights", "attention", "block", "head", "geometry"]  # fmt: skip
 
 F32 = jnp.float32
@@ -341,19 +341,3 @@ def geometry(c: OlmoHybridConfig) -> Geometry:
                     num_v_heads=c.num_v_heads, head_k_dim=c.head_k_dim, head_v_dim=c.head_v_dim,
                     conv_kernel=c.conv_kernel, layers=len(c.layer_types), kv_heads=c.kv_heads,
                     kv_head_dim=c.attn_head_dim)  # fmt: skip
-
-
-def load(ckpt, full: dict, *, dtype: str, name: str, file: str, backend: str = "auto") -> FamilyModel:
-    """A checkpoint folder's :class:`~gdn_lossless_jax.model.hf.family.FamilyModel` (every tensor used, or an
-    error naming the first unexpected one)."""
-    c = config_from_dict(full, dtype=dtype, name=name, file=file)
-    r = Reader(ckpt, c.jnp_dtype, RENAMES)
-    params = load_params(r, c)
-    if c.tie_embeddings and r.has("lm_head.weight"):
-        stored = r.raw("lm_head.weight", (c.vocab, c.d_model))
-        if not np.array_equal(np.asarray(stored), np.asarray(ckpt.get("model.embed_tokens.weight"))):
-            refuse(ckpt.path, "tie_word_embeddings is true, but tensor 'lm_head.weight' differs from "
-                              "'model.embed_tokens.weight'")  # fmt: skip
-    r.check_all_used("olmo_hybrid")
-    return FamilyModel(c, params, forward, path=ckpt.path, report={"skipped": {}, "mtp": False}, backend=backend)
-
