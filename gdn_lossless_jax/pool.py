@@ -224,9 +224,6 @@ def allocate(
         raise ValueError(f"{fn}: record must be one of {POOL_RECORD_MODES}, got {record!r} (seed_ring, the pull "
                          "request's layout, is counted by gdn_lossless_jax.memory, not allocated)")  # fmt: skip
     record = record_type(record, fn, geometry.decay)  # a KDA geometry's "tuples": KDATuples
-    if defer_commit and geometry.linear_attention == "kda":
-        raise ValueError(f"{fn}: defer_commit=True is not supported for geometry {geometry.name!r} (KDA layers); "
-                         "commit each step (defer_commit=False)")  # fmt: skip
     if jnp.dtype(state_dtype) not in checks.STATE_DTYPES:
         raise TypeError(f"{fn}: state_dtype must be float32 or bfloat16, got {jnp.dtype(state_dtype)}")
     if not jnp.issubdtype(conv_dtype, jnp.floating):

@@ -12,6 +12,7 @@ from gdn_lossless_jax import conv, pool as P, testing
 from gdn_lossless_jax.testing.cases import commit_indices
 from gdn_lossless_jax.config import Geometry, get_geometry
 from gdn_lossless_jax.tape import KDATuples, Snapshots
+from gdn_lossless_jax.testing import assert_bitwise_differs, assert_bitwise_equal
 
 # Reduced Qwen3.6-35B-A3B: 2 GDN layers, H=2, HV=4, K=V=16 (conv_dim 128), Kc = 4.
 SMALL = get_geometry("qwen3.6-35b-a3b").reduced(gdn_layers=2, heads_divisor=8, head_dim=16)
@@ -62,14 +63,47 @@ def test_rejected_before_any_allocation(kwargs, match):
         P.allocate(get_geometry("qwen3.8-27b"), **args)
 
 
+@pytest.mark.parametrize("record", ["tuples", "snapshots"])
+def test_kda_pool_deferred_commit_is_the_commit(record, seed):
+    """A KDA pool that defers its commit into the next verify (``defer_commit=True``): three steps of two layers, then a
+    flush, give the outputs, SSM states and conv windows of the pool that commits every step, bit for bit. Control:
+    without the flush the last step's commit is still pending (the SSM states differ)."""
+    H, K, D, N = 2, 8, 4, 3
+    kda = Geometry("kda-defer", gdn_layers=2, num_k_heads=H, num_v_heads=H, head_k_dim=K, head_v_dim=K,
+                   linear_attention="kda")  # fmt: skip
+    rng = np.random.default_rng(seed)
+    conv_dim = 3 * H * K
+    layers = [(jnp.asarray(rng.uniform(-1, 1, (conv_dim, 4)), jnp.float32),
+               jnp.asarray(np.log(rng.uniform(0.2, 2, H)), jnp.float32),
+               jnp.asarray(rng.standard_normal((H, K)), jnp.float32)) for _ in range(2)]  # fmt: skip
+    draws = [[(jnp.asarray(rng.standard_normal((N, D, conv_dim)), jnp.bfloat16),
+               jnp.asarray(rng.standard_normal((N, D, H, K)), jnp.bfloat16),
+               jnp.asarray(rng.standard_normal((N, D, H)), jnp.bfloat16)) for _ in layers] for _ in range(3)]  # fmt: skip
+    steps = [jnp.asarray(rng.integers(-1, D, N), jnp.int32) for _ in range(3)]
+    slots = jnp.array([4, 0, 2], jnp.int32)
+
+    def run(defer: bool, flush: bool = True):
+        pool, outs = P.allocate(kda, slots=6, requests=N, drafts=D, record=record, defer_commit=defer), []
+        for inputs, accepted in zip(draws, steps):
+            for layer, ((mixed, a, b), (w, A_log, dt_bias)) in enumerate(zip(inputs, layers)):
+                o, pool = P.verify_layer(pool, layer, mixed, a, b, w, None, A_log, dt_bias, slots)
+                outs.append(o)
+            pool = P.commit(pool, slots, accepted)
+        pool = P.flush(pool) if flush else pool
+        return outs, pool.ssm, pool.conv
+
+    want, got = run(False), run(True)
+    for name, w, g in zip(("outputs", "SSM states", "conv windows"), want, got):
+        assert_bitwise_equal(w, g, f"KDA {record}, deferred == committed every step: {name}")
+    assert_bitwise_differs(want[1], run(True, flush=False)[1], "control: the last commit left pending")
+
+
 def test_kda_pools_and_non_dividing_heads():
     kda = Geometry("Kimi-Linear-like", gdn_layers=2, num_k_heads=2, num_v_heads=2, head_k_dim=8, head_v_dim=8,
                    linear_attention="kda")  # fmt: skip
     with pytest.raises(ValueError, match=r"allocate: geometry 'Kimi-Linear-like' has KDA layers: draft trees "
                                          r"\(topk=2, parents\) are not supported"):  # fmt: skip
         P.allocate(kda, slots=2, requests=2, drafts=4, topk=2)
-    with pytest.raises(ValueError, match=r"allocate: defer_commit=True is not supported for geometry 'Kimi-Linear-"):
-        P.allocate(kda, slots=2, requests=2, drafts=4, defer_commit=True)
     assert type(P.allocate(kda, slots=2, requests=2, drafts=4).tape) is KDATuples
     assert type(P.allocate(kda, slots=2, requests=2, drafts=4, record="snapshots").tape) is Snapshots
     with pytest.raises(ValueError, match=r"num_k_heads H=3 must divide num_v_heads HV=32"):
