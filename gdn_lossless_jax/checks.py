@@ -434,9 +434,6 @@ def verify_args(fn, state0, q, k, v, a, b, A_log, dt_bias, *, record=None, scale
         raise ValueError(f"{fn}: need at least one draft step, got D={D} (q has shape {fmt_shape(shape_of(q))})")
     check_heads(fn, H, HV)
     parents = check_tree(fn, parents, topk, N, D)
-    if parents is not None and decay == "channel":
-        raise ValueError(f"{fn}: argument 'parents': draft trees of a per-channel decay (KDA, decay='channel') are not "
-                         "supported; verify a chain (parents=None)")  # fmt: skip
     buf = tape_layer = None
     if tape is not None:
         record, layered = check_tape_buffer(fn, tape, record, N, D, H, HV, V, K, state0.dtype, layer, decay)

@@ -73,14 +73,11 @@ def check_supported(fn: str, geometry: Geometry, *, drafts: int = 1, topk: int =
 
     Heads that do not divide, a draft tree that is not one (``parents`` ``[drafts]`` or
     ``[R, drafts]``, each parent in ``[-1, d)``, at most ``topk`` children a node;
-    :func:`gdn_lossless_jax.checks.check_tree`), or a draft tree of KDA layers (chains only).
+    :func:`gdn_lossless_jax.checks.check_tree`).
     ``topk > 1`` without ``parents`` is a pool for trees given per step.
     """
     if not isinstance(geometry, Geometry):
         raise TypeError(f"{fn}: argument 'geometry' must be a Geometry, got {type(geometry).__name__}")
-    if geometry.linear_attention == "kda" and (topk > 1 or parents is not None):
-        raise ValueError(f"{fn}: geometry {geometry.name!r} has KDA layers: draft trees (topk={topk}, parents) are "
-                         "not supported for them; verify chains (topk=1, parents=None)")  # fmt: skip
     check_heads(fn, geometry.num_k_heads, geometry.num_v_heads)
     if parents is None:  # (topk > 1: trees given per step; only its type and sign are checked)
         checks.check_topk(fn, topk)

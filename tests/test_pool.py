@@ -101,9 +101,7 @@ def test_kda_pool_deferred_commit_is_the_commit(record, seed):
 def test_kda_pools_and_non_dividing_heads():
     kda = Geometry("Kimi-Linear-like", gdn_layers=2, num_k_heads=2, num_v_heads=2, head_k_dim=8, head_v_dim=8,
                    linear_attention="kda")  # fmt: skip
-    with pytest.raises(ValueError, match=r"allocate: geometry 'Kimi-Linear-like' has KDA layers: draft trees "
-                                         r"\(topk=2, parents\) are not supported"):  # fmt: skip
-        P.allocate(kda, slots=2, requests=2, drafts=4, topk=2)
+    assert type(P.allocate(kda, slots=2, requests=2, drafts=4, topk=2).tape) is KDATuples  # trees (test_verify_forms)
     assert type(P.allocate(kda, slots=2, requests=2, drafts=4).tape) is KDATuples
     assert type(P.allocate(kda, slots=2, requests=2, drafts=4, record="snapshots").tape) is Snapshots
     with pytest.raises(ValueError, match=r"num_k_heads H=3 must divide num_v_heads HV=32"):

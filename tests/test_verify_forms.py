@@ -178,10 +178,55 @@ def test_kda_refusals():
     with pytest.raises(ValueError, match=r"verify: argument 'a' must have shape \[N, D, HV, K\] = \[3, 4, 4, 16\] "
                                          r".*got \[3, 4, 4\]"):
         gl.verify(*args[:4], args[4][..., 0], *args[5:], decay="channel")
-    with pytest.raises(ValueError, match=r"verify: argument 'parents': draft trees of a per-channel decay"):
-        gl.verify(*args, decay="channel", parents=np.array([-1, 0, 0, 1]), topk=2)
     with pytest.raises(ValueError, match=r"verify: decay must be one of \('scalar', 'channel'\).* got 'rows'"):
         gl.verify(*args, decay="rows")
+
+
+def _root_path(parents, node):
+    path = [node]
+    while parents[path[-1]] >= 0:
+        path.append(int(parents[path[-1]]))
+    return path[::-1]
+
+
+@pytest.mark.parametrize("parents", [[-1, 0, 0, 1], [-1, 0, 1, 0], [-1, 0, 0, 0]])
+def test_kda_trees(parents, seed):
+    """A KDA draft tree (``parents``; the reference): each node's output and snapshot equal the chain along its root
+    path, bit for bit, and committing or replaying the tuple tape along a node's path gives that node's snapshot.
+    Controls: the per-channel decay applied as a scalar, and paths with nodes 1 and 2 swapped, differ."""
+    x = _kda_inputs(seed % 2**31)
+    names = ("q", "k", "v", "f", "b", "A_log", "dt_bias")
+    par = jnp.asarray(parents, jnp.int32)
+    run = {r: gl.verify(x["state0"], *[x[n] for n in names], decay="channel", parents=par, topk=3, record=r)
+           for r in ("tuples", "snapshots")}  # fmt: skip
+    (o, tape), (o_snap, snaps) = run["tuples"], run["snapshots"]
+    assert type(tape) is KDATuples
+    assert_bitwise_equal(o_snap, o, "tree outputs: snapshots == tuples")
+    paths = [_root_path(parents, node) for node in range(D)]
+    for node, path in enumerate(paths):
+        along = lambda t, path=path: t[:, path]  # noqa: E731
+        oc, chain = gl.verify(x["state0"], *[along(x[n]) for n in names[:5]], x["A_log"], x["dt_bias"],
+                              decay="channel", record="snapshots")  # fmt: skip
+        assert_bitwise_equal(oc[:, -1], o[:, node], f"node {node}: output == the chain's along {path}")
+        assert_bitwise_equal(chain.states[:, -1], snaps.states[:, node], f"node {node}: state == the chain's")
+    # every request commits another node: request i the node i + 1 (mod D)
+    nodes = [(i + 1) % D for i in range(N)]
+    P = max(len(p) for p in paths)
+    path = jnp.asarray([paths[n] + [-1] * (P - len(paths[n])) for n in nodes], jnp.int32)
+    steps = jnp.asarray([len(paths[n]) - 1 for n in nodes], jnp.int32)
+    want = jnp.stack([snaps.states[i, n] for i, n in enumerate(nodes)])
+    slots = jnp.arange(N, dtype=jnp.int32)
+    pool = x["state0"][None]
+    for tp in (tape, snaps):
+        got = gl.commit(pool, gl.stack_tapes([tp]), slots, steps, path=path, parents=par)
+        assert_bitwise_equal(want, got[0], f"{type(tp).__name__}: commit along each node's path == its snapshot")
+    assert_bitwise_equal(want, gl.replay(x["state0"], tape, steps, path=path, parents=par), "replay along the paths")
+    wrong = reference.replay(x["state0"], jax.tree.map(lambda t: jnp.take_along_axis(
+        t, jnp.maximum(path, 0).reshape(N, P, *[1] * (t.ndim - 2)), axis=1), tape), steps,
+        rule=KDA_CONTROLS["scalar_decay"])  # fmt: skip
+    assert_bitwise_differs(want, wrong, "control: the per-channel decay as a scalar along the paths")
+    swapped = jnp.where(path == 1, 2, jnp.where(path == 2, 1, path))  # nodes 1 and 2 trade places on every path
+    assert_bitwise_differs(want, gl.replay(x["state0"], tape, steps, path=swapped), "control: nodes 1 and 2 swapped")
 
 
 def test_kda_commit_and_verify():
