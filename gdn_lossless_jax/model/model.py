@@ -157,10 +157,7 @@ class ModelConfig:
                              f"attention_interval={self.attention_interval})")
         if jnp.dtype(self.dtype) not in (jnp.dtype(F32), jnp.dtype(jnp.bfloat16)):
             raise ValueError(f"ModelConfig {self.name!r}: dtype must be float32 or bfloat16, got {self.dtype!r}")
-        if self.invariant not in (None, True, False):
-            raise ValueError(
-                f"ModelConfig {self.name!r}: invariant must be None, True or False, got {self.invariant!r}"
-            )
+        numerics.check_invariant(self.invariant, f"ModelConfig {self.name!r}")
 
     @property
     def invariant_dots(self) -> bool:
@@ -169,15 +166,7 @@ class ModelConfig:
 
         Raises NotImplementedError for ``invariant=True`` on another platform: only XLA:CPU's
         blocked dots are established (a GPU needs its own, e.g. a Pallas matmul of fixed tiles)."""
-        platform = jax.default_backend()
-        if self.invariant is None:
-            return platform == "cpu"
-        if self.invariant and platform != "cpu":
-            raise NotImplementedError(
-                f"ModelConfig {self.name!r}: invariant=True is implemented for the CPU only (JAX's default backend is "
-                f"{platform!r}); use invariant=None or False there"
-            )
-        return self.invariant
+        return numerics.invariant_mode(self.invariant, f"ModelConfig {self.name!r}")
 
     def is_attention(self, block: int) -> bool:
         return (block + 1) % self.attention_interval == 0

@@ -35,6 +35,33 @@ __all__ = [
 F32 = jnp.float32
 
 
+def check_invariant(invariant, owner: str) -> None:
+    """A model config's ``invariant`` field must be None, True or False (``owner`` names the config in
+    the ValueError). :class:`~gdn_lossless_jax.model.model.ModelConfig` and
+    :class:`~gdn_lossless_jax.model.hf.config.HFConfig` check theirs with it."""
+    if invariant not in (None, True, False):
+        raise ValueError(f"{owner}: invariant must be None, True or False, got {invariant!r}")
+
+
+def invariant_mode(invariant: bool | None, owner: str) -> bool:
+    """Whether a model's dots run in the invariant mode, given its config's ``invariant``: that value,
+    or when it is None, whether JAX's default backend is the CPU (read when a step is traced).
+    :attr:`ModelConfig.invariant_dots <gdn_lossless_jax.model.model.ModelConfig.invariant_dots>` and
+    :attr:`HFConfig.invariant_dots <gdn_lossless_jax.model.hf.config.HFConfig.invariant_dots>` are this.
+
+    Raises NotImplementedError (naming ``owner``) for ``invariant=True`` on another platform: only
+    XLA:CPU's blocked dots are established (a GPU needs its own, e.g. a Pallas matmul of fixed tiles)."""
+    platform = jax.default_backend()
+    if invariant is None:
+        return platform == "cpu"
+    if invariant and platform != "cpu":
+        raise NotImplementedError(
+            f"{owner}: invariant=True is implemented for the CPU only (JAX's default backend is "
+            f"{platform!r}); use invariant=None or False there"
+        )
+    return invariant
+
+
 def _float64_scope():
     try:
         from jax import enable_x64

@@ -9,6 +9,7 @@ import os
 import jax.numpy as jnp
 
 from ...config import Geometry
+from .. import numerics
 
 __all__ = ["HFConfig", "MODEL_TYPES", "FAMILY_TYPES", "read_config"]
 
@@ -47,6 +48,19 @@ class HFConfig:
       draft: ``"mtp"`` (the checkpoint's MTP block) or ``"self"`` (the first ``draft_layers``
         blocks, all GDN, then the final norm and head).
       dtype: parameters and activations (norms, gates, softmax, the GDN state in fp32).
+      invariant: the *invariant decoding mode* (:attr:`invariant_dots`), as the demo model's
+        (:class:`~gdn_lossless_jax.model.model.ModelConfig`): every matmul and einsum computes each
+        row (token) in dots of one fixed shape (:func:`~gdn_lossless_jax.model.numerics.matmul`; the
+        MoE's experts one at a time), the attention each query alone
+        (:func:`~gdn_lossless_jax.model.numerics.per_query_attention`), the elementwise functions in
+        float64 rounded once (:func:`~gdn_lossless_jax.model.numerics.transcendental`), and every
+        rounding to ``dtype`` is pinned (an optimization barrier), at the points where transformers
+        rounds. On the CPU ``tests/test_hf_invariance.py`` shows on tiny random checkpoints that
+        speculative greedy decoding (the MTP draft or the self-draft, D of 1, 2 or 4) ends with plain
+        greedy decoding's tokens and states bit for bit, and that a request alone and beside others in a
+        batch gets the same bits (the mode off: they differ). None (the
+        default): on when JAX's default backend is the CPU, off elsewhere (XLA's dots as they are).
+        True on another platform raises NotImplementedError.
     """
 
     model_type: str
@@ -77,6 +91,7 @@ class HFConfig:
     draft_layers: int = 1
     dtype: str = "float32"
     name: str = "checkpoint"
+    invariant: bool | None = None
 
     def __post_init__(self):
         if self.draft not in ("mtp", "self"):
@@ -91,6 +106,16 @@ class HFConfig:
                 )
         if jnp.dtype(self.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
             raise ValueError(f"HFConfig: dtype must be float32 or bfloat16, got {self.dtype!r}")
+        numerics.check_invariant(self.invariant, "HFConfig")
+
+    @property
+    def invariant_dots(self) -> bool:
+        """Whether the model runs in the invariant mode (see ``invariant``): ``invariant``, or when it
+        is None, whether JAX's default backend is the CPU (read when a step is traced).
+
+        Raises NotImplementedError for ``invariant=True`` on another platform: only XLA:CPU's
+        blocked dots are established (a GPU needs its own, e.g. a Pallas matmul of fixed tiles)."""
+        return numerics.invariant_mode(self.invariant, "HFConfig")
 
     @property
     def layers(self) -> int:
@@ -131,7 +156,7 @@ class HFConfig:
             f"HV={self.num_v_heads} K={self.head_k_dim} V={self.head_v_dim}, {self.kinds.count('attention')} attention "
             f"{self.attn_heads}q/{self.kv_heads}kv x {self.attn_head_dim}, rotary {self.rotary_dim}){moe}, d_model "
             f"{self.d_model}, vocab {self.vocab}, {self.dtype}{', tied head' if self.tie_embeddings else ''}; "
-            f"draft: {draft}"
+            f"draft: {draft}" + (f"; invariant={self.invariant}" if self.invariant is not None else "")
         )
 
 
