@@ -242,18 +242,20 @@ def einsum(spec: str, a: jax.Array, b: jax.Array, *, invariant: bool = False, **
     return _per_device(lambda x, y: jax.lax.map(row, (x, y)), (a, b))
 
 
-def _query_attention(q: jax.Array, keys: jax.Array, vals: jax.Array, position: jax.Array) -> jax.Array:
+def _query_attention(q: jax.Array, keys: jax.Array, vals: jax.Array, position: jax.Array,
+                     scale: float | None = None) -> jax.Array:  # fmt: skip
     """One query's attention, ``q [nkv, r, hd]`` over ``keys``, ``vals [Tmax, nkv, hd]`` up to
     ``position`` (a scalar): ``[nkv, r, hd]`` fp32. Its operands and result behind optimization
     barriers: every query of every program computes this same function of the same shapes. The
     values past ``position`` are zeroed (another step may have written other ones there: a chunk's
     later tokens, a rejected draft's), so the value dot's operands are the same bits in every
-    program, its masked terms included."""
+    program, its masked terms included. ``scale``: None, the scores divided by ``sqrt(hd)``; a number,
+    the scores multiplied by it (transformers' ``scaling``, as the checkpoint models have it)."""
     q, keys, vals, position = jax.lax.optimization_barrier((q, keys, vals, position))
     hd, Tmax = q.shape[-1], keys.shape[0]
     seen = jnp.arange(Tmax) <= position
     scores = jnp.einsum("grh,sgh->grs", q, keys, precision=dot_precision(q, keys), preferred_element_type=F32)
-    scores = jnp.where(seen, scores / math.sqrt(hd), -jnp.inf)
+    scores = jnp.where(seen, scores / math.sqrt(hd) if scale is None else scores * scale, -jnp.inf)
     probs = softmax(scores, invariant=True).astype(vals.dtype)
     vals = jnp.where(seen[:, None, None], vals, jnp.zeros((), vals.dtype))
     out = jnp.einsum("grs,sgh->grh", probs, vals, precision=dot_precision(probs, vals), preferred_element_type=F32)
@@ -261,7 +263,7 @@ def _query_attention(q: jax.Array, keys: jax.Array, vals: jax.Array, position: j
 
 
 def per_query_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, positions: jax.Array,
-                        tree=None) -> jax.Array:  # fmt: skip
+                        tree=None, *, scale: float | None = None) -> jax.Array:  # fmt: skip
     """The invariant mode's attention: each query alone (:func:`_query_attention`), whatever the
     number of queries a step carries.
 
@@ -278,6 +280,8 @@ def per_query_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, po
         nodes are not in the cache: each node's query sees the cache with its root path's keys and
         values written at their positions (its ancestors', ``positions`` of them), as the chain of
         that path would have written them.
+      scale: the scores' scale: None, divided by ``sqrt(hd)`` (the demo model's); a number, multiplied
+        by it (the checkpoint models': transformers' ``head_dim ** -0.5``).
     Returns:
       ``[N, T, nkv, r, hd]`` fp32.
     """
@@ -286,14 +290,14 @@ def per_query_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, po
     def row(args):
         if tree is None:
             qr, kr, vr, pr = args
-            return jax.lax.map(lambda qp: _query_attention(qp[0], kr, vr, qp[1]), (qr, pr))
+            return jax.lax.map(lambda qp: _query_attention(qp[0], kr, vr, qp[1], scale), (qr, pr))
         qr, kr, vr, pr, kn, vn, anc = args
 
         def node(qpa):
             qi, pi, ai = qpa
             at = jnp.where(ai, pr, Tmax)  # the node's root path at its positions; the rest dropped
             keys, vals = kr.at[at].set(kn, mode="drop"), vr.at[at].set(vn, mode="drop")
-            return _query_attention(qi, keys, vals, pi)
+            return _query_attention(qi, keys, vals, pi, scale)
 
         return jax.lax.map(node, (qr, pr, anc))
 

@@ -69,6 +69,12 @@ class HFSpecStep(SpecStep):
         if self.mesh is not None:
             raise ValueError(f"{type(self).__name__}: argument 'mesh' is not supported for checkpoints, got {self.mesh!r}")
 
+    def body(self, params: HFParams, state: DecodeState, inputs: StepInputs):
+        """SpecStep's traced body, inside :func:`~gdn_lossless_jax.model.hf.arch.invariant_scope` of the
+        config's invariant mode (the self-draft calls the head without the config)."""
+        with arch.invariant_scope(self._invariant):
+            return super().body(params, state, inputs)
+
     def _hidden(self, params: HFParams, state: DecodeState, x, inputs: StepInputs):
         """The target's blocks over ``x [N, D]``: ``(h [N, D, d] before the final norm, pool, kv)``."""
         c, D = self.config, x.shape[1]
@@ -92,7 +98,7 @@ class HFSpecStep(SpecStep):
 
     def _verify(self, params: HFParams, state: DecodeState, x, inputs: StepInputs):
         h, pool, kv = self._hidden(params, state, x, inputs)
-        return arch.head_logits(params, arch.final_hidden(params, self.config, h)), pool, kv
+        return arch.head_logits(params, arch.final_hidden(params, self.config, h), self.config), pool, kv
 
     def _draft(self, params: HFParams, pool, inputs: StepInputs):
         """``[N, D]`` inputs: the given ones, then the self-draft's greedy chain (as SpecStep's draft)."""
@@ -136,7 +142,8 @@ class MTPSpecStep(HFSpecStep):
             return out
 
         u = arch.block(m.block, c, u, mixer)
-        return arch.rmsnorm(u, m.norm, c.rms_eps), *kv["rows"]
+        inv = c.invariant_dots
+        return arch._settle(arch.rmsnorm(u, m.norm, c.rms_eps, invariant=inv), inv), *kv["rows"]
 
     def _draft_mtp(self, params: HFParams, state: MTPState, inputs: StepInputs):
         D = self.drafts
@@ -154,7 +161,7 @@ class MTPSpecStep(HFSpecStep):
             j, given_next = xs
             pos = (inputs.pos + j)[:, None]
             out, rows_k, rows_v = self._mtp(params, tok[:, None], hid[:, None], rows_k, rows_v, pos)
-            proposal = jnp.argmax(arch.head_logits(params, out)[:, 0], axis=-1).astype(I32)
+            proposal = jnp.argmax(arch.head_logits(params, out, self.config)[:, 0], axis=-1).astype(I32)
             nxt = jnp.where(j + 1 < n_given, given_next, proposal)
             return (rows_k, rows_v, nxt, out[:, 0]), nxt
 
@@ -168,7 +175,7 @@ class MTPSpecStep(HFSpecStep):
         x = self._draft_mtp(params, state, inputs)
         h, pool, kv = self._hidden(params, state, x, inputs)
         hn = arch.final_hidden(params, c, h)
-        lg = arch.head_logits(params, hn)
+        lg = arch.head_logits(params, hn, c)
         y, gaps, m = decode.accept(lg, x, inputs.n_given, temperature=self.temperature, key=inputs.key)
         j = jnp.arange(1, D)[None, :]
         track_steps = self._track_steps(inputs, m)
