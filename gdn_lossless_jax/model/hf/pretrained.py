@@ -105,9 +105,11 @@ class PretrainedModel:
         the last token and ``drafts - 1`` drafted ones) in the pool's record mode ``record``
         (``"tuples"`` or ``"snapshots"``); ``record=None`` decodes without speculation (one token a
         step). Every token is the target's argmax at its position, whatever the draft proposes; the two
-        record modes give the same tokens and bit-identical states. Against ``record=None`` the tokens
-        are equal on the CPU in the tests, but not guaranteed: at a near-tie the D-input verify and the
-        one-input decode may round to other tokens (on a GPU they do; docs/decoding.md).
+        record modes give the same tokens and bit-identical states. Against ``record=None``: in the
+        invariant decoding mode (``config.invariant``, on by default on the CPU) a position's logits are
+        the same bits in the D-input verify and the one-input decode, and the tokens were equal in
+        ``tests/test_hf_invariance.py``'s runs (tokens and states bit for bit); with the mode off (on a GPU) they are not guaranteed: at a
+        near-tie the two may round to other tokens (on a GPU they do; docs/decoding.md).
 
         Args:
           steps_per_call: steps per jitted call: K > 1 runs the device loop
