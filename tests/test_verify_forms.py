@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import example_backend
+from conftest import ON_GPU, full_only
 import gdn_lossless_jax as gl
 from gdn_lossless_jax import backends, kda, reference
 from gdn_lossless_jax.tape import KDATuples, Snapshots, Tuples
@@ -75,7 +76,8 @@ def _commit_all(pool, tape, rule=None):
     return np.stack([np.asarray(o) for o in out])
 
 
-@pytest.mark.parametrize("backend", ["reference", "pallas", "mosaic"])
+# Mosaic's interpret mode on the CPU with GDN_FULL_TESTS=1 only (the suite's time; on a GPU always)
+@pytest.mark.parametrize("backend", ["reference", "pallas", pytest.param("mosaic", marks=() if ON_GPU else full_only)])
 def test_beta_scale_matches_the_spec(backend):
     """The reference everywhere, and Pallas in interpret mode, equal the specification bit for bit; Mosaic (its dots
     summed in its own order) and the kernels on a GPU (their exp, sqrt and division the platform's: Pallas's tapes

@@ -27,8 +27,6 @@ rounds, so that a token's bits do not depend on how many tokens or rows a step h
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 
@@ -288,27 +286,11 @@ def final_hidden(params: HFParams, c: HFConfig, h):
     return _settle(rmsnorm(h, params.final_norm, c.rms_eps, invariant=c.invariant_dots), c.invariant_dots)
 
 
-_MODE: contextvars.ContextVar = contextvars.ContextVar("gdn_lossless_jax_hf_invariant", default=False)
-
-
-@contextlib.contextmanager
-def invariant_scope(invariant: bool):
-    """While tracing inside: :func:`head_logits` called without a config runs in the invariant mode
-    when ``invariant``. :class:`~gdn_lossless_jax.model.hf.step.HFSpecStep` traces its body inside this
-    (the self-draft's head is called without one)."""
-    token = _MODE.set(bool(invariant))
-    try:
-        yield
-    finally:
-        _MODE.reset(token)
-
-
-def head_logits(params: HFParams, hn, c: HFConfig | None = None):
+def head_logits(params: HFParams, hn, c: HFConfig):
     """fp32 logits of normalised hidden states (the LM head, or the embedding when tied); in ``c``'s
-    invariant mode blocked dots (None: the mode of the enclosing :func:`invariant_scope`, else off)."""
+    invariant mode blocked dots."""
     w = params.embed.T if params.head is None else params.head
-    inv = _MODE.get() if c is None else c.invariant_dots
-    return matmul(hn, w, preferred_element_type=F32, invariant=inv)
+    return matmul(hn, w, preferred_element_type=F32, invariant=c.invariant_dots)
 
 
 def mtp_input(params: HFParams, c: HFConfig, tokens, hidden):

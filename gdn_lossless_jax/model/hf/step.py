@@ -69,12 +69,6 @@ class HFSpecStep(SpecStep):
         if self.mesh is not None:
             raise ValueError(f"{type(self).__name__}: argument 'mesh' is not supported for checkpoints, got {self.mesh!r}")
 
-    def body(self, params: HFParams, state: DecodeState, inputs: StepInputs):
-        """SpecStep's traced body, inside :func:`~gdn_lossless_jax.model.hf.arch.invariant_scope` of the
-        config's invariant mode (the self-draft calls the head without the config)."""
-        with arch.invariant_scope(self._invariant):
-            return super().body(params, state, inputs)
-
     def _hidden(self, params: HFParams, state: DecodeState, x, inputs: StepInputs):
         """The target's blocks over ``x [N, D]``: ``(h [N, D, d] before the final norm, pool, kv)``."""
         c, D = self.config, x.shape[1]
@@ -108,7 +102,7 @@ class HFSpecStep(SpecStep):
             blk = params.blocks[l]
             return arch.block(blk, c, h, lambda xn: arch.gdn_mixer(blk.mixer, c, xn, core))
 
-        head = lambda h: arch.head_logits(params, arch.final_hidden(params, c, h))[:, 0]  # noqa: E731
+        head = lambda h: arch.head_logits(params, arch.final_hidden(params, c, h), c)[:, 0]  # noqa: E731
         return self._draft_chain(params.embed, pool, inputs, layer, head)
 
 
