@@ -137,15 +137,23 @@ def draw_case(data, max_requests: int):
     return dataclasses.replace(CONFIG, dtype=dtype), D, prompts
 
 
-def control_matmul(a, b, **kwargs):
-    """A deliberately row-count-dependent matmul (the control): the sum over K in three chunks,
-    associated ``(p0 + p1) + p2`` when the call has a multiple of 4 rows, else ``p0 + (p1 + p2)``."""
-    M, K = math.prod(a.shape[:-1]), a.shape[-1]
-    c = [slice(0, K // 3), slice(K // 3, 2 * K // 3), slice(2 * K // 3, K)]
-    prec = model_mod.dot_precision(a, b)
-    p = [jnp.matmul(a[..., s], b[s], precision=prec, preferred_element_type=jnp.float32) for s in c]
-    out = (p[0] + p[1]) + p[2] if M % 4 == 0 else p[0] + (p[1] + p[2])
-    return out.astype(kwargs.get("preferred_element_type") or a.dtype)
+def row_count_matmul(every: int):
+    """A deliberately row-count-dependent matmul (a control, for ``numerics._blocked_matmul``): the sum
+    over K in three chunks, associated ``(p0 + p1) + p2`` when the call has a multiple of ``every`` rows,
+    else ``p0 + (p1 + p2)``."""
+
+    def matmul(a, b, **kwargs):
+        M, K = math.prod(a.shape[:-1]), a.shape[-1]
+        c = [slice(0, K // 3), slice(K // 3, 2 * K // 3), slice(2 * K // 3, K)]
+        prec = model_mod.dot_precision(a, b)
+        p = [jnp.matmul(a[..., s], b[s], precision=prec, preferred_element_type=jnp.float32) for s in c]
+        out = (p[0] + p[1]) + p[2] if M % every == 0 else p[0] + (p[1] + p[2])
+        return out.astype(kwargs.get("preferred_element_type") or a.dtype)
+
+    return matmul
+
+
+control_matmul = row_count_matmul(4)
 
 
 # ---------------------------------------------------------------------------------

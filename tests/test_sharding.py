@@ -33,6 +33,7 @@ import pytest
 import gdn_lossless_jax as gl
 from conftest import FULL_TESTS, ON_GPU, full_only, requires_gpu
 from equivalence import Case, check_commit, check_outputs, check_replay_every_step
+from test_invariance import row_count_matmul
 from gdn_lossless_jax import pool as gpool
 from gdn_lossless_jax import reference, sharding
 from gdn_lossless_jax.model import numerics
@@ -574,25 +575,11 @@ def test_model_spec_step_on_a_mesh_gives_identical_tokens(tp, dp, backend, seed,
     assert p.ssm.sharding.is_equivalent_to(plan.sharding("pool_state", 5), 5)
     if ON_GPU or dp == 1:  # the invariant mode is the CPU's; with one data shard a device gets every row
         return
-    monkeypatch.setattr(numerics, "_blocked_matmul", _row_count_matmul)
+    # a multiple of 16 rows: one device's 4 requests x 4 tokens; a device of the mesh gets half of them
+    monkeypatch.setattr(numerics, "_blocked_matmul", row_count_matmul(16))
     (_, want_out, _), (_, got_out, _) = both(dataclasses.replace(config, name="tiny-control"))  # its own compile
     assert_bitwise_differs([o.gaps for o in want_out], [o.gaps for o in got_out],
                            "control (a matmul whose order over K depends on the rows a device gets)")  # fmt: skip
-
-
-def _row_count_matmul(a, b, **kwargs):
-    """The control's matmul, different by construction on a data axis of 2: the invariant mode's blocked
-    dot (``numerics._blocked_matmul``) replaced by one whose sum over K runs in three chunks, associated
-    ``(p0 + p1) + p2`` where the call has a multiple of 16 rows (one device's 4 requests x 4 tokens), else
-    ``p0 + (p1 + p2)`` (a device of the mesh gets half of them)."""
-    import math
-
-    M, K = math.prod(a.shape[:-1]), a.shape[-1]
-    chunks = [slice(0, K // 3), slice(K // 3, 2 * K // 3), slice(2 * K // 3, K)]
-    prec = numerics.dot_precision(a, b)
-    p = [jnp.matmul(a[..., c], b[c], precision=prec, preferred_element_type=jnp.float32) for c in chunks]
-    out = (p[0] + p[1]) + p[2] if M % 16 == 0 else p[0] + (p[1] + p[2])
-    return out.astype(kwargs.get("preferred_element_type") or a.dtype)
 
 
 @needs_devices(2)
