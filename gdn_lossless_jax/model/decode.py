@@ -265,8 +265,8 @@ def _draft_gdn(c: ModelConfig, S, conv_state, mixed, a, b, p, mesh=None, kernel=
     the K sums by :func:`gdn_lossless_jax.reference.ksum`. ``kernel``: a backend (a name or
     object other than the reference) that runs the recurrence instead, as a one-token
     :func:`gdn_lossless_jax.verify` recording its snapshot (the state after the token): one pass
-    over the state, where XLA's plain step makes several (docs/design.md, the decode loop). Returns ``(o [N, 1, HV, V], S' [N, HV, V, K] fp32, conv state
-    [N, conv_dim, Kc-1])``.
+    over the state, where XLA's plain step makes several (docs/design.md, the decode loop).
+    Returns ``(o [N, 1, HV, V], S' [N, HV, V, K] fp32, conv state [N, conv_dim, Kc-1])``.
     """
     x = mixed[:, 0].astype(conv_state.dtype)[..., None]  # [N, C, 1]
     window = jnp.concatenate([conv_state, x], axis=-1)  # [N, C, Kc]
