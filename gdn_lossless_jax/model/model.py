@@ -48,6 +48,7 @@ from .numerics import (  # noqa: F401  (the invariant mode's primitives, re-expo
     matmul,
     per_query_attention,
     rows_mesh,
+    settle,
     softmax,
     transcendental,
 )
@@ -423,11 +424,8 @@ def gated_rmsnorm(o: jax.Array, z: jax.Array, weight: jax.Array, dtype, *, invar
 
 
 def _settle(x: jax.Array, config: ModelConfig) -> jax.Array:
-    """In the invariant mode, ``x`` behind an optimization barrier: rounded to its dtype here in
-    every program. XLA may otherwise drop a bfloat16 rounding between two float32 computations
-    (a ``convert`` to bf16 and straight back: its *excess precision*) in one program and keep it
-    in another, where a sharding constraint, a ``shard_map`` or a fusion boundary sits between them."""
-    return jax.lax.optimization_barrier(x) if config.invariant_dots else x
+    """:func:`~gdn_lossless_jax.model.numerics.settle` in ``config``'s invariant mode."""
+    return settle(x, config.invariant_dots)
 
 
 def mlp(p: MLPParams, x: jax.Array, *, invariant: bool = False) -> jax.Array:

@@ -22,6 +22,7 @@ import numpy as np
 from ..reference import pairwise_sum
 
 __all__ = [
+    "settle",
     "softmax",
     "transcendental",
     "dot_precision",
@@ -60,6 +61,15 @@ def invariant_mode(invariant: bool | None, owner: str) -> bool:
             f"{platform!r}); use invariant=None or False there"
         )
     return invariant
+
+
+def settle(x, invariant: bool):
+    """In the invariant mode (``invariant``), ``x`` behind an optimization barrier: rounded to its dtype
+    here in every program. XLA may otherwise drop a bfloat16 rounding between two float32 computations
+    (a ``convert`` to bf16 and straight back: its *excess precision*) in one program and keep it in
+    another, where a sharding constraint, a ``shard_map`` or a fusion boundary sits between them; and no
+    product before the barrier is contracted into an add after it."""
+    return jax.lax.optimization_barrier(x) if invariant else x
 
 
 def _float64_scope():

@@ -21,7 +21,7 @@ The invariant decoding mode (:attr:`HFConfig.invariant_dots <gdn_lossless_jax.mo
 on by default on the CPU) computes the same functions with the demo model's primitives
 (:mod:`gdn_lossless_jax.model.numerics`): each matmul's rows in dots of one fixed shape, the MoE's experts one at a
 time over the tokens, the attention one query at a time, the elementwise functions in float64 rounded once, and every
-rounding to the model's dtype behind an optimization barrier (:func:`_settle`), at the points where transformers
+rounding to the model's dtype behind an optimization barrier (:func:`~gdn_lossless_jax.model.numerics.settle`), at the points where transformers
 rounds, so that a token's bits do not depend on how many tokens or rows a step has. Off, the functions are as above.
 """
 
@@ -39,6 +39,7 @@ from ...reference import ksum, pairwise_sum
 # zero-centred: rmsnorm scales by 1 + w here).
 from ..model import AttentionParams, GDNParams, MLPParams, einsum, matmul, softmax
 from ..numerics import per_query_attention, transcendental
+from ..numerics import settle as _settle  # the invariant mode's pinned rounding
 from .config import HFConfig
 
 __all__ = [
@@ -104,18 +105,10 @@ def _mean_sq(x):
     return ksum(x * x)[..., None] / x.shape[-1]
 
 
-def _settle(x, invariant: bool):
-    """In the invariant mode, ``x`` behind an optimization barrier: rounded to its dtype here in every
-    program (as the demo model's ``_settle``). XLA may otherwise drop a bfloat16 rounding between two
-    float32 computations (a ``convert`` to bf16 and straight back: its excess precision) in one program
-    and keep it in another; and no product before the barrier is contracted into an add after it."""
-    return jax.lax.optimization_barrier(x) if invariant else x
-
-
 def _mul(a, b, invariant: bool):
     """``a * b`` in their promoted dtype, as transformers multiplies them (bf16 tensors: the product
     rounded to bf16). Invariant mode: the product of the operands in fp32 (exact for two bf16
-    operands), rounded to that dtype once, behind a barrier (:func:`_settle`)."""
+    operands), rounded to that dtype once, behind a barrier (:func:`~gdn_lossless_jax.model.numerics.settle`)."""
     if not invariant:
         return a * b
     dt = jnp.result_type(a, b)
@@ -133,7 +126,7 @@ def rmsnorm(x, weight, eps, *, invariant: bool = False):
 def gated_rmsnorm(o, z, weight, eps, *, invariant: bool = False):
     """``Qwen3NextRMSNormGated``: ``weight * rmsnorm(o)`` (rounded to o's dtype first), times
     ``silu(z)`` in fp32. o, z ``[..., HV, V]`` -> ``[..., HV*V]`` in o's dtype. ``invariant``: the
-    reciprocal square root and the SiLU in float64, each rounding pinned (:func:`_settle`)."""
+    reciprocal square root and the SiLU in float64, each rounding pinned (:func:`~gdn_lossless_jax.model.numerics.settle`)."""
     dt = o.dtype
     of = o.astype(F32)
     y = _settle((of * transcendental("rsqrt", _mean_sq(of) + eps, invariant)).astype(dt), invariant)
@@ -263,7 +256,7 @@ def attention(p: AttentionParams, c: HFConfig, x, cache_k, cache_v, positions):
 def gdn_mixer(p: GDNParams, c: HFConfig, x, core):
     """A GDN layer; ``core(mixed_qkv [N, T, conv_dim], a, b [N, T, HV], p) -> o [N, T, HV, V]`` runs the
     conv and the recurrence. Invariant mode: blocked dots, the core's output rounded to x's dtype behind
-    a barrier (:func:`_settle`), the gated norm's."""
+    a barrier (:func:`~gdn_lossless_jax.model.numerics.settle`), the gated norm's."""
     N, T, _ = x.shape
     inv = c.invariant_dots
     mm = functools.partial(matmul, invariant=inv)

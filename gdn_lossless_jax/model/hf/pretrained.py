@@ -108,8 +108,9 @@ class PretrainedModel:
         record modes give the same tokens and bit-identical states. Against ``record=None``: in the
         invariant decoding mode (``config.invariant``, on by default on the CPU) a position's logits are
         the same bits in the D-input verify and the one-input decode, and the tokens were equal in
-        ``tests/test_hf_invariance.py``'s runs (tokens and states bit for bit); with the mode off (on a GPU) they are not guaranteed: at a
-        near-tie the two may round to other tokens (on a GPU they do; docs/decoding.md).
+        ``tests/test_hf_invariance.py``'s runs (tokens and states bit for bit); with the mode off (on a
+        GPU) they are not guaranteed: at a near-tie the two may round to other tokens (on a GPU they do;
+        docs/decoding.md).
 
         Args:
           steps_per_call: steps per jitted call: K > 1 runs the device loop
