@@ -20,7 +20,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import full_only
+from conftest import ON_GPU, full_only
 from gdn_lossless_jax import pool, reference
 from gdn_lossless_jax.backends import reference as reference_backend
 from gdn_lossless_jax.model import load_pretrained
@@ -76,10 +76,10 @@ class ControlBackend:
         self.commit = jax.jit(functools.partial(reference.commit, rule=rule), static_argnames=("math",))
 
 
-def _decode(name, record, new, *, drafts=D, model=None):
+def _decode(name, record, new, *, drafts=D, model=None, backend=None):
     prompts, generated = _expected(name)
     dec = FamilyDecoder(model or _model(name), requests=prompts.shape[0], drafts=drafts, record=record,
-                        max_len=prompts.shape[1] + new + drafts - 1)  # fmt: skip (generate's: one compiled step)
+                        max_len=prompts.shape[1] + new + drafts - 1, backend=backend)  # fmt: skip (one compiled step)
     got = dec.generate(prompts, new, _draft(generated) if drafts > 1 else None)
     return got, dec
 
@@ -140,6 +140,25 @@ def test_greedy_and_speculative_match_transformers(name):
     for record in ("tuples", "snapshots"):
         spec, _ = _decode(name, record, new)
         np.testing.assert_array_equal(spec, greedy, err_msg=f"{name}: speculative ({record}) != greedy")
+
+
+# Pallas's interpret mode in a whole model: ~30 s a record mode on the CPU (GDN_FULL_TESTS=1 there; on a GPU always)
+@pytest.mark.parametrize("backend", [pytest.param("pallas", marks=() if ON_GPU else full_only)])
+def test_kimi_through_the_kernels(backend):
+    """Kimi Linear speculative decoding with its KDA layers on a kernel backend (stacked inputs read at each layer,
+    the tape written into the pool's buffer, the fused commit): transformers' tokens, tuples == snapshots bit for
+    bit; in interpret mode (the CPU) the reference backend's states bit for bit too."""
+    new = 8
+    prompts, generated = _expected("kimi_linear")
+    runs = {r: _decode("kimi_linear", r, new, backend=backend) for r in ("tuples", "snapshots")}
+    for record, (got, _) in runs.items():
+        np.testing.assert_array_equal(got, generated[:, : prompts.shape[1] + new], err_msg=f"{backend} {record}")
+    (_, tup), (_, snp) = runs["tuples"], runs["snapshots"]
+    assert type(tup.pool.tape) is KDATuples
+    assert_bitwise_equal(tup.pool.ssm, snp.pool.ssm, f"{backend}: SSM states, tuples vs snapshots")
+    if not ON_GPU:
+        _, ref = _decode("kimi_linear", "tuples", new, backend="reference")
+        assert_bitwise_equal(tup.pool.ssm, ref.pool.ssm, f"{backend} (interpret mode) == the reference backend")
 
 
 @full_only

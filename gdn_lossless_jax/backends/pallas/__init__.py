@@ -31,11 +31,13 @@ name = "pallas"
 #: node's parent state replayed from the program's own tuples, no state stored a node:
 #: ``verify._tree_loop``); ``math="portable"`` in interpret mode (the CPU) only: on a GPU the kernels'
 #: prologue and chain would need the portable functions lowered by Pallas Triton (not done;
-#: :func:`check_math` refuses). Not KDA's per-channel decay (``decays`` is GDN's only). On a GPU K must be a
-#: power of two: the prologue and the commit load whole ``[K]`` rows, and Pallas Triton takes power-of-two
-#: arrays only (Olmo-Hybrid-7B's K = 96 runs on the reference there: ``"auto"`` picks it).
+#: :func:`check_math` refuses). KDA's per-channel decay too (``decay="channel"``: the gates in XLA,
+#: ``prologue.channel_prep``; each chunk of the state decayed by its own key channels' factors,
+#: ``tiles._decays``; the chain algorithm only). On a GPU K must be a power of two: the prologue and the
+#: commit load whole ``[K]`` rows, and Pallas Triton takes power-of-two arrays only (Olmo-Hybrid-7B's
+#: K = 96 runs on the reference there: ``"auto"`` picks it).
 capabilities = Capabilities(trees=True, math_modes=("platform", "portable"), control_forms=CONTROL_FORMS,
-                            beta_scale=True, powers_of_two=("K",))  # fmt: skip
+                            decays=("scalar", "channel"), beta_scale=True, powers_of_two=("K",))  # fmt: skip
 
 
 def _interpret() -> bool:

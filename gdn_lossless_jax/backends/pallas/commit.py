@@ -29,6 +29,7 @@ from ._refs import grid, program_ids, store
 from ... import rounding
 from ...reference import exp_fn
 from .rounding import replay_update
+from .tiles import _decays
 
 __all__ = ["CommitConfig", "commit_tuples", "commit_snapshots"]
 
@@ -94,8 +95,9 @@ def _tuples_kernel(*refs, HV: int, r: int, BV: int, form: str, evict: str | None
     slot, step, tslot, tstep, row, accept, track = _request(idx_refs, n, S, R, D)
     update = replay_update(form, control)
 
-    def inputs(t):  # step t's tape: k (a [1, K] row of the tile's layout), u, the decay
-        return k_ref[l, row, t, pl.ds(h, 1), :], u_ref[l, row, t, hv, vs], exp_fn(math)(g_ref[l, row, t, hv])
+    def inputs(t):  # step t's tape: k (a [1, K] row of the tile's layout), u, the decay (a scalar or a [1, K] row)
+        (alpha,) = _decays(g_ref, (l, row, t, hv), [slice(None)], exp_fn(math))
+        return k_ref[l, row, t, pl.ds(h, 1), :], u_ref[l, row, t, hv, vs], alpha
 
     def store_state(at, S):
         store(pool_out, (l, at, hv, vs, slice(None)), S.astype(pool_out.dtype), evict)

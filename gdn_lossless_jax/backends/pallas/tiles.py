@@ -71,6 +71,19 @@ def _chunks(K: int, k_chunk: int):
     return [pl.ds(c * C, C) for c in range(K // C)]
 
 
+def _decays(g_ref, idx: tuple, cols, exp):
+    """``exp(g)`` for each ``[BV, C]`` chunk of a state tile, from ``g_ref`` at ``idx`` (its leading
+    indices, the head last). One decay per head (GDN: ``g [..., HV]``, as many indices as axes) is
+    one scalar for every chunk; a per-channel decay (KDA: ``g [..., HV, K]``, one axis more) is each
+    chunk's own key channels, a ``[1, C]`` row broadcast over the tile's V rows. Either way the
+    decay is one rounded multiply per element (the caller's ``mul``)."""
+    if g_ref.ndim == len(idx):
+        alpha = exp(g_ref[idx])
+        return [alpha] * len(cols)
+    *lead, hv = idx
+    return [exp(g_ref[(*lead, pl.ds(hv, 1), c)]) for c in cols]
+
+
 def _identity(x):
     return x
 

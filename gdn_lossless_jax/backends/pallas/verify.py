@@ -40,8 +40,9 @@ from ..contract import VerifyCall
 from ..launch import VerifyLaunch
 from ._refs import grid
 from .gram import _gram_kernel
-from .tiles import _Where, _apart, _times, _chunk_dot, _chunks, _load_state, _program, _store_row, _store_state, _tree_dot
-from .prologue import MMA_MIN, gram_prep, gram_steps, one_layer, prep
+from .tiles import (_Where, _apart, _times, _chunk_dot, _chunks, _decays, _load_state, _program, _store_row,
+                    _store_state, _tree_dot)  # fmt: skip
+from .prologue import MMA_MIN, channel_prep, gram_prep, gram_steps, one_layer, prep
 from .conv import scalar
 from .rounding import ops as rounding_ops
 from .rounding import COMPILER_FORMS, CONTROL_FORMS, replay_update
@@ -199,8 +200,8 @@ def _apply_pending(refs, pending, state_ref, pool_ref, w: _Where, cols, S0, form
             def body(t, carry):
                 Sc, *acc = carry
                 ks = [k_ref[pl_, prow, t, pl.ds(h, 1), c] for c in cols]
-                u, alpha = u_ref[pl_, prow, t, hv, vs], exp_fn(math)(g_ref[pl_, prow, t, hv])
-                Sc = [update(c, alpha, kc, u) for kc, c in zip(ks, Sc)]
+                u, alphas = u_ref[pl_, prow, t, hv, vs], _decays(g_ref, (pl_, prow, t, hv), cols, exp_fn(math))
+                Sc = [update(c, alpha, kc, u) for kc, c, alpha in zip(ks, Sc, alphas)]
                 on_step(t, Sc)
                 return (Sc, *([[jnp.where(t == keep, a, b) for a, b in zip(Sc, acc[0])]] if acc else []))
 
@@ -266,13 +267,13 @@ def _kernel(*refs, D: int, r: int, BV: int, snapshots: bool, form: str, into: bo
         ks = [vec(k_ref, t, c) for c in cols]
         kq = _chunk_dot(ks, qs, apart=apart) if one_pass else None  # [1]
         vt = v_ref[w.layer, n, t, hv, vs] if stacked else v_ref[n, t, hv, vs]
-        return qs, ks, vt.astype(F32), exp_fn(math)(g_ref[n, t, hv]), beta_ref[n, t, hv], kq
+        return qs, ks, vt.astype(F32), _decays(g_ref, (n, t, hv), cols, exp_fn(math)), beta_ref[n, t, hv], kq
 
     def step(t, S, x):
-        qs, ks, v, alpha, beta, kq = x
+        qs, ks, v, alphas, beta, kq = x
         if late_q:
             qs = [vec(q_ref, t, c) for c in cols]
-        Sd = [mul(c, alpha) for c in S]
+        Sd = [mul(c, alpha) for c, alpha in zip(S, alphas)]
         if math == "portable":  # (one_pass off: verify's config for the mode)
             u = rounding.mul_rn(beta, rounding.add_rn(v, portable.neg(_tree_dot(Sd, ks))))
         else:
@@ -352,9 +353,9 @@ def _tree_loop(tree_refs, S0, inputs, step, vec, k_ref, g_ref, w: _Where, cols, 
 
         def replay(j, S):
             a = anc_ref[n, t, j]
-            alpha = rounding.exp(g_ref[n, a, hv])
+            alphas = _decays(g_ref, (n, a, hv), cols, rounding.exp)
             ua = pick(Ub, a)
-            return [fma(vec(k_ref, a, c), ua[:, None], mul(s, alpha)) for c, s in zip(cols, S)]
+            return [fma(vec(k_ref, a, c), ua[:, None], mul(s, alpha)) for c, s, alpha in zip(cols, S, alphas)]
 
         S = jax.lax.fori_loop(0, depth_ref[n, t], replay, list(S0))
         _, u = step(t, S, x)
@@ -391,7 +392,8 @@ def verify(call: VerifyCall, *, config=None, form, interpret, pending_control=No
     tape, tape_layer, rows, out, out_layer = call.tape, call.tape_layer, call.rows, call.out, call.out_layer
     record, scale, out_dtype = call.record, call.scale, jnp.dtype(call.out_dtype)
     # inputs stacked over the pool's layers (by rank): read at `layer` by the kernels
-    stacked = any(is_stacked(n, x) for n, x in zip(INPUT_RANKS, call.inputs))
+    channel = call.decay == "channel"  # KDA: g [N, D, HV, K], read by the chain as [1, C] rows (tiles._decays)
+    stacked = any(is_stacked(n, x, call.decay) for n, x in zip(INPUT_RANKS, call.inputs))
     beta_scale = call.beta_scale
     D, H = q.shape[-3], q.shape[-2]
     i32 = jnp.int32
@@ -404,6 +406,9 @@ def verify(call: VerifyCall, *, config=None, form, interpret, pending_control=No
     if tree and math == "portable":
         raise ValueError("pallas verify: a draft tree (parents) with math='portable' is not supported; pass "
                          "backend='reference'")
+    if channel and cfg.algorithm == "gram":
+        raise ValueError("pallas verify: VerifyConfig(algorithm='gram') needs one decay per head and step; a "
+                         "per-channel decay (decay='channel', KDA) runs algorithm='chain'")  # fmt: skip
     if tree:  # a draft tree: the chain algorithm's loop, each node from its replayed parent (_tree_loop)
         cfg = dataclasses.replace(cfg, algorithm="chain", products="fma", one_pass=False, unroll=0)
     if math == "portable":  # the chain with the reference's K tree: one_pass and the Gram form sum otherwise
@@ -444,9 +449,14 @@ def verify(call: VerifyCall, *, config=None, form, interpret, pending_control=No
         inputs = [state, slots, layer, tape_layer, pad(qn), pad(kn), v, g, W, C, P, beta]
     else:
         pre = (rows, tape_layer, tape.k, tape.g) if into and not snapshots else None
-        qn, kn, g, beta, *bufs = prep(q, k, a, b, A_log, dt_bias, scale=scale, interpret=interpret,
-                                       heads=cfg.prep_heads, into=pre, xlayer=layer if stacked else None,
-                                       math=math, beta_scale=beta_scale)  # fmt: skip
+        xlayer = layer if stacked else None
+        if channel:
+            qn, kn, g, beta, *bufs = channel_prep(q, k, a, b, A_log, dt_bias, scale=scale, into=pre, xlayer=xlayer,
+                                                  math=math, beta_scale=beta_scale)  # fmt: skip
+        else:
+            qn, kn, g, beta, *bufs = prep(q, k, a, b, A_log, dt_bias, scale=scale, interpret=interpret,
+                                           heads=cfg.prep_heads, into=pre, xlayer=xlayer, math=math,
+                                           beta_scale=beta_scale)  # fmt: skip
         if bufs:
             kbuf, gbuf = bufs
         inputs = [state, slots, layer, tape_layer, qn, kn, v, g, beta]
