@@ -308,6 +308,48 @@ def test_kda_stacked_inputs(backend):
     assert_bitwise_differs(o, o0, "control: the other layer's inputs")
 
 
+@pytest.mark.skipif(not ON_GPU, reason="Kimi-Linear-48B's head geometry on the GPU kernels (the CPU runs the shapes above)")
+@pytest.mark.parametrize("backend", KDA_BACKENDS)
+@pytest.mark.parametrize("pool_dtype", [F32, BF16])
+def test_kda_kimi_geometry(backend, pool_dtype, seed):
+    """Kimi-Linear-48B-A3B's KDA heads (H = 32, K = V = 128), eight requests of four drafts, on the GPU: the outputs
+    equal in both record modes, the tuple commit (with track copies) equals the snapshot commit, and the fused step
+    equals the commit then the verify, bit for bit; the scalar-decay commit differs (the control)."""
+    rng = np.random.default_rng(seed % 2**31)
+    n_, d_, h_, k_ = 8, 4, 32, 128
+    r = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    x = dict(q=jnp.asarray(r(n_, d_, h_, k_), BF16), k=jnp.asarray(r(n_, d_, h_, k_), BF16),
+             v=jnp.asarray(r(n_, d_, h_, k_), BF16), f=jnp.asarray(r(n_, d_, h_, k_), BF16),
+             b=jnp.asarray(r(n_, d_, h_), BF16), A_log=jnp.asarray(np.log(rng.uniform(0.2, 4.0, h_)), F32),
+             dt_bias=jnp.asarray(r(h_, k_), F32))  # fmt: skip
+    names = ("q", "k", "v", "f", "b", "A_log", "dt_bias")
+    pool = jnp.asarray(0.5 * r(1, 2 * n_, h_, k_, k_)).astype(pool_dtype)
+    slots = jnp.asarray(rng.permutation(2 * n_)[:n_], jnp.int32)
+    run = {rec: gl.verify(pool, *[x[m] for m in names], slots=slots, layer=0, decay="channel", record=rec,
+                          backend=backend) for rec in ("tuples", "snapshots")}  # fmt: skip
+    (o, tup), (o_snap, snp) = run["tuples"], run["snapshots"]
+    assert_bitwise_equal(o_snap, o, f"{backend}: outputs, snapshots == tuples")
+    steps = jnp.asarray(rng.integers(-1, d_, n_), jnp.int32)
+    free = jnp.asarray([s for s in range(2 * n_) if s not in set(np.asarray(slots).tolist())], jnp.int32)
+    tslots = jnp.where(jnp.arange(n_) % 2 == 0, free, -1)
+    tsteps = jnp.asarray(rng.integers(0, d_, n_), jnp.int32)
+    args = (slots, steps, tslots, tsteps)
+    by_tuples = gl.commit(pool, gl.stack_tapes([tup]), *args, backend=backend)
+    by_snapshots = gl.commit(pool, gl.stack_tapes([snp]), *args, backend=backend)
+    assert_bitwise_equal(by_tuples, by_snapshots, f"{backend}: tuple commit == snapshot commit")
+    wrong = _control_commit(pool, gl.stack_tapes([tup]), *args, jnp.arange(n_, dtype=jnp.int32),
+                            rule=KDA_CONTROLS["scalar_decay"])  # fmt: skip
+    assert_bitwise_differs(wrong, by_snapshots, "control: the per-channel decay as a scalar")
+    y = {m: (x[m][:, ::-1] if x[m].ndim == 4 and m != "dt_bias" else x[m]) for m in names}  # the next step's inputs
+    pending = gl.Pending(gl.stack_tapes([tup]), jnp.arange(n_, dtype=jnp.int32), *args[1:])  # request i: tape row i
+    o2, t2, fused = gl.commit_and_verify(pool, pending, *[y[m] for m in names], slots=slots, layer=0, backend=backend)
+    o3, t3 = gl.verify(by_tuples, *[y[m] for m in names], slots=slots, layer=0, decay="channel", backend=backend)
+    assert_bitwise_equal(fused, by_tuples, f"{backend}: the fused commit")
+    assert_bitwise_equal(o2, o3, f"{backend}: the fused verify's outputs")
+    for got, want in zip(jax_leaves(t2), jax_leaves(t3)):
+        assert_bitwise_equal(got, want, f"{backend}: the fused verify's tape")
+
+
 def test_pallas_needs_k_a_power_of_two_on_a_gpu(monkeypatch):
     """Pallas Triton loads whole [K] rows, power-of-two arrays only: on a GPU Olmo-Hybrid-7B's K = 96 is refused by
     name and ``"auto"`` picks the reference for it (the platform is pretended here: no kernel runs)."""
