@@ -15,7 +15,7 @@ import math
 import jax.numpy as jnp
 
 from gdn_lossless_jax.testing import cases as lib_cases
-from gdn_lossless_jax.config import Geometry, get_geometry
+from gdn_lossless_jax.config import FAMILY_MODELS, Geometry, get_geometry
 
 __all__ = [
     "MODEL",
@@ -142,6 +142,22 @@ MODES: dict[str, Mode] = {
         min_trials=2,
     ),
 }
+
+#: The families a benchmark can run beside the mode's GDN model (``--families``): the released models'
+#: linear layers (:data:`gdn_lossless_jax.config.FAMILY_MODELS`; Kimi Linear's KDA, a per-channel decay).
+FAMILIES = ("model", *FAMILY_MODELS)
+
+
+def family_geometry(mode: Mode, family: str) -> Geometry:
+    """The geometry of ``family`` in ``mode``: ``"model"`` the mode's own; a released family's model, reduced
+    as the mode reduces its own (``cpu-small``: two layers, heads divided by 8, K = V = 32)."""
+    if family == "model":
+        return mode.geometry
+    if family not in FAMILY_MODELS:
+        raise ValueError(f"--families: unknown family {family!r}; choose from {FAMILIES}")
+    g = FAMILY_MODELS[family]
+    return g.reduced(gdn_layers=2, heads_divisor=8, head_dim=32) if mode.name == "cpu-small" else g
+
 
 # The reference backend on the CPU, for a small geometry (reported beside a GPU run).
 CPU_REFERENCE_MODE = MODES["cpu-small"]

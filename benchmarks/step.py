@@ -95,6 +95,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import time
@@ -185,23 +186,30 @@ class StepInputs:
     qkv: dict  # [L, N, D, ...]: q, k, v, a, b (the direct path and SGLang)
     index_sets: list  # each: (slots, steps, track_slots, track_steps, rows), [N] int32 on the device
     layers: dict = dataclasses.field(default_factory=dict)  # the same, as per-layer lists
+    family: str = "model"  # bc.FAMILIES: the mode's model, or a released family's (its rows' label says which)
+
+    @property
+    def label(self) -> str:
+        """The rows' configuration: ``25x4``, or ``25x4 kimi_linear`` for another family's layers."""
+        return self.config.label if self.family == "model" else f"{self.config.label} {self.family}"
 
     def layer(self, name: str, i: int) -> dict:
         return self.layers[name][i]
 
 
-def make_inputs(config: bc.Config, geometry, *, seed: int, index_sets: int = 4) -> StepInputs:
+def make_inputs(config: bc.Config, geometry, *, seed: int, index_sets: int = 4, family: str = "model") -> StepInputs:
     g = geometry
     s = Shape.of(g, config.requests, config.drafts)
     L, N, D = g.gdn_layers, s.N, s.D
     bf16 = "bfloat16"
+    per_channel = (s.K,) if g.decay == "channel" else ()  # KDA: a and dt_bias one decay input per key channel
     specs = (
         ((L, g.conv_dim, g.conv_kernel), "float32", "normal", 0.3),
         ((L, g.conv_dim), "float32", "normal", 0.1),
         ((L, s.HV), "float32", "uniform", 1.0),
-        ((L, s.HV), "float32", "normal", 0.5),
+        ((L, s.HV, *per_channel), "float32", "normal", 0.5),
         ((L, N, D, g.conv_dim), bf16, "normal", 1.0),
-        ((L, N, D, s.HV), bf16, "normal", 1.0),
+        ((L, N, D, s.HV, *per_channel), bf16, "normal", 1.0),
         ((L, N, D, s.HV), bf16, "normal", 1.0),
         ((L, N, D, s.H, s.K), bf16, "normal", 1.0),
         ((L, N, D, s.H, s.K), bf16, "normal", 1.0),
@@ -214,7 +222,7 @@ def make_inputs(config: bc.Config, geometry, *, seed: int, index_sets: int = 4) 
     sets = [ix.as_args() for ix in bc.commit_index_sets(config, index_sets, seed=seed)]
     split = lambda d: [{k: v[i] for k, v in d.items()} for i in range(L)]  # noqa: E731
     layers = {"params": split(params), "pool_inputs": split(pool_inputs), "qkv": split(qkv)}
-    out = StepInputs(config, g, s, bc.pool_slots(config.requests), params, pool_inputs, qkv, sets, layers)
+    out = StepInputs(config, g, s, bc.pool_slots(config.requests), params, pool_inputs, qkv, sets, layers, family)
     jax.block_until_ready(jax.tree.leaves((params, pool_inputs, qkv, sets, layers)))
     return out
 
@@ -300,7 +308,8 @@ def _mesh_inputs(inp: StepInputs, plan: sharding.MeshPlan, record: str, seed: in
     return pools, [plan.put(ix, "index") for ix in sets], put(inp.params), put(inp.pool_inputs), put(inp.qkv)
 
 
-def direct_step(backend: str, form: str, plan: sharding.MeshPlan | None = None, options: dict | None = None):
+def direct_step(backend: str, form: str, plan: sharding.MeshPlan | None = None, options: dict | None = None,
+                decay: str = "scalar"):  # fmt: skip
     """The one-jit step over ``(ssm [L, S, HV, V, K], tape [L, R, D, ...])``, both donated;
     ``params`` and ``xs`` stacked ``[L, ...]`` (per-layer lists for ``unrolled-lists``).
     ``form``: ``scan`` or ``unrolled`` (verify reads the stacks at the layer),
@@ -308,9 +317,11 @@ def direct_step(backend: str, form: str, plan: sharding.MeshPlan | None = None, 
     ``unrolled-out`` take a sixth argument, the outputs buffer ``[L, N, D, HV, V]`` (donated),
     that verify writes in place (``out=``). With ``plan``, verify and commit run through
     ``plan.verify`` and ``plan.commit`` (shard_map; one layer's inputs). ``options``: XLA
-    options of this jit (``compiler_options``)."""
+    options of this jit (``compiler_options``). ``decay``: the layers' (``"channel"``: KDA)."""
     verify, commit = (gl.verify, gl.commit) if plan is None else (plan.verify, plan.commit)
     names = ("q", "k", "v", "a", "b")
+    if decay != "scalar":
+        verify = functools.partial(verify, decay=decay)
 
     def step(ssm, tape, params, xs, ix, obuf=None):
         slots, steps, tslots, tsteps, rows = ix
@@ -354,7 +365,7 @@ def direct_step(backend: str, form: str, plan: sharding.MeshPlan | None = None, 
     return jax.jit(step, donate_argnums=(0, 1, 5) if form.endswith("-out") else (0, 1), compiler_options=options)
 
 
-def fused_step(backend: str, options: dict | None = None, form: str = "scan"):
+def fused_step(backend: str, options: dict | None = None, form: str = "scan", decay: str = "scalar"):
     """The steady-state step with the commit inside the next verify: ``(ssm, tape, prev_tape)``
     donated, returned in the same places (the caller swaps the two tapes' roles between calls:
     swapped inside the jit, XLA would copy both to keep each donated buffer in its place).
@@ -370,7 +381,7 @@ def fused_step(backend: str, options: dict | None = None, form: str = "scan"):
             kw = {} if obuf is None else {"out": obuf}
             out, tape, ssm = gl.commit_and_verify(
                 ssm, pending, xs["q"], xs["k"], xs["v"], xs["a"], xs["b"], params["A_log"], params["dt_bias"],
-                slots=slots, layer=i, tape=tape, rows=rows, backend=backend, **kw,
+                slots=slots, layer=i, tape=tape, rows=rows, backend=backend, decay=decay, **kw,
             )  # fmt: skip
             return (ssm, tape), out
 
@@ -459,7 +470,7 @@ def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: in
               plan: sharding.MeshPlan | None = None) -> list[Row]:  # fmt: skip
     """The step rows of one backend and record mode (``kinds``, of :data:`STEP_KINDS` and
     :data:`MESH_KINDS`; the latter on ``plan``, a one-device mesh if None)."""
-    cfg, L = inp.config.label, inp.geometry.gdn_layers
+    cfg, L = inp.label, inp.geometry.gdn_layers
     rows = []
     p_box = [_allocate(inp, record, seed)]
     counter = {"i": 0}
@@ -489,7 +500,8 @@ def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: in
 
     d_box = [(p_box[0].ssm, p_box[0].tape)]  # the direct rows own a second pool of the same shape
     d_box[0] = _filled(d_box[0], seed + 7)
-    fns = {f: direct_step(backend, split_kind(f)[0], options=split_kind(f)[1])
+    decay = inp.geometry.decay
+    fns = {f: direct_step(backend, split_kind(f)[0], options=split_kind(f)[1], decay=decay)
            for f in kinds if split_kind(f)[0] in DIRECT_FORMS}  # fmt: skip
     s = inp.shape  # the outputs buffer of the -out rows, made only when one runs
     o_box = [_filled(jax.ShapeDtypeStruct((L, s.N, s.D, s.HV, s.V), inp.qkv["q"].dtype), seed + 9)
@@ -508,7 +520,7 @@ def step_rows(inp: StepInputs, backend: str, record: str, clock: Clock, seed: in
         # unrolled-out: one executable per parity of the step, so that each always sees the same
         # tape in each role (the tapes swap roles every step; one executable seeing them swapped
         # re-records its whole CUDA graph before every call)
-        fns = [fused_step(backend, options, form) for _ in range(2 if form == "unrolled-out" else 1)]
+        fns = [fused_step(backend, options, form, decay) for _ in range(2 if form == "unrolled-out" else 1)]
         f_box = [None]  # each fused row its own buffers: another row's swap would swap this one's tapes' roles
         one = fused_runner(fns, form, inp, f_box, o_box)
 
@@ -801,6 +813,9 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, help="folder for results.json, results.md and results.png")
     p.add_argument("--mode", choices=tuple(bc.MODES), default="h200")
     p.add_argument("--configs", default="25x4,8x16")
+    p.add_argument("--families", default="model",
+                   help=f"comma list of {bc.FAMILIES}: the mode's model (GDN) and/or a released family's linear "
+                        "layers (kimi_linear: KDA), each its own rows")  # fmt: skip
     p.add_argument("--backends", default="pallas")
     p.add_argument("--records", default=",".join(RECORDS))
     p.add_argument("--kinds", default=",".join(STEP_KINDS),
@@ -842,13 +857,21 @@ def main(argv=None) -> int:
         if odd:
             raise SystemExit(f"--mesh {args.mesh} splits the requests {plan.dp} ways: --configs {odd} have a request "
                              f"count that is not a multiple of {plan.dp}")  # fmt: skip
+    families = [f for f in args.families.split(",") if f]
+    if not families or any(f not in bc.FAMILIES for f in families):
+        raise SystemExit(f"--families: expected a comma list of {bc.FAMILIES}, got {args.families!r}")
     for cfg in configs:
-        inp = make_inputs(cfg, mode.geometry, seed=args.seed, index_sets=args.index_sets)
         rows: list[Row] = []
-        for backend in [b for b in args.backends.split(",") if b]:
-            for record in [r for r in args.records.split(",") if r]:
-                rows += step_rows(inp, backend, record, clock, args.seed, kinds, plan)
-        if args.peer != "off":
+        for family in families:  # each family's layers, rows labelled "25x4 kimi_linear" beside "25x4"
+            inp = make_inputs(cfg, bc.family_geometry(mode, family), seed=args.seed, index_sets=args.index_sets,
+                              family=family)  # fmt: skip
+            for backend in [b for b in args.backends.split(",") if b]:
+                for record in [r for r in args.records.split(",") if r]:
+                    rows += step_rows(inp, backend, record, clock, args.seed, kinds, plan)
+            if family == "model":
+                model_inp = inp
+        if args.peer != "off" and "model" in families:  # SGLang's step: its GDN kernels, the model's layers
+            inp = model_inp
             row, why = sglang_row(inp, clock, args.sglang_src)
             if row is None:
                 clock.log(f"{cfg.label}: no SGLang step ({why})")

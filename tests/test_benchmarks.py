@@ -197,6 +197,24 @@ def test_step_benchmark_runs_on_the_cpu(tmp_path):
     assert "| 2x2 | reference | tuples | scan |" in (out / "results.md").read_text()
 
 
+def test_step_benchmark_families(tmp_path):
+    """``--families model,kimi_linear``: Kimi Linear's KDA layers (a per-channel decay, its own pool and tapes) get
+    their own rows, labelled by family, beside the model's GDN rows; an unknown family is refused by name."""
+    from benchmarks import step
+
+    out = tmp_path / "step"
+    argv = ["--out", str(out), "--mode", "cpu-small", "--configs", "2x2", "--backends", "reference", "--records",
+            "tuples,snapshots", "--kinds", "pool-scan,scan,fused", "--families", "model,kimi_linear", "--rounds", "2",
+            "--warmup", "1", "--b2b-calls", "2", "--device-invocations", "0", "--peer", "off"]  # fmt: skip
+    assert step.main(argv) == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert {r["config"] for r in rows} == {"2x2", "2x2 kimi_linear"}
+    assert len(rows) == 12 and all(r["failed"] is None and r["wall"]["n"] == 2 for r in rows)
+    assert "| 2x2 kimi_linear | reference | snapshots | fused |" in (out / "results.md").read_text()
+    with pytest.raises(SystemExit, match=r"--families: expected a comma list of \('model', 'olmo_hybrid', "):
+        step.main(argv[:-8] + ["--families", "kimi"])
+
+
 def test_step_kinds_with_compiler_options_and_busy_column():
     """A kind's suffix names its compiler options (``-nocb``, ``-conc``); the table shows the busy time
     where the GPU was busy for less than the kernels' sum (kernels that overlapped), else the sum alone."""

@@ -261,7 +261,8 @@ def plot_step(result: Mapping, *, axes=None):
     """A ``benchmarks.step`` result: per configuration, wall-clock medians and device time of
     every step variant, SGLang's step as a dashed line."""
     rows = [r for r in result["rows"] if (r.get("wall") or {}).get("n")]
-    configs = sorted({r["config"] for r in rows}, key=lambda c: [int(x) for x in c.split("x")])
+    # "25x4", or "25x4 kimi_linear" (another family's layers): by size, then family
+    configs = sorted({r["config"] for r in rows}, key=lambda c: ([int(x) for x in c.split()[0].split("x")], c))
     per = max((sum(r["config"] == c for r in rows) for c in configs), default=1)
     fig, axs = _figure_and_axes(axes, max(len(configs), 1), figsize=(6.0, 1.5 + 0.28 * per))
     for ax, cfg in zip(axs, configs):
