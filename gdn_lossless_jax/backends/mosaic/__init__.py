@@ -8,6 +8,16 @@ state once. The q/k norms and gates come from the Pallas backend's prologue kern
 ``commit`` and ``replay`` are the Pallas backend's (the rule is pinned there too, so the bits
 are the same: a commit does not depend on a backend's reduction order).
 
+It runs GDN (one decay per v-head and step) and KDA (``decay="channel"``, :mod:`gdn_lossless_jax.kda`:
+one decay per key channel). For KDA the q/k norms and gates are computed in XLA
+(:func:`gdn_lossless_jax.reference.prepare`; the tape's ``k`` and ``g`` scattered into a tape
+buffer by XLA), the kernel decays each state tile column by column (element ``[v, c]`` by
+``exp(g[c])``, one rounded multiply, then the same pinned fma), in the chain and in the fused
+replay of a pending :class:`~gdn_lossless_jax.tape.KDATuples` tape; ``commit`` and ``replay`` of a
+KDA tuple tape are the reference's (XLA, the rule pinned: the same bits). The Gram verify
+(``VerifyConfig.verify="gram"``) is GDN's only and refuses KDA. KDA has run in interpret mode and
+been lowered for CUDA, not yet run on a GPU.
+
 Where it runs: CUDA GPUs of compute capability 9.0 or later (TMA, WGMMA; Hopper), and in
 Mosaic GPU's interpret mode on a CPU (tests, CI). On ROCm or an older NVIDIA GPU use ``pallas``
 or ``triton``. Shapes on the GPU: ``V`` a multiple of 64, ``K`` a multiple of 32 (64 for a
@@ -28,7 +38,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from ... import reference as ref
+from ... import rounding
 from ...reference import stacked as is_stacked
+from ...tape import KDATuples
 from ..contract import Capabilities, VerifyCall
 from .. import BackendUnavailable, platform
 from .. import pallas as _pallas
@@ -42,10 +55,10 @@ __all__ = ["name", "capabilities", "CONTROLS", "CONTROL_FORMS", "FORMS", "OUTPUT
 name = "mosaic"
 #: Both record modes (a pending snapshot commit is the Pallas scatter, then the verify: not fused);
 #: chains only; the platform's math; on a GPU the kernel's tiles need V a multiple of 64, K of 32
-#: (of 64 for a bfloat16 pool: checked by the kernel) and HV of 4.
+#: (of 64 for a bfloat16 pool: checked by the kernel) and HV of 4; GDN's decay and KDA's per-channel one.
 # beta_scale and powers_of_two: the prologue is the Pallas backend's (Pallas Triton loads whole [K] rows).
 capabilities = Capabilities(multiples={"V": 64, "K": 32, "HV": 4}, control_forms=CONTROL_FORMS, beta_scale=True,
-                            powers_of_two=("K",))  # fmt: skip
+                            powers_of_two=("K",), decays=("scalar", "channel"))  # fmt: skip
 
 SMEM_PER_SM = 227 * 1024  # Hopper (sm_90): the shared memory an SM offers its CTAs
 GPU_ROWS = 64  # rows of a tile: the WGMMA layout's
@@ -79,7 +92,8 @@ class VerifyConfig:
       verify: how the D new steps are computed (:data:`VERIFIES`): ``"chain"``, step after step,
         or ``"gram"``, the Pallas backend's Gram form (products of the starting state first, then
         the small recurrence). Its ``u`` differs from the chain's in the low bits; the tape stays
-        exact against its own commit.
+        exact against its own commit. GDN only: its coefficients fold one scalar decay a step, so
+        a KDA call (``decay="channel"``) with ``"gram"`` raises ``ValueError``.
       prefetch_next_layer: each CTA, when done, prefetches into L2 (by TMA) the state tile it
         would take first from the pool's next layer (a hint: the same bits). None: with a
         pending tuple commit (the fused kernel) only.
@@ -172,7 +186,7 @@ def _scalar(x):
 
 
 def _geometry(N, D, H, HV, V, K, state_dtype, v, out_dtype, *, out_into, snapshots, into, PD, config,
-              thread_pool=False):  # fmt: skip
+              thread_pool=False, channel=False):  # fmt: skip
     interpret = _interpret()
     R = min(GPU_ROWS, V) if interpret else GPU_ROWS
     sd = jnp.dtype(state_dtype)
@@ -202,7 +216,7 @@ def _geometry(N, D, H, HV, V, K, state_dtype, v, out_dtype, *, out_into, snapsho
     if slots is None:
         out_itemsize = od.itemsize if outputs == "smem" else 0
         two = smem_bytes(D, PD, HV, R, K, sd.itemsize, jnp.dtype(v.dtype).itemsize, 2, out_itemsize,
-                         gram=config.verify == "gram")  # fmt: skip
+                         gram=config.verify == "gram", channel=channel)  # fmt: skip
         slots = 2 if config.ctas * (two + 1024) <= SMEM_PER_SM else 1
     return Geometry(
         N=N, D=D, H=H, HV=HV, V=V, K=K, R=R, state_dtype=sd.name, v_dtype=jnp.dtype(v.dtype).name,
@@ -211,7 +225,7 @@ def _geometry(N, D, H, HV, V, K, state_dtype, v, out_dtype, *, out_into, snapsho
         control=config.control, outputs=outputs, form=form, interpret=interpret, auto_barriers=config.auto_barriers,
         verify=config.verify,
         prefetch_next_layer=PD > 0 if config.prefetch_next_layer is None else config.prefetch_next_layer,
-        thread_pool=thread_pool,
+        thread_pool=thread_pool, channel=channel,
     )  # fmt: skip
 
 
@@ -241,6 +255,11 @@ def _verify(call: VerifyCall, *, config, thread_pool=False):
     tape, tape_layer, rows, out, out_layer = call.tape, call.tape_layer, call.rows, call.out, call.out_layer
     scale, out_dtype = call.scale, jnp.dtype(call.out_dtype)
     layer = _scalar(call.layer)
+    channel = call.decay == "channel"  # KDA: g [..., HV, K] (static: the call's decay form)
+    if channel and config.verify == "gram":
+        raise ValueError("mosaic verify: VerifyConfig(verify='gram') takes GDN's scalar decay only, not "
+                         "decay='channel' (KDA: one decay per key channel; the Gram coefficients fold one decay a "
+                         "step): use VerifyConfig(verify='chain'), the default")  # fmt: skip
     if pending is not None and pending.tape.stores_states:
         # snapshots: the commit first (the Pallas scatter of this layer's two snapshots, in place), then
         # the verify; the same bits, not fused
@@ -261,14 +280,16 @@ def _verify(call: VerifyCall, *, config, thread_pool=False):
         rows = jnp.arange(N, dtype=i32)
     interpret = _interpret()
 
-    # the prologue (the Pallas backend's kernel): q/k norms, gates; the tape's k and g into its buffer
+    # the prologue (the Pallas backend's kernel; KDA's in XLA): q/k norms, gates; the tape's k and g into its buffer
     stacked = any(
         is_stacked(n, x) for n, x in zip(("q", "k", "a", "b", "A_log", "dt_bias"), (q, k, a, b, A_log, dt_bias))
     )
     pre = (rows, tape_layer[None], tape.k, tape.g) if into and not snapshots else None
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
-        if config.verify == "gram":  # the Gram prologue ("beta": the coefficients; stacked reads, tape writes by XLA)
+        if channel:  # KDA: in XLA (the Pallas prologue computes one decay a v-head)
+            qn, kn, g, beta, *bufs = _kda_prologue(call, layer, pre)
+        elif config.verify == "gram":  # the Gram prologue ("beta": the coefficients; stacked reads, tape writes by XLA)
             rows_c, Dp = coef_shape(D)
             qn, kn, g, beta, *bufs = gram_prep(q, k, a, b, A_log, dt_bias, scale=scale, Dp=Dp, interpret=interpret,
                                                 packed=rows_c, into=pre, xlayer=layer[None] if stacked else None,
@@ -302,6 +323,9 @@ def _verify(call: VerifyCall, *, config, thread_pool=False):
         track = valid & (ptsteps >= 0) & (ptsteps < PD) & (ptslots >= 0) & (ptslots < NS)
         cols += [jnp.where(accept, psteps, -1), jnp.where(track, ptsteps, -1), jnp.where(track, ptslots, 0),
                  jnp.where(valid, prows, 0)]  # fmt: skip
+        if (prev.g.ndim == 5) != channel:  # g [L', R', D', HV] (GDN) or [L', R', D', HV, K] (KDA)
+            raise ValueError(f"mosaic verify: the pending tape is a {type(prev).__name__} tape (g of shape "
+                             f"{list(prev.g.shape)}) but the call's decay is {call.decay!r}")  # fmt: skip
         pend_in = [prev.k, prev.u, prev.g]
     else:
         cols += [zero - 1, zero - 1, zero, zero]
@@ -309,7 +333,7 @@ def _verify(call: VerifyCall, *, config, thread_pool=False):
     lay = jnp.stack([layer, tape_layer, _scalar(prev_layer), _scalar(out_layer)] + [_scalar(0)] * 4)
 
     geom = _geometry(N, D, H, HV, V, K, state.dtype, v, out_dtype, out_into=out is not None, snapshots=snapshots,
-                     into=into, PD=PD, config=config, thread_pool=thread_pool)  # fmt: skip
+                     into=into, PD=PD, config=config, thread_pool=thread_pool, channel=channel)  # fmt: skip
     pool_out = pending is not None or thread_pool  # the kernel's pool an in-place ref, returned
     kern = build(geom)
     inputs = [tab, lay, qn, kn, v, g, beta, *pend_in]
@@ -334,15 +358,68 @@ def _verify(call: VerifyCall, *, config, thread_pool=False):
     return out, new, state
 
 
+def _kda_prologue(call: VerifyCall, layer, pre):
+    """KDA's prologue in XLA: ``(qn, kn, g [N, D, HV, K], beta)`` by :func:`gdn_lossless_jax.reference.prepare`
+    from this layer's inputs (those stacked over the pool's layers read at ``layer``) and, with a tape
+    buffer (``pre``: ``(rows, tape_layer[None], k buffer, g buffer)``), the buffers with request n's
+    ``k`` and ``g`` at ``[tape_layer, rows[n], :D]`` (an out-of-range row writes nothing)."""
+    names = ("q", "k", "a", "b", "A_log", "dt_bias")
+    q, k, a, b, A_log, dt_bias = (
+        jax.lax.dynamic_index_in_dim(x, layer, 0, keepdims=False) if is_stacked(n, x, "channel") else x
+        for n, x in zip(names, (call.q, call.k, call.a, call.b, call.A_log, call.dt_bias))
+    )
+    qn, kn, g, beta = ref.prepare(q, k, a, b, A_log, dt_bias, call.scale, beta_scale=call.beta_scale)
+    if pre is None:
+        return qn, kn, g, beta
+    rows, tape_layer, kbuf, gbuf = pre
+    idx = ref.in_range(rows, kbuf.shape[1])
+    D = kn.shape[1]
+    put = lambda buf, x: buf.at[tape_layer[0], idx, :D].set(x.astype(buf.dtype), mode="drop")  # noqa: E731
+    return qn, kn, g, beta, put(kbuf, kn), put(gbuf, g)
+
+
+def _kda_twice_rounded(S, alpha, k, u):
+    """The control form ``"twice_rounded"`` of a KDA replay (tests): ``rn(rn(S alpha) + rn(k u))``."""
+    Sd = rounding.mul_rn(S, rounding.decay_factor(S, alpha))
+    return rounding.add_rn(Sd, rounding.mul_rn(k[..., None, :], u[..., :, None]))
+
+
+def _kda_rule(form):
+    """The replay rule of a KDA tuple tape for a ``form`` of :func:`commit` (the rule's pinned form, or a control)."""
+    if form in (None, *FORMS):
+        return rounding.apply_rule
+    if form == "twice_rounded":
+        return _kda_twice_rounded
+    raise ValueError(f"mosaic commit: form must be None or one of {FORMS + CONTROL_FORMS}, got {form!r}")
+
+
+def _kda_only(op, config):
+    if config is not None:
+        raise ValueError(f"mosaic {op}: a KDA tuple tape runs the reference's {op} (XLA), which takes no config "
+                         f"(the Pallas commit kernel's launch), got {config!r}")  # fmt: skip
+
+
+_ref_commit = jax.jit(ref.commit, static_argnames=("rule", "math"))
+_ref_replay = jax.jit(ref.replay, static_argnames=("rule", "math"))
+
+
 def commit(pool, tape, slots, steps, track_slots, track_steps, rows, *, form=None, config=None, math="platform"):
-    """See :func:`gdn_lossless_jax.commit`: the Pallas backend's commit kernel (the rule pinned)."""
+    """See :func:`gdn_lossless_jax.commit`: the Pallas backend's commit kernel (the rule pinned). A KDA
+    tuple tape (:class:`~gdn_lossless_jax.tape.KDATuples`): the reference's commit in XLA (the rule
+    pinned, each key channel's decay on its column: the bits of the fused kernel's replay)."""
     check_available("commit")
+    if isinstance(tape, KDATuples):
+        _kda_only("commit", config)
+        return _ref_commit(pool, tape, slots, steps, track_slots, track_steps, rows, rule=_kda_rule(form), math=math)
     kw = {} if config is None else {"config": config}
     return _pallas.commit(pool, tape, slots, steps, track_slots, track_steps, rows, form=form, math=math, **kw)
 
 
 def replay(state0, tuples, steps, *, form=None, config=None, math="platform"):
-    """See :func:`gdn_lossless_jax.replay`: the Pallas backend's."""
+    """See :func:`gdn_lossless_jax.replay`: the Pallas backend's; a KDA tuple tape's, the reference's (XLA)."""
     check_available("replay")
+    if isinstance(tuples, KDATuples):
+        _kda_only("replay", config)
+        return _ref_replay(state0, tuples, steps, rule=_kda_rule(form), math=math)
     kw = {} if config is None else {"config": config}
     return _pallas.replay(state0, tuples, steps, form=form, math=math, **kw)

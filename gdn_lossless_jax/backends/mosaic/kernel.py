@@ -29,7 +29,12 @@ the GPU); in Mosaic GPU's interpret mode (the CPU, CI) it is the portable intege
 ``rn(rn(S alpha) + rn(k u))``, the update rounded twice (each operation pinned), which the
 equivalence tests must catch.
 Decays: ``exp(g)`` in the kernel is libdevice's on the GPU (Mosaic GPU lowers ``math.exp`` to
-it, as XLA, Pallas and Triton do), :func:`gdn_lossless_jax.rounding.exp` in interpret mode.
+it, as XLA, Pallas and Triton do), :func:`gdn_lossless_jax.rounding.exp` in interpret mode. GDN's
+``g`` is one scalar a (step, v-head); with ``channel`` (KDA, :mod:`gdn_lossless_jax.kda`) it is a
+``[K]`` row, one decay per key channel: the tile's row is exponentiated per channel and broadcast
+down the tile's rows, so ``rn(S alpha)`` is still one rounded multiply per element, element
+``[v, c]`` by ``exp(g[c])``, in the chain and in the pending replay alike. The Gram form
+(``verify="gram"``) takes one scalar decay a step only.
 """
 
 from __future__ import annotations
@@ -91,6 +96,7 @@ class Geometry(NamedTuple):
     verify: str = "chain"  # or "gram": the D steps from the products S k_t, S q_t and coef (see build)
     thread_pool: bool = False  # (never with pending) the pool an in-place ref though unwritten (see build)
     prefetch_next_layer: bool = False  # the CTA's first tile of the pool's next layer into L2 when it is done
+    channel: bool = False  # KDA: g (and the pending tape's g) [..., HV, K], one decay per key channel
 
 
 VERIFIES = ("chain", "gram")
@@ -110,31 +116,35 @@ def coef_shape(D: int) -> tuple[int, int]:
 
 
 def smem_bytes(D: int, PD: int, HV: int, R: int, K: int, itemsize: int, v_itemsize: int, small_slots: int,
-               out_itemsize: int = 0, gram: bool = False) -> int:
+               out_itemsize: int = 0, gram: bool = False, channel: bool = False) -> int:
     """Shared memory of one CTA: two state slots, ``small_slots`` copies of the step inputs (with
     ``gram``, the coefficients too) and, with ``out_itemsize`` (``outputs="smem"``), two slots of a
-    tile's outputs."""
-    small = D * (2 * K * 4 + R * v_itemsize + 2 * HV * 4) + PD * (K * 4 + R * 4 + HV * 4)
+    tile's outputs. ``channel``: a per-channel decay, the tile's v-head's ``[K]`` row of ``g`` a
+    step (and of the pending tape's ``g``) instead of the ``[HV]`` scalars."""
+    gw = K if channel else HV  # g's values a step in shared memory
+    small = D * (2 * K * 4 + R * v_itemsize + HV * 4 + gw * 4) + PD * (K * 4 + R * 4 + gw * 4)
     small += 4 * math.prod(coef_shape(D)) - D * HV * 4 if gram else 0  # the coefficients, not beta
     return 2 * R * K * itemsize + small_slots * small + 2 * D * R * out_itemsize
 
 
 def _small_shapes(g: Geometry) -> dict:
     f32 = "float32"
+    gw = g.K if g.channel else g.HV  # a per-channel decay: the tile's v-head's [K] row a step
     shapes = {"kn": ((g.D, g.K), f32), "qn": ((g.D, g.K), f32), "v": ((g.D, g.R), g.v_dtype),
-              "g": ((g.D, g.HV), f32), "beta": ((g.D, g.HV), f32)}  # fmt: skip
+              "g": ((g.D, gw), f32), "beta": ((g.D, g.HV), f32)}  # fmt: skip
     if g.verify == "gram":  # beta is in the coefficients
         del shapes["beta"]
         shapes["coef"] = (coef_shape(g.D), f32)
     if g.pending:
-        shapes |= {"pk": ((g.PD, g.K), f32), "pu": ((g.PD, g.R), f32), "pg": ((g.PD, g.HV), f32)}
+        shapes |= {"pk": ((g.PD, g.K), f32), "pu": ((g.PD, g.R), f32), "pg": ((g.PD, gw), f32)}
     return shapes
 
 
 @functools.cache
 def build(g: Geometry):
     """The kernel for geometry ``g``: ``f(tab, lay, qn, kn, v, g, beta | coef, [pk, pu, pg], pool, out, rec)``
-    (``coef``: ``[N, HV, *coef_shape(D)]`` with ``g.verify == "gram"``).
+    (``coef``: ``[N, HV, *coef_shape(D)]`` with ``g.verify == "gram"``; ``g`` ``[N, D, HV]``, or
+    ``[N, D, HV, K]`` with ``g.channel``, as the pending tape's ``pg`` ``[L', R', PD, HV(, K)]``).
 
     ``out`` (the outputs: ``[N, D, HV, V]``, or a ``[L', N, D, HV, V]`` buffer with ``g.out_into``)
     and ``rec`` (``u [N, D, HV, V]`` or snapshots ``[N, D, HV, V, K]``, or with ``g.into`` a
@@ -146,6 +156,8 @@ def build(g: Geometry):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
+    if g.channel and g.verify == "gram":  # its coefficients fold one scalar decay a step (the caller refuses it)
+        raise ValueError("mosaic kernel: verify='gram' takes a scalar decay only, not a per-channel one (KDA)")
     R, K, D, HV, V, N = g.R, g.K, g.D, g.HV, g.V, g.N
     G = HV // g.H
     T = V // R
@@ -200,6 +212,15 @@ def build(g: Geometry):
     def cols_of(vec):  # a [K] vector down the tile's rows
         return lax.broadcast_in_dim(vec, (R, K), (1,))
 
+    def alpha(g_s, t, hv):
+        """The decay ``exp(g)`` of step ``t`` from the inputs' ``g`` in shared memory: GDN's one scalar
+        of v-head ``hv``, or (``channel``) the tile's ``[K]`` row, exponentiated per channel and
+        broadcast down the rows: ``decay`` is then one rounded multiply per element by its own
+        column's factor."""
+        if g.channel:
+            return cols_of(exp(load(g_s.at[t], LCOL)))
+        return exp(g_s[t, hv])
+
     names = ["tab", "lay", "qn", "kn", "v", "g"] + (["coef"] if g.verify == "gram" else ["beta"])
     names += ["pk", "pu", "pg"] if g.pending else []
     names += ["pool", "out", "rec"]
@@ -230,7 +251,7 @@ def build(g: Geometry):
                 "kn": r["kn"].at[n, :, h, :],
                 "qn": r["qn"].at[n, :, h, :],
                 "v": r["v"].at[layer, n, :, hv, rows] if g.v_stacked else r["v"].at[n, :, hv, rows],
-                "g": r["g"].at[n],
+                "g": r["g"].at[n, :, hv, :] if g.channel else r["g"].at[n],
             }
             if g.verify == "gram":
                 src["coef"] = r["coef"].at[n, hv]
@@ -240,7 +261,7 @@ def build(g: Geometry):
                 src |= {
                     "pk": r["pk"].at[prev_layer, prow, :, h, :],
                     "pu": r["pu"].at[prev_layer, prow, :, hv, rows],
-                    "pg": r["pg"].at[prev_layer, prow],
+                    "pg": r["pg"].at[prev_layer, prow, :, hv, :] if g.channel else r["pg"].at[prev_layer, prow],
                 }
             return src
 
@@ -299,7 +320,7 @@ def build(g: Geometry):
                 def replay(t, S, track=True):
                     kb = cols_of(load(src["pk"].at[t], LCOL))
                     ub = rows_of(load(src["pu"].at[t], LROW))
-                    S = update(kb, ub, decay(S, exp(src["pg"][t, hv])))
+                    S = update(kb, ub, decay(S, alpha(src["pg"], t, hv)))
                     if track:
 
                         @pl.when(t == tstep)
@@ -356,10 +377,10 @@ def build(g: Geometry):
                         o = o + cf[2 + Dp + t, s_] * us[s_]
                     o = o.astype(od)
                     if g.snapshots:  # the states from this u by the rule: what a replay of the tuples gives
-                        S = update(kb, rows_of(ut), decay(S, exp(src["g"][t, hv])))
+                        S = update(kb, rows_of(ut), decay(S, alpha(src["g"], t, hv)))
                 else:
                     qb = cols_of(load(src["qn"].at[t], LCOL))
-                    Sd = decay(S, exp(src["g"][t, hv]))
+                    Sd = decay(S, alpha(src["g"], t, hv))
                     ut = src["beta"][t, hv] * (vt - jnp.sum(Sd * kb, axis=1))
                     S = update(kb, rows_of(ut), Sd)
                     o = jnp.sum(S * qb, axis=1).astype(od)
