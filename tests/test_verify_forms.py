@@ -148,8 +148,10 @@ def _kda_inputs(seed):
                 dt_bias=jnp.asarray(n(HV, K), F32))  # fmt: skip
 
 
-#: The backends that run KDA, each through every KDA test here (Pallas in interpret mode on the CPU).
+#: The backends that run KDA, each through every KDA test here (Pallas in interpret mode on the CPU); Mosaic's
+#: shapes (V a multiple of 64, K of 32) are its own tests' (tests/test_mosaic_backend.py), and Kimi's geometry below.
 KDA_BACKENDS = ["reference", "pallas"]
+KDA_GPU_BACKENDS = [*KDA_BACKENDS, "mosaic"]
 
 
 def _exact(backend: str) -> bool:
@@ -309,7 +311,7 @@ def test_kda_stacked_inputs(backend):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Kimi-Linear-48B's head geometry on the GPU kernels (the CPU runs the shapes above)")
-@pytest.mark.parametrize("backend", KDA_BACKENDS)
+@pytest.mark.parametrize("backend", KDA_GPU_BACKENDS)
 @pytest.mark.parametrize("pool_dtype", [F32, BF16])
 def test_kda_kimi_geometry(backend, pool_dtype, seed):
     """Kimi-Linear-48B-A3B's KDA heads (H = 32, K = V = 128), eight requests of four drafts, on the GPU: the outputs

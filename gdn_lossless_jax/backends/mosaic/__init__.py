@@ -13,8 +13,8 @@ one decay per key channel). For KDA the q/k norms and gates are computed in XLA
 (:func:`gdn_lossless_jax.reference.prepare`; the tape's ``k`` and ``g`` scattered into a tape
 buffer by XLA), the kernel decays each state tile column by column (element ``[v, c]`` by
 ``exp(g[c])``, one rounded multiply, then the same pinned fma), in the chain and in the fused
-replay of a pending :class:`~gdn_lossless_jax.tape.KDATuples` tape; ``commit`` and ``replay`` of a
-KDA tuple tape are the reference's (XLA, the rule pinned: the same bits). The Gram verify
+replay of a pending :class:`~gdn_lossless_jax.tape.KDATuples` tape; ``commit`` and ``replay`` are the
+Pallas backend's for KDA too. The Gram verify
 (``VerifyConfig.verify="gram"``) is GDN's only and refuses KDA. KDA has run in interpret mode and
 been lowered for CUDA, not yet run on a GPU.
 
@@ -38,15 +38,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ... import reference as ref
-from ... import rounding
 from ...reference import stacked as is_stacked
-from ...tape import KDATuples
 from ..contract import Capabilities, VerifyCall
 from .. import BackendUnavailable, platform
 from .. import pallas as _pallas
 from ..pallas.commit import commit_snapshots
-from ..pallas.prologue import gram_prep, prep
+from ..pallas.prologue import channel_prep, gram_prep, prep
 from .kernel import CONTROL_FORMS, CONTROLS, FORMS, VERIFIES, Geometry, build, coef_shape, smem_bytes
 
 __all__ = ["name", "capabilities", "CONTROLS", "CONTROL_FORMS", "FORMS", "OUTPUTS", "VERIFIES", "VerifyConfig",
@@ -287,8 +284,9 @@ def _verify(call: VerifyCall, *, config, thread_pool=False):
     pre = (rows, tape_layer[None], tape.k, tape.g) if into and not snapshots else None
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
-        if channel:  # KDA: in XLA (the Pallas prologue computes one decay a v-head)
-            qn, kn, g, beta, *bufs = _kda_prologue(call, layer, pre)
+        if channel:  # KDA: in XLA (the Pallas prologue kernel computes one decay a v-head)
+            qn, kn, g, beta, *bufs = channel_prep(q, k, a, b, A_log, dt_bias, scale=scale, into=pre, xlayer=layer[None],
+                                                  beta_scale=call.beta_scale)  # (slices only the stacked inputs)
         elif config.verify == "gram":  # the Gram prologue ("beta": the coefficients; stacked reads, tape writes by XLA)
             rows_c, Dp = coef_shape(D)
             qn, kn, g, beta, *bufs = gram_prep(q, k, a, b, A_log, dt_bias, scale=scale, Dp=Dp, interpret=interpret,
@@ -358,68 +356,18 @@ def _verify(call: VerifyCall, *, config, thread_pool=False):
     return out, new, state
 
 
-def _kda_prologue(call: VerifyCall, layer, pre):
-    """KDA's prologue in XLA: ``(qn, kn, g [N, D, HV, K], beta)`` by :func:`gdn_lossless_jax.reference.prepare`
-    from this layer's inputs (those stacked over the pool's layers read at ``layer``) and, with a tape
-    buffer (``pre``: ``(rows, tape_layer[None], k buffer, g buffer)``), the buffers with request n's
-    ``k`` and ``g`` at ``[tape_layer, rows[n], :D]`` (an out-of-range row writes nothing)."""
-    names = ("q", "k", "a", "b", "A_log", "dt_bias")
-    q, k, a, b, A_log, dt_bias = (
-        jax.lax.dynamic_index_in_dim(x, layer, 0, keepdims=False) if is_stacked(n, x, "channel") else x
-        for n, x in zip(names, (call.q, call.k, call.a, call.b, call.A_log, call.dt_bias))
-    )
-    qn, kn, g, beta = ref.prepare(q, k, a, b, A_log, dt_bias, call.scale, beta_scale=call.beta_scale)
-    if pre is None:
-        return qn, kn, g, beta
-    rows, tape_layer, kbuf, gbuf = pre
-    idx = ref.in_range(rows, kbuf.shape[1])
-    D = kn.shape[1]
-    put = lambda buf, x: buf.at[tape_layer[0], idx, :D].set(x.astype(buf.dtype), mode="drop")  # noqa: E731
-    return qn, kn, g, beta, put(kbuf, kn), put(gbuf, g)
-
-
-def _kda_twice_rounded(S, alpha, k, u):
-    """The control form ``"twice_rounded"`` of a KDA replay (tests): ``rn(rn(S alpha) + rn(k u))``."""
-    Sd = rounding.mul_rn(S, rounding.decay_factor(S, alpha))
-    return rounding.add_rn(Sd, rounding.mul_rn(k[..., None, :], u[..., :, None]))
-
-
-def _kda_rule(form):
-    """The replay rule of a KDA tuple tape for a ``form`` of :func:`commit` (the rule's pinned form, or a control)."""
-    if form in (None, *FORMS):
-        return rounding.apply_rule
-    if form == "twice_rounded":
-        return _kda_twice_rounded
-    raise ValueError(f"mosaic commit: form must be None or one of {FORMS + CONTROL_FORMS}, got {form!r}")
-
-
-def _kda_only(op, config):
-    if config is not None:
-        raise ValueError(f"mosaic {op}: a KDA tuple tape runs the reference's {op} (XLA), which takes no config "
-                         f"(the Pallas commit kernel's launch), got {config!r}")  # fmt: skip
-
-
-_ref_commit = jax.jit(ref.commit, static_argnames=("rule", "math"))
-_ref_replay = jax.jit(ref.replay, static_argnames=("rule", "math"))
-
-
 def commit(pool, tape, slots, steps, track_slots, track_steps, rows, *, form=None, config=None, math="platform"):
-    """See :func:`gdn_lossless_jax.commit`: the Pallas backend's commit kernel (the rule pinned). A KDA
-    tuple tape (:class:`~gdn_lossless_jax.tape.KDATuples`): the reference's commit in XLA (the rule
-    pinned, each key channel's decay on its column: the bits of the fused kernel's replay)."""
+    """See :func:`gdn_lossless_jax.commit`: the Pallas backend's commit kernel (the rule pinned; a KDA
+    tuple tape's per-channel decay on each key channel's column, the bits of the fused kernel's replay)."""
     check_available("commit")
-    if isinstance(tape, KDATuples):
-        _kda_only("commit", config)
-        return _ref_commit(pool, tape, slots, steps, track_slots, track_steps, rows, rule=_kda_rule(form), math=math)
     kw = {} if config is None else {"config": config}
     return _pallas.commit(pool, tape, slots, steps, track_slots, track_steps, rows, form=form, math=math, **kw)
 
 
 def replay(state0, tuples, steps, *, form=None, config=None, math="platform"):
-    """See :func:`gdn_lossless_jax.replay`: the Pallas backend's; a KDA tuple tape's, the reference's (XLA)."""
+    """See :func:`gdn_lossless_jax.replay`: the Pallas backend's."""
     check_available("replay")
-    if isinstance(tuples, KDATuples):
-        _kda_only("replay", config)
-        return _ref_replay(state0, tuples, steps, rule=_kda_rule(form), math=math)
     kw = {} if config is None else {"config": config}
     return _pallas.replay(state0, tuples, steps, form=form, math=math, **kw)
+
+

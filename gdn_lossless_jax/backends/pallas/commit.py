@@ -26,7 +26,6 @@ from jax.experimental import pallas as pl
 
 from ..launch import LaunchConfig
 from ._refs import grid, program_ids, store
-from ... import rounding
 from ...reference import exp_fn
 from .rounding import replay_update
 from .tiles import _decays
