@@ -86,6 +86,13 @@ The sharded code path on a one-device mesh beside the unsharded one::
     python -m benchmarks.step --out $OUT/step-mesh --configs 25x4,8x4 --backends pallas \
         --kinds scan,scan-mesh,pool-scan,pool-scan-mesh --mesh 1x1 --peer off
 
+KDA beside GDN: ``--families model,kimi_linear`` adds Kimi-Linear-48B-A3B's linear layers (20 KDA layers, H = HV
+= 32, K = V = 128; a per-channel decay, its tapes ``KDATuples``) as rows of their own, labelled ``25x4 kimi_linear``
+(no SGLang row for them: its step is GDN's)::
+
+    python -m benchmarks.step --out $OUT/step-kda --configs 25x4 --backends mosaic,pallas \
+        --families model,kimi_linear --kinds unrolled-out,fused-out --records tuples,snapshots
+
 ``--mode cpu-small`` runs the same rows on a reduced geometry (CI keeps the harness alive;
 its timings are not results).
 """

@@ -10,7 +10,7 @@ from . import tree
 from .api import MATH_MODES, RECORD_MODES, commit, commit_and_verify, replay, verify
 from .backends import BACKENDS, BackendUnavailable
 from .config import MODELS, Geometry, get_geometry
-from .tape import Pending, Snapshots, Tape, Tuples, stack_tapes
+from .tape import KDATuples, Pending, Snapshots, Tape, Tuples, stack_tapes
 
 __version__ = "0.1.0"
 
@@ -21,6 +21,7 @@ __all__ = [
     "commit_and_verify",
     "Pending",
     "Tuples",
+    "KDATuples",
     "Snapshots",
     "Tape",
     "stack_tapes",

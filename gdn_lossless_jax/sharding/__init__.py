@@ -53,6 +53,9 @@ of every method; a new entry point needs only its row there (and in ``_INDEX_TAR
 index arguments) and a method that calls :meth:`MeshPlan.run` (as :meth:`~MeshPlan.commit_and_verify`
 does). :meth:`MeshPlan.spec`, :meth:`~MeshPlan.sharding` and
 :meth:`~MeshPlan.put` build the ``PartitionSpec``, ``NamedSharding`` or placed array of any kind.
+A KDA call (a per-channel decay: ``a`` one axis more than ``b``) splits ``a [N, D, HV, K]`` as the
+heads, ``dt_bias [HV, K]`` over its heads (``"per_key_channel"``) and its tape's ``g [..., HV, K]``
+as the tape's heads: the same methods, bit for bit one device's.
 
 **Plain functions under jit.** ``jax.jit`` of the unsharded functions on arrays placed with these
 shardings gives the same bits with the reference backend (XLA propagates the shardings, but
@@ -78,7 +81,7 @@ from .. import api, checks, staging
 from .. import pool as pool_mod
 from .. import reference
 from ..config import Geometry
-from ..tape import Pending, Snapshots, Tape, Tuples
+from ..tape import KDATuples, Pending, Snapshots, Tape, Tuples
 from .layout import _check_heads_split, conv_channel_order, from_tp_layout, local_geometry, to_tp_layout
 
 __all__ = [
@@ -138,6 +141,8 @@ KINDS: dict[str, Kind] = {
     "conv_windows": Kind(-3, -2, "rows", "conv channels"),
     # A_log, dt_bias [HV]; conv_bias [conv_dim]; conv_weight [conv_dim, Kc]
     "per_head": Kind(None, -1),
+    # a per-channel decay's (KDA's) dt_bias [HV, K]; its a [N, D, HV, K] is "heads", its tape's g "tape_heads"
+    "per_key_channel": Kind(None, -2),
     "conv_weight": Kind(None, -2, tensor_what="conv channels"),
     # slots, steps, track_slots, track_steps, rows [N]
     "index": Kind(-1, None),
@@ -184,6 +189,8 @@ def tape_kinds(tape: Tape) -> Tape:
     """The kinds of a tape's fields, as a tape of the same type (a pytree prefix)."""
     if isinstance(tape, Snapshots):
         return Snapshots(states="tape_snapshots")
+    if isinstance(tape, KDATuples):  # g [L?, R, D, HV, K]: one log-decay per key channel
+        return KDATuples(u="tape_heads", k="tape_heads", g="tape_heads")
     if isinstance(tape, Tuples):
         return Tuples(u="tape_heads", k="tape_heads", g="tape_gates")
     raise TypeError(f"tape_kinds: expected a Tuples or Snapshots tape, got {type(tape).__name__}")
@@ -352,7 +359,8 @@ class MeshPlan:
         local per shard (and checked when concrete); ``rows=None`` becomes each shard's own
         rows when ``fill_rows`` names the array they index. ``donate``: an argument to donate.
         """
-        for arg, rank in _ONE_LAYER_RANKS.items():
+        ranks = {**_ONE_LAYER_RANKS, **(reference.CHANNEL_INPUT_RANKS if _channel(args) else {})}
+        for arg, rank in ranks.items():
             if args.get(arg) is not None and np.ndim(args[arg]) == rank + 1:
                 raise ValueError(
                     f"MeshPlan.{name}: argument {arg!r} has rank {rank + 1} (stacked over layers), which a mesh does not "
@@ -501,10 +509,18 @@ def _expand(kinds, tree):
     return jax.tree.map(lambda k, t: _expand(k, t), kinds, tree, is_leaf=lambda x: isinstance(x, str))
 
 
+def _channel(args: Mapping) -> bool:
+    """Whether the call's decay is per key channel (KDA): ``a`` one axis more than ``b``."""
+    a, b = args.get("a"), args.get("b")
+    return a is not None and b is not None and np.ndim(a) == np.ndim(b) + 1
+
+
 def _arg_kinds(name: str, args: dict) -> dict:
     table = dict(ARG_KINDS[name])
     if name == "verify" and args.get("slots") is not None:
         table["state0"] = "pool_state"  # the pool itself (same split, slots for messages)
+    if _channel(args):  # KDA: a [N, D, HV, K] split as q, k and v are; dt_bias [HV, K] over its heads
+        table.update(a="heads", dt_bias="per_key_channel")
     return {k: _expand(table[k], x) for k, x in args.items() if x is not None}
 
 
