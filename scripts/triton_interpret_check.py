@@ -203,11 +203,16 @@ def make_inputs(spec: CaseSpec, seed: int, work: Path):
 # Phase 2 (Triton environment, TRITON_INTERPRET=1): run the kernels.
 # ---------------------------------------------------------------------------------------
 def _kernel_modules():
-    """The kernel modules, loaded from their files without the JAX package around them."""
-    pkg = types.ModuleType("gdn_triton_kernels")
-    pkg.__path__ = [str(KERNELS)]
-    sys.modules["gdn_triton_kernels"] = pkg
-    return importlib.import_module("gdn_triton_kernels.verify"), importlib.import_module("gdn_triton_kernels.commit")
+    """The kernel modules, loaded from their files without the JAX package around them: the
+    package and ``backends`` stand-ins whose ``__init__`` never runs (it imports JAX), so that the
+    kernels' relative imports (``..launch``, plain dataclasses) resolve to the real files."""
+    for name, path in (("gdn_triton_kernels", KERNELS.parents[1]), ("gdn_triton_kernels.backends", KERNELS.parent),
+                       ("gdn_triton_kernels.backends.triton", KERNELS)):  # fmt: skip
+        pkg = types.ModuleType(name)
+        pkg.__path__ = [str(path)]
+        sys.modules[name] = pkg
+    return (importlib.import_module("gdn_triton_kernels.backends.triton.verify"),
+            importlib.import_module("gdn_triton_kernels.backends.triton.commit"))  # fmt: skip
 
 
 def run_kernels(spec: CaseSpec, work: Path):
@@ -493,7 +498,7 @@ def compile_kernels() -> None:
                        fusion, ccfg.num_warps, ccfg.num_stages)  # fmt: skip
             c = ops(ck.asm["ptx"])
             print(f"  compiled commit ({form}, {state} pool) for sm_90: {dict(sorted(c.items()))}")
-            if form == "rule":
+            if form == "pinned":
                 assert c["fma.rn.f32"] > 0 and c["mul.rn.f32"] > 0, "commit: the rule's mul.rn + fma.rn are missing"
                 assert not (c["mul.f32"] or c["add.f32"]), "commit: contractible operations with fp fusion off"
             if form == "naive":

@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from ...tape import record_type
 from ..launch import VerifyLaunch
 from ._lang import exp as _exp
 from ._lang import fma as _fma
@@ -536,7 +535,9 @@ def launch_sizes(state_shape, q_shape, config: VerifyConfig, record="tuples"):
     BV = min(next_power_of_2(config.block_v), next_power_of_2(V))
     C = min(config.k_chunk, next_power_of_2(K))
     KP = next_power_of_2(K)
-    tiles_first = (config.order or ("tiles" if record_type(record).stores_states else "requests")) == "tiles"
+    # a record= name (the interpreter check's, without JAX) or the tape class
+    stores_states = record == "snapshots" if isinstance(record, str) else record.stores_states
+    tiles_first = (config.order or ("tiles" if stores_states else "requests")) == "tiles"
     sizes = {"NS": S, "D": D, "H": H, "HV": HV, "V": V, "K": K, "BV": BV, "C": C, "NC": -(-K // C),
              "TILES_FIRST": tiles_first, "KP": KP}  # fmt: skip
     if (config.chain or ("rows" if D <= ROWS_UP_TO else "chunks")) == "rows":  # W lanes across K (<= 32), BV <= W
