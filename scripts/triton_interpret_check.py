@@ -28,6 +28,12 @@ rows, as tests/equivalence.py builds them):
   XLA:CPU and the reductions are ordered differently, so these are reported in ULP and
   bounded by a relative tolerance, not compared bitwise).
 
+KDA cases (``decay="channel"``, :data:`KDA_CASES`): the same checks with a per-channel decay
+(``a [N, D, HV, K]``; the prologue is the backend's XLA one, computed in the JAX phase, and the
+kernels read ``g [..., HV, K]``), the fused kernel's pending replay with a KDA tape, and one more
+control: the tape's decay applied as one factor per head (g averaged over K) must drift, on any
+pool dtype.
+
 Usage (from the repository root)::
 
     python3.11 -m venv /tmp/tvenv   # once: torch's CPU wheel on this disk is for Python 3.11

@@ -9,7 +9,9 @@ the backend is tested. Run on the H200 (jax 0.11.2, triton 3.6, jax-triton 0.3.1
 
 Matrix: D in {2, 3, 4, 8, 16} x (H, HV) in {(16, 32), (4, 16)} x N in {1, 5} x fp32 and
 bf16 pools, K = V = 128, L = 2 layers; each case has a track copy, permuted rows and
-invalid rows (negative step, out-of-range slot, row and track slot).
+invalid rows (negative step, out-of-range slot, row and track slot). KDA (``decay="channel"``)
+at H = HV = 4 and Kimi-Linear-48B's H = HV = 32 (K = V = 128), each bitwise check with the
+scalar-decay control (the per-channel decay applied as one factor per head).
 """
 
 import dataclasses
