@@ -109,8 +109,8 @@ def verify(
         forget gate's projection before its bias, ``dt_bias [HV, K]``, and the tuple tape is a
         :class:`~gdn_lossless_jax.tape.KDATuples` with ``g [N, D, HV, K]``: ``record="tuples"``
         picks it). None: from the ``tape`` buffer's class where it tells, else ``"scalar"``.
-        Backends: ``"reference"`` (``"auto"`` picks it, draft trees too); the others refuse it
-        by name.
+        Backends: ``"reference"`` (``"auto"`` picks it, draft trees too) and ``"triton"`` (chains,
+        on a GPU: verify, commit, replay and the fused step); the others refuse it by name.
       beta_scale: beta's factor, a static float (None: 1.0): OLMo-Hybrid's
         ``linear_allow_neg_eigval`` makes beta ``2 sigmoid(b)`` (``beta_scale=2.0``), applied
         after the sigmoid; the tape is unchanged (``u`` carries beta). Backends: ``"reference"``,

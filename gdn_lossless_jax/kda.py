@@ -31,7 +31,7 @@ The tape per head and step is ``V + 2K`` fp32 values against ``V * K`` for a sna
 16,384 at K = V = 128 (42.7x smaller). This module is the specification the backends are tested
 against (verify, replay, commit, with SGLang's masking rules as :func:`gdn_lossless_jax.reference.commit`).
 Its tape is the record variant :class:`~gdn_lossless_jax.tape.KDATuples`, which the API takes
-(:func:`gdn_lossless_jax.verify` with ``decay="channel"``): the reference backend runs it.
+(:func:`gdn_lossless_jax.verify` with ``decay="channel"``): the reference and Triton backends run it.
 """
 
 from __future__ import annotations

@@ -28,6 +28,12 @@ rows, as tests/equivalence.py builds them):
   XLA:CPU and the reductions are ordered differently, so these are reported in ULP and
   bounded by a relative tolerance, not compared bitwise).
 
+KDA cases (``decay="channel"``, :data:`KDA_CASES`): the same checks with a per-channel decay
+(``a [N, D, HV, K]``; the prologue is the backend's XLA one, computed in the JAX phase, and the
+kernels read ``g [..., HV, K]``), the fused kernel's pending replay with a KDA tape, and one more
+control: the tape's decay applied as one factor per head (g averaged over K) must drift, on any
+pool dtype.
+
 Usage (from the repository root)::
 
     python3.11 -m venv /tmp/tvenv   # once: torch's CPU wheel on this disk is for Python 3.11
@@ -47,6 +53,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import itertools
 import json
 import os
 import subprocess
@@ -74,11 +81,25 @@ class CaseSpec:
     block_v: int = 32
     L: int = 2
     unroll: bool | None = None  # VerifyConfig.unroll (None: the default by D)
+    decay: str = "scalar"  # "channel": KDA (a [N, D, HV, K], the prologue in JAX, g [..., HV, K] in the kernels)
+    pending_replay: str = "rows"  # VerifyConfig.pending_replay of the fused kernel
 
     @property
     def name(self) -> str:
         tail = "" if self.unroll is None else f"-unroll{int(self.unroll)}"
+        tail += "-kda" if self.decay == "channel" else ""
+        tail += "" if self.pending_replay == "rows" else f"-pending_{self.pending_replay}"
         return f"D{self.D}-H{self.H}-HV{self.HV}-K{self.K}-V{self.V}-N{self.N}-{self.dtype}-BV{self.block_v}{tail}"
+
+
+#: KDA (per-channel decay) cases: the rows chain with grouped heads (fp32, so the update controls must
+#: drift), an odd K and V (masked columns) on a bf16 pool, and the chunk chain (D > 8) with a masked
+#: last chunk and the fused kernel's chunk-layout replay (pending_replay="split").
+KDA_CASES = (
+    CaseSpec(N=5, D=4, H=2, HV=4, K=8, V=16, dtype="float32", block_v=8, decay="channel"),
+    CaseSpec(N=4, D=3, H=2, HV=2, K=12, V=20, dtype="bfloat16", block_v=8, decay="channel"),
+    CaseSpec(N=3, D=9, H=2, HV=2, K=24, V=20, dtype="float32", block_v=8, decay="channel", pending_replay="split"),
+)
 
 
 def case_specs(quick: bool) -> list[CaseSpec]:
@@ -88,6 +109,7 @@ def case_specs(quick: bool) -> list[CaseSpec]:
             CaseSpec(N=1, D=3, H=4, HV=16, K=8, V=16, dtype="float32"),
             CaseSpec(N=5, D=2, H=1, HV=2, K=12, V=20, dtype="float32", block_v=8),
             CaseSpec(N=5, D=4, H=2, HV=4, K=8, V=16, dtype="bfloat16", block_v=8, unroll=False),
+            *KDA_CASES,
         ]
     # The CPU equivalence matrix's draft lengths, each with one of its head layouts and
     # pool setups in turn (the reference's XLA:CPU compile per shape dominates the time).
@@ -100,6 +122,8 @@ def case_specs(quick: bool) -> list[CaseSpec]:
     specs.append(CaseSpec(N=5, D=3, H=1, HV=2, K=12, V=20, dtype="float32", block_v=8))
     specs.append(CaseSpec(N=4, D=5, H=2, HV=6, K=24, V=40, dtype="bfloat16", block_v=16))
     specs.append(CaseSpec(N=2, D=4, H=2, HV=4, K=128, V=128, dtype="float32", block_v=32))
+    specs.extend(KDA_CASES)
+    specs.append(CaseSpec(N=2, D=4, H=2, HV=2, K=128, V=128, dtype="float32", block_v=32, decay="channel"))
     return specs
 
 
@@ -165,10 +189,12 @@ def make_inputs(spec: CaseSpec, seed: int, work: Path):
     import jax
     import jax.numpy as jnp
 
-    from gdn_lossless_jax.testing.cases import Shape, commit_indices, verify_inputs
+    from gdn_lossless_jax import reference
+    from gdn_lossless_jax.testing.cases import Shape, channel_verify_inputs, commit_indices, verify_inputs
 
     shape = Shape(N=spec.N, D=spec.D, H=spec.H, HV=spec.HV, K=spec.K, V=spec.V)
     dt = jnp.dtype(spec.dtype)
+    kda = spec.decay == "channel"
     N, D, L = spec.N, spec.D, spec.L
     S, R = 2 * N + 3, N + 2
     rng = np.random.default_rng(seed)
@@ -185,15 +211,20 @@ def make_inputs(spec: CaseSpec, seed: int, work: Path):
         pool=np.asarray(pool),
         slots=idx.slots, steps=idx.steps, track_slots=idx.track_slots, track_steps=idx.track_steps, rows=idx.rows,
         fill_u=normal(L, R, D, spec.HV, spec.V), fill_k=normal(L, R, D, spec.H, spec.K),
-        fill_g=-np.abs(normal(L, R, D, spec.HV)),
+        fill_g=-np.abs(normal(L, R, D, spec.HV, *((spec.K,) if kda else ()))),
         fill_states=np.asarray(jnp.asarray(normal(L, R, D, spec.HV, spec.V, spec.K)).astype(dt)),
     )  # fmt: skip
     for layer in range(L):
-        x = verify_inputs(rng, shape, kind="mixed", state_dtype=dt)
+        x = (channel_verify_inputs if kda else verify_inputs)(rng, shape, kind="mixed", state_dtype=dt)
         x["state0"] = jnp.where(slot_ok, pool[layer, slot_safe], 0).astype(dt)  # what the kernel reads by slot
         ref = jax.jit(_reference_close, static_argnums=8)(*x.values(), spec.K**-0.5)
         for name, val in x.items():
             arrays[f"L{layer}_{name}"] = np.asarray(val)
+        if kda:  # the backend's KDA prologue: XLA's norms and gates, which the chain kernel reads
+            prep = jax.jit(reference.prepare, static_argnums=6)(*(x[n] for n in ("q", "k", "a", "b", "A_log", "dt_bias")),
+                                                                 spec.K**-0.5)  # fmt: skip
+            for name, val in zip(("qn", "kn", "g", "beta"), prep, strict=True):
+                arrays[f"L{layer}_prep_{name}"] = np.asarray(val)
         for name, val in zip(("out", "u", "k", "g", "states"), ref, strict=True):
             arrays[f"L{layer}_ref_{name}"] = np.asarray(val)
     _save(work / f"{spec.name}.in.npz", arrays)
@@ -203,11 +234,16 @@ def make_inputs(spec: CaseSpec, seed: int, work: Path):
 # Phase 2 (Triton environment, TRITON_INTERPRET=1): run the kernels.
 # ---------------------------------------------------------------------------------------
 def _kernel_modules():
-    """The kernel modules, loaded from their files without the JAX package around them."""
-    pkg = types.ModuleType("gdn_triton_kernels")
-    pkg.__path__ = [str(KERNELS)]
-    sys.modules["gdn_triton_kernels"] = pkg
-    return importlib.import_module("gdn_triton_kernels.verify"), importlib.import_module("gdn_triton_kernels.commit")
+    """The kernel modules, loaded from their files without the JAX package around them: the
+    package and ``backends`` stand-ins whose ``__init__`` never runs (it imports JAX), so that the
+    kernels' relative imports (``..launch``, plain dataclasses) resolve to the real files."""
+    for name, path in (("gdn_triton_kernels", KERNELS.parents[1]), ("gdn_triton_kernels.backends", KERNELS.parent),
+                       ("gdn_triton_kernels.backends.triton", KERNELS)):  # fmt: skip
+        pkg = types.ModuleType(name)
+        pkg.__path__ = [str(path)]
+        sys.modules[name] = pkg
+    return (importlib.import_module("gdn_triton_kernels.backends.triton.verify"),
+            importlib.import_module("gdn_triton_kernels.backends.triton.commit"))  # fmt: skip
 
 
 def run_kernels(spec: CaseSpec, work: Path):
@@ -225,16 +261,22 @@ def run_kernels(spec: CaseSpec, work: Path):
 
     rows_t = T["rows"].to(torch.int32).contiguous()
     slots_t = T["slots"].to(torch.int32).contiguous()
+    kda = spec.decay == "channel"
+    rows = T["rows"].numpy()
+    ok_rows = (rows >= 0) & (rows < R)
 
     def verify(layer: int, snapshots: bool, bufs=None, pool=None, pending=None):
         """The kernels read the state from the pool by slot; with ``bufs`` (the tape buffers
         ``[L, R, D, ...]``) the tape goes into them at [layer, rows[n]], in place as under
         jax-triton's aliasing (the same tensor as input and output). ``pool``: another pool than
         the case's; with ``pending`` (the tuple tape buffers and the commit's index arrays) the
-        fused kernel commits the tape's row of each request at ``layer`` first, in ``pool``."""
+        fused kernel commits the tape's row of each request at ``layer`` first, in ``pool``. KDA
+        (``spec.decay == "channel"``): the prologue is the backend's XLA one, computed in the JAX
+        phase, its k and g written into a tuple tape buffer at [layer, rows[n]] as the wrapper's
+        scatter does (valid rows only); the chain kernel reads ``g [N, D, HV, K]``."""
         x = {n: T[f"L{layer}_{n}"].contiguous() for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias")}
         unused = torch.empty(1, dtype=f32)
-        cfg = V_.VerifyConfig(block_v=spec.block_v, unroll=spec.unroll)
+        cfg = V_.VerifyConfig(block_v=spec.block_v, unroll=spec.unroll, pending_replay=spec.pending_replay)
         lay = torch.tensor([layer], dtype=torch.int32)
         into = bufs is not None
         buf_sizes = dict(INTO=True, R=R, DMAX=D) if into else {}
@@ -242,12 +284,18 @@ def run_kernels(spec: CaseSpec, work: Path):
         def nan(*shape, dtype=f32):  # filled with NaN, so that a missing write shows
             return torch.full(shape, float("nan"), dtype=dtype)
 
-        qn, kt, g, beta = nan(N, D, H, K), nan(N, D, H, K), nan(N, D, HV), nan(N, D, HV)
-        kbuf, gbuf = (bufs["k"], bufs["g"]) if into and not snapshots else (unused, unused)
-        sizes, grid = V_.prep_launch(tuple(x["q"].shape), HV, cfg)
-        V_.verify_prep_kernel[grid](x["q"], x["k"], x["a"], x["b"], x["A_log"], x["dt_bias"], lay, rows_t, lay, kbuf, gbuf,
-                                    qn, kt, g, beta, kbuf, gbuf, **sizes, **(buf_sizes if not snapshots else {}),
-                                    SCALE=float(K**-0.5), INTERPRET=True)  # fmt: skip
+        if kda:
+            qn, kt, g, beta = (T[f"L{layer}_prep_{n}"].clone() for n in ("qn", "kn", "g", "beta"))
+            if into and not snapshots:
+                for i in np.nonzero(ok_rows)[0]:
+                    bufs["k"][layer, rows[i]], bufs["g"][layer, rows[i]] = kt[i], g[i]
+        else:
+            qn, kt, g, beta = nan(N, D, H, K), nan(N, D, H, K), nan(N, D, HV), nan(N, D, HV)
+            kbuf, gbuf = (bufs["k"], bufs["g"]) if into and not snapshots else (unused, unused)
+            sizes, grid = V_.prep_launch(tuple(x["q"].shape), HV, cfg)
+            V_.verify_prep_kernel[grid](x["q"], x["k"], x["a"], x["b"], x["A_log"], x["dt_bias"], lay, rows_t, lay, kbuf,
+                                        gbuf, qn, kt, g, beta, kbuf, gbuf, **sizes, **(buf_sizes if not snapshots else {}),
+                                        SCALE=float(K**-0.5), INTERPRET=True)  # fmt: skip
         o = nan(N, D, HV, V, dtype=x["q"].dtype)
         if into:
             snap = bufs["states"] if snapshots else unused
@@ -266,14 +314,13 @@ def run_kernels(spec: CaseSpec, work: Path):
             assert torch.equal(p_slots, slots_t), "the fused kernel commits at the verify's slots"
             pend_in, pool_out = [p_rows, p_steps, p_tslots, p_tsteps, lay, pu, pk, pg, unused], state
             pend_sizes = dict(PENDING=1, PR=pu.shape[1], PD=pu.shape[2], PREFETCH=False,
-                              PDP=V_.next_power_of_2(pu.shape[2]), KL=V_.next_power_of_2(-(-K // 32)), ROWS=True)
+                              PDP=V_.next_power_of_2(pu.shape[2]), KL=V_.next_power_of_2(-(-K // 32)),
+                              ROWS=cfg.pending_replay == "rows", PCHANNEL=pg.ndim == 5)  # fmt: skip
         V_.verify_kernel[grid](state, slots_t, lay, lay, qn, kt, x["v"], g, beta, rows_t, buf, *pend_in, lay, unused, o,
                                snap, u, pool_out, **sizes, **(buf_sizes or dict(DMAX=D)), **pend_sizes,
-                               SNAPSHOTS=snapshots, EVICT=cfg.evict, INTERPRET=True)  # fmt: skip
+                               SNAPSHOTS=snapshots, EVICT=cfg.evict, INTERPRET=True, CHANNEL=g.ndim == 4)  # fmt: skip
         return o, (snap,) if snapshots else (u, kt, g)
 
-    rows = T["rows"].numpy()
-    ok_rows = (rows >= 0) & (rows < R)
     tapes = {
         "u": T["fill_u"].clone(),
         "k": T["fill_k"].clone(),
@@ -302,7 +349,8 @@ def run_kernels(spec: CaseSpec, work: Path):
     # In place, as under jax-triton's aliasing: the same tensor is the input and the output.
     pool = T["pool"].clone()
     sizes, grid = C_.tuple_launch(tuple(pool.shape), tuple(tapes["k"].shape), R, D, N, ccfg)
-    C_.commit_tuples_kernel[grid](pool, tapes["u"], tapes["k"], tapes["g"], *idx, pool, **sizes, INTERPRET=True)
+    C_.commit_tuples_kernel[grid](pool, tapes["u"], tapes["k"], tapes["g"], *idx, pool, **sizes, INTERPRET=True,
+                                  CHANNEL=kda)  # fmt: skip
     out["commit_tuples"] = pool
 
     # The commit fused into the next verify (PENDING=1, commit_and_verify): layer by layer in
@@ -336,7 +384,8 @@ def run_kernels(spec: CaseSpec, work: Path):
         steps = torch.from_numpy(np.repeat(steps_all, N).astype(np.int32))
         tape = [torch.cat([out[f"L{layer}_{n}"]] * reps)[None].contiguous() for n in ("u", "k", "g")]
         sizes, grid = C_.tuple_launch(tuple(pool.shape), tuple(tape[1].shape), N * reps, D, N * reps, ccfg)
-        C_.commit_tuples_kernel[grid](pool, *tape, ids, steps, none, none, ids, pool, **sizes, INTERPRET=True)
+        C_.commit_tuples_kernel[grid](pool, *tape, ids, steps, none, none, ids, pool, **sizes, INTERPRET=True,
+                                      CHANNEL=kda)  # fmt: skip
         out[f"L{layer}_replay"] = pool[0]
         # The control forms of the replay update, to the last step (commit.CONTROL_FORMS).
         for name in ("twice_rounded", "other_product"):
@@ -346,9 +395,17 @@ def run_kernels(spec: CaseSpec, work: Path):
             tape = [out[f"L{layer}_{n}"][None].contiguous() for n in ("u", "k", "g")]
             sizes, grid = C_.tuple_launch(tuple(pool.shape), tuple(tape[1].shape), N, D, N, ccfg)
             C_.commit_tuples_kernel[grid](
-                pool, *tape, ids, last, none, none, ids, pool, **sizes, INTERPRET=True, FORM=C_._FORM_CODE[name]
-            )
+                pool, *tape, ids, last, none, none, ids, pool, **sizes, INTERPRET=True, FORM=C_._FORM_CODE[name],
+                CHANNEL=kda,
+            )  # fmt: skip
             out[f"L{layer}_control_{name}"] = pool[0]
+        if kda:  # control: the per-channel decay applied as one factor per head (g averaged over K), the rule
+            pool = s0[None].clone()
+            tape = [out[f"L{layer}_{n}"][None].contiguous() for n in ("u", "k")]
+            g_mean = out[f"L{layer}_g"].mean(-1)[None].contiguous()  # [1, N, D, HV]
+            C_.commit_tuples_kernel[grid](pool, *tape, g_mean, ids, last, none, none, ids, pool, **sizes,
+                                          INTERPRET=True)  # fmt: skip
+            out[f"L{layer}_control_scalar_decay"] = pool[0]
 
     def to_np(t):
         if t.dtype == torch.bfloat16:
@@ -436,43 +493,67 @@ def compile_kernels() -> None:
     vcfg, ccfg = V_.VerifyConfig(), C_.CommitConfig()
     N, D, H, HV, K, Vd = 5, 4, 16, 32, 128, 128
     for state in ("fp32", "bf16"):
-        digests = {}
-        for snapshots in (False, True):
-            sig = {"state_ptr": f"*{state}", "slots_ptr": "*i32", "layer_ptr": "*i32", "tape_layer_ptr": "*i32", "qn_ptr": "*fp32",
-                   "kn_ptr": "*fp32", "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*fp32", "rows_ptr": "*i32",
-                   "buf_in_ptr": "*fp32", "prows_ptr": "*i32", "psteps_ptr": "*i32", "ptslots_ptr": "*i32",
-                   "ptsteps_ptr": "*i32", "player_ptr": "*i32", "pu_ptr": "*fp32", "pk_ptr": "*fp32", "pg_ptr": "*fp32",
-                   "pstates_ptr": f"*{state}", "out_layer_ptr": "*i32", "out_in_ptr": "*bf16", "out_ptr": "*bf16", "snap_ptr": f"*{state}" if snapshots else "*fp32",
-                   "u_ptr": "*fp32", "pool_out_ptr": f"*{state}"}  # fmt: skip
-            mode = "snapshots" if snapshots else "tuples"
-            sizes, _ = V_.launch_sizes((1, N, HV, Vd, K), (N, D, H, K), vcfg, mode)
-            ck = build(V_.verify_kernel, sig, dict(**sizes, SNAPSHOTS=snapshots, EVICT=vcfg.evict, INTERPRET=False,
-                                                   DMAX=D), False, vcfg.num_warps, vcfg.num_stages)  # fmt: skip
-            c = ops(ck.asm["ptx"])
-            # the steps as a loop (unroll=False): unrolled, the snapshot mode may compute a step's
-            # update a second time in the store's layout, the same operation on the same values
-            lsizes, _ = V_.launch_sizes((1, N, HV, Vd, K), (N, D, H, K), dataclasses.replace(vcfg, unroll=False), mode)
-            loop = build(V_.verify_kernel, sig, dict(**lsizes, SNAPSHOTS=snapshots, EVICT=vcfg.evict, INTERPRET=False,
-                                                     DMAX=D), False, vcfg.num_warps, vcfg.num_stages)  # fmt: skip
-            digests[snapshots] = arithmetic(loop.asm["ttgir"])
-            print(f"  compiled verify ({mode}, {state} state) for sm_90: {dict(sorted(c.items()))}")
-            bad = [o for o in c if o.startswith(("div.full", "div.approx", "sqrt.approx", "mul.f32", "add.f32"))]
-            assert not bad, f"verify ({mode}): approximate or contractible operations {bad}"
-            assert c["fma.rn.f32"] > 0, "verify: no fma.rn.f32 for the update"
-            into = build(V_.verify_kernel, sig, dict(**sizes, SNAPSHOTS=snapshots, EVICT=vcfg.evict, INTERPRET=False,
-                                                     INTO=True, R=7, DMAX=D + 2), False, vcfg.num_warps,
-                         vcfg.num_stages)  # fmt: skip
-            assert ops(into.asm["ptx"]) == c, f"verify ({mode}): the tape in place changes the float operations"
-            for pending in (1, 2):  # the previous step's commit first (commit_and_verify): it compiles, rule pinned
-                fused = build(V_.verify_kernel, sig, dict(**sizes, SNAPSHOTS=snapshots, EVICT=vcfg.evict, INTERPRET=False,
-                                                          INTO=True, R=7, DMAX=D + 2, PENDING=pending, PR=7, PD=D),
-                              False, vcfg.num_warps, vcfg.num_stages)  # fmt: skip
-                cf = ops(fused.asm["ptx"])
-                assert not [o for o in cf if o.startswith(("mul.f32", "add.f32", "div.full", "div.approx"))], cf
-                print(f"  compiled fused verify ({mode}, pending {('tuples', 'snapshots')[pending - 1]}, {state}): "
-                      f"fma.rn {cf['fma.rn.f32']} (plain {c['fma.rn.f32']})")
-        assert digests[False] == digests[True], f"verify ({state}): the record modes' TTGIR arithmetic differs"
-        print(f"  verify ({state}): tuples and snapshots TTGIR arithmetic identical ({digests[False]}, steps as a loop)")
+        for decay in ("scalar", "channel"):  # KDA: g per key channel (CHANNEL, PCHANNEL)
+            kda = dict(CHANNEL=True) if decay == "channel" else {}
+            tag = "" if decay == "scalar" else ", KDA"
+            digests = {}
+            for snapshots in (False, True):
+                sig = {"state_ptr": f"*{state}", "slots_ptr": "*i32", "layer_ptr": "*i32", "tape_layer_ptr": "*i32", "qn_ptr": "*fp32",
+                       "kn_ptr": "*fp32", "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*fp32", "rows_ptr": "*i32",
+                       "buf_in_ptr": "*fp32", "prows_ptr": "*i32", "psteps_ptr": "*i32", "ptslots_ptr": "*i32",
+                       "ptsteps_ptr": "*i32", "player_ptr": "*i32", "pu_ptr": "*fp32", "pk_ptr": "*fp32", "pg_ptr": "*fp32",
+                       "pstates_ptr": f"*{state}", "out_layer_ptr": "*i32", "out_in_ptr": "*bf16", "out_ptr": "*bf16", "snap_ptr": f"*{state}" if snapshots else "*fp32",
+                       "u_ptr": "*fp32", "pool_out_ptr": f"*{state}"}  # fmt: skip
+                mode = "snapshots" if snapshots else "tuples"
+                sizes, _ = V_.launch_sizes((1, N, HV, Vd, K), (N, D, H, K), vcfg, mode)
+                ck = build(V_.verify_kernel, sig, dict(**sizes, SNAPSHOTS=snapshots, EVICT=vcfg.evict, INTERPRET=False,
+                                                       DMAX=D, **kda), False, vcfg.num_warps, vcfg.num_stages)  # fmt: skip
+                c = ops(ck.asm["ptx"])
+                # the steps as a loop (unroll=False): unrolled, the snapshot mode may compute a step's
+                # update a second time in the store's layout, the same operation on the same values;
+                # KDA also on the chunk chain (the one above 8 drafts)
+                for chain in ("rows", "chunks") if kda else ("rows",):
+                    lcfg = dataclasses.replace(vcfg, unroll=False, chain=chain)
+                    lsizes, _ = V_.launch_sizes((1, N, HV, Vd, K), (N, D, H, K), lcfg, mode)
+                    loop = build(V_.verify_kernel, sig, dict(**lsizes, SNAPSHOTS=snapshots, EVICT=vcfg.evict,
+                                                             INTERPRET=False, DMAX=D, **kda), False, vcfg.num_warps,
+                                 vcfg.num_stages)  # fmt: skip
+                    digests.setdefault(chain, {})[snapshots] = arithmetic(loop.asm["ttgir"])
+                    cl = ops(loop.asm["ptx"])
+                    bad = [o for o in cl if o.startswith(("div.full", "div.approx", "sqrt.approx", "mul.f32", "add.f32"))]
+                    assert not bad, f"verify ({mode}{tag}, {chain} chain): approximate or contractible operations {bad}"
+                print(f"  compiled verify ({mode}, {state} state{tag}) for sm_90: {dict(sorted(c.items()))}")
+                bad = [o for o in c if o.startswith(("div.full", "div.approx", "sqrt.approx", "mul.f32", "add.f32"))]
+                assert not bad, f"verify ({mode}{tag}): approximate or contractible operations {bad}"
+                assert c["fma.rn.f32"] > 0, "verify: no fma.rn.f32 for the update"
+                into = build(V_.verify_kernel, sig, dict(**sizes, SNAPSHOTS=snapshots, EVICT=vcfg.evict, INTERPRET=False,
+                                                         INTO=True, R=7, DMAX=D + 2, **kda), False, vcfg.num_warps,
+                             vcfg.num_stages)  # fmt: skip
+                assert ops(into.asm["ptx"]) == c, f"verify ({mode}{tag}): the tape in place changes the float operations"
+                # the previous step's commit first (commit_and_verify): it compiles, rule pinned; a KDA tape
+                # pending (PCHANNEL) also with the L2 prefetch of its rows (the default launch's
+                # prefetch_pending) and replayed in the chunk chain's layout (pending_replay="split")
+                prefetch = dict(PREFETCH=True, PDP=V_.next_power_of_2(D), KL=V_.next_power_of_2(-(-K // 32)))
+                variants = [(1, {}), (2, {})] if not kda else [(1, dict(PCHANNEL=True, **prefetch)), (2, {}),
+                                                                (1, dict(PCHANNEL=True, ROWS=False, chain="chunks"))]
+                for pending, extra in variants:
+                    fsizes = sizes
+                    if extra.pop("chain", None):
+                        fsizes, _ = V_.launch_sizes((1, N, HV, Vd, K), (N, D, H, K), dataclasses.replace(vcfg, chain="chunks"),
+                                                    mode)  # fmt: skip
+                    fused = build(V_.verify_kernel, sig, dict(**fsizes, SNAPSHOTS=snapshots, EVICT=vcfg.evict, INTERPRET=False,
+                                                              INTO=True, R=7, DMAX=D + 2, PENDING=pending, PR=7, PD=D, **kda,
+                                                              **extra),
+                                  False, vcfg.num_warps, vcfg.num_stages)  # fmt: skip
+                    cf = ops(fused.asm["ptx"])
+                    assert not [o for o in cf if o.startswith(("mul.f32", "add.f32", "div.full", "div.approx"))], cf
+                    how = " (split replay, chunk chain)" if "ROWS" in extra else " (L2 prefetch)" if "PREFETCH" in extra else ""
+                    print(f"  compiled fused verify ({mode}, pending {('tuples', 'snapshots')[pending - 1]}{how}, {state}"
+                          f"{tag}): fma.rn {cf['fma.rn.f32']} (plain {c['fma.rn.f32']})")
+            for chain, d in digests.items():
+                assert d[False] == d[True], f"verify ({state}{tag}, {chain} chain): the record modes' TTGIR arithmetic differs"
+                print(f"  verify ({state}{tag}): tuples and snapshots TTGIR arithmetic identical ({d[False]}, {chain} chain, "
+                      "steps as a loop)")
         sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "A_log_ptr": "*fp32",
                "dt_bias_ptr": "*fp32", "layer_ptr": "*i32", "rows_ptr": "*i32", "tape_layer_ptr": "*i32", "kbuf_in_ptr": "*fp32",
                "gbuf_in_ptr": "*fp32", "qn_ptr": "*fp32", "kn_ptr": "*fp32", "g_ptr": "*fp32", "beta_ptr": "*fp32",
@@ -487,18 +568,20 @@ def compile_kernels() -> None:
                "steps_ptr": "*i32", "track_slots_ptr": "*i32", "track_steps_ptr": "*i32", "rows_ptr": "*i32",
                "out_ptr": f"*{state}"}  # fmt: skip
         sizes, _ = C_.tuple_launch((2, 13, HV, Vd, K), (2, 7, D, H, K), 7, D, N, ccfg)
-        for form in C_.FORMS + C_.CONTROL_FORMS + C_.COMPILER_FORMS:
+        for form, channel in itertools.product(C_.FORMS + C_.CONTROL_FORMS + C_.COMPILER_FORMS, (False, True)):
             fusion = form == "naive"
-            ck = build(C_.commit_tuples_kernel, sig, dict(**sizes, INTERPRET=False, FORM=C_._FORM_CODE[form]),
-                       fusion, ccfg.num_warps, ccfg.num_stages)  # fmt: skip
+            ck = build(C_.commit_tuples_kernel, sig, dict(**sizes, INTERPRET=False, FORM=C_._FORM_CODE[form],
+                                                          CHANNEL=channel), fusion, ccfg.num_warps,
+                       ccfg.num_stages)  # fmt: skip
             c = ops(ck.asm["ptx"])
-            print(f"  compiled commit ({form}, {state} pool) for sm_90: {dict(sorted(c.items()))}")
-            if form == "rule":
+            tag = ", KDA tape" if channel else ""
+            print(f"  compiled commit ({form}, {state} pool{tag}) for sm_90: {dict(sorted(c.items()))}")
+            if form == "pinned":
                 assert c["fma.rn.f32"] > 0 and c["mul.rn.f32"] > 0, "commit: the rule's mul.rn + fma.rn are missing"
                 assert not (c["mul.f32"] or c["add.f32"]), "commit: contractible operations with fp fusion off"
             if form == "naive":
                 assert c["mul.f32"] > 0, "commit naive: expected contractible operations with fp fusion on"
-                print(f"    naive: Triton fused {_fused_product(ck.asm['ptx'])}")
+                print(f"    naive{tag}: Triton fused {_fused_product(ck.asm['ptx'])}")
 
     sig = {"pool_ptr": "*fp32", "states_ptr": "*fp32", "slots_ptr": "*i32", "steps_ptr": "*i32",
            "track_slots_ptr": "*i32", "track_steps_ptr": "*i32", "rows_ptr": "*i32", "out_ptr": "*fp32"}  # fmt: skip
@@ -576,6 +659,11 @@ def compare(spec: CaseSpec, work: Path) -> dict:
             report["controls"].setdefault(name, []).append(drift["max_ulp"])
             if spec.dtype == "float32" and D >= 2 and drift["max_ulp"] < 1:
                 raise AssertionError(f"{spec.name}: layer {layer}: the control {name} replays bit-identically")
+        if spec.decay == "channel":  # KDA's decay applied as one factor per head must drift (any pool dtype)
+            drift = ulp_stats(rep[D], got[p + "control_scalar_decay"])
+            report["controls"].setdefault("scalar_decay", []).append(drift["max_ulp"])
+            if drift["max_ulp"] < 1:
+                raise AssertionError(f"{spec.name}: layer {layer}: the scalar-decay control replays bit-identically")
         # Against the JAX reference: close, not bitwise (exp, log and reduction order differ).
         for field, ref_name in (
             ("out", "ref_out"),

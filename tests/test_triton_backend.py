@@ -9,7 +9,9 @@ the backend is tested. Run on the H200 (jax 0.11.2, triton 3.6, jax-triton 0.3.1
 
 Matrix: D in {2, 3, 4, 8, 16} x (H, HV) in {(16, 32), (4, 16)} x N in {1, 5} x fp32 and
 bf16 pools, K = V = 128, L = 2 layers; each case has a track copy, permuted rows and
-invalid rows (negative step, out-of-range slot, row and track slot).
+invalid rows (negative step, out-of-range slot, row and track slot). KDA (``decay="channel"``)
+at H = HV = 4 and Kimi-Linear-48B's H = HV = 32 (K = V = 128), each bitwise check with the
+scalar-decay control (the per-channel decay applied as one factor per head).
 """
 
 import dataclasses
@@ -23,9 +25,11 @@ import numpy as np
 import pytest
 
 import gdn_lossless_jax as gl
-from equivalence import check_commit, check_controls, check_outputs, check_replay_every_step, make_case
+from equivalence import check_commit, check_controls, check_outputs, check_replay_every_step, layer_tapes, make_case
 from gdn_lossless_jax import backends, reference
-from gdn_lossless_jax.testing.cases import Shape, verify_inputs
+from gdn_lossless_jax.checks import commit_and_verify_args
+from gdn_lossless_jax.tape import KDATuples, Tuples
+from gdn_lossless_jax.testing.cases import Shape, channel_verify_inputs, verify_inputs
 from gdn_lossless_jax.testing import assert_bitwise_differs, assert_bitwise_equal
 from gdn_lossless_jax.testing import backend_verify
 
@@ -330,3 +334,145 @@ def test_verify_launch_sizes():
     assert grid == (25, 4, 8) and (sizes["PH"], sizes["BR"], sizes["BK"]) == (2, 4, 128)
     sizes, grid = prep_launch((5, 3, 3, 24), 6, VerifyConfig(prep_heads=4))
     assert grid == (5, 3, 1) and (sizes["PH"], sizes["BR"], sizes["BK"]) == (4, 8, 32)
+
+
+# ---------------------------------------------------------------------------------------
+# KDA (decay="channel"): one decay per key channel, the KDATuples tape.
+# ---------------------------------------------------------------------------------------
+#: H = HV = 4; Kimi-Linear-48B-A3B's KDA heads (H = HV = 32, K = V = 128) at a small N; the chunk chain (D > 8).
+KDA_SHAPES = [
+    pytest.param(Shape(N=5, D=4, H=4, HV=4, K=128, V=128), id="H4-K128"),
+    pytest.param(Shape(N=2, D=4, H=32, HV=32, K=128, V=128), id="kimi-linear-48b"),
+    pytest.param(Shape(N=3, D=12, H=4, HV=4, K=128, V=128), id="H4-K128-D12-chunks"),
+]
+KDA_NAMES = ("q", "k", "v", "a", "b", "A_log", "dt_bias")
+
+
+def _scalar_decay(tape):
+    """Control: a KDA tape's per-channel decay applied as one factor per head (g averaged over K): a GDN tape."""
+    return Tuples(u=tape.u, k=tape.k, g=tape.g.mean(-1))
+
+
+def _flat_channels(x):
+    """Control inputs: each head's per-channel gate inputs (``a``, ``dt_bias``) replaced by their mean over K, so
+    every key channel of a head decays alike (the per-channel decay applied as a scalar)."""
+    flat = lambda t: jnp.broadcast_to(t.astype(F32).mean(-1, keepdims=True), t.shape).astype(t.dtype)  # noqa: E731
+    return dict(x, a=flat(x["a"]), dt_bias=flat(x["dt_bias"]))
+
+
+@requires_triton
+@pytest.mark.parametrize("state_dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", KDA_SHAPES)
+def test_kda_equivalence(shape, state_dtype, seed):
+    """KDA in the Triton kernels: both record modes' outputs, every step's replay of the tuple tape (the commit
+    kernel's and the reference's) and the tuple commit equal the snapshots bit for bit (L = 2, a track copy,
+    permuted and invalid rows, untouched slots kept). Controls: the tape's decay applied as one factor per head (g
+    averaged over K) replays and commits other bits; on fp32 pools the in-kernel update controls and the
+    accepted-first ordering are caught too."""
+    case = make_case("triton", seed, shape, state_dtype=state_dtype, decay="channel")
+    assert type(case.tuples) is KDATuples and case.tuples.g.shape[-2:] == (shape.HV, shape.K)
+    check_outputs(case)
+    check_replay_every_step(case)
+    by_tuples = check_commit(case)
+    check_replay_every_step(dataclasses.replace(case, backend="reference"))  # XLA's replay of the Triton tape
+    control = gl.commit(case.pool, _scalar_decay(case.tuples), *case.idx.as_args(), backend="triton")
+    assert_bitwise_differs(by_tuples, control, "control: the per-channel decay as one factor per head (commit)")
+    tup, snp = layer_tapes(case, 0)
+    last = jnp.full((shape.N,), shape.D - 1, jnp.int32)
+    valid = (case.idx.rows >= 0) & (case.idx.rows < case.tuples.u.shape[1])
+    replayed = gl.replay(case.states0[0], _scalar_decay(tup), last, backend="triton")
+    assert_bitwise_differs(np.asarray(snp.states[:, -1])[valid], np.asarray(replayed)[valid],
+                           "control: the per-channel decay as one factor per head (replay)")  # fmt: skip
+    if state_dtype == F32:  # a bf16 pool rounds a 1-ULP fp32 drift away almost always
+        check_controls(case)
+
+
+@requires_triton
+@pytest.mark.parametrize("shape", KDA_SHAPES)
+def test_kda_outputs(shape, seed):
+    """Both record modes' outputs bit for bit, close to the reference's (2e-3 relative: the reductions' order and
+    the norms differ), the tape a KDATuples with g [N, D, HV, K]. Control: the per-channel decay made one per head
+    (the gate inputs averaged over K) changes the outputs."""
+    x = channel_verify_inputs(seed, shape, kind="mixed")
+    run = {r: gl.verify(**x, record=r, decay="channel", backend="triton", out_dtype=F32) for r in gl.RECORD_MODES}
+    (o_t, tup), (o_s, snp) = run["tuples"], run["snapshots"]
+    assert type(tup) is KDATuples and tup.g.shape == (shape.N, shape.D, shape.HV, shape.K)
+    assert_bitwise_equal(o_s, o_t, "KDA outputs: tuples == snapshots")
+    flat, _ = gl.verify(**_flat_channels(x), record="tuples", decay="channel", backend="triton", out_dtype=F32)
+    assert_bitwise_differs(o_t, flat, "control: the per-channel decay as one per head (outputs)")
+    ref, _ = gl.verify(**x, record="tuples", decay="channel", backend="reference", out_dtype=F32)
+    ref, got = np.asarray(ref), np.asarray(o_t)
+    assert np.abs(got - ref).max() / np.abs(ref).max() < 2e-3
+
+
+KDA_FUSED_LAUNCHES = [{}, {"chain": "chunks", "pending_replay": "rows"}, {"chain": "chunks", "pending_replay": "split"}]
+
+
+@requires_triton
+@pytest.mark.parametrize("fields", KDA_FUSED_LAUNCHES, ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()) or "default")
+@pytest.mark.parametrize("record", gl.RECORD_MODES)
+@pytest.mark.parametrize("state_dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", KDA_SHAPES[:2])
+def test_kda_fused_pending_equals_commit_then_verify(shape, state_dtype, record, fields, seed):
+    """The fused step with a KDATuples tape pending (``commit_and_verify``) == the commit of that layer, then the
+    verify, with the same launch: the pool (the other layer untouched), the outputs and the tape written into a
+    buffer at permuted rows, bit for bit. Control: the pending commit with the per-channel decay applied as one
+    factor per head gives another pool."""
+    tb = backends.resolve("triton", "verify")
+    config = tb.VerifyConfig(**fields)
+    case = make_case("triton", seed, shape, state_dtype=state_dtype, decay="channel")  # the previous step
+    slots, steps, tslots, tsteps, rows = case.idx.as_args()
+    layer = 1
+    y = channel_verify_inputs(seed + 1, shape, kind="mixed")  # this step's drafts
+    inputs = [y[n] for n in KDA_NAMES]
+    # the new tape goes into another buffer (random rows elsewhere) at the permuted rows
+    fill = np.random.default_rng(seed + 2)
+    buf = jax.tree.map(lambda t: jnp.asarray(fill.standard_normal(t.shape, dtype=np.float32)).astype(t.dtype),
+                       case.tuples if record == "tuples" else case.snapshots)  # fmt: skip
+    kw = dict(slots=slots, layer=layer, tape=buf, rows=rows, record=record, decay="channel")
+    call = commit_and_verify_args("test", case.pool, gl.Pending(case.tuples, rows, steps, tslots, tsteps), *inputs,
+                                  **kw)  # fmt: skip
+    o_f, tape_f, pool_f = tb.verify(call, config=config)
+    committed = gl.commit(case.pool, case.tuples, slots, steps, tslots, tsteps, rows, backend="triton")
+    want_pool = case.pool.at[layer].set(committed[layer])  # the pending commit is this layer's
+    o_w, tape_w = backend_verify(tb, want_pool, *inputs, **kw, config=config)
+    assert_bitwise_equal(want_pool, pool_f, "fused pool == commit, then verify")
+    assert_bitwise_equal(o_w, o_f, "fused outputs")
+    for got, want in zip(jax.tree.leaves(tape_f), jax.tree.leaves(tape_w), strict=True):
+        assert_bitwise_equal(want, got, f"fused {record} tape")
+    control = gl.commit(case.pool, _scalar_decay(case.tuples), slots, steps, tslots, tsteps, rows, backend="triton")
+    assert_bitwise_differs(pool_f[layer], control[layer], "control: the pending commit's decay as one per head")
+
+
+@requires_triton
+@pytest.mark.parametrize("shape", KDA_SHAPES[:1])
+def test_kda_tape_buffer_and_stacked_inputs(shape, seed):
+    """The KDA prologue's tape written into a buffer at ``[tape layer, rows[n]]``: each valid row equals the fresh
+    tape's, every other row keeps its bits; inputs stacked over the pool's layers read at ``layer`` give the same
+    outputs and tape. Control: the written rows differ from the buffer's filler before."""
+    N, D, L = shape.N, shape.D, 2
+    x = channel_verify_inputs(seed, shape, kind="mixed")
+    pool = jnp.stack([x["state0"], 0.5 * x["state0"][::-1]])
+    slots = jnp.arange(N, dtype=jnp.int32)
+    rows = jnp.asarray(np.random.default_rng(seed).permutation(N + 2)[:N], jnp.int32).at[-1].set(N + 5)  # one out
+    rng = np.random.default_rng(seed + 1)
+    filler = lambda *s: jnp.asarray(-np.abs(rng.standard_normal(s, dtype=np.float32)))  # noqa: E731
+    buf = KDATuples(u=filler(L, N + 2, D + 1, shape.HV, shape.V), k=filler(L, N + 2, D + 1, shape.H, shape.K),
+                    g=filler(L, N + 2, D + 1, shape.HV, shape.K))  # fmt: skip
+    inputs = [x[n] for n in KDA_NAMES]
+    o, fresh = gl.verify(pool, *inputs, slots=slots, layer=1, decay="channel", backend="triton")
+    o_b, into = gl.verify(pool, *inputs, slots=slots, layer=1, tape=buf, rows=rows, decay="channel", backend="triton")
+    assert_bitwise_equal(o, o_b, "outputs with the tape in a buffer")
+    r = np.asarray(rows)
+    ok = (r >= 0) & (r < N + 2)
+    for name in ("u", "k", "g"):
+        want = np.array(getattr(buf, name))
+        want[1, r[ok], :D] = np.asarray(getattr(fresh, name))[ok]
+        assert_bitwise_equal(want, getattr(into, name), f"tape buffer {name}")
+        assert_bitwise_differs(np.asarray(getattr(buf, name))[1, r[ok], :D], np.asarray(getattr(into, name))[1, r[ok], :D],
+                               f"control: buffer {name} rows before the write")  # fmt: skip
+    stacked = [jnp.stack([t[::-1], t]) for t in inputs]  # layer 0's inputs reversed, layer 1's these
+    o_s, tape_s = gl.verify(pool, *stacked, slots=slots, layer=1, decay="channel", backend="triton")
+    assert_bitwise_equal(o, o_s, "outputs from inputs stacked over layers")
+    for got, want in zip(jax.tree.leaves(tape_s), jax.tree.leaves(fresh), strict=True):
+        assert_bitwise_equal(want, got, "tape from inputs stacked over layers")

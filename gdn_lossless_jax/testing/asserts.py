@@ -211,7 +211,8 @@ def replay_oracle(state0, u, k, alpha, steps, *, heads_per_group: int | None = N
       state0: ``[N, HV, V, K]`` float32 (or bfloat16: upcast, and the result rounded back).
       u: ``[N, D, HV, V]`` float32; k: ``[N, D, H, K]`` float32.
       alpha: ``[N, D, HV]`` float32, the decay ``exp(g)`` *as the library computed it*
-        (the oracle checks the rounding rule, not the exponential).
+        (the oracle checks the rounding rule, not the exponential); ``[N, D, HV, K]`` for a
+        per-channel decay (KDA): column c of the state decays by ``alpha[..., c]``.
       steps: ``[N]`` int, the 0-based step to stop after; negative or >= D: no step.
     Returns:
       ``[N, HV, V, K]`` in state0's dtype.

@@ -15,7 +15,8 @@ import numpy as np
 
 from ..config import Geometry
 
-__all__ = ["Shape", "KINDS", "verify_inputs", "verify_inputs_numpy", "commit_indices", "commit_tapes", "CommitIndices"]
+__all__ = ["Shape", "KINDS", "verify_inputs", "verify_inputs_numpy", "channel_verify_inputs", "commit_indices",
+           "commit_tapes", "CommitIndices"]
 
 Kind = Literal["normal", "cancel", "decay_extremes", "subnormal", "mixed"]
 KINDS: tuple[str, ...] = ("normal", "cancel", "decay_extremes", "subnormal", "mixed")
@@ -106,6 +107,28 @@ def verify_inputs_numpy(seed: int | np.random.Generator, shape: Shape, *, kind: 
     elif kind != "normal":
         raise ValueError(f"verify_inputs: unknown kind {kind!r}; choose one of {KINDS}")
     return dict(state0=state0, q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
+
+
+def channel_verify_inputs(
+    seed: int | np.random.Generator,
+    shape: Shape,
+    *,
+    kind: Kind = "normal",
+    state_dtype=jnp.float32,
+    input_dtype=jnp.bfloat16,
+    spread: float = 0.5,
+) -> dict[str, jax.Array]:
+    """:func:`verify_inputs` for a per-channel decay (KDA, ``decay="channel"``): ``a [N, D, HV, K]``
+    and ``dt_bias [HV, K]``, the kind's ``a`` and ``dt_bias`` (so its decays stay near 1, extreme or
+    small) plus ``spread`` times N(0, 1) for each key channel, so that the channels' decays differ."""
+    rng = np.random.default_rng(seed)
+    x = verify_inputs_numpy(rng, shape, kind=kind)
+    noise = lambda *shp: spread * rng.standard_normal(shp, dtype=np.float32)  # noqa: E731
+    x["a"] = x["a"][..., None] + noise(*x["a"].shape, shape.K)
+    x["dt_bias"] = x["dt_bias"][:, None] + noise(shape.HV, shape.K)
+    cast = lambda a, dtype: jnp.asarray(a).astype(dtype)  # noqa: E731
+    out = {n: cast(x[n], input_dtype) for n in ("q", "k", "v", "a", "b")}
+    return dict(state0=cast(x["state0"], state_dtype), **out, A_log=jnp.asarray(x["A_log"]), dt_bias=jnp.asarray(x["dt_bias"]))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,8 +36,8 @@ import numpy as np
 from .. import api, backends, reference
 from . import controls
 from . import expect
-from .cases import CommitIndices, Shape, commit_indices, verify_inputs
-from ..tape import Snapshots, Tuples, stack_tapes
+from .cases import CommitIndices, Shape, channel_verify_inputs, commit_indices, verify_inputs
+from ..tape import KDATuples, Snapshots, Tuples, stack_tapes
 from .asserts import assert_bitwise_differs, assert_bitwise_equal
 
 __all__ = [
@@ -63,7 +63,7 @@ class Case:
     idx: CommitIndices
     outputs_tuples: list
     outputs_snapshots: list
-    tuples: Tuples  # [L, R, ...]
+    tuples: Tuples  # [L, R, ...] (a KDATuples for decay="channel")
     snapshots: Snapshots  # [L, R, ...]
     states0: list  # per layer [N, HV, V, K], what verify started from
 
@@ -86,8 +86,13 @@ def make_case(
     invalid: bool = True,
     permute_rows: bool = True,
     extra_rows: int = 2,
+    decay: str = "scalar",
 ) -> Case:
+    """A case of ``backend``'s tapes (``decay="channel"``: KDA layers, a per-channel decay, the
+    inputs of :func:`~gdn_lossless_jax.testing.cases.channel_verify_inputs` and a
+    :class:`~gdn_lossless_jax.tape.KDATuples` tape)."""
     N, D = shape.N, shape.D
+    channel = decay == "channel"
     S = 2 * N + 3
     R = N + extra_rows
     rng = np.random.default_rng(seed)
@@ -97,19 +102,19 @@ def make_case(
     slot_safe = np.clip(idx.slots, 0, S - 1)
 
     # Filler rows are random (never zeros), so a read from the wrong row shows.
-    tup_buf = Tuples(
+    tup_buf = (KDATuples if channel else Tuples)(
         u=jnp.asarray(normal(L, R, D, shape.HV, shape.V)),
         k=jnp.asarray(normal(L, R, D, shape.H, shape.K)),
-        g=jnp.asarray(-np.abs(normal(L, R, D, shape.HV))),
+        g=jnp.asarray(-np.abs(normal(L, R, D, shape.HV, *((shape.K,) if channel else ())))),
     )
     snp_buf = Snapshots(jnp.asarray(normal(L, R, D, shape.HV, shape.V, shape.K)).astype(state_dtype))
 
     outs_t, outs_s, tups, snps, states0 = [], [], [], [], []
     for layer in range(L):
-        x = verify_inputs(rng, shape, kind=kind, state_dtype=state_dtype)
+        x = (channel_verify_inputs if channel else verify_inputs)(rng, shape, kind=kind, state_dtype=state_dtype)
         x["state0"] = pool[layer, slot_safe]
-        o_t, t = api.verify(**x, record="tuples", backend=backend)
-        o_s, s = api.verify(**x, record="snapshots", backend=backend)
+        o_t, t = api.verify(**x, record="tuples", backend=backend, decay=decay)
+        o_s, s = api.verify(**x, record="snapshots", backend=backend, decay=decay)
         outs_t.append(o_t)
         outs_s.append(o_s)
         tups.append(t)

@@ -9,6 +9,12 @@ where it cannot run.
 Kernels (``verify.py``, ``commit.py``) pin the rounding rule with ``tl.fma`` and use
 libdevice's ``exp`` (the one XLA and Pallas call on the GPU), so tapes recorded here replay
 bit for bit in the other backends on the same device (see ``_lang.py``).
+
+It runs GDN layers (one decay per v-head) and KDA layers (``decay="channel"``: one decay per
+key channel, the :class:`~gdn_lossless_jax.tape.KDATuples` tape; KDA's norms and gates are
+computed in XLA, then the same chain kernel decays each column of the state by its own
+channel's factor), both record modes, the fused commit (``commit_and_verify``) with either
+tape pending; linear chains only (no draft trees), ``math="platform"`` only, beta unscaled.
 """
 
 from __future__ import annotations
@@ -27,8 +33,9 @@ __all__ = ["name", "capabilities", "verify", "replay", "commit", "check_availabl
            "CommitConfig", "FORMS", "CONTROL_FORMS"]  # fmt: skip
 
 name = "triton"
-#: Both record modes; chains only (its verify kernels take no tree); the platform's math.
-capabilities = Capabilities(control_forms=CONTROL_FORMS)
+#: Both record modes; GDN's scalar decay and KDA's per-channel one; chains only (its verify kernels
+#: take no tree); the platform's math.
+capabilities = Capabilities(control_forms=CONTROL_FORMS, decays=("scalar", "channel"))
 
 _INSTALL = "pip install 'gdn_lossless_jax[triton]' (jax-triton 0.3.1, for jax 0.11.2 and triton 3.6)"
 _ALTERNATIVES = "Alternatives: 'pallas' (Pallas Triton), 'reference' (pure JAX, any platform), 'auto'."
@@ -86,7 +93,8 @@ def _form(form: str) -> str:
 
 def replay(state0, tuples, steps, *, config: CommitConfig = CommitConfig(), form: str = "pinned",
            math: str = "platform"):
-    """See :func:`gdn_lossless_jax.replay`: the commit kernel on a one-layer pool made of state0.
+    """See :func:`gdn_lossless_jax.replay`: the commit kernel on a one-layer pool made of state0
+    (a :class:`~gdn_lossless_jax.tape.KDATuples` tape: each key channel's own decay, from g's rank).
 
     ``form`` other than ``"pinned"`` (:data:`CONTROL_FORMS`, ``"naive"``) is for tests only.
     """

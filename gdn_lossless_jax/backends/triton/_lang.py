@@ -108,6 +108,19 @@ def exp(x, INTERPRET: tl.constexpr):
 
 
 @jit
+def decay(g_ptr, at, offs, mask, K: tl.constexpr, CHANNEL: tl.constexpr, INTERPRET: tl.constexpr):
+    """``exp(g)`` of one step and v-head, ``at`` its flat index in ``g``: one scalar where ``g`` is
+    GDN's ``[..., HV]``; with ``CHANNEL`` (KDA's ``g [..., HV, K]``, a per-channel decay) one factor
+    per key channel, read at the columns ``offs`` (any shape; ``mask`` where they overhang K, whose
+    factor is then ``exp(0) = 1``), so that ``S * decay(...)`` decays each column by its own factor
+    with one rounded multiply per element. ``CHANNEL`` comes from g's rank, in the wrappers."""
+    if CHANNEL:
+        return exp(tl.load(g_ptr + at * K + offs, mask=mask, other=0.0), INTERPRET)
+    else:
+        return exp(tl.load(g_ptr + at), INTERPRET)
+
+
+@jit
 def log(x, INTERPRET: tl.constexpr):
     if INTERPRET:
         return tl.log(x)

@@ -5,7 +5,10 @@ its ``[BV, K]`` tile of the pre-verify state ``pool[l, slots[n], hv]`` once, wal
 chain ``t = 0 .. max(steps[n], track_steps[n])`` in registers with the library's rule
 ``S = fma(k_t, u_t, rn(S * exp(g_t)))`` (k of q/k head ``hv // (HV // H)``), and stores
 the state to ``pool[l, track_slots[n]]`` when ``t == track_steps[n]`` and to
-``pool[l, slots[n]]`` when ``t == steps[n]`` (rounded to the pool dtype). Both come from
+``pool[l, slots[n]]`` when ``t == steps[n]`` (rounded to the pool dtype). A KDA tape
+(:class:`~gdn_lossless_jax.tape.KDATuples`, ``g [L, R, D, HV, K]``: the kernel's ``CHANNEL``,
+read from g's rank) decays column c of the tile by ``exp(g_t[c])``, still one rounded
+multiply per element before the fma. Both states come from
 the pre-verify state read before either write, so the accepted-first ordering bug
 (``reference.commit_accepted_first``) cannot happen.
 
@@ -31,7 +34,7 @@ import dataclasses
 import functools
 
 from ..launch import LaunchConfig
-from ._lang import exp as _exp
+from ._lang import decay as _decay
 from ._lang import fma as _fma
 from ._lang import from_f32 as _from_f32
 from ._lang import import_jax_triton, jit, next_power_of_2, tl
@@ -108,7 +111,7 @@ def commit_tuples_kernel(
     pool_ptr,  # [L, S, HV, V, K] f32 | bf16 (input: the pre-verify states)
     u_ptr,  # [L, R, D, HV, V] f32
     k_ptr,  # [L, R, D, H, K] f32
-    g_ptr,  # [L, R, D, HV] f32
+    g_ptr,  # [L, R, D, HV] f32, or [L, R, D, HV, K] with CHANNEL (KDA)
     slots_ptr,  # [N] i32
     steps_ptr,
     track_slots_ptr,
@@ -128,6 +131,7 @@ def commit_tuples_kernel(
     INTERPRET: tl.constexpr,
     FORM: tl.constexpr = 0,  # _FORM_CODE: 0 the rule; 1 and 2 controls
     EVICT: tl.constexpr = "",  # the pool loads' and stores' eviction policy
+    CHANNEL: tl.constexpr = False,  # g per key channel (KDA; from g's rank): each column its own decay
 ):
     pid = tl.program_id(0)
     i_v = pid % NV
@@ -153,10 +157,10 @@ def commit_tuples_kernel(
 
     state = _to_f32(tl.load(src, mask=m_vk, other=0.0, eviction_policy=EVICT), INTERPRET)  # read before any write
     for t in range(last + 1):
-        g = tl.load(g_ptr + (tape_row * D + t) * HV + hv)
         k = tl.load(k_ptr + ((tape_row * D + t) * H + h) * K + offs_k, mask=m_k, other=0.0)
         u = tl.load(u_ptr + ((tape_row * D + t) * HV + hv) * V + offs_v, mask=m_v, other=0.0)
-        alpha = _exp(g, INTERPRET)
+        # a scalar, or [1, BK]: column c of the state decays by exp(g[c]) (KDA)
+        alpha = _decay(g_ptr, (tape_row * D + t) * HV + hv, offs_k[None, :], m_k[None, :], K, CHANNEL, INTERPRET)
         if FORM == 0:
             Sd = state * alpha
             state = _fma(tl.broadcast_to(k[None, :], (BV, BK)), tl.broadcast_to(u[:, None], (BV, BK)), Sd, INTERPRET)
@@ -278,6 +282,7 @@ def _commit_tuples(pool, u, k, g, slots, steps, track_slots, track_steps, rows, 
         INTERPRET=False,
         FORM=_FORM_CODE[form],
         EVICT=config.evict,
+        CHANNEL=g.ndim == 5,  # KDA's g [L, R, D, HV, K]
     )  # fmt: skip
 
 

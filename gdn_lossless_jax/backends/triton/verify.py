@@ -19,12 +19,20 @@ The design of the Pallas backend's default launch (``backends/pallas/verify.py``
 
 The two chains' reduction orders differ, and so do u's and the outputs' low bits.
 
+KDA (``decay="channel"``, a per-channel decay): the prologue is XLA's
+(:func:`gdn_lossless_jax.reference.prepare`, ``g [N, D, HV, K]``), and the chain kernel, told by
+g's rank (the constexpr ``CHANNEL``), reads step t's ``g_t`` as a ``[K]`` row in k's layout, so
+``alpha = exp(g_t)`` is one factor per column and ``Sd = S * alpha`` still one rounded multiply
+per element; the rest of the step is GDN's. A pending KDA tape (``PCHANNEL``) is replayed the same
+way (``pending.py``).
+
 One kernel body serves both record modes (the constexpr ``SNAPSHOTS`` only chooses what is
 stored, ``TILES_FIRST`` only how the program ids are read), so the outputs are identical by
 construction (scripts/triton_interpret_check.py checks that the two variants' TTGIR carry the
 same arithmetic in the same layouts). ``record="snapshots"`` stores the state after every step
 (``[N, D, HV, V, K]``, state0's dtype); ``record="tuples"`` stores ``u [N, D, HV, V]``, with
-the prologue's ``k [N, D, H, K]`` and ``g [N, D, HV]`` (fp32) as the rest of the tape.
+the prologue's ``k [N, D, H, K]`` and ``g [N, D, HV]`` (fp32; KDA's ``[N, D, HV, K]``) as the rest
+of the tape.
 
 The wrappers launch with fp fusion off (``_lang.py``): every multiply and add rounds as written,
 and the pinned fma is explicit. JAX is imported inside the wrappers only, so that the kernels also
@@ -36,8 +44,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from ...tape import record_type
 from ..launch import VerifyLaunch
+from ._lang import decay as _decay
 from ._lang import exp as _exp
 from ._lang import fma as _fma
 from ._lang import from_f32 as _from_f32
@@ -204,8 +212,9 @@ def _store(ptr, value, mask, MASKED: tl.constexpr, EVICT: tl.constexpr):
 def _step_inputs(qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, n, nv, t, h, hv, rows, kidx, m_v, m_k,
                  D: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
                  BV: tl.constexpr, NC: tl.constexpr, C: tl.constexpr, MASK_V: tl.constexpr, MASK_K: tl.constexpr,
-                 INTERPRET: tl.constexpr):  # fmt: skip
-    """Step t's q and k, v (``[BV]``), decay and beta.
+                 INTERPRET: tl.constexpr, CHANNEL: tl.constexpr):  # fmt: skip
+    """Step t's q and k, v (``[BV]``), decay (a scalar; ``CHANNEL``: KDA's, a ``[BV, K / C, C]``
+    tile of each column's ``exp(g[c])``, laid out as k) and beta.
 
     q and k are loaded as whole ``[BV, K / C, C]`` tiles (each row the same addresses), so
     that they take the state tile's layout (lanes across rows and columns): loaded as
@@ -217,7 +226,8 @@ def _step_inputs(qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, n, nv, t, h, hv, rows, 
     k = _load(kn_ptr + qk, m_k, MASK_K, "")
     v = _to_f32(_load(v_ptr + ((nv * D + t) * HV + hv) * V + rows, m_v, MASK_V, ""), INTERPRET)
     gt = (n * D + t) * HV + hv
-    return q, k, v, _exp(tl.load(g_ptr + gt), INTERPRET), tl.load(beta_ptr + gt)
+    alpha = _decay(g_ptr, gt, tl.broadcast_to(kidx, (BV, NC, C)), m_k, K, CHANNEL, INTERPRET)
+    return q, k, v, alpha, tl.load(beta_ptr + gt)
 
 
 @jit
@@ -283,7 +293,7 @@ def verify_kernel(
     qn_ptr,  # [N, D, H, K] f32 (verify_prep_kernel)
     kn_ptr,  # [N, D, H, K] f32
     v_ptr,  # [N, D, HV, V] (or [L, N, D, HV, V] with XN = N: read at layer)
-    g_ptr,  # [N, D, HV] f32
+    g_ptr,  # [N, D, HV] f32, or [N, D, HV, K] with CHANNEL (KDA)
     beta_ptr,  # [N, D, HV] f32
     rows_ptr,  # [N] i32 (INTO) | [1]
     buf_in_ptr,  # the tape buffer as an input (INTO; aliased with snap_ptr or u_ptr, not read) | [1]
@@ -292,7 +302,8 @@ def verify_kernel(
     ptslots_ptr,
     ptsteps_ptr,
     player_ptr,  # [1] i32: the previous tape's layer
-    pu_ptr,  # PENDING 1: the previous tape's u [L', PR, PD, HV, V], k [L', PR, PD, H, K], g [L', PR, PD, HV] | [1]
+    pu_ptr,  # PENDING 1: the previous tape's u [L', PR, PD, HV, V], k [L', PR, PD, H, K], g [L', PR, PD, HV] (or
+    # [L', PR, PD, HV, K] with PCHANNEL) | [1]
     pk_ptr,
     pg_ptr,
     pstates_ptr,  # PENDING 2: the previous snapshots [L', PR, PD, HV, V, K] | [1]
@@ -335,6 +346,8 @@ def verify_kernel(
     LOG_BV: tl.constexpr = 0,
     LOG_G: tl.constexpr = 0,
     UNROLL: tl.constexpr = False,  # the rows chain's steps unrolled (VerifyConfig.unroll)
+    CHANNEL: tl.constexpr = False,  # g per key channel (KDA, g [N, D, HV, K]; from its rank): column c decays by exp(g[c])
+    PCHANNEL: tl.constexpr = False,  # likewise the pending tuple tape's g (from its rank)
 ):
     if TILES_FIRST:
         i_v = tl.program_id(0)
@@ -368,13 +381,13 @@ def verify_kernel(
                     player_ptr, pu_ptr, pk_ptr, pg_ptr, pstates_ptr, out_ptr, snap_ptr, u_ptr, pool_out_ptr, n, h, hv,
                     i_v, layer, slot, slot_ok, base, lead, row_ok, nv, no, rows, m_v, NS, D, H, HV, V, K, BV, SNAPSHOTS,
                     EVICT, INTERPRET, INTO, DMAX, PENDING, PR, PD, PREFETCH, KP, PDP, KL, LANES, LOG_E, LOG_BV,
-                    LOG_G, UNROLL)  # fmt: skip
+                    LOG_G, UNROLL, CHANNEL, PCHANNEL)  # fmt: skip
     else:
         _chain_chunks(state_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, prows_ptr, psteps_ptr, ptslots_ptr,
                       ptsteps_ptr, player_ptr, pu_ptr, pk_ptr, pg_ptr, pstates_ptr, out_ptr, snap_ptr, u_ptr,
                       pool_out_ptr, n, h, hv, i_v, layer, slot, slot_ok, base, lead, row_ok, nv, no, rows, m_v, NS, D, H,
                       HV, V, K, BV, C, NC, SNAPSHOTS, EVICT, INTERPRET, INTO, DMAX, PENDING, PR, PD, PREFETCH, ROWS, KP,
-                      PDP, KL)  # fmt: skip
+                      PDP, KL, CHANNEL, PCHANNEL)  # fmt: skip
 
 
 @jit
@@ -385,7 +398,7 @@ def _chain_chunks(state_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, prows_ptr, 
                   C: tl.constexpr, NC: tl.constexpr, SNAPSHOTS: tl.constexpr, EVICT: tl.constexpr,
                   INTERPRET: tl.constexpr, INTO: tl.constexpr, DMAX: tl.constexpr, PENDING: tl.constexpr,
                   PR: tl.constexpr, PD: tl.constexpr, PREFETCH: tl.constexpr, ROWS: tl.constexpr, KP: tl.constexpr,
-                  PDP: tl.constexpr, KL: tl.constexpr):  # fmt: skip
+                  PDP: tl.constexpr, KL: tl.constexpr, CHANNEL: tl.constexpr, PCHANNEL: tl.constexpr):  # fmt: skip
     """The chain on ``[BV, K / C, C]`` chunks (``VerifyConfig.chain="chunks"``), step t + 1's inputs
     loaded during step t."""
     kidx = tl.arange(0, NC)[None, :, None] * C + tl.arange(0, C)[None, None, :]  # [1, NC, C]
@@ -398,7 +411,7 @@ def _chain_chunks(state_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, prows_ptr, 
     if ROWS and PENDING == 1:  # the pending tuple commit first, then the state the pool now holds
         _apply_pending_rows(pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr, pk_ptr,
                             pg_ptr, n, h, hv, i_v, layer, slot, slot_ok, rows, m_v, NS, H, HV, V, K, BV, KP, PR, PD,
-                            PREFETCH, PDP, KL, EVICT, INTERPRET)  # fmt: skip
+                            PREFETCH, PDP, KL, EVICT, INTERPRET, False, PCHANNEL)  # fmt: skip
         S = _to_f32(tl.load(pool_out_ptr + base * V * K + tile, mask=m_tile & slot_ok, other=0.0,
                             eviction_policy=EVICT), INTERPRET)  # fmt: skip
     else:
@@ -408,15 +421,16 @@ def _chain_chunks(state_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, prows_ptr, 
     if PENDING and not (ROWS and PENDING == 1):
         S = _apply_pending(S, pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr, pk_ptr,
                            pg_ptr, pstates_ptr, n, h, hv, i_v, layer, slot, slot_ok, rows, kidx, tile, m_v, m_k, m_tile,
-                           NS, H, HV, V, K, BV, NC, C, PR, PD, PENDING, PREFETCH, PDP, KL, INTERPRET)  # fmt: skip
+                           NS, H, HV, V, K, BV, NC, C, PR, PD, PENDING, PREFETCH, PDP, KL, INTERPRET,
+                           PCHANNEL)  # fmt: skip
     q, k, v, alpha, beta = _step_inputs(qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, n, nv, 0, h, hv, rows, kidx, m_v,
-                                        m_k, D, H, HV, V, K, BV, NC, C, MASK_V, MASK_K, INTERPRET)  # fmt: skip
+                                        m_k, D, H, HV, V, K, BV, NC, C, MASK_V, MASK_K, INTERPRET, CHANNEL)  # fmt: skip
     for t in range(D):
         # step t + 1's inputs, in flight during this step
         q1, k1, v1, alpha1, beta1 = _step_inputs(qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, n, nv, tl.minimum(t + 1, D - 1),
                                                  h, hv, rows, kidx, m_v, m_k, D, H, HV, V, K, BV, NC, C, MASK_V,
-                                                 MASK_K, INTERPRET)  # fmt: skip
-        Sd = S * alpha
+                                                 MASK_K, INTERPRET, CHANNEL)  # fmt: skip
+        Sd = S * alpha  # alpha a scalar, or (CHANNEL) each column's own factor: one rounded multiply
         u = beta * (v - tl.sum(tl.sum(Sd * k, axis=1), axis=1))  # [BV]: the chunks in registers, then C's lanes
         S = _fma(tl.broadcast_to(k, S.shape), tl.broadcast_to(u[:, None, None], S.shape), Sd, INTERPRET)
         o = tl.sum(tl.sum(S * q, axis=1), axis=1)
@@ -434,15 +448,17 @@ def _chain_chunks(state_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, prows_ptr, 
 @jit
 def _row_inputs(qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, n, nv, t, h, hv, cols, my_row, D: tl.constexpr,
                 H: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                INTERPRET: tl.constexpr):  # fmt: skip
+                INTERPRET: tl.constexpr, CHANNEL: tl.constexpr):  # fmt: skip
     """Step t's q and k (``[KP]``: one lane's columns each, no copies), each lane's row of v
-    (``[1, W]``), decay and beta."""
+    (``[1, W]``), decay (a scalar; ``CHANNEL``: KDA's ``[1, KP]`` of each column's ``exp(g[c])``)
+    and beta."""
     qk = ((n * D + t) * H + h) * K + cols
     q = _load(qn_ptr + qk, cols < K, KP != K, "")
     k = _load(kn_ptr + qk, cols < K, KP != K, "")
     v = _to_f32(tl.load(v_ptr + ((nv * D + t) * HV + hv) * V + my_row, mask=my_row < V, other=0.0), INTERPRET)
     gt = (n * D + t) * HV + hv
-    return q, k, v, _exp(tl.load(g_ptr + gt), INTERPRET), tl.load(beta_ptr + gt)
+    alpha = _decay(g_ptr, gt, cols[None, :], (cols < K)[None, :], K, CHANNEL, INTERPRET)
+    return q, k, v, alpha, tl.load(beta_ptr + gt)
 
 
 @jit
@@ -454,7 +470,7 @@ def _chain_rows(state_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, prows_ptr, ps
                 DMAX: tl.constexpr, PENDING: tl.constexpr, PR: tl.constexpr, PD: tl.constexpr,
                 PREFETCH: tl.constexpr, KP: tl.constexpr, PDP: tl.constexpr, KL: tl.constexpr,
                 W: tl.constexpr, LOG_E: tl.constexpr, LOG_BV: tl.constexpr, LOG_G: tl.constexpr,
-                UNROLL: tl.constexpr):  # fmt: skip
+                UNROLL: tl.constexpr, CHANNEL: tl.constexpr, PCHANNEL: tl.constexpr):  # fmt: skip
     """The chain on a ``[BV, KP]`` tile with ``W`` lanes across K (``VerifyConfig.chain="rows"``):
     a step's q and k are ``KP / W`` registers a lane and loaded once, not once a row; each
     reduction over K is :func:`_row_sums`, and ``u`` reaches every lane's rows through
@@ -469,7 +485,7 @@ def _chain_rows(state_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, prows_ptr, ps
     if PENDING == 1:
         S = _apply_pending_rows(pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr,
                                 pk_ptr, pg_ptr, n, h, hv, i_v, layer, slot, slot_ok, rows, m_v, NS, H, HV, V, K, BV, KP,
-                                PR, PD, PREFETCH, PDP, KL, EVICT, INTERPRET, True)  # fmt: skip
+                                PR, PD, PREFETCH, PDP, KL, EVICT, INTERPRET, True, PCHANNEL)  # fmt: skip
     else:
         S = _to_f32(tl.load(state_ptr + base * V * K + tile, mask=m_tile & slot_ok, other=0.0, eviction_policy=EVICT),
                     INTERPRET)  # fmt: skip
@@ -477,25 +493,25 @@ def _chain_rows(state_ptr, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, prows_ptr, ps
             S = _apply_pending(S, pool_out_ptr, prows_ptr, psteps_ptr, ptslots_ptr, ptsteps_ptr, player_ptr, pu_ptr,
                                pk_ptr, pg_ptr, pstates_ptr, n, h, hv, i_v, layer, slot, slot_ok, rows, cols, tile, m_v,
                                m_c, m_tile, NS, H, HV, V, K, BV, 1, KP, PR, PD, PENDING, PREFETCH, PDP, KL,
-                               INTERPRET)  # fmt: skip
+                               INTERPRET, PCHANNEL)  # fmt: skip
     lane = tl.arange(0, W)[None, :]
     G: tl.constexpr = W // BV
     my_row = i_v * BV + lane // G  # [1, W]: the row whose sums lane l holds
     m_mine = (my_row < V) & (lane % G == 0)  # one lane of each row stores it
     q, k, v, alpha, beta = _row_inputs(qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, n, nv, 0, h, hv, cols, my_row, D, H,
-                                       HV, V, K, KP, INTERPRET)  # fmt: skip
+                                       HV, V, K, KP, INTERPRET, CHANNEL)  # fmt: skip
     if UNROLL:  # the steps unrolled: a step's output reduction may overlap the next step's chain
         for t in tl.static_range(D):
             S, q, k, v, alpha, beta = _row_step(S, q, k, v, alpha, beta, t, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr,
                                                 out_ptr, snap_ptr, u_ptr, n, nv, no, h, hv, lead, row_ok, cols, my_row,
                                                 m_mine, tile, m_tile, D, H, HV, V, K, BV, KP, SNAPSHOTS, EVICT,
-                                                INTERPRET, INTO, DMAX, W, E, LOG_E, LOG_BV, LOG_G)  # fmt: skip
+                                                INTERPRET, INTO, DMAX, W, E, LOG_E, LOG_BV, LOG_G, CHANNEL)  # fmt: skip
     else:
         for t in range(D):
             S, q, k, v, alpha, beta = _row_step(S, q, k, v, alpha, beta, t, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr,
                                                 out_ptr, snap_ptr, u_ptr, n, nv, no, h, hv, lead, row_ok, cols, my_row,
                                                 m_mine, tile, m_tile, D, H, HV, V, K, BV, KP, SNAPSHOTS, EVICT,
-                                                INTERPRET, INTO, DMAX, W, E, LOG_E, LOG_BV, LOG_G)  # fmt: skip
+                                                INTERPRET, INTO, DMAX, W, E, LOG_E, LOG_BV, LOG_G, CHANNEL)  # fmt: skip
 
 
 @jit
@@ -504,15 +520,15 @@ def _row_step(S, q, k, v, alpha, beta, t, qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr
               HV: tl.constexpr, V: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, KP: tl.constexpr,
               SNAPSHOTS: tl.constexpr, EVICT: tl.constexpr, INTERPRET: tl.constexpr, INTO: tl.constexpr,
               DMAX: tl.constexpr, W: tl.constexpr, E: tl.constexpr, LOG_E: tl.constexpr, LOG_BV: tl.constexpr,
-              LOG_G: tl.constexpr):  # fmt: skip
+              LOG_G: tl.constexpr, CHANNEL: tl.constexpr):  # fmt: skip
     """Step ``t`` of :func:`_chain_rows` from its state ``S`` and inputs: the output and the
     step's ``u`` (or snapshot) stored; returns the next state and step t + 1's inputs (loaded
     first)."""
     MASK_TILE: tl.constexpr = V % BV != 0 or KP != K
     q1, k1, v1, alpha1, beta1 = _row_inputs(qn_ptr, kn_ptr, v_ptr, g_ptr, beta_ptr, n, nv, tl.minimum(t + 1, D - 1), h,
-                                            hv, cols, my_row, D, H, HV, V, K, KP, INTERPRET)  # fmt: skip
+                                            hv, cols, my_row, D, H, HV, V, K, KP, INTERPRET, CHANNEL)  # fmt: skip
     kb = tl.broadcast_to(k[None, :], S.shape)
-    Sd = S * alpha
+    Sd = S * alpha  # alpha a scalar, or (CHANNEL) [1, KP]: each column's own factor, one rounded multiply
     u = beta * (v - _row_sums(Sd, kb, BV, W, E, LOG_E, LOG_BV, LOG_G, INTERPRET))  # [1, W]
     S = _fma(kb, _all_rows(u, BV, W, E), Sd, INTERPRET)
     o = _row_sums(S, tl.broadcast_to(q[None, :], S.shape), BV, W, E, LOG_E, LOG_BV, LOG_G, INTERPRET)
@@ -536,7 +552,9 @@ def launch_sizes(state_shape, q_shape, config: VerifyConfig, record="tuples"):
     BV = min(next_power_of_2(config.block_v), next_power_of_2(V))
     C = min(config.k_chunk, next_power_of_2(K))
     KP = next_power_of_2(K)
-    tiles_first = (config.order or ("tiles" if record_type(record).stores_states else "requests")) == "tiles"
+    # a record= name (the interpreter check's, without JAX) or the tape class
+    stores_states = record == "snapshots" if isinstance(record, str) else record.stores_states
+    tiles_first = (config.order or ("tiles" if stores_states else "requests")) == "tiles"
     sizes = {"NS": S, "D": D, "H": H, "HV": HV, "V": V, "K": K, "BV": BV, "C": C, "NC": -(-K // C),
              "TILES_FIRST": tiles_first, "KP": KP}  # fmt: skip
     if (config.chain or ("rows" if D <= ROWS_UP_TO else "chunks")) == "rows":  # W lanes across K (<= 32), BV <= W
@@ -577,40 +595,35 @@ def verify(call, *, config: VerifyConfig = VerifyConfig()):
     return _jitted()(call, config=config)
 
 
-def _verify(call, *, config):
+def _prologue(call, layer, tape_layer, rows, config):
+    """GDN's norms and gates by :func:`verify_prep_kernel`: ``(qn, kn, g, beta, kbuf, gbuf)``, the
+    last two the tape buffer's k and g with this call's rows written in place (tuples into a
+    buffer), else unused."""
     import jax
     import jax.numpy as jnp
 
-    jt = import_jax_triton()
-
-    i32, f32 = jnp.int32, jnp.float32
-    state, slots, layer, pending = call.pool, call.slots, call.layer, call.pending
-    q, k, v, a, b, A_log, dt_bias = call.inputs
-    tape, tape_layer, rows, out, out_layer = call.tape, call.tape_layer, call.rows, call.out, call.out_layer
-    record, scale, out_dtype = call.record, call.scale, jnp.dtype(call.out_dtype)  # record: the tape class
-    # inputs stacked over the pool's layers (by rank): read at `layer` in the kernels
     from ...reference import stacked
 
+    jt = import_jax_triton()
+    f32 = jnp.float32
+    q, k, _, a, b, A_log, dt_bias = call.inputs
+    tape = call.tape
+    # inputs stacked over the pool's layers (by rank): read at `layer` in the kernel
     names = ("q", "k", "a", "b", "A_log", "dt_bias")
     XS = sum(1 << i for i, (n, x) in enumerate(zip(names, (q, k, a, b, A_log, dt_bias))) if stacked(n, x))
     N, D, H, K = q.shape[-4:]
-    HV, V = state.shape[2], state.shape[3]
-    snapshots = record.stores_states
-    into = tape is not None
+    HV = call.pool.shape[2]
     unused = jax.ShapeDtypeStruct((1,), f32)
     dummy = jnp.zeros((1,), f32)
-    as1 = lambda x: jnp.reshape(jnp.asarray(0 if x is None else x, i32), (1,))  # noqa: E731 (a reshape is free)
-    layer, tape_layer = as1(layer), as1(tape_layer)
-    rows = jnp.zeros((1,), i32) if rows is None else rows
     sizes, grid = prep_launch(q.shape[-4:], HV, config)
-    pre_into = into and not snapshots
+    pre_into = tape is not None and not call.record.stores_states
     if pre_into:
         buf_sizes = dict(INTO=True, R=tape.u.shape[1], DMAX=tape.u.shape[2])
         bufs_in = (tape.k, tape.g)
         bufs_out = [jax.ShapeDtypeStruct(tape.k.shape, f32), jax.ShapeDtypeStruct(tape.g.shape, f32)]
     else:
         buf_sizes, bufs_in, bufs_out = {}, (dummy, dummy), [unused, unused]
-    qn, kn, g, beta, kbuf, gbuf = jt.triton_call(
+    return jt.triton_call(
         q, k, a, b, A_log, dt_bias, layer, rows, tape_layer, *bufs_in,
         kernel=verify_prep_kernel,
         out_shape=[jax.ShapeDtypeStruct((N, D, H, K), f32)] * 2 + [jax.ShapeDtypeStruct((N, D, HV), f32)] * 2 + bufs_out,
@@ -622,11 +635,60 @@ def _verify(call, *, config):
         name="gdn_verify_prep",
         **sizes,
         **buf_sizes,
-        SCALE=float(scale),
+        SCALE=float(call.scale),
         INTERPRET=False,
         XN=N,
         XS=XS,
     )  # fmt: skip
+
+
+def _channel_prologue(call, layer, tape_layer, rows):
+    """KDA's norms and gates (a per-channel decay, ``a [N, D, HV, K]``) in XLA, by
+    :func:`gdn_lossless_jax.reference.prepare` (the inputs stacked over layers read at ``layer``):
+    ``(qn, kn, g [N, D, HV, K], beta, kbuf, gbuf)``; with a tuple tape buffer, the k and g written
+    into it at ``[tape_layer, rows[n], :D]`` (a scatter; an out-of-range row writes nothing)."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    from ...reference import input_ranks, prepare, stacked
+
+    layer = jnp.reshape(layer, ())
+    x = [lax.dynamic_index_in_dim(x, layer, 0, keepdims=False) if stacked(n, x, "channel") else x
+         for n, x in zip(input_ranks("channel"), call.inputs)]  # fmt: skip
+    q, k, _, a, b, A_log, dt_bias = x
+    qn, kn, g, beta = prepare(q, k, a, b, A_log, dt_bias, call.scale, beta_scale=call.beta_scale)
+    tape = call.tape
+    if tape is None or call.record.stores_states:
+        return qn, kn, g, beta, None, None
+    R, D = tape.k.shape[1], qn.shape[1]
+    at = (jnp.reshape(tape_layer, ()), jnp.where((rows >= 0) & (rows < R), rows, R), slice(0, D))
+    return qn, kn, g, beta, tape.k.at[at].set(kn, mode="drop"), tape.g.at[at].set(g, mode="drop")
+
+
+def _verify(call, *, config):
+    import jax
+    import jax.numpy as jnp
+
+    jt = import_jax_triton()
+
+    i32, f32 = jnp.int32, jnp.float32
+    state, slots, layer, pending = call.pool, call.slots, call.layer, call.pending
+    q, v = call.q, call.v
+    tape, tape_layer, rows, out, out_layer = call.tape, call.tape_layer, call.rows, call.out, call.out_layer
+    record, out_dtype = call.record, jnp.dtype(call.out_dtype)  # record: the tape class
+    N, D, H, K = q.shape[-4:]
+    HV, V = state.shape[2], state.shape[3]
+    snapshots = record.stores_states
+    into = tape is not None
+    unused = jax.ShapeDtypeStruct((1,), f32)
+    dummy = jnp.zeros((1,), f32)
+    as1 = lambda x: jnp.reshape(jnp.asarray(0 if x is None else x, i32), (1,))  # noqa: E731 (a reshape is free)
+    layer, tape_layer = as1(layer), as1(tape_layer)
+    rows = jnp.zeros((1,), i32) if rows is None else rows
+    if call.decay == "channel":  # KDA: g [N, D, HV, K], the chain's CHANNEL (from g's rank)
+        qn, kn, g, beta, kbuf, gbuf = _channel_prologue(call, layer, tape_layer, rows)
+    else:
+        qn, kn, g, beta, kbuf, gbuf = _prologue(call, layer, tape_layer, rows, config)
     if into:
         buf = tape.states if snapshots else tape.u
         rec_shape = jax.ShapeDtypeStruct(buf.shape, buf.dtype)
@@ -655,7 +717,8 @@ def _verify(call, *, config):
         pend_sizes = dict(PENDING=2 if snap_prev else 1, PR=lead.shape[1], PD=lead.shape[2],
                           PREFETCH=config.prefetch_pending and not snap_prev, PDP=next_power_of_2(lead.shape[2]),
                           KL=next_power_of_2(-(-K // 32)),
-                          ROWS=config.pending_replay == "rows")
+                          ROWS=config.pending_replay == "rows",
+                          PCHANNEL=not snap_prev and prev.g.ndim == 5)  # a KDA tape: g [L', PR, PD, HV, K]
         aliases[0] = 3
     out_in = [dummy] * 2 if out is None else [as1(out_layer), out]
     inputs = [state, slots, layer, tape_layer, qn, kn, v, g, beta, rows, buf, *pend_in, *out_in]
@@ -680,6 +743,7 @@ def _verify(call, *, config):
         INTERPRET=False,
         XN=N if v.ndim == 5 else 0,
         ON=0 if out is None else N,
+        CHANNEL=g.ndim == 4,
     )  # fmt: skip
     fields = (snap,) if snapshots else ((u, kbuf, gbuf) if into else (u, kn, g))
     return (out, fields) if pending is None else (out, fields, new_pool)
