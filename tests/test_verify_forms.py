@@ -149,9 +149,10 @@ def _kda_inputs(seed):
 
 
 #: The backends that run KDA, each through every KDA test here (Pallas in interpret mode on the CPU); Mosaic's
-#: shapes (V a multiple of 64, K of 32) are its own tests' (tests/test_mosaic_backend.py), and Kimi's geometry below.
+#: shapes (V a multiple of 64, K of 32) and Triton's (a GPU) are their own tests' (tests/test_mosaic_backend.py,
+#: tests/test_triton_backend.py), and Kimi's geometry below on a GPU.
 KDA_BACKENDS = ["reference", "pallas"]
-KDA_GPU_BACKENDS = [*KDA_BACKENDS, "mosaic"]
+KDA_GPU_BACKENDS = [*KDA_BACKENDS, "mosaic", "triton"]
 
 
 def _exact(backend: str) -> bool:
