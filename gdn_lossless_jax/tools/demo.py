@@ -11,6 +11,10 @@ final states (SSM, conv and KV, bit for bit). Exit status 1 otherwise. With
 groups over a tensor axis of size TP; DP must be 1) and once more on one device (tuples
 mode); the verdict is then ``identical`` when every run gave the same tokens and the same
 final states, the mesh's conv states read back in the usual channel order.
+
+``--family olmo_hybrid|kimi_linear`` decodes an OLMo-Hybrid or Kimi Linear model instead
+(:mod:`gdn_lossless_jax.tools.family_demo`), with the report pieces below (:func:`progress_bar`,
+:func:`memory_text`, :func:`print_speeds`, :func:`print_tokens`, :func:`print_states`, :func:`print_verdict`).
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import argparse
 import sys
 import time
 
-__all__ = ["add_parser", "mesh_plan", "run"]
+__all__ = ["add_parser", "mesh_plan", "run", "progress_bar", "memory_text", "print_speeds", "print_tokens",
+           "print_states", "print_verdict"]
 
 MODES = ("tuples", "snapshots")
 NONE = "none"  # the run without speculation (D = 1): plain greedy decoding
@@ -106,7 +111,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "same final SSM, conv and KV states bit for bit (exit status 1 otherwise). Sizes: "
         + "; ".join(c.describe() for c in SIZES.values())
         + ". With --mesh TPxDP the record modes run on a device mesh (GDN heads over the tensor axis) and once more "
-        "on one device, and 'identical' also means the mesh gave one device's tokens and states.",
+        "on one device, and 'identical' also means the mesh gave one device's tokens and states. With --family "
+        "olmo_hybrid|kimi_linear an OLMo-Hybrid or Kimi Linear model (a tiny random one, or --checkpoint of that "
+        "family) decodes in both record modes and by plain greedy decoding, and 'identical' means both modes gave "
+        "greedy decoding's tokens and the same final SSM and conv states.",
     )
     d.add_argument("--size", choices=list(SIZES), default=None,
                    help="model size (default tiny; 'gpu' has H=16, HV=32, K=V=128); not with --checkpoint")
@@ -126,11 +134,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="prefix-cache track interval in tokens (0: off; default 64); not with --checkpoint")
     d.add_argument("--backend", choices=["auto", *BACKENDS], default="auto",
                    help="the library's backend (default auto: pallas on a GPU, else reference)")
-    d.add_argument("--record", choices=[*MODES, NONE], nargs="+", default=list(MODES),
-                   help="record modes to run (default both); 'none' adds a run without speculation (D = 1, plain "
-                        "greedy decoding): its tokens are compared with the speculative runs' and reported, not part "
-                        "of the verdict (at a near-tie the D-input verify and the 1-input decode may round to other "
-                        "tokens)")  # fmt: skip
+    d.add_argument("--record", choices=[*MODES, NONE], nargs="+", default=None,
+                   help="record modes to run (default both; not with --family, which runs all three); 'none' adds "
+                        "a run without speculation (D = 1, plain greedy decoding): its tokens are compared with the "
+                        "speculative runs' and reported, not part of the verdict (at a near-tie the D-input verify "
+                        "and the 1-input decode may round to other tokens)")  # fmt: skip
     d.add_argument("--steps-per-call", type=int, default=None, metavar="K",
                    help="steps per call of the device: K > 1 runs drafting, verify, acceptance and the next inputs "
                         "on the device K steps at a time (the device loop; requests join and leave every K steps); "
@@ -161,9 +169,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "must be 1; plus one run on one device (tuples) that the verdict compares bit for bit "
                         "(default: one device). On a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N "
                         "simulates N devices")  # fmt: skip
+    from .family_demo import add_family_options
     from .generate import add_demo_options
 
     add_demo_options(d)
+    add_family_options(d)
     d.set_defaults(func=run)
     return d
 
@@ -172,8 +182,67 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.3f} MiB"
 
 
+# The report's pieces, shared with the family demo (gdn_lossless_jax.tools.family_demo).
+def progress_bar(setting: str, total: int, label: str):
+    """The progress bar of one run on stderr (``--progress``: auto, when stderr is a terminal; on; off)."""
+    from tqdm import tqdm
+
+    disable = {"auto": None, "on": False, "off": True}[setting]
+    return tqdm(total=total, desc=f"{label:<10}", unit="tok", disable=disable, file=sys.stderr)
+
+
+def memory_text(state: int, tape: int, windows: int) -> str:
+    """``state X MiB, scratch Y MiB (SSM tape ..., conv windows ...)``: a run's pool and its scratch."""
+    return f"state {_mib(state)}, scratch {_mib(tape + windows)} (SSM tape {_mib(tape)}, conv windows {_mib(windows)})"
+
+
+def print_speeds(speeds: dict[str, float]) -> None:
+    """The ``speed`` line: the first run's tokens per second over each other run's."""
+    if len(speeds) > 1:
+        first = next(iter(speeds))
+        print("speed      tokens/s, " + ", ".join(f"{first} / {label}: {speeds[first] / v:.2f}x"
+                                                  for label, v in speeds.items() if label != first))  # fmt: skip
+
+
+def print_tokens(label_a: str, label_b: str, ta, tb, total: int, note: str = "") -> bool:
+    """The ``tokens`` line of two runs' token sequences (one per prompt): how many are equal and the first
+    prompt that differs. Returns whether all ``total`` are equal."""
+    import numpy as np
+
+    same = sum(int(np.sum(np.asarray(x) == np.asarray(y))) for x, y in zip(ta, tb))
+    first = next((i for i, (x, y) in enumerate(zip(ta, tb)) if not np.array_equal(x, y)), None)
+    print(f"tokens     {label_a} vs {label_b}: {same:,} of {total:,} tokens equal"
+          + ("" if first is None else f"; prompt {first} differs first") + note)  # fmt: skip
+    return same == total
+
+
+def print_states(label_a: str, label_b: str, sa, sb, what: str) -> bool:
+    """The ``states`` line: two runs' final states (pytrees) compared bit for bit. Returns whether equal."""
+    from ..testing import compare_bitwise
+
+    report = compare_bitwise(sa, sb)
+    print(f"states     {label_a} vs {label_b}, final {what}: "
+          + ("bit-identical" if report.equal else f"DIFFER\n  {report}"))  # fmt: skip
+    return report.equal
+
+
+def print_verdict(equal: bool, identical: str, different: str) -> int:
+    """The ``verdict`` line; returns the exit status (0: identical, 1: not)."""
+    print(f"verdict    identical: {identical}" if equal else f"verdict    DIFFERENT: {different}")
+    return 0 if equal else 1
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the demo; returns the exit status (0: identical, 1: the runs differ)."""
+    if getattr(args, "family", None):
+        from .family_demo import demo_family
+
+        return demo_family(args)
+    if getattr(args, "draft", None) is not None:
+        raise ValueError(f"argument --draft {args.draft} goes with --family (the demo model drafts with its own "
+                         f"layer-skipping draft)")  # fmt: skip
+    if getattr(args, "record", None) is None:
+        args.record = list(MODES)
     if getattr(args, "checkpoint", None):
         from .generate import demo_checkpoint
 
@@ -183,9 +252,7 @@ def run(args: argparse.Namespace) -> int:
             setattr(args, name, default)
     import jax
     import numpy as np
-    from tqdm import tqdm
 
-    from ..testing import compare_bitwise
     from ..model.engine import Engine, Request
     from ..model.model import get_config, init_params
 
@@ -250,7 +317,6 @@ def run(args: argparse.Namespace) -> int:
     runs = [(mode, mode, plan) for mode in args.record]
     if plan is not None:
         runs.append((ONE_DEVICE, "tuples", None))
-    disable = {"auto": None, "on": False, "off": True}[args.progress]
     outcome, speeds = {}, {}
     for label, mode, mesh in runs:
         drafts = 1 if mode == NONE else args.drafts
@@ -263,7 +329,7 @@ def run(args: argparse.Namespace) -> int:
         compile_s = engine.warmup()
         history = [[] for _ in range(args.prompts)]
         results = []
-        with tqdm(total=total, desc=f"{label:<10}", unit="tok", disable=disable, file=sys.stderr) as bar:
+        with progress_bar(args.progress, total, label) as bar:
             t0 = time.perf_counter()
             for turn in range(args.turns):
                 prompts = [h + m for h, m in zip(history, messages[turn])]
@@ -282,9 +348,9 @@ def run(args: argparse.Namespace) -> int:
             f"{engine.compiles} trace{'s' if engine.compiles != 1 else ''}); {engine.steps} steps of "
             f"{wall / engine.steps * 1e3:.2f} ms, mean accepted length {accepted.mean():.2f} of {proposed.mean():.2f} "
             f"drafted ({(accepted + 1).mean():.2f} tokens per step); host {max(0.0, 1 - engine.step_seconds / wall):.1%} "
-            f"of the wall-clock between calls; state {_mib(pool.ssm.nbytes + pool.conv.nbytes)}, "
-            f"scratch {_mib(pool.scratch_nbytes + windows)} (SSM tape {_mib(pool.scratch_nbytes)}, conv "
-            f"windows {_mib(windows)}); prefix cache: {sum(len(r.tracked) for r in results)} states tracked, "
+            f"of the wall-clock between calls; "
+            f"{memory_text(pool.ssm.nbytes + pool.conv.nbytes, pool.scratch_nbytes, windows)}; prefix cache: "
+            f"{sum(len(r.tracked) for r in results)} states tracked, "
             f"{len(resumed)} of {args.prompts * (args.turns - 1)} later turns resumed "
             f"({sum(resumed):,} prompt tokens not recomputed)",
             flush=True,
@@ -294,40 +360,24 @@ def run(args: argparse.Namespace) -> int:
     if len(outcome) < 2:
         print("verdict    one record mode run: nothing to compare")
         return 0
-    if len(speeds) > 1:
-        first = next(iter(speeds))
-        print("speed      tokens/s, " + ", ".join(f"{first} / {label}: {speeds[first] / v:.2f}x"
-                                                  for label, v in speeds.items() if label != first))  # fmt: skip
+    print_speeds(speeds)
     # Plain greedy decoding (none) last: its tokens against the first speculative run's are a measurement
     # (near-ties may round otherwise at D inputs than at 1), not part of the verdict.
     (first_label, (ta, sa)), *others = sorted(outcome.items(), key=lambda kv: kv[0] == NONE)
     equal = True
     for label, (tb, _) in others:
-        same = sum(int(np.sum(np.asarray(x) == np.asarray(y))) for x, y in zip(ta, tb))
-        first = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
         measured = NONE in (label, first_label)
-        print(f"tokens     {first_label} vs {label}: {same:,} of {total:,} tokens equal"
-              + ("" if first is None else f"; prompt {first} differs first")
-              + (" (speculative vs plain greedy decoding: measured, not checked)" if measured else ""))  # fmt: skip
-        equal &= measured or same == total
+        same = print_tokens(first_label, label, ta, tb, total,
+                            " (speculative vs plain greedy decoding: measured, not checked)" if measured else "")
+        equal &= measured or same
     with_states = [(label, sb) for label, (_, sb) in outcome.items() if sb is not None]
     for label, sb in with_states[1:]:  # (none: no speculation, other positions in the state: not compared)
-        report = compare_bitwise(with_states[0][1], sb)
-        print(f"states     {with_states[0][0]} vs {label}, final SSM, conv and KV states: "
-              + ("bit-identical" if report.equal else f"DIFFER\n  {report}"))  # fmt: skip
-        equal &= report.equal
+        equal &= print_states(with_states[0][0], label, with_states[0][1], sb, "SSM, conv and KV states")
     if len(with_states) < 2:
         print("verdict    one speculative run: nothing checked (plain greedy decoding is measured, not checked)")
         return 0
     if plan is None:
-        if equal:
-            print("verdict    identical: both record modes gave the same tokens and the same final states")
-            return 0
-        print("verdict    DIFFERENT: the record modes disagree")
-        return 1
+        return print_verdict(equal, "both record modes gave the same tokens and the same final states",
+                             "the record modes disagree")
     where = f"{' and '.join(args.record)} on the {plan.tp}x{plan.dp} mesh and {ONE_DEVICE}"
-    if equal:
-        print(f"verdict    identical: {where} gave the same tokens and the same final states")
-        return 0
-    print(f"verdict    DIFFERENT: {where} disagree")
-    return 1
+    return print_verdict(equal, f"{where} gave the same tokens and the same final states", f"{where} disagree")

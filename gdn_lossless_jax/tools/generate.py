@@ -8,7 +8,7 @@ import time
 
 from .options import positive_int
 
-__all__ = ["add_parser", "run", "demo_checkpoint"]
+__all__ = ["add_parser", "run", "demo_checkpoint", "refuse_options"]
 
 
 def _ids(text: str) -> list[int]:
@@ -86,31 +86,37 @@ def run(args: argparse.Namespace) -> int:
 def add_demo_options(d: argparse.ArgumentParser) -> None:
     d.add_argument("--checkpoint", default=None,
                    help="decode a Hugging Face checkpoint folder instead of the random model (qwen3_next, qwen3_5, "
-                        "qwen3_5_moe): random prompts once per record mode, the same verdict; --steps-per-call and "
-                        "--batch apply, --size, --turns > 1, --track-interval, --tree, --mesh and --defer on are "
-                        "refused")  # fmt: skip
+                        "qwen3_5_moe; with --family, a checkpoint of that family): random prompts once per record "
+                        "mode, the same verdict; --steps-per-call and --batch apply, --size, --turns > 1, "
+                        "--track-interval, --tree, --mesh and --defer on are refused")  # fmt: skip
 
 
-def _refuse(args: argparse.Namespace) -> None:
-    """The demo's options that the checkpoint path cannot honour: a ValueError naming the first one given."""
+def refuse_options(args: argparse.Namespace, where: str, decoder: str, size: str, more=()) -> None:
+    """The demo's options that a checkpoint's decoder (``decoder``, named in the messages) cannot honour: a
+    ValueError naming the first one given, prefixed ``where``. ``size``: why ``--size`` is left out; ``more``:
+    further ``(option, given, value, expected)``."""
     tree, mesh = getattr(args, "tree", None), getattr(args, "mesh", None)
     refused = [
-        ("--size", args.size is not None, args.size,
-         "left out (the checkpoint's config.json gives the size)"),
+        ("--size", args.size is not None, args.size, f"left out ({size})"),
         ("--turns", args.turns not in (None, 1), args.turns,
-         "1 (each prompt is decoded once: PretrainedModel.generate has no conversation and no prefix cache)"),
+         f"1 (each prompt is decoded once: {decoder} has no conversation and no prefix cache)"),
         ("--track-interval", args.track_interval not in (None, 0), args.track_interval,
-         "0 or left out (PretrainedModel.generate has no prefix cache)"),
+         f"0 or left out ({decoder} has no prefix cache)"),
         ("--tree", tree is not None, ",".join(map(str, tree or ())),
-         "left out (PretrainedModel.generate drafts a chain of --drafts inputs)"),
+         f"left out ({decoder} drafts a chain of --drafts inputs)"),
         ("--mesh", mesh is not None, "x".join(map(str, mesh or ())),
          "left out (a checkpoint decodes on one device)"),
         ("--defer", getattr(args, "defer", "auto") == "on", "on",
-         "auto or off (PretrainedModel.generate commits in each step)"),
+         f"auto or off ({decoder} commits in each step)"),
+        *more,
     ]  # fmt: skip
     for option, given, value, expected in refused:
         if given:
-            raise ValueError(f"demo --checkpoint: argument {option} must be {expected}, got {value}")
+            raise ValueError(f"{where}: argument {option} must be {expected}, got {value}")
+
+
+def _refuse(args: argparse.Namespace) -> None:
+    refuse_options(args, "demo --checkpoint", "PretrainedModel.generate", "the checkpoint's config.json gives the size")
 
 
 def first_divergence(a, b, gaps_a, gaps_b) -> dict | None:
@@ -133,14 +139,22 @@ def demo_checkpoint(args: argparse.Namespace) -> int:
     and the same final states bit for bit; speculative against plain greedy decoding is reported (generated
     ids equal, the first divergence and the top-2 logit gap there), not checked: at a near-tie the D-input
     verify and the one-input decode may round to other tokens."""
+    import os
+
     import jax
     import numpy as np
 
     from ..model import load_pretrained
-    from ..testing import compare_bitwise
-    from .demo import NONE
+    from ..model.hf.config import FAMILY_TYPES, read_json
+    from .demo import NONE, print_states, print_verdict
 
     _refuse(args)
+    config = os.path.join(args.checkpoint, "config.json")
+    content = read_json(config) if os.path.isfile(config) else None
+    mt = content.get("model_type") if isinstance(content, dict) else None
+    if mt in FAMILY_TYPES:
+        raise ValueError(f"demo --checkpoint: argument --checkpoint: {args.checkpoint!r} is a {mt} checkpoint; "
+                         f"decode it with --family {mt} --checkpoint {args.checkpoint}")  # fmt: skip
     if args.steps_per_call is None:
         args.steps_per_call = 8 if jax.default_backend() == "gpu" else 1
     if args.batch is None:
@@ -201,9 +215,7 @@ def demo_checkpoint(args: argparse.Namespace) -> int:
         print("verdict    tuples and snapshots not both run: nothing checked")
         return 0
     (ta, _, sa), (tb, _, sb) = results["tuples"], results["snapshots"]
-    rep = compare_bitwise(sa, sb)
-    print(f"states     tuples vs snapshots, final SSM, conv and KV states: {'bit-identical' if rep.equal else rep}")
-    ok = np.array_equal(ta, tb) and rep.equal
-    print(f"verdict    {'identical' if ok else 'DIFFERENT'}: tuples and snapshots gave "
-          + ("the same tokens and the same final states" if ok else "other tokens or other final states"))
-    return 0 if ok else 1
+    same_states = print_states("tuples", "snapshots", sa, sb, "SSM, conv and KV states")
+    return print_verdict(np.array_equal(ta, tb) and same_states,
+                         "tuples and snapshots gave the same tokens and the same final states",
+                         "tuples and snapshots gave other tokens or other final states")

@@ -9,6 +9,7 @@ library's reference rule (:func:`gdn_lossless_jax.reference.chain`, :func:`gdn_l
 :meth:`FamilyModel.generate` decodes through the state pool, speculatively, each linear layer verified and
 committed by the library (:mod:`~gdn_lossless_jax.model.hf.family_decode`); :meth:`FamilyModel.greedy_reference`
 decodes greedily by recomputing the whole forward for every token (a reference for tests, O(T^2)).
+:func:`random_model` builds a tiny model of either family with random weights, without a checkpoint file.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import numpy as np
 from ...reference import ksum
 from .weights import Checkpoint, _Reader
 
-__all__ = ["FamilyModel", "load_family", "Reader", "plain_rmsnorm", "causal_conv_silu", "conv_weight", "refuse", "get"]
+__all__ = ["FamilyModel", "load_family", "random_model", "TINY_CONFIGS", "Reader", "plain_rmsnorm", "causal_conv_silu",
+           "conv_weight", "refuse", "get"]
 
 F32 = jnp.float32
 
@@ -248,3 +250,95 @@ def load_family(path: str, full: dict, dtype: str, *, draft: str = "auto", draft
                               "'model.embed_tokens.weight'")  # fmt: skip
     r.check_all_used(mt)
     return FamilyModel(c, params, family.forward, path=ckpt.path, report={"skipped": {}, "mtp": False}, backend=backend)
+
+
+#: The ``config.json`` of :func:`random_model`'s tiny models, in the Hub's form: the sizes of the test fixtures
+#: (tests/fixtures/hf/olmo_hybrid, tests/fixtures/hf/kimi_linear).
+TINY_CONFIGS = {
+    "olmo_hybrid": {
+        "model_type": "olmo_hybrid", "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 4,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"], "linear_allow_neg_eigval": True,
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "linear_value_head_dim": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06, "rope_parameters": {"rope_theta": None, "rope_type": "default"},
+        "tie_word_embeddings": False, "vocab_size": 256,
+    },
+    "kimi_linear": {
+        "model_type": "kimi_linear", "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 4,
+        "first_k_dense_replace": 1, "kv_lora_rank": 32,
+        "linear_attn_config": {"full_attn_layers": [4], "kda_layers": [1, 2, 3], "head_dim": 16, "num_heads": 2,
+                               "short_conv_kernel_size": 4},
+        "moe_intermediate_size": 16, "moe_renormalize": True, "num_attention_heads": 4, "num_expert_group": 4,
+        "num_experts": 8, "num_experts_per_token": 2, "num_key_value_heads": 4, "num_shared_experts": 1,
+        "q_lora_rank": None, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "rms_norm_eps": 1e-05,
+        "routed_scaling_factor": 2.446, "tie_word_embeddings": False, "topk_group": 2, "v_head_dim": 16,
+        "vocab_size": 256,
+    },
+}  # fmt: skip
+
+
+class _RandomReader(Reader):
+    """A :class:`Reader` without a checkpoint: every tensor the family's ``load_params`` asks for is drawn at
+    random in the shape it asks (each from its own generator, seeded by ``seed`` and the tensor's name), in the
+    first layout the loader tries (the fused conv and experts). Linear weights and embeddings normal with std 0.2
+    (the fixtures' ``initializer_range``), the conv normal with std ``Kc**-0.5``, norm weights uniform in [0.9,
+    1.1] (plain weights), ``A_log`` ``log U(1, 16)``, ``dt_bias`` ``softplus^-1`` of a dt log-uniform in [1e-3,
+    1e-1], the router's correction bias ``U(0, 0.1)``."""
+
+    def __init__(self, dtype, seed: int, label: str):
+        self.dtype, self.seed, self.used, self.stored = jnp.dtype(dtype), seed, set(), {}
+        self.ckpt = type("RandomWeights", (), {"path": label})()
+
+    def has(self, name: str) -> bool:
+        return True
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        raise NotImplementedError  # not asked for: any_of draws its first shape
+
+    def any_of(self, name: str, shapes: list[tuple[int, ...]]) -> np.ndarray:
+        return self.raw(name, shapes[0])
+
+    def raw(self, name: str, shape) -> np.ndarray:
+        import zlib
+
+        self.used.add(name)
+        rng = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
+        shape, base = tuple(shape), name.removesuffix(".weight")
+        if base.endswith("A_log"):
+            return np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float32)
+        if base.endswith("dt_bias"):
+            dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), shape))
+            return (dt + np.log(-np.expm1(-dt))).astype(np.float32)
+        if base.endswith("e_score_correction_bias"):
+            return rng.uniform(0.0, 0.1, shape).astype(np.float32)
+        if "norm" in base.rsplit(".", 1)[-1]:
+            return rng.uniform(0.9, 1.1, shape).astype(np.float32)
+        std = shape[-1] ** -0.5 if base.endswith("conv1d") else 0.2
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+
+def random_model(model_type: str, *, seed: int = 0, dtype: str = "float32", backend: str = "auto",
+                 config: dict | None = None) -> FamilyModel:  # fmt: skip
+    """A tiny ``olmo_hybrid`` or ``kimi_linear`` model with random weights, built in memory (no checkpoint file,
+    no torch): the family's config reader and ``load_params`` over a reader that draws each tensor it asks for
+    (:class:`_RandomReader`), so the parameters have the shapes and layout a checkpoint would give. ``config``:
+    a ``config.json`` dict (default :data:`TINY_CONFIGS`, the test fixtures' sizes).
+
+    >>> m = random_model("kimi_linear")
+    >>> m.config.num_heads, m.config.head_dim, m.config.layer_types.count("linear_attention")
+    (2, 16, 3)
+    """
+    from . import kimi_linear, olmo_hybrid
+
+    families = {"olmo_hybrid": olmo_hybrid, "kimi_linear": kimi_linear}
+    if model_type not in families:
+        raise ValueError(f"random_model: argument 'model_type' must be one of {sorted(families)}, got {model_type!r}")
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"random_model: argument 'dtype' must be 'float32' or 'bfloat16', got {dtype!r}")
+    family = families[model_type]
+    full = dict(TINY_CONFIGS[model_type] if config is None else config, model_type=model_type)
+    label = f"random {model_type} (seed {seed})"
+    c = family.config_from_dict(full, dtype=dtype, name=f"random-tiny-seed{seed}", file=f"<{label} config>")
+    params = family.load_params(_RandomReader(c.jnp_dtype, seed, f"<{label}>"), c)
+    return FamilyModel(c, params, family.forward, path="", report={"skipped": {}, "mtp": False, "random": True},
+                       backend=backend)  # fmt: skip
