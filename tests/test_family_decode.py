@@ -5,7 +5,9 @@ both record modes gives transformers' tokens, and the two pools end with the sam
 linear layers' SSM states and conv states). The draft is transformers' own continuation with every fifth
 position changed, so that steps accept 0 to D - 1 drafts. Controls the tuples == snapshots comparison must
 catch: OLMo's commit replaying with the update rounded twice; Kimi's with the per-channel decay applied as
-one factor per head (testing.kda_controls.scalar_decay). Full set: greedy through the pool (one token a step)
+one factor per head (testing.kda_controls.scalar_decay). The device loop (steps_per_call=K) equals the host loop
+with prompt lookup: tokens, steps and the final pool bit for bit (control: a finished request's slot written
+on); its on-device prompt lookup equals prompt_lookup. Full set: greedy through the pool (one token a step)
 equals transformers' for all three fixtures, speculative equals greedy, and OLMo's beta scale ignored changes
 the tokens.
 """
@@ -26,7 +28,7 @@ from gdn_lossless_jax.backends import reference as reference_backend
 from gdn_lossless_jax.model import load_pretrained
 from gdn_lossless_jax.model.hf.family import FamilyModel
 from gdn_lossless_jax.model.hf import family_decode
-from gdn_lossless_jax.model.hf.family_decode import FamilyDecoder, prompt_lookup
+from gdn_lossless_jax.model.hf.family_decode import FamilyDecoder, lookup_draft, prompt_lookup
 from gdn_lossless_jax.tape import KDATuples, Snapshots, Tuples
 from gdn_lossless_jax.testing import assert_bitwise_differs, assert_bitwise_equal
 from gdn_lossless_jax.testing.controls import twice_rounded_update
@@ -76,11 +78,15 @@ class ControlBackend:
         self.commit = jax.jit(functools.partial(reference.commit, rule=rule), static_argnames=("math",))
 
 
-def _decode(name, record, new, *, drafts=D, model=None, backend=None):
+def _decode(name, record, new, *, drafts=D, model=None, backend=None, lookup=False, steps_per_call=1,
+            cls=FamilyDecoder):
+    """Decode the fixture's prompts: the draft is ``_draft`` (transformers' tokens, some changed), or with ``lookup``
+    (and always with ``steps_per_call > 1``) prompt lookup."""
     prompts, generated = _expected(name)
-    dec = FamilyDecoder(model or _model(name), requests=prompts.shape[0], drafts=drafts, record=record,
-                        max_len=prompts.shape[1] + new + drafts - 1, backend=backend)  # fmt: skip (one compiled step)
-    got = dec.generate(prompts, new, _draft(generated) if drafts > 1 else None)
+    dec = cls(model or _model(name), requests=prompts.shape[0], drafts=drafts, record=record, backend=backend,
+              max_len=prompts.shape[1] + new + drafts - 1, steps_per_call=steps_per_call)  # one compiled step
+    plain = drafts == 1 or lookup or steps_per_call > 1
+    got = dec.generate(prompts, new, None if plain else _draft(generated))
     return got, dec
 
 
@@ -107,6 +113,55 @@ def test_speculative_record_modes_agree(name, control, monkeypatch):
     assert_bitwise_differs(ctl.pool.ssm, snp.pool.ssm, f"control {control.__name__}: caught by tuples vs snapshots")
 
 
+class Unmasked(FamilyDecoder):
+    """Control: the host loop with every request's slot written at every step, also after it reached its budget."""
+
+    def _run(self, ids, pos, accept=None, active=None):
+        return super()._run(ids, pos, accept)
+
+
+# One record mode a family in the CI run (each compiles its loop, ~5 s on the CPU); the other two with GDN_FULL_TESTS.
+@pytest.mark.parametrize("name,record", [("olmo_hybrid", "snapshots"), ("kimi_linear", "tuples"),
+                                         pytest.param("olmo_hybrid", "tuples", marks=full_only),
+                                         pytest.param("kimi_linear", "snapshots", marks=full_only)])  # fmt: skip
+def test_device_loop_equals_host_loop(name, record):
+    """steps_per_call=K (the device loop: the draft by prompt lookup on the device, acceptance and commit there,
+    requests at their budget masked mid-call) gives the host loop's tokens, step counts and final pool (SSM and
+    conv states) bit for bit, for K = 4 and a K that does not divide the steps taken (the last call stops early;
+    both K share one compiled loop). Control: the host loop writing a request's slot after its budget changes the
+    pool."""
+    new = 16
+    prompts, generated = _expected(name)
+    want, host = _decode(name, record, new, lookup=True)
+    np.testing.assert_array_equal(want, generated[:, : prompts.shape[1] + new], err_msg=f"{name} {record}: host loop")
+    assert (host.row_steps < host.steps).any(), f"{name}: every request ran every step ({host.row_steps}): no mask"
+    odd = next(k for k in range(3, host.steps) if host.steps % k)
+    for K in (4, odd):
+        got, dec = _decode(name, record, new, steps_per_call=K)
+        what = f"{name} {record}, steps_per_call={K} vs the host loop"
+        np.testing.assert_array_equal(got, want, err_msg=f"{what}: tokens")
+        assert (dec.steps, dec.row_steps.tolist()) == (host.steps, host.row_steps.tolist()), what
+        assert_bitwise_equal(dec.pool.ssm, host.pool.ssm, f"{what}: SSM states")
+        assert_bitwise_equal(dec.pool.conv, host.pool.conv, f"{what}: conv states")
+    _, ctl = _decode(name, record, new, lookup=True, cls=Unmasked)
+    assert_bitwise_differs(ctl.pool.ssm, dec.pool.ssm, "control: a request's slot written past its budget")
+
+
+def test_lookup_draft_is_prompt_lookup(seed):
+    """The device loop's draft (jnp, over a token buffer with per-row lengths) equals prompt_lookup's, on contexts
+    of 1 to 24 tokens over small alphabets (repeats: n-gram hits of either length, none, short continuations)."""
+    rng = np.random.default_rng(seed)
+    W = 24
+    for ngram in (1, 2, 3):
+        for vocab in (2, 3, 6, 50):
+            buf = rng.integers(0, vocab, (16, W)).astype(np.int32)
+            lens = rng.integers(1, W + 1, 16).astype(np.int32)
+            for n in (1, 6):
+                want = prompt_lookup([buf[b, : lens[b]] for b in range(16)], n, ngram=ngram)
+                got = jax.jit(lookup_draft, static_argnums=2, static_argnames="ngram")(buf, lens, n, ngram=ngram)
+                np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"ngram={ngram} vocab={vocab} n={n}")
+
+
 def test_generate_and_errors():
     m = _model("olmo_hybrid")
     prompts, generated = _expected("olmo_hybrid")
@@ -126,6 +181,14 @@ def test_generate_and_errors():
     dec.steps = 1
     with pytest.raises(ValueError, match=r"generate: this FamilyDecoder has decoded already"):
         dec.generate(prompts[:2], 4)
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match=rf"FamilyDecoder: argument 'steps_per_call' must be a positive integer, "
+                                             rf"got {bad!r}"):  # fmt: skip
+            FamilyDecoder(m, requests=1, drafts=2, max_len=8, steps_per_call=bad)
+    loop = FamilyDecoder(m, requests=4, drafts=2, max_len=24, steps_per_call=4)
+    with pytest.raises(ValueError, match=r"generate: argument 'draft' must be None \(prompt lookup\) with "
+                                         r"steps_per_call=4: .*a host callable cannot run"):  # fmt: skip
+        loop.generate(prompts, 4, _draft(generated))
 
 
 @full_only
