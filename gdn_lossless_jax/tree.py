@@ -37,6 +37,8 @@ __all__ = [
     "check_path_values",
     "path_to",
     "depths",
+    "ancestors",
+    "greedy_accepted",
     "full_tree",
     "beam_tree",
 ]
@@ -168,6 +170,46 @@ def depths(parents) -> jax.Array:
         pd = jnp.take_along_axis(dep, jnp.clip(par, 0, D - 1)[..., None], axis=-1)[..., 0]
         dep = dep.at[..., d].set(jnp.where(par >= 0, pd + 1, 0))
     return dep
+
+
+def ancestors(parents) -> jax.Array:
+    """``[N, D] -> [N, D, D]`` bool: ``[n, i, j]`` when node j is on node i's root path (i itself included),
+    the mask of a tree's attention (a node sees its ancestors, not its siblings). Parents must be in
+    topological order. Jittable.
+
+    >>> import numpy as np
+    >>> ancestors(np.array([[-1, 0, 0, 1]])).astype(int)[0].tolist()
+    [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
+    """
+    p = jnp.asarray(parents, jnp.int32)
+    N, D = p.shape
+    rows = jnp.arange(N)
+    anc = jnp.broadcast_to(jnp.eye(D, dtype=bool), (N, D, D))
+    for i in range(D):  # a parent's row is final before its children's (topological order)
+        par = p[:, i]
+        anc = anc.at[:, i].set(anc[:, i] | (anc[rows, jnp.clip(par, 0, D - 1)] & (par >= 0)[:, None]))
+    return anc
+
+
+def greedy_accepted(parents, tokens, predictions) -> jax.Array:
+    """Greedy acceptance along a draft tree whose node 0 is the given token (the root, always accepted) and
+    whose other nodes descend from it (``parents[:, d]`` in ``[0, d)`` for ``d >= 1``): node d is accepted
+    when its parent is and its token equals the target's prediction after the parent. ``parents``,
+    ``tokens``, ``predictions``: ``[N, D]`` int. Returns ``[N, D]`` bool; the deepest accepted node (by
+    :func:`depths`) is the accepted path's leaf (:func:`path_to`). Jittable.
+
+    >>> import numpy as np  # node 1 (7) is not the target's 8 after the root; node 2 (8) is, and node 3 (9) after it
+    >>> greedy_accepted(np.array([[-1, 0, 0, 2]]), np.array([[5, 7, 8, 9]]), np.array([[8, 9, 9, 0]])).tolist()
+    [[True, False, True, True]]
+    """
+    p, x, y = (jnp.asarray(a, jnp.int32) for a in (parents, tokens, predictions))
+    N, D = x.shape
+    rows = jnp.arange(N)
+    ok = jnp.zeros((N, D), bool).at[:, 0].set(True)
+    for d in range(1, D):
+        par = jnp.maximum(p[:, d], 0)
+        ok = ok.at[:, d].set(ok[rows, par] & (x[:, d] == y[rows, par]))
+    return ok
 
 
 def path_to(parents, nodes, width: int | None = None) -> tuple[jax.Array, jax.Array]:

@@ -99,7 +99,6 @@ class TreeStep(SpecStep):
     # -- the traced step --------------------------------------------------------------------
     def body(self, params: Params, state: DecodeState, inputs: StepInputs) -> tuple[DecodeState, StepOutputs]:
         D = self.drafts
-        N = inputs.tokens.shape[0]
         prefill = inputs.n_given > 1  # a prompt chunk: verified as a chain, nothing drafted
         chain = np.arange(D, dtype=np.int32) - 1
         parents = jnp.where(prefill[:, None], chain, self.parents).astype(I32)
@@ -111,12 +110,8 @@ class TreeStep(SpecStep):
         top2 = jax.lax.top_k(lg, 2)[0]
         gaps = top2[..., 0] - top2[..., 1]
         # A node is accepted when its parent is and its token is the target's after the parent.
-        rows = jnp.arange(N)
-        ok = jnp.zeros((N, D), bool).at[:, 0].set(True)
-        for d in range(1, D):
-            par = parents[:, d]
-            match = ok[rows, jnp.maximum(par, 0)] & (x[:, d] == y[rows, jnp.maximum(par, 0)])
-            ok = ok.at[:, d].set(jnp.where(prefill, d < inputs.n_given, match))
+        given = jnp.arange(D)[None, :] < inputs.n_given[:, None]
+        ok = jnp.where(prefill[:, None], given, tree_mod.greedy_accepted(parents, x, y))
         leaf = jnp.argmax(jnp.where(ok, depth, -1), axis=1).astype(I32)  # the deepest accepted node
         path, steps = tree_mod.path_to(parents, leaf)
         m = steps + 1

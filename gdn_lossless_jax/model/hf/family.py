@@ -208,18 +208,22 @@ class FamilyModel:
         return buf
 
     def generate(self, ids, max_new_tokens: int, *, drafts: int = 4, record: str = "tuples",
-                 draft: Callable | None = None, backend: str | None = None) -> np.ndarray:
+                 draft: Callable | None = None, backend: str | None = None, steps_per_call: int = 1,
+                 topk: int = 1) -> np.ndarray:
         """Greedy decoding of ``ids [B, T]`` through the state pool, speculative with ``drafts - 1`` drafts a
         step (``drafts=1``: one token a step): ``[B, T + max_new_tokens]``. ``draft(contexts, n) -> [B, n]``
         proposes (default: prompt lookup); the tokens do not depend on it, nor on ``record`` (``"tuples"``,
-        ``"snapshots"``). See :class:`~gdn_lossless_jax.model.hf.family_decode.FamilyDecoder`."""
+        ``"snapshots"``). ``steps_per_call > 1``: the device loop, that many steps a jitted call (prompt lookup
+        only). ``topk > 1``: ``draft`` may propose a tree of ``drafts`` nodes each step, ``(tokens, parents)``.
+        See :class:`~gdn_lossless_jax.model.hf.family_decode.FamilyDecoder`."""
         from .family_decode import FamilyDecoder
 
         ids = self._ids("generate", ids)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"generate: argument 'max_new_tokens' must be a positive integer, got {max_new_tokens!r}")
         dec = FamilyDecoder(self, requests=ids.shape[0], drafts=drafts, record=record, backend=backend,
-                            max_len=ids.shape[1] + max_new_tokens + drafts - 1)  # fmt: skip
+                            max_len=ids.shape[1] + max_new_tokens + drafts - 1,
+                            steps_per_call=steps_per_call, topk=topk)  # fmt: skip
         return dec.generate(ids, max_new_tokens, draft)
 
 

@@ -335,8 +335,9 @@ def _kda_layer(p: KDAParams, c: KimiLinearConfig, x):
     return linear_output(p, c, x, o)
 
 
-def attention(p: MLAParams, c: KimiLinearConfig, x):
-    """MLA without RoPE over ``x [N, T, d]``, causal."""
+def attention(p: MLAParams, c: KimiLinearConfig, x, mask=None, positions=None):
+    """MLA without RoPE over ``x [N, T, d]``: causal, or ``mask [N, T, T]`` bool (query, key; a draft tree's).
+    ``positions`` is ignored (no RoPE: attention here does not depend on positions, only on the mask)."""
     N, T, _ = x.shape
     nh, rank, nope, rope, vd = c.attn_heads, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
     q = matmul(x, p.w_q).reshape(N, T, nh, nope + rope)
@@ -347,7 +348,8 @@ def attention(p: MLAParams, c: KimiLinearConfig, x):
     k = jnp.concatenate([kv[..., :nope], jnp.broadcast_to(k_rot[:, :, None], (N, T, nh, rope))], -1)
     v = kv[..., nope:]
     scores = einsum("nthd,nshd->nhts", q, k, preferred_element_type=F32) * np.float32((nope + rope) ** -0.5)
-    probs = softmax(jnp.where(jnp.tril(jnp.ones((T, T), bool)), scores, -jnp.inf)).astype(x.dtype)
+    mask = jnp.tril(jnp.ones((T, T), bool)) if mask is None else mask[:, None]
+    probs = softmax(jnp.where(mask, scores, -jnp.inf)).astype(x.dtype)
     out = einsum("nhts,nshd->nthd", probs, v, preferred_element_type=F32).astype(x.dtype)
     return matmul(out.reshape(N, T, nh * vd), p.w_o)
 

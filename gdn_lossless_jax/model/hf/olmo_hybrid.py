@@ -265,30 +265,36 @@ def _gdn_layer(p: OlmoGDNParams, c: OlmoHybridConfig, x):
     return linear_output(p, c, x, o)
 
 
-def _rope(x, c: OlmoHybridConfig):
-    """Full-width rotate-half RoPE at positions 0..T-1, cos/sin in fp32 (not rounded to x's dtype), the
-    result rounded to x's dtype. x ``[N, T, heads, hd]``."""
+def _rope(x, c: OlmoHybridConfig, positions=None):
+    """Full-width rotate-half RoPE at positions 0..T-1 (or ``positions [N, T]``), cos/sin in fp32 (not rounded
+    to x's dtype), the result rounded to x's dtype. x ``[N, T, heads, hd]``."""
     hd, T = x.shape[-1], x.shape[1]
     inv = 1.0 / (np.float32(c.rope_theta) ** (np.arange(0, hd, 2, dtype=np.float32) / np.float32(hd)))
-    ang = jnp.arange(T, dtype=F32)[:, None] * jnp.asarray(inv, F32)
-    emb = jnp.concatenate([ang, ang], -1)[None, :, None, :]
+    if positions is None:
+        ang = jnp.arange(T, dtype=F32)[:, None] * jnp.asarray(inv, F32)
+        emb = jnp.concatenate([ang, ang], -1)[None, :, None, :]
+    else:
+        ang = positions.astype(F32)[..., None] * jnp.asarray(inv, F32)
+        emb = jnp.concatenate([ang, ang], -1)[:, :, None, :]
     xf = x.astype(F32)
     rot = jnp.concatenate([-xf[..., hd // 2 :], xf[..., : hd // 2]], -1)
     return (xf * jnp.cos(emb) + rot * jnp.sin(emb)).astype(x.dtype)
 
 
-def attention(p: OlmoAttentionParams, c: OlmoHybridConfig, x):
-    """Full causal GQA over ``x [N, T, d]`` (the block's input: attention blocks are post-norm)."""
+def attention(p: OlmoAttentionParams, c: OlmoHybridConfig, x, mask=None, positions=None):
+    """Full causal GQA over ``x [N, T, d]`` (the block's input: attention blocks are post-norm). ``mask [N, T, T]``
+    bool (query, key), default causal, and ``positions [N, T]`` for RoPE, default ``0..T-1``: a draft tree's
+    (each node sees its ancestors, at its depth)."""
     N, T, _ = x.shape
     nq, nkv, hd = c.attn_heads, c.kv_heads, c.attn_head_dim
     q = plain_rmsnorm(matmul(x, p.w_q), p.q_norm, c.rms_eps).reshape(N, T, nq, hd)
     k = plain_rmsnorm(matmul(x, p.w_k), p.k_norm, c.rms_eps).reshape(N, T, nkv, hd)
     v = matmul(x, p.w_v).reshape(N, T, nkv, hd)
     if c.rope_theta is not None:
-        q, k = _rope(q, c), _rope(k, c)
+        q, k = _rope(q, c, positions), _rope(k, c, positions)
     qg = q.reshape(N, T, nkv, nq // nkv, hd)
     scores = einsum("ntgrh,nsgh->ngrts", qg, k, preferred_element_type=F32) * np.float32(hd**-0.5)
-    mask = jnp.tril(jnp.ones((T, T), bool))
+    mask = jnp.tril(jnp.ones((T, T), bool)) if mask is None else mask[:, None, None]
     probs = softmax(jnp.where(mask, scores, -jnp.inf)).astype(x.dtype)
     out = einsum("ngrts,nsgh->ntgrh", probs, v, preferred_element_type=F32).astype(x.dtype)
     return matmul(out.reshape(N, T, nq * hd), p.w_o)
