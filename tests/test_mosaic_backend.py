@@ -336,8 +336,9 @@ def test_kda_fused_pending_equals_commit_then_verify(shape, state_dtype, launch,
     first, second = step(seed + 1), step(seed + 11)
     _, prev = _kda_verify_layers(pool, first, "tuples", shape)
     slots, steps, track_slots, track_steps, rows = _kda_commit_args(D)
-    # the next step's requests: the same slots, new tape rows; the padding slot reads zeros
-    rows2 = np.array([0, 1, 2, 0], np.int32)
+    # the next step's requests: the same slots, new tape rows; the padding slot reads zeros and its row is out of
+    # range (no two requests may write one row: on a GPU which one lands last is not defined)
+    rows2 = np.array([0, 1, 2, -1], np.int32)
 
     def fused(tape):
         p, outs, buf = pool, [], _kda_buffer("tuples", _KDA_L, _KDA_R, D, shape, pool.dtype)

@@ -9,7 +9,8 @@ decoding (``none``: one token a step), then speculatively (D inputs a step) with
 (``tuples``, for Kimi's KDA layers :class:`~gdn_lossless_jax.tape.KDATuples`; ``snapshots``). Printed: tokens per
 second per run, the mean accepted length, the state and scratch of each run (the scratch as
 :mod:`gdn_lossless_jax.tools.memory` counts it for the model's geometry, which is what the pool allocates), and a
-verdict: ``identical`` when both record modes gave plain greedy decoding's tokens and the two pools end with the
+verdict: ``identical`` when both record modes gave the same tokens, plain greedy decoding's on the CPU (on a GPU
+that is measured, not checked: a step of D tokens rounds its matmuls otherwise), and the two pools end with the
 same SSM and conv states bit for bit. Exit status 1 otherwise. The mean accepted length counts every step but each
 batch's last (the decoder does not report acceptance; the demo reads it from the contexts its draft is given). (Plain greedy decoding's pool is not compared: a
 speculative step may go past the last token asked for, so its pool holds other positions.)
@@ -225,9 +226,15 @@ def demo_family(args: argparse.Namespace) -> int:
           f"({memory['snapshots'] / memory['tuples']:.1f}x); the released model's: gdn-lossless memory --family "
           f"{fam}")  # fmt: skip
     generated = {m: [row[T:] for o in tokens[m] for row in o] for m in FAMILY_RUNS}
-    equal = True
+    # Plain greedy decoding is checked on the CPU only: on a GPU a step of D tokens multiplies other matrix shapes
+    # than a step of one (other roundings), and a near tie between two tokens can go the other way.
+    exact = jax.default_backend() == "cpu"
+    note = "" if exact else " (measured, not checked: on a GPU a step of D tokens rounds its matmuls otherwise)"
+    equal = print_tokens("tuples", "snapshots", generated["tuples"], generated["snapshots"], total)
     for mode in ("tuples", "snapshots"):
-        equal &= print_tokens(mode, NONE, generated[mode], generated[NONE], total)
+        same = print_tokens(mode, NONE, generated[mode], generated[NONE], total, note)
+        equal &= same or not exact
     equal &= print_states("tuples", "snapshots", pools["tuples"], pools["snapshots"], "SSM and conv states")
-    return print_verdict(equal, "tuples and snapshots gave plain greedy decoding's tokens and the same final SSM and "
-                                "conv states", "the record modes and plain greedy decoding disagree")  # fmt: skip
+    greedy = "plain greedy decoding's tokens" if exact else "the same tokens"
+    return print_verdict(equal, f"tuples and snapshots gave {greedy} and the same final SSM and conv states",
+                         "the record modes" + (" and plain greedy decoding" if exact else "") + " disagree")
