@@ -306,7 +306,7 @@ def _triton_update_lines() -> frozenset[tuple[str, int]]:
     kernel's update in every form (after the decay's ``exp``, before the store's conversion; an
     instruction inlined from ``_lang.fma`` there counts by its call site)."""
     pkg = Path(__file__).resolve().parents[1] / "backends" / "triton"
-    first = _line_of(pkg / "commit.py", "alpha = _exp(g, INTERPRET)") + 1
+    first = _line_of(pkg / "commit.py", "u = tl.load(u_ptr + ((tape_row * D + t)") + 1
     last = _line_of(pkg / "commit.py", "value = _from_f32(state, out_ptr.dtype.element_ty, INTERPRET)") - 1
     return frozenset(("commit.py", n) for n in range(first, last + 1))
 
@@ -316,7 +316,7 @@ def verify_update_lines() -> frozenset[tuple[str, int]]:
     multiply ``Sd = S * alpha`` and the update ``S = _fma(..., Sd, ...)``."""
     path = Path(__file__).resolve().parents[1] / "backends" / "triton" / "verify.py"
     found = [i + 1 for i, line in enumerate(path.read_text().splitlines())
-             if line.strip() == "Sd = S * alpha" or line.strip().startswith("S = _fma(")]  # fmt: skip
+             if line.split("#")[0].strip() == "Sd = S * alpha" or line.strip().startswith("S = _fma(")]  # fmt: skip
     if len(found) != 4:
         raise RuntimeError(f"amdgcn: expected 4 update lines in verify.py (2 chains), found {len(found)}")
     return frozenset(("verify.py", n) for n in found)

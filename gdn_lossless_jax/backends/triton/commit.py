@@ -157,10 +157,11 @@ def commit_tuples_kernel(
 
     state = _to_f32(tl.load(src, mask=m_vk, other=0.0, eviction_policy=EVICT), INTERPRET)  # read before any write
     for t in range(last + 1):
+        # a scalar, or [1, BK]: column c of the state decays by exp(g[c]) (KDA); g read first, as before KDA (the
+        # GDN kernel's instructions in their old order: tests/test_rocm_isa.py reads the compiler's fusions)
+        alpha = _decay(g_ptr, (tape_row * D + t) * HV + hv, offs_k[None, :], m_k[None, :], K, CHANNEL, INTERPRET)
         k = tl.load(k_ptr + ((tape_row * D + t) * H + h) * K + offs_k, mask=m_k, other=0.0)
         u = tl.load(u_ptr + ((tape_row * D + t) * HV + hv) * V + offs_v, mask=m_v, other=0.0)
-        # a scalar, or [1, BK]: column c of the state decays by exp(g[c]) (KDA)
-        alpha = _decay(g_ptr, (tape_row * D + t) * HV + hv, offs_k[None, :], m_k[None, :], K, CHANNEL, INTERPRET)
         if FORM == 0:
             Sd = state * alpha
             state = _fma(tl.broadcast_to(k[None, :], (BV, BK)), tl.broadcast_to(u[:, None], (BV, BK)), Sd, INTERPRET)
