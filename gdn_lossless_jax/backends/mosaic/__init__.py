@@ -15,8 +15,8 @@ buffer by XLA), the kernel decays each state tile column by column (element ``[v
 ``exp(g[c])``, one rounded multiply, then the same pinned fma), in the chain and in the fused
 replay of a pending :class:`~gdn_lossless_jax.tape.KDATuples` tape; ``commit`` and ``replay`` are the
 Pallas backend's for KDA too. The Gram verify
-(``VerifyConfig.verify="gram"``) is GDN's only and refuses KDA. KDA has run in interpret mode and
-been lowered for CUDA, not yet run on a GPU.
+(``VerifyConfig.verify="gram"``) is GDN's only and refuses KDA. KDA ran on an H100 (bit-exact against its own
+snapshot path at Kimi-Linear-48B's heads), not on an H200.
 
 Where it runs: CUDA GPUs of compute capability 9.0 or later (TMA, WGMMA; Hopper), and in
 Mosaic GPU's interpret mode on a CPU (tests, CI). On ROCm or an older NVIDIA GPU use ``pallas``
