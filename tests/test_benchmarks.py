@@ -204,13 +204,13 @@ def test_step_benchmark_families(tmp_path):
 
     out = tmp_path / "step"
     argv = ["--out", str(out), "--mode", "cpu-small", "--configs", "2x2", "--backends", "reference", "--records",
-            "tuples,snapshots", "--kinds", "pool-scan,scan,fused", "--families", "model,kimi_linear", "--rounds", "2",
+            "tuples,snapshots", "--kinds", "scan", "--families", "model,kimi_linear", "--rounds", "2",
             "--warmup", "1", "--b2b-calls", "2", "--device-invocations", "0", "--peer", "off"]  # fmt: skip
     assert step.main(argv) == 0
     rows = json.loads((out / "results.json").read_text())["rows"]
     assert {r["config"] for r in rows} == {"2x2", "2x2 kimi_linear"}
-    assert len(rows) == 12 and all(r["failed"] is None and r["wall"]["n"] == 2 for r in rows)
-    assert "| 2x2 kimi_linear | reference | snapshots | fused |" in (out / "results.md").read_text()
+    assert len(rows) == 4 and all(r["failed"] is None and r["wall"]["n"] == 2 for r in rows)
+    assert "| 2x2 kimi_linear | reference | snapshots | scan |" in (out / "results.md").read_text()
     with pytest.raises(SystemExit, match=r"--families: expected a comma list of \('model', 'olmo_hybrid', "):
         step.main(argv[:-8] + ["--families", "kimi"])
 

@@ -220,8 +220,10 @@ def _root_path(parents, node):
     return path[::-1]
 
 
-@pytest.mark.parametrize("backend", KDA_BACKENDS)
-@pytest.mark.parametrize("parents", [[-1, 0, 0, 1], [-1, 0, 1, 0], [-1, 0, 0, 0]])
+# Pallas's interpret mode on one tree in the CI run, on all three with GDN_FULL_TESTS (on a GPU always)
+@pytest.mark.parametrize("backend,parents", [(b, p) if b == "reference" or p == [-1, 0, 0, 1] or ON_GPU
+                                             else pytest.param(b, p, marks=full_only)
+                                             for b in KDA_BACKENDS for p in ([-1, 0, 0, 1], [-1, 0, 1, 0], [-1, 0, 0, 0])])
 def test_kda_trees(parents, backend, seed):
     """A KDA draft tree (``parents``): each node's output and snapshot equal the chain along its root path, bit for
     bit, and committing or replaying the tuple tape along a node's path gives that node's snapshot, on each backend.
