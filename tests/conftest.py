@@ -18,22 +18,6 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 # Tests compare bit patterns of float32 work: keep JAX's defaults (x64 off) everywhere.
 jax.config.update("jax_enable_x64", False)
 
-# One persistent compilation cache for the run, shared by the xdist workers and the mesh subprocesses (they inherit
-# the variable): a program that two processes, or two jitted functions of one process, compile alike is compiled
-# once. A fresh folder a run (removed at its end), so nothing carries over between runs; the key holds the program,
-# its compile options and XLA's flags, so a test that changes any of them compiles anew. GDN_TEST_JAX_CACHE=off:
-# none. (Interpret-mode kernels dominate the CPU run's compiles.)
-COMPILATION_CACHE = "GDN_TEST_JAX_CACHE"
-_OWN_CACHE = not os.environ.get(COMPILATION_CACHE)
-if _OWN_CACHE:
-    import tempfile
-
-    os.environ[COMPILATION_CACHE] = tempfile.mkdtemp(prefix="gdn-test-jax-cache-")
-if os.environ[COMPILATION_CACHE] != "off":
-    jax.config.update("jax_compilation_cache_dir", os.environ[COMPILATION_CACHE])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-
 # Hypothesis profiles: "ci" (the default) keeps the property tests to a few minutes on 2 cores;
 # "long" (HYPOTHESIS_PROFILE=long) runs LONG_FACTOR times the examples (tests set their CI
 # count through examples(); others get 1000). Every example may compile new shapes (seconds
@@ -60,14 +44,6 @@ requires_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA or ROCm GPU (
 FULL_TESTS = os.environ.get("GDN_FULL_TESTS", "") not in ("", "0")
 
 full_only = pytest.mark.skipif(not FULL_TESTS, reason="extended set: GDN_FULL_TESTS=1 runs it (docs/testing.md)")
-
-
-def pytest_unconfigure(config):
-    # The process that made the run's cache folder removes it (xdist's controller, or a plain run).
-    if _OWN_CACHE and not hasattr(config, "workerinput"):
-        import shutil
-
-        shutil.rmtree(os.environ[COMPILATION_CACHE], ignore_errors=True)
 
 
 def pytest_configure(config):

@@ -282,8 +282,10 @@ def _kda_verify_layers(pool, xs, record, shape, *, slots=_KDA_SLOTS, rows=_KDA_R
     return outs, buf
 
 
-# (the bf16 pool's interpret-mode compile with GDN_FULL_TESTS=1 on the CPU: the suite's time; on a GPU always)
-@pytest.mark.parametrize("state_dtype", [F32, pytest.param(BF16, marks=() if ON_GPU else full_only)], ids=["f32", "bf16"])
+# With GDN_FULL_TESTS=1 on the CPU (the suite's time; on a GPU always): Mosaic's commit is the Pallas commit kernel,
+# whose KDA replay the CPU run checks in tests/test_verify_forms.py
+@pytest.mark.parametrize("state_dtype", [pytest.param(d, marks=() if ON_GPU else full_only) for d in (F32, BF16)],
+                         ids=["f32", "bf16"])
 @pytest.mark.parametrize("shape", KDA_SHAPES)
 def test_kda_tuple_commit_equals_snapshot_commit(shape, state_dtype, seed):
     """KDA verify of a 2-layer pool into tape buffers (rows permuted, one out of range, a padding slot), then
