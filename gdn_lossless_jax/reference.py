@@ -345,11 +345,11 @@ def read_slots(pool, layer, slots):
 
 
 def write_rows(buffer, layer, rows, tape):
-    """Request n's tape ``[N, D, ...]`` into ``buffer[layer, rows[n], :D]`` (``[L, R, Dmax, ...]``);
-    out-of-range rows write nothing, everything else keeps its bits."""
+    """Request n's tape ``[N, D, ...]`` (a tape, or any pytree of such fields) into ``buffer[layer,
+    rows[n], :D]`` (``[L, R, Dmax, ...]``); out-of-range rows write nothing, everything else keeps its bits."""
     R = jax.tree.leaves(buffer)[0].shape[1]
     idx = jnp.where((rows >= 0) & (rows < R), rows, R)
-    D = tape.num_steps
+    D = jax.tree.leaves(tape)[0].shape[1]
     return jax.tree.map(lambda b, t: b.at[layer, idx, :D].set(t.astype(b.dtype), mode="drop"), buffer, tape)
 
 
@@ -366,12 +366,7 @@ def verify_form(call, *, verify_fn: Callable = verify, commit_fn: Callable | Non
     """
     commit_fn = commit_fn or commit
     pool, layer = call.pool, jnp.reshape(call.layer, ())
-    # inputs stacked over the pool's layers (one axis more than one layer's): this layer's
-    decay = getattr(call, "decay", "scalar")
-    q, k, v, a, b, A_log, dt_bias = (
-        lax.dynamic_index_in_dim(x, layer, 0, keepdims=False) if stacked(n, x, decay) else x
-        for n, x in zip(INPUT_RANKS, call.inputs)
-    )
+    q, k, v, a, b, A_log, dt_bias = layer_inputs(call)
     p = call.pending
     if p is not None:  # the previous step's commit of this layer, then the verify from the pool it leaves
         pool = apply_pending(call, functools.partial(commit_fn, **_math_kw(call)))
@@ -387,6 +382,33 @@ def verify_form(call, *, verify_fn: Callable = verify, commit_fn: Callable | Non
         out = call.out
         outputs = lax.dynamic_update_index_in_dim(out, outputs.astype(out.dtype), jnp.reshape(call.out_layer, ()), 0)
     return (outputs, new) if p is None else (outputs, new, pool)
+
+
+def layer_inputs(call) -> tuple:
+    """``(q, k, v, a, b, A_log, dt_bias)`` of the call's layer: the inputs stacked over the pool's layers
+    (one axis more than one layer's, for the call's decay form) read at ``call.layer``, the others as they are."""
+    layer, decay = jnp.reshape(call.layer, ()), getattr(call, "decay", "scalar")
+    return tuple(lax.dynamic_index_in_dim(x, layer, 0, keepdims=False) if stacked(n, x, decay) else x
+                 for n, x in zip(INPUT_RANKS, call.inputs))  # fmt: skip
+
+
+def prepare_call(call, rows=None) -> tuple:
+    """The kernels' prologue of a call in XLA (KDA's, whose per-channel gates no prologue kernel computes):
+    :func:`prepare` of the layer's inputs (:func:`layer_inputs`), and with a tuple tape buffer its ``k`` and
+    ``g`` fields with ``kn`` and ``g`` written at ``[tape_layer, rows[n], :D]`` (:func:`write_rows`; ``rows``
+    None: ``call.rows``, else ``arange(N)``). Returns ``(qn, kn, g, beta, k buffer, g buffer)``, the buffers
+    None without a tuple tape buffer."""
+    q, k, _, a, b, A_log, dt_bias = layer_inputs(call)
+    qn, kn, g, beta = prepare(q, k, a, b, A_log, dt_bias, call.scale, math=getattr(call, "math", "platform"),
+                              beta_scale=getattr(call, "beta_scale", 1.0))  # fmt: skip
+    tape = call.tape
+    if tape is None or tape.stores_states:
+        return qn, kn, g, beta, None, None
+    rows = call.rows if rows is None else rows
+    rows = jnp.arange(qn.shape[0], dtype=jnp.int32) if rows is None else rows
+    tape_layer = jnp.reshape(0 if call.tape_layer is None else call.tape_layer, ())
+    kbuf, gbuf = write_rows((tape.k, tape.g), tape_layer, rows, (kn, g))
+    return qn, kn, g, beta, kbuf, gbuf
 
 
 def apply_pending(call, commit_fn: Callable):

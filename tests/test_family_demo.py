@@ -10,7 +10,6 @@ prints equals the pool's allocation; the errors name the argument.
 
 from __future__ import annotations
 
-import functools
 import pathlib
 
 import jax
@@ -18,8 +17,8 @@ import numpy as np
 import pytest
 
 from conftest import ON_GPU, full_only
-from gdn_lossless_jax import pool, reference
-from gdn_lossless_jax.backends import reference as reference_backend
+from test_family_decode import ControlBackend  # the reference backend with a wrong commit rule
+from gdn_lossless_jax import pool
 from gdn_lossless_jax.model.hf.family import random_model
 from gdn_lossless_jax.model.hf.family_decode import FamilyDecoder
 from gdn_lossless_jax.pool import scratch_rows
@@ -32,20 +31,6 @@ from gdn_lossless_jax.tools.memory import conv_window_bytes, scratch_bytes
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
 # 2 prompts of 6 tokens, 12 new tokens each, D = 3: the same shapes in every run of a family (one compile each)
 ARGS = ["--prompts", "2", "--prompt-len", "6", "--tokens", "12", "--drafts", "3", "--progress", "off"]
-
-
-class _ControlBackend:
-    """The reference backend whose commit replays with a wrong update form ``rule``."""
-
-    name = "control"
-    capabilities = reference_backend.capabilities
-    check_available = staticmethod(reference_backend.check_available)
-    conv_kernels = staticmethod(reference_backend.conv_kernels)
-    verify = staticmethod(reference_backend.verify)
-    replay = staticmethod(reference_backend.replay)
-
-    def __init__(self, rule):
-        self.commit = jax.jit(functools.partial(reference.commit, rule=rule), static_argnames=("math",))
 
 
 def _demo(capsys, *argv) -> tuple[int, str]:
@@ -79,7 +64,7 @@ def test_demo_family_identical_and_control(family, control, capsys, monkeypatch)
     assert f"verdict    identical: tuples and snapshots gave {greedy}" in out
     assert f"the released model's: gdn-lossless memory --family {family}" in lines["memory"]
 
-    wrong = _ControlBackend(control)  # the commit only (every run's): the verify and its compiled step unchanged
+    wrong = ControlBackend(control)  # the commit only (every run's): the verify and its compiled step unchanged
     commit = pool.commit
     monkeypatch.setattr(pool, "commit", lambda *a, backend, **k: commit(*a, backend=wrong, **k))
     status, out = _demo(capsys, "--family", family, *ARGS)

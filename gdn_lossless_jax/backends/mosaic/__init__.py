@@ -43,7 +43,8 @@ from ..contract import Capabilities, VerifyCall
 from .. import BackendUnavailable, platform
 from .. import pallas as _pallas
 from ..pallas.commit import commit_snapshots
-from ..pallas.prologue import channel_prep, gram_prep, prep
+from ..pallas.prologue import gram_prep, prep
+from ... import reference as ref
 from .kernel import CONTROL_FORMS, CONTROLS, FORMS, VERIFIES, Geometry, build, coef_shape, smem_bytes
 
 __all__ = ["name", "capabilities", "CONTROLS", "CONTROL_FORMS", "FORMS", "OUTPUTS", "VERIFIES", "VerifyConfig",
@@ -285,8 +286,8 @@ def _verify(call: VerifyCall, *, config, thread_pool=False):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
         if channel:  # KDA: in XLA (the Pallas prologue kernel computes one decay a v-head)
-            qn, kn, g, beta, *bufs = channel_prep(q, k, a, b, A_log, dt_bias, scale=scale, into=pre, xlayer=layer[None],
-                                                  beta_scale=call.beta_scale)  # (slices only the stacked inputs)
+            qn, kn, g, beta, *bufs = ref.prepare_call(call, rows)
+            bufs = bufs if pre is not None else []
         elif config.verify == "gram":  # the Gram prologue ("beta": the coefficients; stacked reads, tape writes by XLA)
             rows_c, Dp = coef_shape(D)
             qn, kn, g, beta, *bufs = gram_prep(q, k, a, b, A_log, dt_bias, scale=scale, Dp=Dp, interpret=interpret,

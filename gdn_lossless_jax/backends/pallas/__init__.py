@@ -32,7 +32,7 @@ name = "pallas"
 #: ``verify._tree_loop``); ``math="portable"`` in interpret mode (the CPU) only: on a GPU the kernels'
 #: prologue and chain would need the portable functions lowered by Pallas Triton (not done;
 #: :func:`check_math` refuses). KDA's per-channel decay too (``decay="channel"``: the gates in XLA,
-#: ``prologue.channel_prep``; each chunk of the state decayed by its own key channels' factors,
+#: ``reference.prepare_call``; each chunk of the state decayed by its own key channels' factors,
 #: ``tiles._decays``; the chain algorithm only). On a GPU K must be a power of two: the prologue and the
 #: commit load whole ``[K]`` rows, and Pallas Triton takes power-of-two arrays only (Olmo-Hybrid-7B's
 #: K = 96 runs on the reference there: ``"auto"`` picks it).

@@ -1,8 +1,8 @@
 """The verify prologue, shared by the ``pallas`` and ``mosaic`` backends: the q/k l2 norms and the
 gates of every (request, step, head) in one small Pallas kernel (:func:`prep`), or with the Gram
 form's coefficients (:func:`gram_prep`), with the tape's ``k`` and ``g`` written straight into
-its buffers where asked; for KDA's per-channel decay, the reference's program in XLA
-(:func:`channel_prep`)."""
+its buffers where asked (KDA's per-channel gates are the reference's program in XLA:
+:func:`gdn_lossless_jax.reference.prepare_call`)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from ...reference import L2NORM_EPS, gates
 from ...reference import stacked as is_stacked
 from .tiles import _apart, _row_sum, _times
 
-__all__ = ["prep", "channel_prep", "gram_prep", "gram_steps", "gram_prep_warps", "one_layer", "MMA_MIN"]
+__all__ = ["prep", "gram_prep", "gram_steps", "gram_prep_warps", "one_layer", "MMA_MIN"]
 
 F32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST  # fp32 products in fp32 (the default would be TF32 on a GPU)
@@ -222,29 +222,12 @@ def gram_prep(q, k, a, b, A_log, dt_bias, *, scale, Dp: int, interpret: bool, pa
 
 def _tape_into(into, kn, g) -> tuple:
     """The tape buffers of ``into`` (``(rows, tape_layer, k buffer, g buffer)``) with ``kn`` and ``g``
-    scattered in at ``[tape_layer, rows[n], :D]`` by XLA (an out-of-range row writes nothing); ``()``
-    without ``into``."""
+    scattered in at ``[tape_layer, rows[n], :D]`` by XLA (``reference.write_rows``: an out-of-range row
+    writes nothing); ``()`` without ``into``."""
     if into is None:
         return ()
     rows, tape_layer, kbuf, gbuf = into
-    D, nr = kn.shape[1], kbuf.shape[1]
-    at = jnp.where((rows >= 0) & (rows < nr), rows, nr)  # out-of-range rows: dropped (negative would wrap)
-    return (kbuf.at[tape_layer[0], at, :D].set(kn, mode="drop"),
-            gbuf.at[tape_layer[0], at, :D].set(g, mode="drop"))  # fmt: skip
-
-
-def channel_prep(q, k, a, b, A_log, dt_bias, *, scale, into=None, xlayer=None, math: str = "platform",
-                 beta_scale: float = 1.0):  # fmt: skip
-    """:func:`prep` for a per-channel decay (KDA: ``a [..., N, D, HV, K]``, ``dt_bias [..., HV, K]``),
-    by XLA: ``reference.prepare``'s own program (its ``g [N, D, HV, K]``), the stacked inputs'
-    layer sliced out at ``xlayer``, the tape's k and g scattered into ``into``'s buffers (returned
-    last). The chain kernels read ``g`` as ``[1, C]`` rows, one factor per key channel."""
-    if xlayer is not None:
-        named = dict(q=q, k=k, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
-        q, k, a, b, A_log, dt_bias = (jax.lax.dynamic_index_in_dim(x, xlayer[0], 0, keepdims=False)
-                                      if is_stacked(n, x, "channel") else x for n, x in named.items())  # fmt: skip
-    qn, kn, g, beta = reference.prepare(q, k, a, b, A_log, dt_bias, scale, math=math, beta_scale=beta_scale)
-    return (qn, kn, g, beta, *_tape_into(into, kn, g))
+    return reference.write_rows((kbuf, gbuf), tape_layer[0], rows, (kn, g))
 
 
 def gram_prep_warps(Dp: int) -> int:

@@ -34,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ...reference import INPUT_RANKS, exp_fn
+from ...reference import prepare_call as ref_prepare_call
 from ...reference import stacked as is_stacked
 from ... import portable, rounding, tree as tree_mod
 from ..contract import VerifyCall
@@ -42,7 +43,7 @@ from ._refs import grid
 from .gram import _gram_kernel
 from .tiles import (_Where, _apart, _times, _chunk_dot, _chunks, _decays, _load_state, _program, _store_row,
                     _store_state, _tree_dot)  # fmt: skip
-from .prologue import MMA_MIN, channel_prep, gram_prep, gram_steps, one_layer, prep
+from .prologue import MMA_MIN, gram_prep, gram_steps, one_layer, prep
 from .conv import scalar
 from .rounding import ops as rounding_ops
 from .rounding import COMPILER_FORMS, CONTROL_FORMS, replay_update
@@ -450,9 +451,9 @@ def verify(call: VerifyCall, *, config=None, form, interpret, pending_control=No
     else:
         pre = (rows, tape_layer, tape.k, tape.g) if into and not snapshots else None
         xlayer = layer if stacked else None
-        if channel:
-            qn, kn, g, beta, *bufs = channel_prep(q, k, a, b, A_log, dt_bias, scale=scale, into=pre, xlayer=xlayer,
-                                                  math=math, beta_scale=beta_scale)  # fmt: skip
+        if channel:  # KDA's per-channel gates: the reference's program in XLA
+            qn, kn, g, beta, *bufs = ref_prepare_call(call, rows)
+            bufs = bufs if pre is not None else []
         else:
             qn, kn, g, beta, *bufs = prep(q, k, a, b, A_log, dt_bias, scale=scale, interpret=interpret,
                                            heads=cfg.prep_heads, into=pre, xlayer=xlayer, math=math,

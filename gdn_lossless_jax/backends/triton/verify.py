@@ -642,29 +642,6 @@ def _prologue(call, layer, tape_layer, rows, config):
     )  # fmt: skip
 
 
-def _channel_prologue(call, layer, tape_layer, rows):
-    """KDA's norms and gates (a per-channel decay, ``a [N, D, HV, K]``) in XLA, by
-    :func:`gdn_lossless_jax.reference.prepare` (the inputs stacked over layers read at ``layer``):
-    ``(qn, kn, g [N, D, HV, K], beta, kbuf, gbuf)``; with a tuple tape buffer, the k and g written
-    into it at ``[tape_layer, rows[n], :D]`` (a scatter; an out-of-range row writes nothing)."""
-    import jax.numpy as jnp
-    from jax import lax
-
-    from ...reference import input_ranks, prepare, stacked
-
-    layer = jnp.reshape(layer, ())
-    x = [lax.dynamic_index_in_dim(x, layer, 0, keepdims=False) if stacked(n, x, "channel") else x
-         for n, x in zip(input_ranks("channel"), call.inputs)]  # fmt: skip
-    q, k, _, a, b, A_log, dt_bias = x
-    qn, kn, g, beta = prepare(q, k, a, b, A_log, dt_bias, call.scale, beta_scale=call.beta_scale)
-    tape = call.tape
-    if tape is None or call.record.stores_states:
-        return qn, kn, g, beta, None, None
-    R, D = tape.k.shape[1], qn.shape[1]
-    at = (jnp.reshape(tape_layer, ()), jnp.where((rows >= 0) & (rows < R), rows, R), slice(0, D))
-    return qn, kn, g, beta, tape.k.at[at].set(kn, mode="drop"), tape.g.at[at].set(g, mode="drop")
-
-
 def _verify(call, *, config):
     import jax
     import jax.numpy as jnp
@@ -686,7 +663,9 @@ def _verify(call, *, config):
     layer, tape_layer = as1(layer), as1(tape_layer)
     rows = jnp.zeros((1,), i32) if rows is None else rows
     if call.decay == "channel":  # KDA: g [N, D, HV, K], the chain's CHANNEL (from g's rank)
-        qn, kn, g, beta, kbuf, gbuf = _channel_prologue(call, layer, tape_layer, rows)
+        from ...reference import prepare_call  # (inside: the interpreter check loads this module without JAX)
+
+        qn, kn, g, beta, kbuf, gbuf = prepare_call(call)  # the reference's program in XLA
     else:
         qn, kn, g, beta, kbuf, gbuf = _prologue(call, layer, tape_layer, rows, config)
     if into:
