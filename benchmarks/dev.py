@@ -328,19 +328,21 @@ def fused_step_hlo(argv=None) -> int:
     p.add_argument("--backends", default="mosaic,pallas")
     p.add_argument("--records", default="snapshots,tuples")
     p.add_argument("--mode", choices=tuple(bc.MODES), default="h200")
+    p.add_argument("--families", default="model", help=f"comma list of {bc.FAMILIES}")
     p.add_argument("--out", default=None, help="a folder for the HLO texts (gzip)")
     args = p.parse_args(argv)
-    for label in args.configs.split(","):
+    for label in [f"{c} {f}".strip() for c in args.configs.split(",") for f in args.families.split(",")]:
         for record in args.records.split(","):
             for backend in args.backends.split(","):
-                bad, temps, aliased, compiled = benchmark_fused_step_copies(label, backend, record, args.mode)
+                bad, temps, aliased, compiled = benchmark_fused_step_copies(*label.split()[:1], backend, record,
+                                                                            args.mode, *label.split()[1:])
                 print(f"{label} {backend} {record}: {len(bad)} copies or unaliased; temps {temps / 2**20:.1f} MiB, "
                       f"aliased {aliased / 2**30:.2f} GiB", flush=True)  # fmt: skip
                 for line in bad:
                     print("   ", line, flush=True)
                 if args.out:
                     Path(args.out).mkdir(parents=True, exist_ok=True)
-                    with gzip.open(Path(args.out) / f"{label}-{backend}-{record}.hlo.gz", "wt") as fh:
+                    with gzip.open(Path(args.out) / f"{label.replace(' ', '-')}-{backend}-{record}.hlo.gz", "wt") as fh:
                         fh.write(compiled.as_text())
     return 0
 

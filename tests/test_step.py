@@ -641,29 +641,31 @@ class _Spec:
         self.nbytes = int(np.prod(self.shape)) * self.dtype.itemsize
 
 
-def benchmark_fused_step_copies(label: str, backend: str, record: str, mode: str = "h200"):
+def benchmark_fused_step_copies(label: str, backend: str, record: str, mode: str = "h200", family: str = "model"):
     """``benchmarks.step``'s ``fused-out`` step at the benchmark's size ``label`` (``"25x4"``: the
-    requests and drafts of one of ``mode``'s configurations, its 30 layers), compiled from shapes
-    (no memory): ``(copies, temporaries in bytes, bytes aliased, the compiled module)``, the copies
-    as :func:`buffer_copies` finds them. (``python -m benchmarks.dev fused-step-hlo`` prints them.)"""
+    requests and drafts of one of ``mode``'s configurations, its layers; ``family``'s layers as
+    ``benchmarks.step --families`` builds them), compiled from shapes (no memory): ``(copies,
+    temporaries in bytes, bytes aliased, the compiled module)``, the copies as :func:`buffer_copies`
+    finds them. (``python -m benchmarks.dev fused-step-hlo`` prints them.)"""
     from benchmarks import cases as bc
     from benchmarks.step import fused_step
 
     m = bc.MODES[mode]
-    g = m.geometry
+    g = bc.family_geometry(m, family)
     (cfg,) = bc.parse_configs(label, m.configs)
     s = Shape.of(g, cfg.requests, cfg.drafts)
     L, N, D = g.gdn_layers, s.N, s.D
+    ch = (s.K,) if g.decay == "channel" else ()  # KDA: a and dt_bias one decay input per key channel
     sds = jax.ShapeDtypeStruct
-    params = {"A_log": sds((L, s.HV), F32), "dt_bias": sds((L, s.HV), F32)}
+    params = {"A_log": sds((L, s.HV), F32), "dt_bias": sds((L, s.HV, *ch), F32)}
     xs = {"q": sds((L, N, D, s.H, s.K), BF16), "k": sds((L, N, D, s.H, s.K), BF16),
-          "v": sds((L, N, D, s.HV, s.V), BF16), "a": sds((L, N, D, s.HV), BF16),
+          "v": sds((L, N, D, s.HV, s.V), BF16), "a": sds((L, N, D, s.HV, *ch), BF16),
           "b": sds((L, N, D, s.HV), BF16)}  # fmt: skip
     ix = tuple(sds((N,), jnp.int32) for _ in range(5))
     obuf = sds((L, N, D, s.HV, s.V), BF16)
     spec = jax.eval_shape(lambda: gpool.allocate(g, slots=bc.pool_slots(cfg.requests) - 1, requests=N, drafts=D,
                                                  record=record))  # fmt: skip
-    compiled = fused_step(backend, form="unrolled-out").lower(spec.ssm, spec.tape, spec.tape, params, xs, ix,
+    compiled = fused_step(backend, form="unrolled-out", decay=g.decay).lower(spec.ssm, spec.tape, spec.tape, params, xs, ix,
                                                               obuf).compile()  # fmt: skip
     whole = jax.tree.map(_Spec, (spec.ssm, spec.tape, spec.tape, obuf))
     bad, temps = buffer_copies(compiled, whole, whole[:3], whole)
