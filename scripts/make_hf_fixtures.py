@@ -53,6 +53,15 @@ The other families (no MTP block: their checkpoints ship none):
   ``block_sparse_moe.*`` (transformers' reverse renaming applies to every ``mlp.``) to ``mlp.*``, as the Hub
   stores it.
 
+- ``qwen4_exp_text``: ``Qwen4ExpForCausalLM`` (fp32): 3 GDN blocks and one QSA indexed-attention block (8 indexer
+  heads of 16, blocks of 4 keys, a budget of 12: with the 76-token sequences a query chooses 3 of up to 19
+  blocks), 3 hyper-connection streams, PLE on blocks 1 and 3 (1-indexed; 3-grams, 2 heads an order, primes from
+  97, the table in 2 shards as ``save_pretrained`` writes it), the GDN gate SiLU; EOS (token 3) inside the prompts
+  (the n-gram rule at an EOS), and ``generate`` without an EOS stop.
+- ``qwen4_exp``: ``Qwen4ExpForConditionalGeneration`` as the Hub ships Qwen4-Exp (a ``text_config``, the text
+  weights under ``model.language_model.``, a small vision tower), 4 streams, PLE on block 2 only, the GDN gate
+  sigmoid (``output_gate_type``), EOS 5; saved in bf16.
+
 Every post-processed folder is loaded back with ``from_pretrained`` and must give the same fp32 logits
 (so the layout written is one transformers reads). The KDA and GDN layers run transformers' pure-torch
 chunked and recurrent paths (no ``fla``: the script refuses to run where it is importable).
@@ -111,7 +120,7 @@ KIMI = dict(OTHER, intermediate_size=64, moe_intermediate_size=16, num_attention
             linear_num_heads=2, linear_conv_kernel_dim=4,
             layer_types=["linear_attention"] * 3 + ["full_attention"], mlp_layer_types=["dense"] + ["sparse"] * 3)
 #: Which fixtures are saved in bf16 (the fp32 reference then runs on the bf16-rounded weights).
-BF16 = ("qwen3_5", "olmo_hybrid", "kimi_linear")
+BF16 = ("qwen3_5", "olmo_hybrid", "kimi_linear", "qwen4_exp")
 
 
 def other_configs():
@@ -128,8 +137,37 @@ def other_configs():
     }  # fmt: skip
 
 
+#: Qwen4-Exp's tiny text model (module docstring); EOS inside the vocabulary (PLE's n-gram rule needs one).
+QWEN4 = dict(COMMON, **MOE, rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+                                                 mrope_section=[2, 1, 1], mrope_interleaved=True),
+             hc_lowrank=16, ple_embed_dim=32, ple_conv_kernel_size=4, ngram_size=3, heads_per_ngram=2,
+             ngram_vocab_size_base=97, make_ngram_vocab_size_divisible_by=16, seed=1234, split_ngram_parts=2,
+             indexer_n_heads=8, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=12, indexer_compress_ratio=4,
+             pad_token_id=0, bos_token_id=None, tie_word_embeddings=False)  # fmt: skip
+
+
+def qwen4_configs():
+    from transformers import Qwen4ExpConfig, Qwen4ExpTextConfig
+
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=D_MODEL, patch_size=4,
+                  temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)  # fmt: skip
+    return {
+        "qwen4_exp_text": Qwen4ExpTextConfig(**QWEN4, hc_count=3, ple_layer_ids=[1, 3], eos_token_id=3),
+        "qwen4_exp": Qwen4ExpConfig(text_config=dict(QWEN4, hc_count=4, ple_layer_ids=[2], eos_token_id=5,
+                                                     output_gate_type="sigmoid"),
+                                    vision_config=vision, tie_word_embeddings=False),
+    }  # fmt: skip
+
+
+#: The Qwen4-Exp fixtures' weights' seed offset: one whose greedy top-2 gaps all sit above 1e-3 (fp32 noise is
+#: ~1e-5), so that greedy tokens compare.
+QWEN4_SEED = 3
+#: The EOS token each Qwen4-Exp fixture's prompts carry (at a few places), for the n-gram rule.
+QWEN4_EOS = {"qwen4_exp_text": 3, "qwen4_exp": 5}
+
+
 def all_configs():
-    return {**configs(), **other_configs()}
+    return {**configs(), **other_configs(), **qwen4_configs()}
 
 
 def _plain_norms(model, g):
@@ -159,6 +197,8 @@ def build(model_type, config):
         with torch.no_grad():
             _plain_norms(model, torch.Generator().manual_seed(SEED + 1))
         return model
+    if model_type in QWEN4_EOS:
+        return _qwen4(model_type, config)
     cls = {"qwen3_next": Qwen3NextForCausalLM, "qwen3_5": Qwen3_5ForConditionalGeneration,
            "qwen3_5_moe": Qwen3_5MoeForCausalLM}[model_type]  # fmt: skip
     model = cls(config).eval()
@@ -173,6 +213,35 @@ def build(model_type, config):
                 p.copy_(torch.randn(p.shape, generator=g))
             elif name.endswith("A_log"):
                 p.copy_(torch.log(torch.empty(p.shape).uniform_(0.5, 8.0, generator=g)))
+    return model
+
+
+def _qwen4(model_type, config):
+    """Qwen4-Exp: every RMSNorm zero-centred at random (hyper-connections, PLE, indexer included; the GDN's gated
+    norm a plain weight near 1), the PLE conv (initialised to zeros) at random, ``dt_bias`` and ``A_log`` at random;
+    no EOS stop in ``generate`` (the config's EOS stays, for PLE)."""
+    from transformers import Qwen4ExpForCausalLM, Qwen4ExpForConditionalGeneration
+
+    cls = Qwen4ExpForCausalLM if model_type == "qwen4_exp_text" else Qwen4ExpForConditionalGeneration
+    torch.manual_seed(SEED + QWEN4_SEED)
+    model = cls(config).eval()
+    g = torch.Generator().manual_seed(SEED + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            last = name.rsplit(".", 2)[-2]
+            if "visual" in name:
+                continue
+            if name.endswith("linear_attn.norm.weight"):
+                p.copy_(1.0 + 0.3 * (torch.rand(p.shape, generator=g) - 0.5))
+            elif "norm" in last and name.endswith(".weight"):
+                p.copy_(0.4 * (torch.rand(p.shape, generator=g) - 0.5))
+            elif name.endswith("ple.conv1d.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif name.endswith("A_log"):
+                p.copy_(torch.log(torch.empty(p.shape).uniform_(0.5, 8.0, generator=g)))
+    model.generation_config.eos_token_id = None
     return model
 
 
@@ -328,10 +397,17 @@ def main():
             POST[model_type](folder, config)
         elif model_type.startswith("qwen3"):
             add_mtp(folder, mtp_weights(config, model_type, save_dtype, D_MODEL))
-        ids = torch.from_numpy(prompts)
+        rows = prompts
+        if model_type in QWEN4_EOS:  # EOS at a few places: row 0 at 3, row 1 at 4 and 5, row 2 last
+            rows = prompts.copy()
+            rows[0, 3] = rows[1, 4] = rows[1, 5] = rows[2, -1] = QWEN4_EOS[model_type]
+        ids = torch.from_numpy(rows)
+        if model_type in QWEN4_EOS:  # from the folder: model.to(bf16) above also rounded RoPE's inv_freq buffers
+            model = type(model).from_pretrained(folder, dtype=torch.float32).eval()
+            model.generation_config.eos_token_id = None
         with torch.no_grad():
             lg32 = model(input_ids=ids).logits.float().numpy()
-            if model_type in other_configs():  # what was written is what transformers reads
+            if model_type in other_configs() or model_type in QWEN4_EOS:  # what was written is what transformers reads
                 again = type(model).from_pretrained(folder, dtype=torch.float32).eval()
                 back = again(input_ids=ids).logits.float().numpy()
                 assert np.array_equal(back, lg32), f"{model_type}: reloaded logits off by {np.abs(back - lg32).max()}"
@@ -342,7 +418,7 @@ def main():
             gaps = (top2[..., 0] - top2[..., 1]).numpy()
             lg16 = model.to(torch.bfloat16)(input_ids=ids).logits.float().numpy()
         np.savez_compressed(
-            folder / "expected.npz", prompts=prompts.astype(np.int32), logits_fp32=lg32.astype(np.float32),
+            folder / "expected.npz", prompts=rows.astype(np.int32), logits_fp32=lg32.astype(np.float32),
             logits_bf16=lg16.astype(np.float32), generated=out.sequences.numpy().astype(np.int32),
             gaps=gaps.astype(np.float32),
         )  # fmt: skip

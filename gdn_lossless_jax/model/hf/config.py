@@ -24,10 +24,12 @@ MODEL_TYPES = {
     "qwen3_5_moe_text": "qwen3_5_moe",
     "olmo_hybrid": "olmo_hybrid",
     "kimi_linear": "kimi_linear",
+    "qwen4_exp": "qwen4_exp",
+    "qwen4_exp_text": "qwen4_exp",
 }
 #: The families loaded as a :class:`~gdn_lossless_jax.model.hf.family.FamilyModel` (their own forward and decoder,
-#: not Qwen's engine: no MTP draft, no device loop, no trees).
-FAMILY_TYPES = ("olmo_hybrid", "kimi_linear")
+#: not Qwen's engine): each is the module of its name in this package (``family_module``).
+FAMILY_TYPES = ("olmo_hybrid", "kimi_linear", "qwen4_exp")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,7 @@ import numpy as np
 from ...reference import ksum
 from .weights import Checkpoint, _Reader
 
-__all__ = ["FamilyModel", "load_family", "random_model", "TINY_CONFIGS", "Reader", "plain_rmsnorm", "causal_conv_silu",
+__all__ = ["FamilyModel", "family_module", "load_family", "random_model", "TINY_CONFIGS", "Reader", "plain_rmsnorm", "causal_conv_silu",
            "conv_weight", "refuse", "get"]
 
 F32 = jnp.float32
@@ -52,10 +52,11 @@ class Reader(_Reader):
     transformers' conversion mapping renames a Hub checkpoint's tensors on load). Errors name the stored
     tensor, its file and the name it was read as."""
 
-    def __init__(self, ckpt: Checkpoint, dtype, renames: tuple[tuple[str, str], ...]):
+    def __init__(self, ckpt: Checkpoint, dtype, renames: tuple[tuple[str, str], ...], skip: tuple[str, ...] = ()):
         super().__init__(ckpt, dtype)
         self.stored: dict[str, str] = {}
-        for n in sorted(ckpt.names()):
+        self.skipped = {n for n in ckpt.names() if n.startswith(tuple(skip))} if skip else set()
+        for n in sorted(set(ckpt.names()) - self.skipped):
             c = n
             for pattern, repl in renames:
                 c = re.sub(pattern, repl, c)
@@ -93,7 +94,7 @@ class Reader(_Reader):
 
     def check_all_used(self, model_type: str):
         """Every tensor of the checkpoint was read, or an error naming the first unexpected one and its file."""
-        rest = sorted(set(self.ckpt.names()) - self.used)
+        rest = sorted(set(self.ckpt.names()) - self.used - self.skipped)
         if rest:
             refuse(self.ckpt.path, f"unexpected tensor {rest[0]!r} (shape {list(self.ckpt.shape(rest[0]))}, in "
                                    f"{self.ckpt.where[rest[0]]}) for model_type {model_type!r} ({len(rest)} such "
@@ -227,33 +228,65 @@ class FamilyModel:
         return dec.generate(ids, max_new_tokens, draft)
 
 
-def load_family(path: str, full: dict, dtype: str, *, draft: str = "auto", draft_layers: int | None = None,
-                backend: str = "auto") -> FamilyModel:
-    """:func:`~gdn_lossless_jax.model.hf.load_pretrained` for ``olmo_hybrid`` and ``kimi_linear`` (``full``: the
-    folder's ``config.json``; ``dtype`` resolved): the family module's config, parameters and forward; every tensor
-    used, or an error naming the first unexpected one. These checkpoints have no draft yet: ``draft`` must be
-    ``"auto"`` and ``draft_layers`` None."""
-    import os
+def family_module(model_type: str):
+    """The module of a :data:`~gdn_lossless_jax.model.hf.config.FAMILY_TYPES` family (``model_type`` may be any of
+    its :data:`~gdn_lossless_jax.model.hf.config.MODEL_TYPES`): ``config_from_dict``, ``RENAMES``, ``load_params``,
+    ``forward`` for loading; ``linear_inputs``, ``linear_output``, ``linear_weights``, ``attention``, ``block``,
+    ``head``, ``geometry`` for :class:`~gdn_lossless_jax.model.hf.family_decode.FamilyDecoder`; optionally
+    ``embed``, ``windows`` and ``pre_block`` (per-request rolling windows beside the pool: Qwen4-Exp's PLE) and
+    ``SKIPPED`` (name prefixes a checkpoint may hold that are not loaded). A new family is a module of its name."""
+    import importlib
 
-    from . import kimi_linear, olmo_hybrid
+    from .config import FAMILY_TYPES, MODEL_TYPES
+
+    name = MODEL_TYPES.get(model_type, model_type)
+    if name not in FAMILY_TYPES:
+        raise ValueError(f"family_module: argument 'model_type' must be one of {sorted(FAMILY_TYPES)}, got "
+                         f"{model_type!r}")  # fmt: skip
+    return importlib.import_module(f".{name}", __package__)
+
+
+def load_family(path: str, full: dict, dtype: str, *, draft: str = "auto", draft_layers: int | None = None,
+                backend: str = "auto", vision: str = "skip") -> FamilyModel:
+    """:func:`~gdn_lossless_jax.model.hf.load_pretrained` for the families of
+    :data:`~gdn_lossless_jax.model.hf.config.FAMILY_TYPES` (``full``: the folder's ``config.json``; ``dtype``
+    resolved): the family module's config, parameters and forward; every tensor used, or an error naming the first
+    unexpected one; tensors under the family's ``SKIPPED`` prefixes (a vision tower, an MTP block) counted in the
+    report (``vision="error"``: they raise). These checkpoints have no draft yet: ``draft`` must be ``"auto"`` and
+    ``draft_layers`` None."""
+    import os
+    import warnings
 
     mt = full["model_type"]
     if draft != "auto" or draft_layers is not None:
         raise ValueError(f"load_pretrained: arguments draft={draft!r}, draft_layers={draft_layers!r}: a {mt} "
                          f"checkpoint has no draft yet; leave them at 'auto' and None")  # fmt: skip
-    family = {"olmo_hybrid": olmo_hybrid, "kimi_linear": kimi_linear}[mt]
+    family = family_module(mt)
     ckpt = Checkpoint(path)
     c = family.config_from_dict(full, dtype=dtype, name=os.path.basename(os.path.normpath(path)),
                                 file=os.path.join(path, "config.json"))  # fmt: skip
-    r = Reader(ckpt, c.jnp_dtype, family.RENAMES)
+    skip = getattr(family, "SKIPPED", ())
+    skipped: dict[str, int] = {}
+    for n in sorted(ckpt.names()):
+        pre = next((p for p in skip if n.startswith(p)), None)
+        if pre is not None:
+            if vision == "error":
+                refuse(ckpt.path, f"tensor {n!r} belongs to a part that is not supported (vision='error'; "
+                                  f"vision='skip' loads the text model alone)")  # fmt: skip
+            skipped[pre] = skipped.get(pre, 0) + 1
+    r = Reader(ckpt, c.jnp_dtype, family.RENAMES, skip=skip)
     params = family.load_params(r, c)
     if c.tie_embeddings and r.has("lm_head.weight"):
         stored = r.raw("lm_head.weight", (c.vocab, c.d_model))
-        if not np.array_equal(np.asarray(stored), np.asarray(ckpt.get("model.embed_tokens.weight"))):
+        if not np.array_equal(np.asarray(stored), np.asarray(ckpt.get(r.stored["model.embed_tokens.weight"]))):
             refuse(ckpt.path, "tie_word_embeddings is true, but tensor 'lm_head.weight' differs from "
                               "'model.embed_tokens.weight'")  # fmt: skip
     r.check_all_used(mt)
-    return FamilyModel(c, params, family.forward, path=ckpt.path, report={"skipped": {}, "mtp": False}, backend=backend)
+    if skipped:
+        what = ", ".join(f"{n} tensors under {p!r}" for p, n in skipped.items())
+        warnings.warn(f"load_pretrained: {ckpt.path}: skipped {what} (the text model is loaded)", stacklevel=3)
+    return FamilyModel(c, params, family.forward, path=ckpt.path, report={"skipped": skipped, "mtp": False},
+                       backend=backend)  # fmt: skip
 
 
 #: The ``config.json`` of :func:`random_model`'s tiny models, in the Hub's form: the sizes of the test fixtures
@@ -278,6 +311,19 @@ TINY_CONFIGS = {
         "routed_scaling_factor": 2.446, "tie_word_embeddings": False, "topk_group": 2, "v_head_dim": 16,
         "vocab_size": 256,
     },
+    "qwen4_exp": {
+        "model_type": "qwen4_exp_text", "hidden_size": 64, "num_hidden_layers": 4, "eos_token_id": 3,
+        "layer_types": ["linear_attention"] * 3 + ["indexed_attention"], "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "linear_value_head_dim": 16, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+        "rms_norm_eps": 1e-06, "hc_count": 3, "hc_lowrank": 16, "ple_layer_ids": [1, 3], "ple_embed_dim": 32,
+        "ple_conv_kernel_size": 4, "ngram_size": 3, "heads_per_ngram": 2, "ngram_vocab_size_base": 97,
+        "make_ngram_vocab_size_divisible_by": 16, "seed": 1234, "indexer_n_heads": 2, "indexer_kv_heads": 1,
+        "indexer_head_dim": 16, "indexer_budget": 12, "indexer_compress_ratio": 4,
+        "rope_parameters": {"partial_rotary_factor": 0.25, "rope_theta": 10000.0, "rope_type": "default"},
+        "tie_word_embeddings": False, "vocab_size": 256,
+    },
 }  # fmt: skip
 
 
@@ -287,14 +333,18 @@ class _RandomReader(Reader):
     first layout the loader tries (the fused conv and experts). Linear weights and embeddings normal with std 0.2
     (the fixtures' ``initializer_range``), the conv normal with std ``Kc**-0.5``, norm weights uniform in [0.9,
     1.1] (plain weights), ``A_log`` ``log U(1, 16)``, ``dt_bias`` ``softplus^-1`` of a dt log-uniform in [1e-3,
-    1e-1], the router's correction bias ``U(0, 0.1)``."""
+    1e-1], the router's correction bias ``U(0, 0.1)``. Tensors a loader only checks where a checkpoint has them
+    (:data:`CHECKED_ONLY`: Qwen4-Exp's hash buffers, which its config derives) are absent."""
+
+    #: Name endings of tensors that are not parameters: a loader compares them with what the config derives.
+    CHECKED_ONLY = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
 
     def __init__(self, dtype, seed: int, label: str):
         self.dtype, self.seed, self.used, self.stored = jnp.dtype(dtype), seed, set(), {}
         self.ckpt = type("RandomWeights", (), {"path": label})()
 
     def has(self, name: str) -> bool:
-        return True
+        return not name.endswith(self.CHECKED_ONLY)
 
     def shape(self, name: str) -> tuple[int, ...]:
         raise NotImplementedError  # not asked for: any_of draws its first shape
@@ -332,14 +382,12 @@ def random_model(model_type: str, *, seed: int = 0, dtype: str = "float32", back
     >>> m.config.num_heads, m.config.head_dim, m.config.layer_types.count("linear_attention")
     (2, 16, 3)
     """
-    from . import kimi_linear, olmo_hybrid
-
-    families = {"olmo_hybrid": olmo_hybrid, "kimi_linear": kimi_linear}
-    if model_type not in families:
-        raise ValueError(f"random_model: argument 'model_type' must be one of {sorted(families)}, got {model_type!r}")
+    if model_type not in TINY_CONFIGS:
+        raise ValueError(f"random_model: argument 'model_type' must be one of {sorted(TINY_CONFIGS)}, got "
+                         f"{model_type!r}")  # fmt: skip
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"random_model: argument 'dtype' must be 'float32' or 'bfloat16', got {dtype!r}")
-    family = families[model_type]
+    family = family_module(model_type)
     full = dict(TINY_CONFIGS[model_type] if config is None else config, model_type=model_type)
     label = f"random {model_type} (seed {seed})"
     c = family.config_from_dict(full, dtype=dtype, name=f"random-tiny-seed{seed}", file=f"<{label} config>")

@@ -53,20 +53,12 @@ import numpy as np
 
 from ... import pool as pool_mod, tree as tree_mod
 from ..decode import accept
+from .family import family_module
 
 __all__ = ["FamilyDecoder", "prompt_lookup", "lookup_draft", "family_module"]
 
 I32 = jnp.int32
 NGRAM = 2  # prompt lookup's default tail: the last two tokens, then the last one
-
-
-def family_module(model_type: str):
-    """The family's module: ``linear_inputs``, ``linear_output``, ``linear_weights``, ``attention``, ``block``,
-    ``head`` and ``geometry`` (:mod:`~gdn_lossless_jax.model.hf.olmo_hybrid`,
-    :mod:`~gdn_lossless_jax.model.hf.kimi_linear`)."""
-    from . import kimi_linear, olmo_hybrid
-
-    return {"olmo_hybrid": olmo_hybrid, "kimi_linear": kimi_linear}[model_type]
 
 
 def prompt_lookup(contexts: Sequence[np.ndarray], n: int, *, ngram: int = NGRAM) -> np.ndarray:

@@ -14,7 +14,7 @@ import numpy as np
 from ..decode import DecodeState, StepInputs, allocate_state
 from ..loop import DecodeLoop, LoopInputs
 from .arch import HFParams
-from .config import FAMILY_TYPES, HFConfig, config_from_dict, read_config
+from .config import FAMILY_TYPES, MODEL_TYPES, HFConfig, config_from_dict, read_config
 from .family import FamilyModel, load_family, token_ids
 from .step import HFSpecStep, MTPSpecStep, MTPState
 from .weights import Checkpoint, has_mtp, load_params
@@ -183,9 +183,9 @@ class PretrainedModel:
 def load_pretrained(path: str | os.PathLike, dtype=None, *, draft: str = "auto", draft_layers: int | None = None,
                     vision: str = "skip", backend: str = "auto") -> PretrainedModel | FamilyModel:  # fmt: skip
     """Load a Hugging Face checkpoint folder of ``model_type`` ``qwen3_next``, ``qwen3_5`` (its text
-    model) or ``qwen3_5_moe``; or ``olmo_hybrid`` or ``kimi_linear``, as a
-    :class:`~gdn_lossless_jax.model.hf.family.FamilyModel` (full-sequence logits; no speculative
-    decoding through the pool yet).
+    model) or ``qwen3_5_moe``; or ``olmo_hybrid``, ``kimi_linear`` or ``qwen4_exp`` (its text model), as a
+    :class:`~gdn_lossless_jax.model.hf.family.FamilyModel` (full-sequence logits, speculative decoding
+    through the pool by :class:`~gdn_lossless_jax.model.hf.family_decode.FamilyDecoder`).
 
     Args:
       path: the folder (``config.json``, ``*.safetensors``, ``model.safetensors.index.json`` if sharded).
@@ -213,8 +213,8 @@ def load_pretrained(path: str | os.PathLike, dtype=None, *, draft: str = "auto",
         raise ValueError(f"load_pretrained: argument 'dtype' must be float32 or bfloat16, got {dtype!r}") from e
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"load_pretrained: argument 'dtype' must be float32 or bfloat16, got {dtype!r}")
-    if full["model_type"] in FAMILY_TYPES:  # OLMo-Hybrid, Kimi Linear: model/hf/family.py
-        return load_family(path, full, dtype, draft=draft, draft_layers=draft_layers, backend=backend)
+    if MODEL_TYPES[full["model_type"]] in FAMILY_TYPES:  # OLMo-Hybrid, Kimi Linear, Qwen4-Exp: model/hf/family.py
+        return load_family(path, full, dtype, draft=draft, draft_layers=draft_layers, backend=backend, vision=vision)
     ckpt = Checkpoint(path)
     mtp = has_mtp(ckpt)
     if draft == "mtp" and not mtp:
