@@ -149,11 +149,17 @@ MODELS: dict[str, Geometry] = {
 # - Kimi-Linear-48B-A3B (moonshotai): 27 layers, full_attn_layers [4, 8, 12, 16, 20, 24, 27] (20 KDA, 7 MLA),
 #   KDA num_heads 32, head_dim 128, short_conv_kernel_size 4; MLA kv_lora_rank 512 + qk_rope_head_dim 64 cached
 #   per token (one latent for K and V).
+# - Qwen4-Exp (Qwen): transformers' Qwen4ExpTextConfig defaults (the class documents Qwen/Qwen4-Exp): 40 layers,
+#   every 4th an indexed attention layer (30 GDN, 10 attention), linear heads 16 k / 32 v of 128, conv 4; 16
+#   attention heads, 2 KV heads of 256. Its PLE windows (the last 2 tokens, 9 conv inputs of hc x hidden a PLE
+#   block) are kept beside the pool, not in it.
 FAMILY_MODELS: dict[str, Geometry] = {
     "olmo_hybrid": Geometry("Olmo-Hybrid-7B", gdn_layers=24, num_k_heads=30, num_v_heads=30, head_k_dim=96,
                             head_v_dim=192, layers=32, kv_heads=30, kv_head_dim=128),
     "kimi_linear": Geometry("Kimi-Linear-48B-A3B", gdn_layers=20, num_k_heads=32, num_v_heads=32, layers=27,
                             kv_heads=1, kv_head_dim=576, kv_tensors=1, linear_attention="kda"),
+    "qwen4_exp": Geometry("Qwen4-Exp", gdn_layers=30, num_k_heads=16, num_v_heads=32, head_k_dim=128, head_v_dim=128,
+                          layers=40, kv_heads=2, kv_head_dim=256),
 }
 _ALIASES = {"qwen3.5-35b-a3b": "qwen3.6-35b-a3b", "qwen3.5-27b": "qwen3.8-27b"}
 

@@ -14,7 +14,9 @@ sharded ``model.safetensors.index.json`` where the model has one; and ``expected
 - ``logits_fp32``, ``logits_bf16 [P, T, vocab]``: transformers' logits of a full forward (fp32, and
   the same weights cast to bf16);
 - ``generated [P, T + NEW]``: transformers' greedy ``generate`` in fp32 (no EOS stop);
-- ``gaps [P, NEW]``: the top-2 logit gap of each generated token (near-ties show here).
+- ``gaps [P, NEW]``: the top-2 logit gap of each generated token (near-ties show here);
+- Qwen4-Exp only: ``indexer_selected [P, A, T + NEW, T + NEW]``, the QSA indexer's choice (the keys each query
+  attends to, per attention block) in a full fp32 forward of ``generated``.
 
 The three checkpoints differ on purpose, to cover the loader's cases:
 
@@ -245,6 +247,30 @@ def _qwen4(model_type, config):
     return model
 
 
+def qwen4_selected(model, sequences):
+    """The QSA indexer's choice in a full fp32 forward of ``sequences``: ``[P, A, L, L]`` bool, per attention block
+    the keys each query attends to (``indexer_selected`` in ``expected.npz``)."""
+    text = getattr(model.model, "language_model", model.model)
+    got = []
+    for layer in text.layers:
+        if getattr(layer, "self_attn", None) is None:
+            continue
+        ix = layer.self_attn.indexer
+        orig = ix._select_tokens
+
+        def hook(*a, _orig=orig, **kw):
+            out = _orig(*a, **kw)
+            got.append(out[:, 0].numpy().copy())
+            return out
+
+        ix._select_tokens = hook
+    model(input_ids=sequences)
+    for layer in text.layers:
+        if getattr(layer, "self_attn", None) is not None:
+            del layer.self_attn.indexer._select_tokens
+    return np.stack(got, axis=1)
+
+
 def mtp_weights(config, model_type, dtype, hidden):
     """Random ``mtp.*`` tensors: vLLM's/SGLang's Qwen3-Next MTP layout (one full-attention block)."""
     text = getattr(config, "text_config", config)
@@ -416,11 +442,12 @@ def main():
             scores = torch.stack(out.scores, 1).float()
             top2 = torch.topk(scores, 2, dim=-1).values
             gaps = (top2[..., 0] - top2[..., 1]).numpy()
+            extra = {"indexer_selected": qwen4_selected(model, out.sequences)} if model_type in QWEN4_EOS else {}
             lg16 = model.to(torch.bfloat16)(input_ids=ids).logits.float().numpy()
         np.savez_compressed(
             folder / "expected.npz", prompts=rows.astype(np.int32), logits_fp32=lg32.astype(np.float32),
             logits_bf16=lg16.astype(np.float32), generated=out.sequences.numpy().astype(np.int32),
-            gaps=gaps.astype(np.float32),
+            gaps=gaps.astype(np.float32), **extra,
         )  # fmt: skip
         size = sum(f.stat().st_size for f in folder.iterdir())
         print(f"{model_type}: {folder} ({size / 1024:.0f} KiB); min generate gap {gaps.min():.2e}, "

@@ -206,7 +206,8 @@ def demo_family(args: argparse.Namespace) -> int:
                 steps += dec.steps
                 accepted += counted.accepted
             wall = time.perf_counter() - t0
-        states = [{"ssm": np.asarray(x.pool.ssm), "conv": np.asarray(x.pool.conv)} for x in decoders]
+        states = [{"ssm": np.asarray(x.pool.ssm), "conv": np.asarray(x.pool.conv),
+                   **{f"window {k}": np.asarray(v) for k, v in x.windows.items()}} for x in decoders]  # fmt: skip
         tokens[mode], pools[mode], speeds[mode] = out, states, total / wall
         first = decoders[0]  # the full batch's (a smaller last one may follow)
         g = first.geometry
@@ -234,7 +235,8 @@ def demo_family(args: argparse.Namespace) -> int:
     for mode in ("tuples", "snapshots"):
         same = print_tokens(mode, NONE, generated[mode], generated[NONE], total, note)
         equal &= same or not exact
-    equal &= print_states("tuples", "snapshots", pools["tuples"], pools["snapshots"], "SSM and conv states")
+    what = "SSM and conv states" + (" and PLE windows" if decoders[0].windows else "")
+    equal &= print_states("tuples", "snapshots", pools["tuples"], pools["snapshots"], what)
     greedy = "plain greedy decoding's tokens" if exact else "the same tokens"
-    return print_verdict(equal, f"tuples and snapshots gave {greedy} and the same final SSM and conv states",
+    return print_verdict(equal, f"tuples and snapshots gave {greedy} and the same final {what}",
                          "the record modes" + (" and plain greedy decoding" if exact else "") + " disagree")

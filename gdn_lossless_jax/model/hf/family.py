@@ -1,15 +1,16 @@
-"""What the OLMo-Hybrid and Kimi Linear checkpoints share: reading tensors under the Hub's names, the
-plain-weight norms, the causal conv, and :class:`FamilyModel` (full-sequence logits, and decoding through the
-state pool).
+"""What the OLMo-Hybrid, Kimi Linear and Qwen4-Exp checkpoints share: reading tensors under the Hub's names, the
+plain-weight norms, the causal conv, :func:`family_module` (a family is the module of its name) and
+:class:`FamilyModel` (full-sequence logits, and decoding through the state pool).
 
 These families load through :func:`~gdn_lossless_jax.model.hf.load_pretrained` beside Qwen's.
-:meth:`FamilyModel.logits` runs each GDN (:mod:`~gdn_lossless_jax.model.hf.olmo_hybrid`) or KDA
-(:mod:`~gdn_lossless_jax.model.hf.kimi_linear`) layer as one full-sequence chain from an empty state, with the
-library's reference rule (:func:`gdn_lossless_jax.reference.chain`, :func:`gdn_lossless_jax.kda.chain`).
+:meth:`FamilyModel.logits` runs each GDN (:mod:`~gdn_lossless_jax.model.hf.olmo_hybrid`,
+:mod:`~gdn_lossless_jax.model.hf.qwen4_exp`) or KDA (:mod:`~gdn_lossless_jax.model.hf.kimi_linear`) layer as one
+full-sequence chain from an empty state, with the library's reference rule (:func:`gdn_lossless_jax.reference.chain`,
+:func:`gdn_lossless_jax.kda.chain`).
 :meth:`FamilyModel.generate` decodes through the state pool, speculatively, each linear layer verified and
 committed by the library (:mod:`~gdn_lossless_jax.model.hf.family_decode`); :meth:`FamilyModel.greedy_reference`
 decodes greedily by recomputing the whole forward for every token (a reference for tests, O(T^2)).
-:func:`random_model` builds a tiny model of either family with random weights, without a checkpoint file.
+:func:`random_model` builds a tiny model of any of them with random weights, without a checkpoint file.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import numpy as np
 from ...reference import ksum
 from .weights import Checkpoint, _Reader
 
-__all__ = ["FamilyModel", "family_module", "load_family", "random_model", "TINY_CONFIGS", "Reader", "plain_rmsnorm", "causal_conv_silu",
+__all__ = ["FamilyModel", "family_module", "load_family", "random_model", "TINY_CONFIGS", "Reader", "plain_rmsnorm",
+           "causal_conv_silu",
            "conv_weight", "refuse", "get"]
 
 F32 = jnp.float32
@@ -172,7 +174,7 @@ def token_ids(fn: str, ids, vocab: int) -> np.ndarray:
 
 
 class FamilyModel:
-    """A loaded OLMo-Hybrid or Kimi Linear checkpoint: ``config``, ``params``, ``path``, ``report``.
+    """A loaded OLMo-Hybrid, Kimi Linear or Qwen4-Exp checkpoint: ``config``, ``params``, ``path``, ``report``.
 
     ``forward(params, config, ids [B, T]) -> fp32 logits [B, T, vocab]`` is the family's full-sequence
     forward (module docstring), a sequence of jitted per-block programs."""
@@ -373,9 +375,9 @@ class _RandomReader(Reader):
 
 def random_model(model_type: str, *, seed: int = 0, dtype: str = "float32", backend: str = "auto",
                  config: dict | None = None) -> FamilyModel:  # fmt: skip
-    """A tiny ``olmo_hybrid`` or ``kimi_linear`` model with random weights, built in memory (no checkpoint file,
-    no torch): the family's config reader and ``load_params`` over a reader that draws each tensor it asks for
-    (:class:`_RandomReader`), so the parameters have the shapes and layout a checkpoint would give. ``config``:
+    """A tiny ``olmo_hybrid``, ``kimi_linear`` or ``qwen4_exp`` model with random weights, built in memory (no
+    checkpoint file, no torch): the family's config reader and ``load_params`` over a reader that draws each tensor
+    it asks for (:class:`_RandomReader`), so the parameters have the shapes and layout a checkpoint would give. ``config``:
     a ``config.json`` dict (default :data:`TINY_CONFIGS`, the test fixtures' sizes).
 
     >>> m = random_model("kimi_linear")

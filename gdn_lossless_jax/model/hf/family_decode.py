@@ -1,4 +1,4 @@
-"""Speculative decoding of OLMo-Hybrid and Kimi Linear checkpoints through the state pool.
+"""Speculative decoding of OLMo-Hybrid, Kimi Linear and Qwen4-Exp checkpoints through the state pool.
 
 :class:`FamilyDecoder` runs a :class:`~gdn_lossless_jax.model.hf.family.FamilyModel` step by step: each
 step feeds ``T`` tokens per request (the last accepted token and ``T - 1`` drafts, a chain or a tree) through
@@ -13,6 +13,12 @@ and run the family's full-sequence causal attention over that buffer (positions 
 taking the rows of the step's positions: no separate KV cache code per family (O(max_len^2) a step; this
 decoder is for checking the tape end to end on small models, not for speed). Rejected drafts' rows are
 overwritten by the next step, which starts at the first rejected position.
+
+A family may keep per-request *rolling windows* beside the pool (its ``windows(c, B)``; Qwen4-Exp's PLE: the last
+tokens and a PLE block's last conv inputs): its ``pre_block`` reads them along each node's path (``back(name, rows,
+s)``: the entry ``s`` positions back, past the step's first node into the window), and after the acceptance
+:func:`_commit_windows` keeps each window's entries that end at the last accepted node, with the pool's commit (masked
+requests untouched). So they roll back with the GDN state; ``decoder.windows`` holds them.
 
 Acceptance is greedy: draft ``j`` is accepted while it equals the target's argmax after the token before it;
 the step emits the accepted drafts and the target's next token. The prompt is prefilled through the same step
@@ -120,13 +126,57 @@ def _tree_mask(parents, pos, L: int):
     return mask, positions
 
 
-def _forward(params, pool, attn, ids, pos, slots, parents=None, *, c, backend, topk=1):
+def _walk(par, idx, S: int, s: int):
+    """``s`` steps back along the paths of a step's nodes: ``idx [B, ...]`` positions in a window's ``S`` entries
+    followed by the step's ``T`` rows (a node ``i`` at ``S + i``), each moved to its node's parent (``par [B, T]``;
+    the root's, -1, is the window's last entry) or, inside the window, to the entry before."""
+    T = par.shape[1]
+    for _ in range(s):
+        node = idx - S
+        up = S + jnp.take_along_axis(par, jnp.clip(node, 0, T - 1).reshape(par.shape[0], -1), axis=1).reshape(idx.shape)
+        idx = jnp.where(node >= 0, up, idx - 1)
+    return idx
+
+
+def _take(window, rows, idx):
+    """``[window | rows]`` (along axis 1) at ``idx [B, M]``: ``[B, M, ...]``."""
+    cat = jnp.concatenate([window, rows.astype(window.dtype)], axis=1)
+    return jnp.take_along_axis(cat, idx.reshape(*idx.shape, *([1] * (cat.ndim - 2))), axis=1)
+
+
+def _step_parents(parents, B: int, T: int):
+    """A step's parents ``[B, T]``: a draft tree's, or a chain's (node i's parent i - 1)."""
+    if parents is not None:
+        return parents
+    return jnp.broadcast_to(jnp.arange(-1, T - 1, dtype=I32), (B, T))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _commit_windows(wins, rows, slots, leaf, parents=None):
+    """A family's rolling windows (:func:`~gdn_lossless_jax.model.hf.qwen4_exp.windows`) after a step: each window's
+    last ``S`` entries along the path that ends at node ``leaf [B]`` (the last accepted one), reaching back into
+    the window before the step; ``rows``: the step's entries of each window ``[B, T, ...]``. Masked requests
+    (``slots`` -1) keep theirs. The state after the accepted tokens, as the pool's commit writes it."""
+    out = {}
+    for name, w in wins.items():
+        B, S = w.shape[:2]
+        par = _step_parents(parents, B, rows[name].shape[1])
+        ends = (S + leaf.astype(I32))[:, None]
+        idx = jnp.concatenate([_walk(par, ends, S, S - 1 - j) for j in range(S)], axis=1)  # oldest first
+        new = _take(w, rows[name], idx)
+        out[name] = jnp.where((slots >= 0).reshape(B, *([1] * (w.ndim - 1))), new, w)
+    return out
+
+
+def _forward(params, pool, attn, wins, ids, pos, slots, parents=None, *, c, backend, topk=1):
     """The step's traced body: ``ids [B, T]`` at positions ``pos[b] + [0, T)``, request b in pool slot and
     attention row ``slots[b]`` (-1: masked, its pool slot reads zeros and its attention rows are not written).
     ``parents [B, T]`` (with ``topk``, the most children a node has): the step's inputs are a draft tree, node 0
     the root; the linear layers verify it (``pool.verify_layer``'s ``parents``), the attention layers attend
-    along it (:func:`_tree_mask`; node i's block input kept at position ``pos + i``). Returns ``(logits [B, T,
-    vocab] fp32, pool with this step's tape, attention buffers)``; nothing is committed."""
+    along it (:func:`_tree_mask`; node i's block input kept at position ``pos + i``). ``wins``: the family's
+    rolling windows (empty for most), read along each node's path by the family's ``pre_block``. Returns
+    ``(logits [B, T, vocab] fp32, pool with this step's tape, attention buffers, the step's rows of each window)``;
+    nothing is committed."""
     fam = family_module(c.model_type)
     B, T = ids.shape
     rows = jnp.where(slots >= 0, slots, B)  # the attention buffers' row; B: past the end, writes dropped
@@ -135,10 +185,18 @@ def _forward(params, pool, attn, ids, pos, slots, parents=None, *, c, backend, t
     if parents is not None and attn:
         mask, positions = _tree_mask(parents, pos, attn[0].shape[1])
     beta_scale = getattr(c, "beta_scale", 1.0)
-    h = params.embed[ids]
+    h = fam.embed(params, c, ids) if hasattr(fam, "embed") else params.embed[ids]
+    wrows = {"tokens": ids} if "tokens" in wins else {}  # the step's entries of each window
+    if wins:
+        par = _step_parents(parents, B, T)
+
+        def back(name, r, s):  # window `name`'s entries s positions back along each node's path
+            S = wins[name].shape[1]
+            return _take(wins[name], r, _walk(par, jnp.broadcast_to(S + jnp.arange(T, dtype=I32), (B, T)), S, s))
+
     li = ai = 0
     buffers = list(attn)
-    for blk, kind in zip(params.blocks, c.layer_types):
+    for i, (blk, kind) in enumerate(zip(params.blocks, c.layer_types)):
         if kind == "linear_attention":
 
             def mixer(x, blk=blk, layer=li):
@@ -163,14 +221,17 @@ def _forward(params, pool, attn, ids, pos, slots, parents=None, *, c, backend, t
                 return jnp.take_along_axis(y, jnp.minimum(at, buf.shape[1] - 1)[..., None], axis=1)
 
             ai += 1
+        if wins:
+            h, r = fam.pre_block(blk, c, i, h, ids, back)
+            wrows.update(r)
         h = fam.block(blk, c, h, mixer, kind)
-    return fam.head(params, c, h), pool, tuple(buffers)
+    return fam.head(params, c, h), pool, tuple(buffers), wrows
 
 
 @functools.partial(jax.jit, static_argnames=("c", "backend", "topk"), donate_argnums=(1, 2))
-def _step(params, pool, attn, ids, pos, slots, parents=None, *, c, backend, topk=1):
+def _step(params, pool, attn, wins, ids, pos, slots, parents=None, *, c, backend, topk=1):
     """One step (:func:`_forward`), one jitted call: the host loop's."""
-    return _forward(params, pool, attn, ids, pos, slots, parents, c=c, backend=backend, topk=topk)
+    return _forward(params, pool, attn, wins, ids, pos, slots, parents, c=c, backend=backend, topk=topk)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -186,8 +247,8 @@ def _keep_path(attn, slots, pos, path, steps):
     return tuple(buf.at[req, dst].set(jnp.take_along_axis(buf, src[..., None], axis=1), mode="drop") for buf in attn)
 
 
-@functools.partial(jax.jit, static_argnames=("c", "backend", "drafts"), donate_argnums=(1, 2, 3, 4, 5))
-def _loop(params, pool, attn, tokens, lens, ran, target, steps, *, c, backend, drafts):
+@functools.partial(jax.jit, static_argnames=("c", "backend", "drafts"), donate_argnums=(1, 2, 3, 4, 5, 6))
+def _loop(params, pool, attn, wins, tokens, lens, ran, target, steps, *, c, backend, drafts):
     """Up to ``steps`` decoding steps in one call (a ``lax.while_loop``; ``steps`` is traced, so every K shares
     one compilation), stopping early once every request has ``target`` tokens. Each step: the drafts by
     :func:`lookup_draft` over ``tokens [B, max_len]`` (``lens [B]`` real), the step (:func:`_forward`), the
@@ -200,24 +261,26 @@ def _loop(params, pool, attn, tokens, lens, ran, target, steps, *, c, backend, d
     j = jnp.arange(drafts, dtype=I32)[None, :]
 
     def running(carry):
-        t, _, _, _, lens, _ = carry
+        t, _, _, _, _, lens, _ = carry
         return (t < steps) & (lens < target).any()
 
     def one(carry):
-        t, pool, attn, tokens, lens, ran = carry
+        t, pool, attn, wins, tokens, lens, ran = carry
         active = lens < target
         slots = jnp.where(active, req, -1)
         last = jnp.take_along_axis(tokens, lens[:, None] - 1, axis=1)
         ids = jnp.concatenate([last, lookup_draft(tokens, lens, drafts - 1)], axis=1)
-        logits, pool, attn = _forward(params, pool, attn, ids, lens - 1, slots, c=c, backend=backend)
+        logits, pool, attn, rows = _forward(params, pool, attn, wins, ids, lens - 1, slots, c=c, backend=backend)
         y, _, m = accept(logits, ids, jnp.ones((B,), I32))  # m: inputs accepted (the last token and m - 1 drafts)
         pool = pool_mod.commit(pool, slots, m - 1, backend=backend)
+        wins = _commit_windows(wins, rows, slots, m - 1)
         dst = jnp.where(active[:, None] & (j < m[:, None]), lens[:, None] + j, W)  # the accepted drafts, the next
         tokens = tokens.at[req[:, None], dst].set(y, mode="drop")
-        return t + 1, pool, attn, tokens, jnp.where(active, lens + m, lens), ran + active
+        return t + 1, pool, attn, wins, tokens, jnp.where(active, lens + m, lens), ran + active
 
-    t, pool, attn, tokens, lens, ran = jax.lax.while_loop(running, one, (jnp.int32(0), pool, attn, tokens, lens, ran))
-    return pool, attn, tokens, lens, ran, t
+    carry = (jnp.int32(0), pool, attn, wins, tokens, lens, ran)
+    t, pool, attn, wins, tokens, lens, ran = jax.lax.while_loop(running, one, carry)
+    return pool, attn, wins, tokens, lens, ran, t
 
 
 class FamilyDecoder:
@@ -225,7 +288,7 @@ class FamilyDecoder:
     :class:`~gdn_lossless_jax.pool.StatePool` (module docstring).
 
     Args:
-      model: an ``olmo_hybrid`` or ``kimi_linear`` checkpoint (``load_pretrained``).
+      model: an ``olmo_hybrid``, ``kimi_linear`` or ``qwen4_exp`` checkpoint (``load_pretrained``, ``random_model``).
       requests: B, the batch (request b holds pool slot b and scratch row b).
       drafts: the tokens a step verifies (the last accepted one and ``drafts - 1`` drafts; with ``topk > 1``
         the nodes of a step's tree, the root included); 1 is plain greedy decoding through the pool.
@@ -238,7 +301,8 @@ class FamilyDecoder:
       topk: the most children a node of a step's draft tree may have; ``topk > 1`` lets the draft propose a
         tree each step (:meth:`generate`), verified by the linear layers through the pool with its parents,
         attended along by the attention layers, its accepted path committed. Host loop only.
-    After :meth:`generate`, ``pool`` holds each request's state after its last decoded token, ``steps`` the
+    After :meth:`generate`, ``pool`` (and ``windows``, the family's rolling windows: empty for OLMo-Hybrid and Kimi
+    Linear) holds each request's state after its last decoded token, ``steps`` the
     number of decoding steps taken (prefill not counted) and ``row_steps [B]`` the steps each request ran (a
     request that reached its budget is masked for the rest: its slot -1, nothing of it read or written). A
     decoder decodes once (its pool is not reset).
@@ -263,6 +327,7 @@ class FamilyDecoder:
         self.pool = pool_mod.allocate(self.geometry, slots=requests, requests=requests, drafts=drafts,
                                       record=record, state_dtype=jnp.float32, conv_dtype=self.c.jnp_dtype,
                                       topk=topk, free_bytes=None)  # fmt: skip
+        self.windows = fam.windows(self.c, requests) if hasattr(fam, "windows") else {}
         d = self.c.d_model
         n_attn = self.c.layer_types.count("full_attention")
         self.attn = tuple(jnp.zeros((requests, max_len, d), self.c.jnp_dtype) for _ in range(n_attn))
@@ -283,15 +348,17 @@ class FamilyDecoder:
         if self.topk > 1:  # the compiled tree step (a chain's parents for a prompt chunk or a chain draft)
             parents = np.broadcast_to(tree_mod.chain_parents(D) if parents is None else parents, (B, D))
             tree = dict(parents=jnp.asarray(parents, jnp.int32), topk=self.topk)
-        logits, self.pool, self.attn = _step(self.model.params, self.pool, self.attn, jnp.asarray(ids, jnp.int32),
-                                             jnp.asarray(pos, jnp.int32), slots, c=self.c, backend=self.backend,
-                                             **tree)  # fmt: skip
+        logits, self.pool, self.attn, rows = _step(self.model.params, self.pool, self.attn, self.windows,
+                                                   jnp.asarray(ids, jnp.int32), jnp.asarray(pos, jnp.int32), slots,
+                                                   c=self.c, backend=self.backend, **tree)  # fmt: skip
         g = np.asarray(jnp.argmax(logits, axis=-1))  # [B, D]
         if accept is not None or parents is None or tree_mod.is_chain(parents):
             if accept is None:  # the leading drafts equal to the target's argmax before them
                 agree = np.concatenate([ids[:, 1:] == g[:, :-1], np.zeros((B, 1), bool)], axis=1)
                 accept = np.argmin(agree, axis=1)  # the first disagreement (the appended False: all agreed)
             self.pool = pool_mod.commit(self.pool, slots, jnp.asarray(accept, jnp.int32), backend=self.backend)
+            if self.windows:
+                self.windows = _commit_windows(self.windows, rows, slots, jnp.asarray(accept, jnp.int32))
             return accept, g
         ok = np.asarray(tree_mod.greedy_accepted(parents, ids, g))
         depth = np.asarray(tree_mod.depths(parents))
@@ -299,6 +366,9 @@ class FamilyDecoder:
         path, steps = (np.asarray(x) for x in tree_mod.path_to(parents, leaf))
         self.pool = pool_mod.commit(self.pool, slots, jnp.asarray(steps), path=jnp.asarray(path), parents=parents,
                                     backend=self.backend)  # fmt: skip
+        if self.windows:
+            self.windows = _commit_windows(self.windows, rows, slots, jnp.asarray(leaf, I32),
+                                           jnp.asarray(parents, I32))  # fmt: skip
         self.attn = _keep_path(self.attn, slots, jnp.asarray(pos, jnp.int32), jnp.asarray(path), jnp.asarray(steps))
         return steps, np.take_along_axis(g, np.maximum(path, 0), axis=1)
 
@@ -387,9 +457,9 @@ class FamilyDecoder:
         goal = jnp.full((B,), target, I32)
         K = jnp.int32(self.steps_per_call)
         while True:
-            self.pool, self.attn, tokens, lens, ran, t = _loop(self.model.params, self.pool, self.attn, tokens, lens,
-                                                               ran, goal, K, c=self.c, backend=self.backend,
-                                                               drafts=self.drafts)  # fmt: skip
+            self.pool, self.attn, self.windows, tokens, lens, ran, t = _loop(
+                self.model.params, self.pool, self.attn, self.windows, tokens, lens, ran, goal, K, c=self.c,
+                backend=self.backend, drafts=self.drafts)  # fmt: skip
             self.steps += int(t)
             if (np.asarray(lens) >= target).all():
                 break

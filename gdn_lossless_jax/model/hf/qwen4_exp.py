@@ -50,7 +50,7 @@ import numpy as np
 from ... import reference
 from ...config import Geometry
 from ...reference import ksum
-from ..model import AttentionParams, GDNParams, MLPParams, einsum, matmul, softmax
+from ..model import AttentionParams, GDNParams, einsum, matmul, softmax
 from . import arch
 from .arch import MoEParams
 from .config import HFConfig, config_from_dict as _base_config
@@ -58,7 +58,8 @@ from .family import Reader, causal_conv_silu, get, refuse
 
 __all__ = ["Qwen4ExpConfig", "GatedResidual", "PLEParams", "IndexedAttentionParams", "Qwen4Block", "Qwen4ExpParams",
            "config_from_dict", "load_params", "forward", "RENAMES", "ngram_ids", "select", "linear_inputs",
-           "linear_output", "linear_weights", "attention", "block", "head", "geometry", "windows", "pre_block", "embed"]  # fmt: skip
+           "linear_output", "linear_weights", "attention", "block", "head", "geometry", "windows", "pre_block", "embed",
+           "indexer_choice", "chain_back"]  # fmt: skip
 
 F32 = jnp.float32
 U32 = jnp.uint32
@@ -206,8 +207,8 @@ def config_from_dict(full: dict, *, dtype: str, name: str, file: str) -> Qwen4Ex
             refuse(file, f"indexer_budget {qsa['indexer_budget']} must be divisible by indexer_compress_ratio "
                          f"{qsa['indexer_compress_ratio']}")  # fmt: skip
     base_text = dict(text, layer_types=list(types), model_type="qwen3_5_moe_text")
-    base = _base_config({"model_type": "qwen3_5_moe_text", **{k: v for k, v in full.items() if k == "tie_word_embeddings"}},
-                        base_text, dtype=dtype, draft="mtp", draft_layers=None, name=name, source=file)
+    top = {"model_type": "qwen3_5_moe_text", **{k: v for k, v in full.items() if k == "tie_word_embeddings"}}
+    base = _base_config(top, base_text, dtype=dtype, draft="mtp", draft_layers=None, name=name, source=file)
     base = dataclasses.replace(base, invariant=False)  # XLA's dots as they are, as the other families
     if "full_attention" in types and base.rotary_dim > qsa["indexer_head_dim"]:
         refuse(file, f"the rotary dims {base.rotary_dim} must fit the indexer's head_dim {qsa['indexer_head_dim']}")
@@ -224,7 +225,8 @@ def config_from_dict(full: dict, *, dtype: str, name: str, file: str) -> Qwen4Ex
         refuse(file, f"ple_embed_dim {ple_dim} must be a positive multiple of the n-gram heads {heads}")
     if ple and not isinstance(eos, int):
         refuse(file, f"eos_token_id must be set when ple_layer_ids is ({eos!r})")
-    vocab_base, div, seed = g("ngram_vocab_size_base", 20_000_000), g("make_ngram_vocab_size_divisible_by", 128), g("seed", 1234)
+    vocab_base, seed = g("ngram_vocab_size_base", 20_000_000), g("seed", 1234)
+    div = g("make_ngram_vocab_size_divisible_by", 128)
     primes, mults, rows = [], [], []
     for j in range(len(ple)):
         ps = tuple(_primes_after(vocab_base - 1, (j + 1) * heads)[j * heads :])
@@ -357,8 +359,8 @@ def load_params(r: Reader, c: Qwen4ExpConfig) -> Qwen4ExpParams:
             mixer = _gdn(r, p + "linear_attn.", b)
         else:
             a = p + "self_attn."
-            mixer = IndexedAttentionParams(_attention(r, a, b),
-                                           r.linear(a + "indexer.index_qk_proj.weight", (c.index_heads + 1) * c.index_dim, d),
+            qk = (c.index_heads + 1) * c.index_dim
+            mixer = IndexedAttentionParams(_attention(r, a, b), r.linear(a + "indexer.index_qk_proj.weight", qk, d),
                                            r.vector(a + "indexer.q_layernorm.weight", c.index_dim),
                                            r.vector(a + "indexer.k_layernorm.weight", c.index_dim))  # fmt: skip
         ple = _ple_params(r, p + "ple.", c, c.ple_layers.index(i)) if i in c.ple_layers else None
@@ -507,10 +509,12 @@ def _gather_rows(x, idx):
     return out.reshape(*idx.shape, *x.shape[2:])
 
 
-def select(p: IndexedAttentionParams, c: Qwen4ExpConfig, x, mask, positions):
+def select(p: IndexedAttentionParams, c: Qwen4ExpConfig, x, mask, positions, *, score=jax.nn.relu):
     """The QSA indexer's choice over ``x [N, L, d]``: ``mask [N, L, L]`` (query, key) the keys each query may see
     (causal, or a draft tree's), ``positions [N, L]``. Returns ``[N, L, L]`` bool: the keys each query attends to
-    (the tokens of its best blocks and its tail; module docstring)."""
+    (the tokens of its best blocks and its tail; module docstring). ``score``: applied to each head's ``q . k``
+    before the heads' sum (transformers' ReLU; another function: a test's control). Blocks of equal scores (all
+    heads negative: 0) go to the earlier block (``lax.top_k``; transformers leaves the order to ``torch.topk``)."""
     N, L, _ = x.shape
     b, R, hd = c.base, c.index_ratio, c.index_dim
     qk = matmul(x, p.index_qk)
@@ -528,9 +532,10 @@ def select(p: IndexedAttentionParams, c: Qwen4ExpConfig, x, mask, positions):
     pooled = (ksum(jnp.moveaxis(kb.astype(F32), -2, -1)) / R).astype(x.dtype)  # fp32 mean, rounded
     pooled = _norm(pooled, p.index_knorm, b.rms_eps)
     starts = _gather_rows(positions, toks[..., 0])  # [N, L, nb]: each block's first token's position
-    pooled = arch._rope(pooled.reshape(N, L * nb_max, 1, hd), starts.reshape(N, L * nb_max), b).reshape(N, L, nb_max, hd)
+    pooled = arch._rope(pooled.reshape(N, L * nb_max, 1, hd), starts.reshape(N, L * nb_max), b)
+    pooled = pooled.reshape(N, L, nb_max, hd)
     scores = einsum("nlhd,nlbd->nlbh", q.astype(F32), pooled.astype(F32))
-    scores = ksum(jax.nn.relu(scores)) / np.float32(math.sqrt(hd))  # [N, L, nb]
+    scores = ksum(score(scores)) / np.float32(math.sqrt(hd))  # [N, L, nb]
     valid = jnp.arange(nb_max)[None, None, :] < blocks[..., None]
     scores = jnp.where(valid, scores, -jnp.inf)
     k = min(c.index_budget // R, nb_max)
@@ -656,6 +661,30 @@ def forward(params: Qwen4ExpParams, c: Qwen4ExpConfig, ids):
     for i, blk in enumerate(params.blocks):
         h = _forward_block(blk, c, i, h, ids)
     return head(params, c, h)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _attention_input(blk: Qwen4Block, c: Qwen4ExpConfig, i: int, h, ids):
+    win = windows(c, h.shape[0])
+    h, _ = pre_block(blk, c, i, h, ids, lambda name, rows, s: chain_back(win[name], rows, s))
+    return gated_residual(blk.attn_hc, c, h)[0]
+
+
+def indexer_choice(params: Qwen4ExpParams, c: Qwen4ExpConfig, ids, rule=None) -> jax.Array:
+    """The QSA indexer's choice in the full forward of ``ids [B, T]``: ``[B, A, T, T]`` bool, per attention block
+    the keys each query attends to, by :func:`select` (or ``rule``, a function of the same arguments: a test's
+    control), as transformers' fixtures record it."""
+    ids = jnp.asarray(ids, jnp.int32)
+    h, out = embed(params, c, ids), []
+    N, T = ids.shape
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (N, T, T))
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (N, T))
+    for i, blk in enumerate(params.blocks):
+        if c.layer_types[i] == "full_attention":
+            x = _attention_input(blk, c, i, h, ids)
+            out.append((rule or select)(blk.mixer, c, x, mask, positions))
+        h = _forward_block(blk, c, i, h, ids)
+    return jnp.stack(out, axis=1)
 
 
 def embed(params: Qwen4ExpParams, c: Qwen4ExpConfig, ids):
