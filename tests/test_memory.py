@@ -225,7 +225,8 @@ def test_family_geometries(family, capsys):
     g, D = FAMILY_MODELS[family], 4
     L, H, HV, K, V = g.gdn_layers, g.num_k_heads, g.num_v_heads, g.head_k_dim, g.head_v_dim
     want = {"olmo_hybrid": dict(L=24, H=30, HV=30, K=96, V=192, layers=32, kv=8 * 2 * 30 * 128 * 2),
-            "kimi_linear": dict(L=20, H=32, HV=32, K=128, V=128, layers=27, kv=7 * 576 * 2)}[family]  # fmt: skip
+            "kimi_linear": dict(L=20, H=32, HV=32, K=128, V=128, layers=27, kv=7 * 576 * 2),
+            "qwen4_exp": dict(L=30, H=16, HV=32, K=128, V=128, layers=40, kv=10 * 2 * 2 * 256 * 2)}[family]  # fmt: skip
     assert (L, H, HV, K, V, g.layers) == tuple(want[k] for k in ("L", "H", "HV", "K", "V", "layers"))
     assert memory.kv_bytes_per_token(g) == want["kv"]
     g_floats = HV * K if family == "kimi_linear" else HV
@@ -236,8 +237,8 @@ def test_family_geometries(family, capsys):
     out = capsys.readouterr().out
     assert out.strip() == memory.format_report(r).strip()
     ratio = f"{r.total['snapshots'] / r.total['tuples']:.1f}x"
-    assert ratio == {"olmo_hybrid": "63.8x", "kimi_linear": "42.7x"}[family] and ratio in out
-    assert any(line.startswith("seed's ring") for line in out.splitlines()) == (family == "olmo_hybrid")
+    assert ratio == {"olmo_hybrid": "63.8x", "kimi_linear": "42.7x", "qwen4_exp": "84.9x"}[family] and ratio in out
+    assert any(line.startswith("seed's ring") for line in out.splitlines()) == (family != "kimi_linear")
     assert main(["memory", "--family", family, "--model", "qwen3.8-27b"]) == 2
     assert "gdn-lossless memory: error: give --model or --family, not both" in capsys.readouterr().err
     assert main(["memory", "--family", family, "--tp"]) == 2
