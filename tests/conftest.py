@@ -12,8 +12,14 @@ if os.environ.get("JAX_PLATFORMS") == "cpu" and SUITE_XLA_FLAG.split("=")[0] not
     os.environ["XLA_FLAGS"] = f"{_xla_flags} {SUITE_XLA_FLAG}".strip()
 
 import jax  # noqa: E402
+import jax.experimental.pallas.fuser  # noqa: E402, F401
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
+
+# Pallas registers three config options that enter every program's cache key (jax._src.pallas.core's on import, its
+# fuser's when the first kernel lowers): imported above, before anything is traced, so that the first kernel call
+# of a worker does not change the key of every program compiled before it (each would be traced and compiled again,
+# and so would the program that made that call: a model step through Pallas, compiled twice).
 
 # Tests compare bit patterns of float32 work: keep JAX's defaults (x64 off) everywhere.
 jax.config.update("jax_enable_x64", False)
