@@ -56,6 +56,14 @@ def pytest_configure(config):
     # Fresh seeds on every run, reproducible with GDN_SEED=<printed value>. Set before the
     # xdist workers start, so that they inherit it.
     os.environ.setdefault("GDN_SEED", str(random.randrange(1, 2**20)))
+    # `-n N` without --dist: each worker takes a contiguous share of the tests, stealing from the others' ends once
+    # it runs out ("worksteal"), instead of xdist's default of handing tests out a few at a time ("load"). Compiled
+    # programs are kept per process, and a file's tests share most of theirs: spread over both workers, each
+    # compiled them.
+    given = [*config.invocation_params.args, *os.environ.get("PYTEST_ADDOPTS", "").split()]
+    explicit = any(a in ("-d", "--dist") or a.startswith(("--dist=", "--distload")) for a in given)
+    if getattr(config.option, "dist", "no") == "load" and not explicit:
+        config.option.dist = "worksteal"
 
 
 def pytest_collection_modifyitems(config, items):
