@@ -42,16 +42,17 @@ def _interpret_only_extended(backend: str, *values) -> bool:
 
 
 # Pool dtype x record mode x backend. Interpret mode compiles each combination's kernels anew
-# (seconds each). On the CPU (the suite's time, docs/testing.md) the reference runs three cells (fp32
-# snapshots, a plain copy of each state, with GDN_FULL_TESTS=1) and Pallas the cells ``pallas``
-# names, fp32 with tuples or bf16 with snapshots, so that the tests between them run both; the rest
-# run with GDN_FULL_TESTS=1 (and on a GPU).
+# (seconds each). On the CPU (the suite's time, docs/testing.md) the reference runs the bf16 pools
+# (both record modes; its fp32 pools with GDN_FULL_TESTS=1: a plain read of each state, which
+# tests/test_fused.py's separate steps take from the pool by slot, the tape in place, every run)
+# and Pallas the cells ``pallas`` names, fp32 with tuples or bf16 with snapshots, so that the tests
+# between them run both; the rest run with GDN_FULL_TESTS=1 (and on a GPU).
 def cross(*pallas: str):
     def extended(dtype, record, backend):
         if ON_GPU:
             return False
         if backend == "reference":
-            return dtype == F32 and record == "snapshots"
+            return dtype == F32
         return backend == "pallas" and f"{jnp.dtype(dtype).name}-{record}" not in pallas
 
     return [
