@@ -130,16 +130,18 @@ def _left(prev: Step, st: Step):
     return tuple(a[gone] for a in _commit_args(prev))
 
 
-def fused(pool, steps, records, backend, control=None, stacked=False, config=None, flush=True):
+def fused(pool, steps, records, backend, control=None, stacked=False, config=None, flush=True, broken_from=0):
     """commit_and_verify for every layer (the previous step's commit inside); requests that left
     are committed before the step, and the last step is flushed with commit (``flush=False``: not,
     for a control that reads only the first pool). Returns the pool after each step's commit has
     been applied (before the next verify's), and all outputs.
     ``stacked``: each step's inputs stacked over the layers, read at the layer by the kernels.
-    ``control`` or ``config``: the backend's kernel called with them (:func:`_backend_call`)."""
+    ``control`` or ``config``: the backend's kernel called with them (:func:`_backend_call`), from
+    step ``broken_from`` on (the steps before it: the default kernel's, whose compiled programs the
+    unbroken run left)."""
     pools, outs, tapes = [], [], []
     prev, prev_tape = None, None
-    for st, record in zip(steps, records):
+    for i, (st, record) in enumerate(zip(steps, records)):
         if prev is not None:
             left = _left(prev, st)
             if len(left[0]):
@@ -149,7 +151,7 @@ def fused(pool, steps, records, backend, control=None, stacked=False, config=Non
         stacks = {k: jnp.stack([x[k] for x in st.inputs]) for k in st.inputs[0]}
         for layer in range(L):
             x = stacks if stacked else st.inputs[layer]
-            if control is None and config is None:
+            if (control is None and config is None) or i < broken_from:
                 o, buf, pool = gl.commit_and_verify(pool, pending, **x, slots=st.slots, layer=layer, tape=buf,
                                                     rows=st.rows, backend=backend)  # fmt: skip
             else:
@@ -342,10 +344,12 @@ def test_controls_in_the_fused_kernel_are_caught(control, replay, seed):
 
 @pytest.mark.parametrize("dtype", [F32, pytest.param(BF16, marks=() if ON_GPU else full_only)], ids=["f32", "bf16"])
 def test_mosaic_fused_kernel_controls_are_caught(dtype, seed):
-    """The Mosaic GPU fused kernel broken on purpose: the update rounded twice (``form="twice_rounded"``, in
-    its replay and its chain), and the track state replayed from the accepted state it has just
-    written in place (``control="track_after_write"``). The pools must differ from the separate
-    steps' (the twice-rounded form's in every committed slot, the ordering's in the track slots). With a
+    """The Mosaic GPU fused kernel broken on purpose: the update rounded twice (``form="twice_rounded"``),
+    and the track state replayed from the accepted state it has just written in place
+    (``control="track_after_write"``), in the second step, whose verify replays the first step's pending
+    commit (the first step: the default kernel's, compiled for the unbroken run). The pools must differ
+    from the separate steps' (the twice-rounded form's in every committed slot, the ordering's in the
+    track slots). With a
     bf16 pool only the ordering: the twice-rounded form's 1-ULP drift in fp32 rounds away in bf16 (seen on
     the H200: no bit differed). First the kernel unbroken: the fused steps equal the separate
     ones, bit for bit (CI's CPU run of the Mosaic GPU fused decode, in interpret mode). On the CPU the ordering control with GDN_FULL_TESTS=1 only (interpret mode's time; the
@@ -364,7 +368,7 @@ def test_mosaic_fused_kernel_controls_are_caught(dtype, seed):
     if ON_GPU or FULL_TESTS:  # (CI's CPU run: the Pallas fused kernel's ordering control runs there)
         controls.append((MosaicConfig(control="track_after_write"), "the track state taken after the write"))
     for config, what in controls:
-        got_pools, _, _ = fused(pool, steps, records, "mosaic", config=config, flush=False)
+        got_pools, _, _ = fused(pool, steps, records, "mosaic", config=config, flush=False, broken_from=1)
         assert_bitwise_differs(want_pools[0], got_pools[0], f"{what} (the pool the fused replay wrote)")
     if ON_GPU or FULL_TESTS:  # the ordering's track slot: step 0's request 1 crossed at or before its accepted step
         tslot = int(steps[0].track_slots[1])
@@ -494,9 +498,13 @@ def test_a_flush_between_steps_applies_nothing_twice(record, seed, monkeypatch):
 
     monkeypatch.setattr(gpool, "_flush", marks_only)
     monkeypatch.setattr(gpool, "_flush_jit", jax.jit(marks_only, donate_argnums=0, static_argnames=("backend",)))
-    jax.clear_caches()  # (the pool's jitted commit calls _flush: traced anew)
-    want, got = _deferred_vs_immediate("reference", record, seed, flush_between=True)
-    jax.clear_caches()
+    # The pool's jitted commit calls _flush: its traces only are dropped, before and after (jax.clear_caches()
+    # would make every later test in this worker compile everything again).
+    gpool._commit.clear_cache()
+    try:
+        want, got = _deferred_vs_immediate("reference", record, seed, flush_between=True)
+    finally:
+        gpool._commit.clear_cache()
     assert_bitwise_differs(want[0], got[0], "control: a flush that only marks its entries applied")
 
 
